@@ -1,0 +1,73 @@
+"""Engine configuration as validated dataclasses (torch-free)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class CacheConfig:
+    """The paged KV cache. Its size comes from ``kv_cache_memory_bytes`` when
+    set, else from ``gpu_memory_utilization`` of free device memory (on CPU:
+    of available system memory), else from ``num_blocks`` when forced."""
+
+    block_size: int = 16
+    kv_cache_memory_bytes: Optional[int] = None
+    memory_fraction: float = 0.3
+    num_blocks: Optional[int] = None  # overrides the memory budget (tests)
+    enable_prefix_caching: bool = True
+    swap_space_bytes: int = 0
+    cache_dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes}")
+        if not (0.0 < self.memory_fraction <= 1.0):
+            raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
+        if self.num_blocks is not None and self.num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    # Bounded waiting queue: the server answers 503/429 beyond it.
+    max_waiting_requests: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+
+
+@dataclass
+class ModelConfig:
+    model: str
+    tokenizer: Optional[str] = None
+    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
+    max_model_len: Optional[int] = None  # None: the checkpoint's limit
+    seed: int = 0
+    device: str = "cpu"
+    served_model_name: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("auto", "float32", "float", "bfloat16", "float16", "half"):
+            raise ValueError(
+                f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}"
+            )
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+
+@dataclass
+class EngineConfig:
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -1,0 +1,1 @@
+"""Torch-free engine core: requests, block pool, KV cache manager, scheduler."""

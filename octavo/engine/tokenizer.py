@@ -1,0 +1,110 @@
+"""A Hugging Face tokenizer folder (tokenizer.json + tokenizer_config.json) behind a small API."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+import jinja2
+import jinja2.sandbox
+from tokenizers import Tokenizer as _HFTokenizer
+
+_DEFAULT_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+def _token_text(value: Any) -> Optional[str]:
+    """tokenizer_config.json stores special tokens as strings or AddedToken dicts."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+class Tokenizer:
+    def __init__(self, path: str | Path) -> None:
+        path = Path(path)
+        tok_file = path / "tokenizer.json"
+        if not tok_file.is_file():
+            raise ValueError(f"no tokenizer.json in {path}")
+        self._tok = _HFTokenizer.from_file(str(tok_file))
+        config = _read_json(path / "tokenizer_config.json")
+        self.chat_template: Optional[str] = config.get("chat_template")
+        if isinstance(self.chat_template, list):  # named templates: take "default"
+            named = {t["name"]: t["template"] for t in self.chat_template}
+            self.chat_template = named.get("default", next(iter(named.values())))
+        jinja_file = path / "chat_template.jinja"
+        if self.chat_template is None and jinja_file.is_file():
+            self.chat_template = jinja_file.read_text()
+        self.bos_token = _token_text(config.get("bos_token"))
+        self.eos_token = _token_text(config.get("eos_token"))
+        self.add_bos_token = bool(config.get("add_bos_token", False))
+        self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
+        self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.special_token_ids = {
+            tid for tid, tok in self._tok.get_added_tokens_decoder().items() if tok.special
+        }
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # Many Llama-style tokenizer.json files add BOS in their post-processor
+        # already; add it here only when the config asks and it is missing.
+        if (
+            add_special_tokens
+            and self.add_bos_token
+            and self.bos_token_id is not None
+            and (not ids or ids[0] != self.bos_token_id)
+        ):
+            ids = [self.bos_token_id] + ids
+        return ids
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, token_id: int) -> Optional[str]:
+        return self._tok.id_to_token(token_id)
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        chat_template: Optional[str] = None,
+        **kwargs: Any,
+    ) -> str:
+        source = chat_template or self.chat_template or _DEFAULT_CHAT_TEMPLATE
+        template = _compile(source)
+        try:
+            return template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+                **kwargs,
+            )
+        except jinja2.TemplateError as exc:
+            raise ValueError(f"chat template failed: {exc}") from exc
+
+
+_TEMPLATE_CACHE: dict[str, jinja2.Template] = {}
+
+
+def _compile(source: str) -> jinja2.Template:
+    template = _TEMPLATE_CACHE.get(source)
+    if template is None:
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+
+        def raise_exception(message: str) -> None:
+            raise jinja2.TemplateError(message)
+
+        env.globals["raise_exception"] = raise_exception
+        template = _TEMPLATE_CACHE[source] = env.from_string(source)
+    return template
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    with open(path) as f:
+        return json.load(f)

@@ -1,0 +1,1 @@
+"""Sampling: turning logits into tokens, batched over requests with different parameters."""
