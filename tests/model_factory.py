@@ -1,0 +1,145 @@
+"""Tiny random-weight Hugging Face checkpoints for tests.
+
+``make_tiny_model(tmp_path, arch="llama", **overrides)`` writes a complete model
+folder (config.json, model.safetensors, generation_config.json, tokenizer.json,
+tokenizer_config.json) and returns its path. Weights are seeded, so the same
+arguments always give the same model; a folder that already exists for the same
+arguments is reused, which keeps session fixtures cheap.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+# arch name -> (config class, model class, defaults beyond the common ones)
+_ARCHS: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
+    "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 8}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
+}
+
+_COMMON: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": 512,
+    "max_position_embeddings": 512,
+    "rms_norm_eps": 1e-6,
+    # Larger than HF's 0.02 so logits are peaked: greedy decoding is then not
+    # decided by float rounding between near-tied tokens.
+    "initializer_range": 0.1,
+    "tie_word_embeddings": False,
+}
+
+SPECIAL_TOKENS = ["<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>"]
+BOS_ID, EOS_ID, PAD_ID, IM_START_ID, IM_END_ID = range(len(SPECIAL_TOKENS))
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+_CORPUS = """\
+The quick brown fox jumps over the lazy dog while the cat watches from the window.
+Paged attention stores keys and values in fixed-size blocks so memory is never wasted.
+A scheduler batches many requests together and runs one forward pass for all of them.
+Hello, world! How are you today? I am fine, thank you, and how is the weather there?
+Numbers like 0 1 2 3 4 5 6 7 8 9 10 42 100 2024 appear in text; so do symbols: + - * / = ( ) [ ] { }.
+Once upon a time there was a small model that learned to write short stories about the sea.
+def add(a, b):\n    return a + b\n\nprint(add(2, 3))
+The rain in Spain stays mainly in the plain. She sells sea shells by the sea shore.
+{"name": "octavo", "version": 1, "tags": ["fast", "small"], "ok": true, "value": null}
+"""
+
+
+def make_tiny_model(
+    tmp_path: str | Path,
+    arch: str = "llama",
+    *,
+    dtype: str = "float32",
+    seed: int = 0,
+    generation_config: Optional[dict[str, Any]] = None,
+    **overrides: Any,
+) -> Path:
+    """Write a tiny random ``arch`` checkpoint under ``tmp_path`` and return its folder.
+
+    ``overrides`` are config.json fields (e.g. ``tie_word_embeddings=True``,
+    ``rope_parameters={...}``, ``num_hidden_layers=1``); ``dtype`` is the stored
+    weight dtype ("float32", "bfloat16", "float16"); ``generation_config``
+    replaces the default generation_config.json fields.
+    """
+    if arch not in _ARCHS:
+        raise ValueError(f"arch must be one of {sorted(_ARCHS)}, got {arch!r}")
+    config_cls, model_cls, arch_defaults = _ARCHS[arch]
+    fields = {**_COMMON, **arch_defaults, **overrides}
+    fields.setdefault("bos_token_id", BOS_ID)
+    fields.setdefault("eos_token_id", EOS_ID)
+    fields.setdefault("pad_token_id", PAD_ID)
+    gen = generation_config if generation_config is not None else {
+        "bos_token_id": BOS_ID,
+        "eos_token_id": [EOS_ID, IM_END_ID],
+    }
+
+    key = json.dumps([arch, dtype, seed, gen, fields], sort_keys=True, default=str)
+    folder = Path(tmp_path) / f"{arch}-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
+    if (folder / "model.safetensors").is_file():
+        return folder
+    folder.mkdir(parents=True, exist_ok=True)
+
+    config = getattr(transformers, config_cls)(**fields)
+    torch.manual_seed(seed)
+    model = getattr(transformers, model_cls)(config).to(getattr(torch, dtype)).eval()
+    model.save_pretrained(folder)
+    # save_pretrained writes its own generation_config.json from the config;
+    # ours replaces it so tests control exactly what the engine reads.
+    (folder / "generation_config.json").write_text(json.dumps(gen, indent=2))
+    write_tokenizer(folder, vocab_size=fields["vocab_size"])
+    return folder
+
+
+def write_tokenizer(folder: str | Path, vocab_size: int = 512) -> None:
+    """A byte-level BPE trained on a small fixed corpus, plus its config."""
+    folder = Path(folder)
+    size = min(vocab_size, 512)
+    if size < 256 + len(SPECIAL_TOKENS):
+        raise ValueError(f"vocab_size must be >= {256 + len(SPECIAL_TOKENS)} for a byte-level tokenizer")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS.splitlines() * 4, trainer=trainer)
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", BOS_ID)]
+    )
+    tok.save(str(folder / "tokenizer.json"))
+    tok_config = {
+        "bos_token": "<s>",
+        "eos_token": "</s>",
+        "pad_token": "<pad>",
+        "add_bos_token": False,  # the post-processor already adds it
+        "chat_template": CHAT_TEMPLATE,
+        "model_max_length": 512,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
+    (folder / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2))
+
+
+def load_hf_model(folder: str | Path, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """The transformers reference model for a folder written by make_tiny_model."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    return model.eval()
