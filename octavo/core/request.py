@@ -4,7 +4,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from octavo.sampling_params import SamplingParams
 
@@ -48,6 +48,10 @@ class Request:
     # Set for the n-1 siblings of a parallel-sampling group: they share the
     # parent's prompt blocks instead of computing the prompt again.
     fork_of: Optional[str] = None
+    # Structured output: an octavo.sample.structured.GrammarMatcher, typed
+    # loosely so this module stays torch-free. The sampler masks with it and
+    # advances it after every sampled token.
+    grammar: Optional[Any] = None
 
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
