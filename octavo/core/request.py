@@ -48,6 +48,9 @@ class Request:
     # Set for the n-1 siblings of a parallel-sampling group: they share the
     # parent's prompt blocks instead of computing the prompt again.
     fork_of: Optional[str] = None
+    # Mixed into every prefix-cache hash: requests with different salts never
+    # share cached K/V (tenant isolation; adapters would go here too).
+    cache_salt: Optional[str] = None
     # Structured output: an octavo.sample.structured.GrammarMatcher, typed
     # loosely so this module stays torch-free. The sampler masks with it and
     # advances it after every sampled token.
@@ -62,6 +65,9 @@ class Request:
     all_token_ids: list[int] = field(init=False)
     cumulative_logprob: float = 0.0
     first_scheduled_time: Optional[float] = None
+    # Prompt positions below this already had their logprobs reported
+    # (position 0 has none); kept across preemption so recompute repeats none.
+    prompt_logprobs_upto: int = 1
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -1,0 +1,111 @@
+"""A fixed pool of KV blocks: free queue, reference counts and the prefix cache.
+
+Free blocks wait in one ordered queue and are reused from the front. A block
+that holds a registered prefix keeps its hash while free and queues at the
+back, so prefix hits survive until memory is actually needed (LRU); a free
+block without a hash holds nothing worth keeping and queues at the front.
+Reusing a cached free block evicts its hash.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+from octavo.core.prefix_hash import BlockHash
+
+
+@dataclass(eq=False)
+class _Block:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: Optional[BlockHash] = None
+
+
+class BlockPool:
+    """Blocks ``0 .. num_blocks-1``. Block ids are what block tables hold."""
+
+    def __init__(self, num_blocks: int) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self._blocks = [_Block(i) for i in range(num_blocks)]
+        # OrderedDict as the free queue: O(1) pop at the front, append at the
+        # back, and removal from the middle when a prefix hit revives a block.
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._cached: dict[BlockHash, int] = {}
+
+    @property
+    def num_total_blocks(self) -> int:
+        return len(self._blocks)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_total_blocks
+
+    def ref_cnt(self, block_id: int) -> int:
+        return self._blocks[block_id].ref_cnt
+
+    def block_hash(self, block_id: int) -> Optional[BlockHash]:
+        return self._blocks[block_id].block_hash
+
+    def free_block_ids(self) -> list[int]:
+        """The free queue, next to be reused first."""
+        return list(self._free)
+
+    def cached_blocks(self) -> dict[BlockHash, int]:
+        """A copy of the prefix cache: hash -> block id."""
+        return dict(self._cached)
+
+    def lookup(self, block_hash: BlockHash) -> Optional[int]:
+        return self._cached.get(block_hash)
+
+    def allocate(self, num_blocks: int) -> list[int]:
+        """Take ``num_blocks`` fresh blocks (ref-count 1), evicting cached
+        contents of the ones reused. The caller checks ``num_free_blocks`` first."""
+        if num_blocks > len(self._free):
+            raise RuntimeError(f"asked for {num_blocks} blocks, only {len(self._free)} free")
+        out = []
+        for _ in range(num_blocks):
+            block = self._blocks[self._free.popitem(last=False)[0]]
+            if block.block_hash is not None:
+                del self._cached[block.block_hash]
+                block.block_hash = None
+            block.ref_cnt = 1
+            out.append(block.block_id)
+        return out
+
+    def touch(self, block_ids: Iterable[int]) -> None:
+        """Take one more reference on blocks whose contents are reused (prefix
+        hits, forks); a free cached block leaves the free queue."""
+        for block_id in block_ids:
+            block = self._blocks[block_id]
+            if block.ref_cnt == 0:
+                del self._free[block_id]
+            block.ref_cnt += 1
+
+    def free(self, block_ids: Iterable[int]) -> None:
+        """Drop one reference per block. Blocks reaching zero are queued in the
+        given order, so pass the blocks to evict first first."""
+        for block_id in block_ids:
+            block = self._blocks[block_id]
+            if block.ref_cnt <= 0:
+                raise RuntimeError(f"block {block_id} freed more often than taken")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self._free[block_id] = None
+                if block.block_hash is None:
+                    self._free.move_to_end(block_id, last=False)
+
+    def cache_block(self, block_id: int, block_hash: BlockHash) -> bool:
+        """Register a full, computed block under its prefix hash. A block that
+        is already registered, or duplicates a registered one, stays as it is."""
+        block = self._blocks[block_id]
+        if block.block_hash is not None or block_hash in self._cached:
+            return False
+        block.block_hash = block_hash
+        self._cached[block_hash] = block_id
+        return True
