@@ -1,0 +1,13 @@
+"""Models shipped inside the package (trained by tools/train_default_model.py; see MODEL_CARD.md).
+
+Paths are resolved from this file, so an editable install and a wheel both find them.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+ASSETS_DIR: Path = Path(__file__).resolve().parent
+DEFAULT_MODEL_PATH: Path = ASSETS_DIR / "octavo-mini"
+DEFAULT_DRAFT_MODEL_PATH: Path = ASSETS_DIR / "octavo-mini-draft"
+HELDOUT_SAMPLE_PATH: Path = ASSETS_DIR / "heldout_sample.txt"
+MODEL_CARD_PATH: Path = ASSETS_DIR / "MODEL_CARD.md"
