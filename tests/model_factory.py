@@ -17,6 +17,8 @@ import torch
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
+transformers.utils.logging.disable_progress_bar()
+
 # arch name -> (config class, model class, defaults beyond the common ones)
 _ARCHS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", "LlamaForCausalLM", {}),
@@ -40,6 +42,50 @@ _COMMON: dict[str, Any] = {
     "initializer_range": 0.1,
     "tie_word_embeddings": False,
 }
+
+# Named test models: (arch, config overrides). Small but each exercises a path:
+# sliding windows shorter than the prompts, per-layer windows, tied
+# embeddings, and every rope scaling with lengths where the scaling matters.
+VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("llama", {}),
+    "mistral": ("mistral", {"sliding_window": 8}),
+    "qwen2": ("qwen2", {}),
+    "qwen2_sliding": ("qwen2", {"use_sliding_window": True, "sliding_window": 8, "max_window_layers": 1}),
+    "qwen3": ("qwen3", {}),
+    "llama_tied": ("llama", {"tie_word_embeddings": True}),
+    "llama_rope_linear": ("llama", {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}}),
+    "llama_rope_llama3": (
+        "llama",
+        {
+            "rope_parameters": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+                "rope_theta": 500000.0,
+            }
+        },
+    ),
+    "qwen2_rope_yarn": (
+        "qwen2",
+        {
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 128,
+                "rope_theta": 10000.0,
+            }
+        },
+    ),
+}
+
+
+def make_variant(tmp_path: str | Path, name: str) -> Path:
+    """The checkpoint for one of ``VARIANTS``."""
+    arch, overrides = VARIANTS[name]
+    return make_tiny_model(tmp_path, arch, **overrides)
+
 
 SPECIAL_TOKENS = ["<s>", "</s>", "<pad>", "<|im_start|>", "<|im_end|>"]
 BOS_ID, EOS_ID, PAD_ID, IM_START_ID, IM_END_ID = range(len(SPECIAL_TOKENS))

@@ -1,0 +1,40 @@
+"""What the attention layers need to know about one step, built once per step.
+
+The step's tokens are flattened to ``[total_tokens, ...]`` with single-token
+rows (decodes) first, then the multi-token chunks (prefills) in order. Masks are
+built here per sliding window used by the model, so layers never rebuild them.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+# window (None = full attention) -> mask; True marks keys a query attends to.
+MaskByWindow = dict[Optional[int], Optional[torch.Tensor]]
+
+
+@dataclass
+class PrefillChunk:
+    """Rows ``q_start:q_end`` are positions ``context_len - (q_end - q_start)``
+    .. ``context_len - 1`` of one request."""
+
+    q_start: int
+    q_end: int
+    context_len: int
+    # No cached prefix: attend over the step's own K/V and skip the cache read.
+    fresh: bool
+    block_ids: Optional[torch.Tensor]  # [blocks covering context_len]; None when fresh
+    masks: MaskByWindow  # [q_len, context_len]; None = plain causal (fresh, full attention)
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [total_tokens] int64: block_id * block_size + offset
+    block_size: int
+    num_decodes: int  # rows 0 .. num_decodes-1 are single-token queries
+    # [num_decodes, max_blocks]: each decode's blocks, padded with block 0 (masked out).
+    decode_block_table: Optional[torch.Tensor] = None
+    decode_masks: MaskByWindow = field(default_factory=dict)  # [num_decodes, 1, 1, max_blocks * block_size]
+    prefills: list[PrefillChunk] = field(default_factory=list)

@@ -1,0 +1,44 @@
+"""generation_config.json: the checkpoint's stop tokens and sampling defaults."""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from octavo.model.config import token_id_list
+
+
+@dataclass(frozen=True)
+class GenerationDefaults:
+    """Fields absent from the file stay None: the caller's defaults apply."""
+
+    eos_token_ids: tuple[int, ...] = ()
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    max_new_tokens: Optional[int] = None
+
+
+def load_generation_defaults(folder: str | Path) -> GenerationDefaults:
+    path = Path(folder) / "generation_config.json"
+    if not path.is_file():
+        return GenerationDefaults()
+    with open(path) as f:
+        raw = json.load(f)
+
+    def pick(key: str, kind: type) -> Optional[float | int]:
+        value = raw.get(key)
+        return kind(value) if value is not None else None
+
+    return GenerationDefaults(
+        eos_token_ids=token_id_list(raw.get("eos_token_id")),
+        temperature=pick("temperature", float),
+        top_p=pick("top_p", float),
+        top_k=pick("top_k", int),
+        min_p=pick("min_p", float),
+        repetition_penalty=pick("repetition_penalty", float),
+        max_new_tokens=pick("max_new_tokens", int),
+    )

@@ -1,0 +1,67 @@
+"""Attention over a paged KV cache, in plain torch ops.
+
+Each layer's cache is one tensor ``[2, num_blocks, block_size, kv_heads, head_dim]``
+(K then V). New K/V are written by slot; reads gather only the blocks a request
+needs. Decodes are batched into one SDPA call (padded to the longest context
+and masked); each prefill chunk gets its own call with an offset causal mask.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch.nn import functional as F
+
+from octavo.model.attention_metadata import AttentionMetadata
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """k, v [tokens, kv_heads, head_dim] into their slots."""
+    slots = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
+    slots[0].index_copy_(0, slot_mapping, k)
+    slots[1].index_copy_(0, slot_mapping, v)
+
+
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """cache [num_blocks, block_size, H, D], block_ids [...] -> [..., blocks * block_size, H, D]."""
+    blocks = cache.index_select(0, block_ids.reshape(-1))
+    return blocks.view(*block_ids.shape[:-1], -1, cache.shape[-2], cache.shape[-1])
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    kv_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    window: Optional[int],
+) -> torch.Tensor:
+    """q [T, heads, D]; k, v [T, kv_heads, D] already written to ``kv_cache``.
+    Returns [T, heads, D]."""
+    out = torch.empty_like(q)
+    nd = meta.num_decodes
+    if nd:
+        keys = _gather(kv_cache[0], meta.decode_block_table).transpose(1, 2)
+        values = _gather(kv_cache[1], meta.decode_block_table).transpose(1, 2)
+        o = F.scaled_dot_product_attention(
+            q[:nd].unsqueeze(2), keys, values, attn_mask=meta.decode_masks[window], enable_gqa=True
+        )
+        out[:nd] = o.squeeze(2)
+    for chunk in meta.prefills:
+        rows = slice(chunk.q_start, chunk.q_end)
+        if chunk.fresh:
+            keys, values = k[rows], v[rows]
+        else:
+            keys = _gather(kv_cache[0], chunk.block_ids)[: chunk.context_len]
+            values = _gather(kv_cache[1], chunk.block_ids)[: chunk.context_len]
+        mask = chunk.masks[window]
+        o = F.scaled_dot_product_attention(
+            q[rows].transpose(0, 1),
+            keys.transpose(0, 1),
+            values.transpose(0, 1),
+            attn_mask=mask,
+            is_causal=mask is None,
+            enable_gqa=True,
+        )
+        out[rows] = o.transpose(0, 1)
+    return out

@@ -1,0 +1,111 @@
+"""Rotary position embeddings, with the scaling variants of Hugging Face configs.
+
+The inverse frequencies follow transformers' ``ROPE_INIT_FUNCTIONS`` so that
+logits match the reference implementation."""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+from octavo.model.config import RopeConfig
+
+
+def inverse_frequencies(rope: RopeConfig, head_dim: int, max_len: int) -> tuple[torch.Tensor, float]:
+    """(inv_freq [head_dim // 2] float32, attention factor scaling cos/sin).
+
+    Built on the CPU explicitly: the model may be constructed under a meta
+    device context for loading."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+    inv_freq = 1.0 / (rope.theta**exponents)
+    if rope.rope_type == "default":
+        return inv_freq, 1.0
+    if rope.rope_type == "linear":
+        return inv_freq / rope.factor, 1.0
+    if rope.rope_type == "dynamic":
+        return _dynamic(rope, head_dim, exponents, max_len), 1.0
+    if rope.rope_type == "llama3":
+        return _llama3(rope, inv_freq), 1.0
+    if rope.rope_type == "yarn":
+        return _yarn(rope, head_dim)
+    raise ValueError(f"unsupported rope_type {rope.rope_type!r}")
+
+
+def _dynamic(rope: RopeConfig, head_dim: int, exponents: torch.Tensor, max_len: int) -> torch.Tensor:
+    # NTK-aware scaling grows the base with the context. transformers grows it
+    # with the longest sequence seen so far; a serving engine needs positions to
+    # mean the same thing in every batch, so the base is fixed for the engine's
+    # max_model_len (it equals the plain base within the trained context).
+    trained = rope.original_max_position_embeddings or max_len
+    seq_len = max(max_len, trained)
+    base = rope.theta * ((rope.factor * seq_len / trained) - (rope.factor - 1)) ** (head_dim / (head_dim - 2))
+    return 1.0 / (base**exponents)
+
+
+def _llama3(rope: RopeConfig, inv_freq: torch.Tensor) -> torch.Tensor:
+    old_len = rope.original_max_position_embeddings
+    low_wavelen = old_len / rope.low_freq_factor
+    high_wavelen = old_len / rope.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / rope.factor, inv_freq)
+    smooth = (old_len / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, float]:
+    factor, base, old_len = rope.factor, rope.theta, rope.original_max_position_embeddings
+    attention_factor = rope.attention_factor
+    if attention_factor is None:
+        if rope.mscale and rope.mscale_all_dim:
+            attention_factor = _yarn_mscale(factor, rope.mscale) / _yarn_mscale(factor, rope.mscale_all_dim)
+        else:
+            attention_factor = _yarn_mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return head_dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # a zero-width ramp would divide by zero
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, head_dim, 2, device="cpu").float() / head_dim)
+    extrapolation = 1.0 - ramp  # 1 for high-frequency dims: keep them as trained
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attention_factor)
+
+
+class RotaryEmbedding:
+    """cos/sin for the step's positions are computed once per forward and
+    shared by every layer (``cos_sin``), then applied per layer (``apply``)."""
+
+    def __init__(self, rope: RopeConfig, head_dim: int, max_len: int) -> None:
+        self.inv_freq, self.attention_factor = inverse_frequencies(rope, head_dim, max_len)
+        self._device_inv_freq: Optional[torch.Tensor] = None
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """[T] positions -> cos, sin of shape [T, 1, head_dim] (broadcast over heads)."""
+        inv_freq = self._device_inv_freq
+        if inv_freq is None or inv_freq.device != positions.device:
+            inv_freq = self._device_inv_freq = self.inv_freq.to(positions.device)
+        freqs = positions.float().unsqueeze(-1) * inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = emb.cos() * self.attention_factor
+        sin = emb.sin() * self.attention_factor
+        return cos.to(dtype).unsqueeze(1), sin.to(dtype).unsqueeze(1)
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, head_dim] rotated by the half-split convention."""
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rotated * sin

@@ -1,0 +1,91 @@
+"""SchedulerOutput -> the step's flattened tensors and attention metadata."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Iterable, Optional
+
+import torch
+
+from octavo.core.outputs import ScheduledRequest
+from octavo.model.attention_metadata import AttentionMetadata, MaskByWindow, PrefillChunk
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    attn: AttentionMetadata
+    # The scheduled requests in row order (single-token rows first); request i
+    # owns rows q_starts[i] .. q_starts[i] + num_tokens - 1.
+    order: list[ScheduledRequest]
+    q_starts: list[int]
+
+
+def prepare_inputs(
+    scheduled: list[ScheduledRequest],
+    block_size: int,
+    windows: Iterable[Optional[int]],
+    device: torch.device,
+) -> StepInputs:
+    order = [s for s in scheduled if s.num_tokens == 1] + [s for s in scheduled if s.num_tokens > 1]
+    num_decodes = sum(1 for s in order if s.num_tokens == 1)
+    lens = [s.num_tokens for s in order]
+    starts = [s.start_pos for s in order]
+    context = [s.start_pos + s.num_tokens for s in order]
+    blocks_needed = [-(-c // block_size) for c in context]
+    for s, need in zip(order, blocks_needed):
+        if len(s.block_ids) < need:
+            raise ValueError(
+                f"request {s.request.request_id}: {len(s.block_ids)} blocks cannot hold "
+                f"{s.start_pos + s.num_tokens} tokens with block_size {block_size}"
+            )
+    q_starts = list(itertools.accumulate(lens, initial=0))[:-1]
+
+    def ints(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=device)
+
+    width = max(blocks_needed)
+    block_table = ints([s.block_ids[:n] + [0] * (width - n) for s, n in zip(order, blocks_needed)])
+    row_req = torch.repeat_interleave(torch.arange(len(order), device=device), ints(lens))
+    positions = torch.arange(sum(lens), device=device) + (ints(starts) - ints(q_starts))[row_req]
+    slot_mapping = block_table[row_req, positions // block_size] * block_size + positions % block_size
+
+    windows = set(windows)
+    attn = AttentionMetadata(slot_mapping=slot_mapping, block_size=block_size, num_decodes=num_decodes)
+    if num_decodes:
+        dec_width = max(blocks_needed[:num_decodes])
+        attn.decode_block_table = block_table[:num_decodes, :dec_width]
+        keys = torch.arange(dec_width * block_size, device=device)
+        query_pos = ints(context[:num_decodes]).unsqueeze(1) - 1
+        attn.decode_masks = {
+            w: _mask(query_pos, keys, w).view(num_decodes, 1, 1, -1) for w in windows
+        }
+    for i in range(num_decodes, len(order)):
+        fresh = starts[i] == 0
+        query_pos = torch.arange(starts[i], context[i], device=device).unsqueeze(1)
+        keys = torch.arange(context[i], device=device)
+        masks: MaskByWindow = {
+            # A fresh chunk without a window is exactly the causal square SDPA builds itself.
+            w: None if fresh and w is None else _mask(query_pos, keys, w) for w in windows
+        }
+        attn.prefills.append(
+            PrefillChunk(
+                q_start=q_starts[i],
+                q_end=q_starts[i] + lens[i],
+                context_len=context[i],
+                fresh=fresh,
+                block_ids=None if fresh else block_table[i, : blocks_needed[i]],
+                masks=masks,
+            )
+        )
+    input_ids = ints(list(itertools.chain.from_iterable(s.token_ids for s in order)))
+    return StepInputs(input_ids, positions, attn, order, q_starts)
+
+
+def _mask(query_pos: torch.Tensor, keys: torch.Tensor, window: Optional[int]) -> torch.Tensor:
+    """query_pos [Q, 1], keys [K] -> [Q, K]: causal, and within the window if any."""
+    mask = keys <= query_pos
+    if window is not None:
+        mask &= keys > query_pos - window
+    return mask

@@ -1,0 +1,90 @@
+"""The paged KV cache tensors: sizing from the memory budget, allocation, block copies."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from octavo.config import CacheConfig
+from octavo.model.config import ArchConfig
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class CacheShape:
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, arch: ArchConfig, block_size: int, dtype: torch.dtype) -> CacheShape:
+        return cls(arch.num_layers, block_size, arch.num_kv_heads, arch.head_dim, dtype)
+
+    @property
+    def bytes_per_block(self) -> int:
+        """K and V of every layer for one block."""
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return free
+    # psutil is not a dependency; MemAvailable is what the kernel can give
+    # without swapping.
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemAvailable:"):
+            return int(line.split()[1]) * 1024
+    raise ValueError("cannot read MemAvailable from /proc/meminfo: set kv_cache_memory_bytes or num_blocks")
+
+
+def num_cache_blocks(config: CacheConfig, shape: CacheShape, device: torch.device) -> int:
+    """Forced ``num_blocks`` first, else ``kv_cache_memory_bytes``, else
+    ``memory_fraction`` of the memory available now (after the weights)."""
+    if config.num_blocks is not None:
+        return config.num_blocks
+    budget = config.kv_cache_memory_bytes
+    if budget is None:
+        budget = int(available_memory_bytes(device) * config.memory_fraction)
+    blocks = budget // shape.bytes_per_block
+    if blocks < 1:
+        raise ValueError(
+            f"KV cache budget of {budget} bytes is below one block ({shape.bytes_per_block} bytes); "
+            "raise kv_cache_memory_bytes or memory_fraction"
+        )
+    return blocks
+
+
+def allocate_kv_caches(shape: CacheShape, num_blocks: int, device: torch.device) -> list[torch.Tensor]:
+    """One ``[2, num_blocks, block_size, kv_heads, head_dim]`` tensor per layer.
+
+    Zero-filled: padded slots of a gathered block are masked out of attention,
+    but a NaN bit pattern left in fresh memory would still poison the weighted
+    sum (0 * NaN)."""
+    caches = [
+        torch.zeros(2, num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim, dtype=shape.dtype, device=device)
+        for _ in range(shape.num_layers)
+    ]
+    logger.info(
+        "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s)",
+        num_blocks, shape.block_size, num_blocks * shape.block_size,
+        num_blocks * shape.bytes_per_block / 2**20, shape.dtype,
+    )
+    return caches
+
+
+def copy_blocks(kv_caches: list[torch.Tensor], copies: list[tuple[int, int]]) -> None:
+    """Copy-on-write: block dst gets block src's K/V in every layer."""
+    if not copies:
+        return
+    device = kv_caches[0].device
+    src = torch.tensor([s for s, _ in copies], dtype=torch.int64, device=device)
+    dst = torch.tensor([d for _, d in copies], dtype=torch.int64, device=device)
+    for cache in kv_caches:
+        cache.index_copy_(1, dst, cache.index_select(1, src))

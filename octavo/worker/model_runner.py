@@ -1,0 +1,169 @@
+"""ModelRunner: one SchedulerOutput in, sampled tokens (and logprobs) out."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from octavo.config import CacheConfig, ModelConfig, SchedulerConfig
+from octavo.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
+from octavo.core.request import Request
+from octavo.model.generation_config import load_generation_defaults
+from octavo.model.loader import load_model, model_folder, resolve_dtype
+from octavo.sample.metadata import SamplingMetadata
+from octavo.sample.sampler import Sampler
+from octavo.worker.input_batch import StepInputs, prepare_inputs
+from octavo.worker.kv_cache import CacheShape, allocate_kv_caches, copy_blocks, num_cache_blocks
+from octavo.worker.logprobs import token_logprobs
+
+
+@dataclass
+class _LogitRows:
+    """Which hidden rows need logits this step, and why."""
+
+    sample: list[ScheduledRequest] = field(default_factory=list)
+    sample_rows: list[int] = field(default_factory=list)
+    # (scheduled request, first row, number of prompt targets)
+    prompt: list[tuple[ScheduledRequest, int, int]] = field(default_factory=list)
+
+    def rows(self) -> list[int]:
+        prompt_rows = [r for _, first, n in self.prompt for r in range(first, first + n)]
+        return self.sample_rows + prompt_rows
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        scheduler_config: SchedulerConfig,
+    ) -> None:
+        # The step's shape comes from each SchedulerOutput; scheduler_config is
+        # part of the constructor contract shared with other executors.
+        del scheduler_config
+        folder = model_folder(model_config.model)
+        self.device = torch.device(model_config.device)
+        self.model, self.arch = load_model(folder, model_config.dtype, self.device, model_config.max_model_len)
+        self.max_model_len = self.arch.max_model_len(model_config.max_model_len)
+        self.dtype = self.model.lm_head.weight.dtype
+        self.vocab_size = self.arch.vocab_size
+        self.generation_defaults = load_generation_defaults(folder)
+        self.eos_token_ids = list(self.generation_defaults.eos_token_ids or self.arch.eos_token_ids)
+
+        self.block_size = cache_config.block_size
+        cache_dtype = resolve_dtype(cache_config.cache_dtype, str(self.dtype).removeprefix("torch."))
+        shape = CacheShape.of(self.arch, self.block_size, cache_dtype)
+        self.num_blocks = num_cache_blocks(cache_config, shape, self.device)
+        self.kv_caches = allocate_kv_caches(shape, self.num_blocks, self.device)
+
+        self.sampler = Sampler()
+        self._windows = self.model.attention_windows
+        self._generators: dict[str, torch.Generator] = {}
+        torch.manual_seed(model_config.seed)  # unseeded requests draw from the global RNG
+
+    def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        with torch.inference_mode():
+            step = self._forward(scheduler_output)
+            if step is None:
+                return ModelRunnerOutput()
+            inputs, hidden = step
+            plan = _plan_logit_rows(inputs)
+            row_ids = plan.rows()
+            if not row_ids:
+                return ModelRunnerOutput()
+            rows = torch.tensor(row_ids, dtype=torch.int64, device=self.device)
+            logits = self.model.compute_logits(hidden.index_select(0, rows)).float()
+            out = ModelRunnerOutput()
+            num_sample = len(plan.sample)
+            if num_sample:
+                self._sample(plan.sample, logits[:num_sample], out)
+            if plan.prompt:
+                _prompt_logprobs(plan, logits[num_sample:], out)
+        return out
+
+    def execute_logits(self, scheduler_output: SchedulerOutput) -> dict[str, torch.Tensor]:
+        """Run the step like ``execute`` (the K/V are written) but return the
+        float32 logits of every scheduled position, ``[num_tokens, vocab]`` per
+        request, instead of sampling. For scoring and for parity checks."""
+        with torch.inference_mode():
+            step = self._forward(scheduler_output)
+            if step is None:
+                return {}
+            inputs, hidden = step
+            logits = self.model.compute_logits(hidden).float()
+        return {
+            s.request.request_id: logits[first : first + s.num_tokens]
+            for s, first in zip(inputs.order, inputs.q_starts)
+        }
+
+    def _forward(self, scheduler_output: SchedulerOutput) -> Optional[tuple[StepInputs, torch.Tensor]]:
+        """Drop finished requests' state, apply block copies, run the model.
+        None when nothing is scheduled."""
+        for request_id in scheduler_output.finished_request_ids:
+            self._generators.pop(request_id, None)
+        copy_blocks(self.kv_caches, scheduler_output.block_copies)
+        if scheduler_output.is_empty:
+            return None
+        inputs = prepare_inputs(scheduler_output.scheduled, self.block_size, self._windows, self.device)
+        return inputs, self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
+
+    def _sample(self, scheduled: list[ScheduledRequest], logits: torch.Tensor, out: ModelRunnerOutput) -> None:
+        requests = [s.request for s in scheduled]
+        meta = SamplingMetadata.from_requests(requests, [self._generator(r) for r in requests], self.vocab_size)
+        result = self.sampler(logits, meta)
+        tokens = result.token_ids.tolist()
+        out.sampled_token_ids = {r.request_id: [t] for r, t in zip(requests, tokens)}
+        wanted = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
+        if wanted and result.logprobs is not None:
+            idx = torch.tensor(wanted, device=logits.device)
+            entries = token_logprobs(
+                result.logprobs.index_select(0, idx),
+                result.token_ids.index_select(0, idx),
+                [requests[i].sampling_params.logprobs for i in wanted],
+            )
+            out.logprobs = {requests[i].request_id: [e] for i, e in zip(wanted, entries)}
+
+    def _generator(self, request: Request) -> Optional[torch.Generator]:
+        seed = request.sampling_params.seed
+        if seed is None:
+            return None
+        gen = self._generators.get(request.request_id)
+        if gen is None:
+            gen = self._generators[request.request_id] = torch.Generator(device=self.device)
+            gen.manual_seed(seed)
+        return gen
+
+
+def _plan_logit_rows(inputs: StepInputs) -> _LogitRows:
+    plan = _LogitRows()
+    for s, first in zip(inputs.order, inputs.q_starts):
+        if s.sample:
+            plan.sample.append(s)
+            plan.sample_rows.append(first + s.num_tokens - 1)
+        req = s.request
+        # Prompt logprobs come from the first pass only: a recompute after
+        # preemption (outputs already exist) would report them twice.
+        if req.sampling_params.prompt_logprobs is None or req.num_output_tokens:
+            continue
+        # Row for position p scores prompt token p + 1.
+        targets = min(s.start_pos + s.num_tokens, req.num_prompt_tokens - 1) - s.start_pos
+        if s.start_pos < req.num_prompt_tokens:
+            plan.prompt.append((s, first, max(targets, 0)))
+    return plan
+
+
+def _prompt_logprobs(plan: _LogitRows, logits: torch.Tensor, out: ModelRunnerOutput) -> None:
+    targets: list[int] = []
+    num_top: list[int] = []
+    for s, _, n in plan.prompt:
+        targets += s.request.prompt_token_ids[s.start_pos + 1 : s.start_pos + 1 + n]
+        num_top += [s.request.sampling_params.prompt_logprobs] * n
+    entries: list[TokenLogprobs] = []
+    if targets:
+        ids = torch.tensor(targets, dtype=torch.int64, device=logits.device)
+        entries = token_logprobs(torch.log_softmax(logits, dim=-1), ids, num_top)
+    offset = 0
+    for s, _, n in plan.prompt:
+        out.prompt_logprobs[s.request.request_id] = entries[offset : offset + n]
+        offset += n

@@ -1,0 +1,65 @@
+"""Drive a ModelRunner by hand: requests, block allocation, scheduled chunks."""
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from octavo.config import CacheConfig, ModelConfig, SchedulerConfig
+from octavo.core.outputs import ScheduledRequest, SchedulerOutput
+from octavo.core.request import Request
+from octavo.sampling_params import SamplingParams
+from octavo.worker.model_runner import ModelRunner
+
+
+def make_runner(
+    folder: Path, block_size: int = 16, num_blocks: int = 64, dtype: str = "float32", **model_kwargs: object
+) -> ModelRunner:
+    return ModelRunner(
+        ModelConfig(model=str(folder), dtype=dtype, **model_kwargs),
+        CacheConfig(block_size=block_size, num_blocks=num_blocks),
+        SchedulerConfig(),
+    )
+
+
+def make_request(request_id: str, prompt: list[int], **params: object) -> Request:
+    params.setdefault("temperature", 0.0)
+    return Request(request_id, list(prompt), SamplingParams(**params))
+
+
+class Blocks:
+    """Hands out block ids in a shuffled order, so block tables are never the
+    identity and a wrong lookup cannot pass by accident."""
+
+    def __init__(self, runner: ModelRunner, seed: int = 0) -> None:
+        self.block_size = runner.block_size
+        self.free = list(range(runner.num_blocks))
+        random.Random(seed).shuffle(self.free)
+        self.tables: dict[str, list[int]] = {}
+
+    def chunk(self, request: Request, start: int, num_tokens: int, sample: bool = True) -> ScheduledRequest:
+        """Schedule ``request.all_token_ids[start : start + num_tokens]``, growing its block table."""
+        table = self.tables.setdefault(request.request_id, [])
+        while len(table) * self.block_size < start + num_tokens:
+            table.append(self.free.pop())
+        tokens = request.all_token_ids[start : start + num_tokens]
+        return ScheduledRequest(request, start, tokens, list(table), sample)
+
+    def share(self, src: Request, dst: Request, num_blocks: int) -> None:
+        """dst's table starts with src's first ``num_blocks`` blocks (a prefix-cache hit)."""
+        self.tables[dst.request_id] = list(self.tables[src.request_id][:num_blocks])
+
+    def take(self) -> int:
+        return self.free.pop()
+
+
+def step(*scheduled: ScheduledRequest, copies: Optional[list[tuple[int, int]]] = None) -> SchedulerOutput:
+    return SchedulerOutput(scheduled=list(scheduled), block_copies=copies or [])
+
+
+def hf_logits(hf_model: torch.nn.Module, tokens: list[int]) -> torch.Tensor:
+    """The reference: transformers' logits for every position of ``tokens``."""
+    with torch.inference_mode():
+        return hf_model(torch.tensor([tokens])).logits[0].float()

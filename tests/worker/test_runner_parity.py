@@ -1,0 +1,126 @@
+"""ModelRunner logits vs transformers on the same weights and tokens (float32, < 1e-4)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.model_factory import VARIANTS
+
+from .runner_utils import Blocks, hf_logits, make_request, make_runner, step
+
+TOL = 1e-4
+ALL = sorted(VARIANTS)
+
+
+def _prompt(length: int, seed: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(5, 512, (length,), generator=gen).tolist()
+
+
+def _assert_close(ours: torch.Tensor, ref: torch.Tensor) -> None:
+    assert ours.shape == ref.shape
+    diff = (ours - ref).abs().max().item()
+    assert diff < TOL, f"max abs diff {diff}"
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_whole_prompt(name, variant, hf_model):
+    runner = make_runner(variant(name))
+    blocks = Blocks(runner)
+    prompt = _prompt(40, seed=1)
+    req = make_request("a", prompt)
+    logits = runner.execute_logits(step(blocks.chunk(req, 0, len(prompt))))["a"]
+    _assert_close(logits, hf_logits(hf_model(name), prompt))
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_chunked_prefill(name, variant, hf_model):
+    runner = make_runner(variant(name))
+    blocks = Blocks(runner)
+    prompt = _prompt(40, seed=2)
+    req = make_request("a", prompt)
+    pieces = [
+        runner.execute_logits(step(blocks.chunk(req, start, min(16, len(prompt) - start), sample=False)))["a"]
+        for start in range(0, len(prompt), 16)
+    ]
+    _assert_close(torch.cat(pieces), hf_logits(hf_model(name), prompt))
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_prefix_already_cached(name, variant, hf_model):
+    """Request b reuses a's first two blocks and computes only its own suffix."""
+    runner = make_runner(variant(name))
+    blocks = Blocks(runner)
+    shared = _prompt(32, seed=3)
+    a = make_request("a", shared + _prompt(9, seed=4))
+    b = make_request("b", shared + _prompt(13, seed=5))
+    runner.execute_logits(step(blocks.chunk(a, 0, a.num_prompt_tokens)))
+    blocks.share(a, b, 2)
+    logits = runner.execute_logits(step(blocks.chunk(b, 32, b.num_prompt_tokens - 32)))["b"]
+    _assert_close(logits, hf_logits(hf_model(name), b.prompt_token_ids)[32:])
+
+
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2_sliding"])
+def test_block_sizes(name, block_size, variant, hf_model):
+    """Whole prompt, then a 2nd chunk reading the 1st from the cache, then decodes."""
+    runner = make_runner(variant(name), block_size=block_size, num_blocks=128)
+    blocks = Blocks(runner)
+    tokens = _prompt(45, seed=6)
+    req = make_request("a", tokens[:30])
+    first = runner.execute_logits(step(blocks.chunk(req, 0, 20, sample=False)))["a"]
+    second = runner.execute_logits(step(blocks.chunk(req, 20, 10)))["a"]
+    decodes = []
+    for t in tokens[30:]:
+        req.append_output_token(t)
+        decodes.append(runner.execute_logits(step(blocks.chunk(req, req.num_tokens - 1, 1)))["a"])
+    _assert_close(torch.cat([first, second, *decodes]), hf_logits(hf_model(name), tokens))
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_mixed_batch(name, variant, hf_model):
+    """One execute holding a fresh prefill, a second prefill chunk and two decodes."""
+    runner = make_runner(variant(name))
+    blocks = Blocks(runner)
+    a = make_request("a", _prompt(25, seed=7))
+    b = make_request("b", _prompt(30, seed=8))
+    c = make_request("c", _prompt(20, seed=9))
+    d = make_request("d", _prompt(33, seed=10))
+    warm = runner.execute_logits(
+        step(blocks.chunk(b, 0, 16, sample=False), blocks.chunk(c, 0, 20), blocks.chunk(d, 0, 33))
+    )
+    for r in (c, d):
+        r.append_output_token(int(warm[r.request_id][-1].argmax()))
+    mixed = runner.execute_logits(
+        step(
+            blocks.chunk(c, c.num_tokens - 1, 1),
+            blocks.chunk(a, 0, 25),
+            blocks.chunk(d, d.num_tokens - 1, 1),
+            blocks.chunk(b, 16, 14),
+        )
+    )
+    ref = hf_model(name)
+    _assert_close(mixed["a"], hf_logits(ref, a.all_token_ids))
+    _assert_close(mixed["b"], hf_logits(ref, b.all_token_ids)[16:])
+    _assert_close(mixed["c"], hf_logits(ref, c.all_token_ids)[-1:])
+    _assert_close(mixed["d"], hf_logits(ref, d.all_token_ids)[-1:])
+
+
+def test_copy_on_write_partial_block(variant, hf_model):
+    """b shares a's full block and a copy of a's partly filled one, then diverges."""
+    runner = make_runner(variant("llama"))
+    blocks = Blocks(runner)
+    shared = _prompt(20, seed=11)
+    a = make_request("a", shared + _prompt(6, seed=12))
+    b = make_request("b", shared + _prompt(10, seed=13))
+    runner.execute_logits(step(blocks.chunk(a, 0, 20, sample=False)))
+    partial = blocks.tables["a"][1]
+    copy = blocks.take()
+    blocks.tables["b"] = [blocks.tables["a"][0], copy]
+    # a then overwrites its own partial block: b must not see those tokens.
+    out = runner.execute_logits(
+        step(blocks.chunk(a, 20, 6), blocks.chunk(b, 20, 10), copies=[(partial, copy)])
+    )
+    ref = hf_model("llama")
+    _assert_close(out["a"], hf_logits(ref, a.all_token_ids)[20:])
+    _assert_close(out["b"], hf_logits(ref, b.all_token_ids)[20:])
