@@ -1,0 +1,154 @@
+"""Per-request block tables over a BlockPool: prefix hits, growth, forks,
+copy-on-write and registration of computed blocks."""
+from __future__ import annotations
+
+from typing import Sequence
+
+from octavo.core.block_pool import BlockPool
+from octavo.core.prefix_hash import BlockHash, extend_block_hashes
+from octavo.core.request import Request
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class KVCacheManager:
+    """Block tables hold the K/V of ``request.all_token_ids`` in order; block
+    ``i`` of a table covers positions ``i*block_size .. (i+1)*block_size - 1``."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {block_size}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks)
+        self._tables: dict[str, list[int]] = {}
+        self._hashes: dict[str, list[BlockHash]] = {}
+        self._num_registered: dict[str, int] = {}
+        self._copies: list[tuple[int, int]] = []
+        # Cumulative, in tokens: looked up at admission / found in the cache.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
+
+    @property
+    def num_total_blocks(self) -> int:
+        return self.pool.num_total_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.usage
+
+    def get_block_ids(self, request: Request) -> list[int]:
+        return list(self._tables.get(request.request_id, ()))
+
+    def _can_hit(self, request: Request) -> bool:
+        # Prompt logprobs need the logits of every prompt position, so nothing
+        # of the prompt may be skipped.
+        return self.enable_prefix_caching and request.sampling_params.prompt_logprobs is None
+
+    def _block_hashes(self, request: Request, num_blocks: int) -> list[BlockHash]:
+        hashes = self._hashes.setdefault(request.request_id, [])
+        extend_block_hashes(hashes, request.all_token_ids, self.block_size, num_blocks, request.cache_salt)
+        return hashes
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        """The longest run of cached full blocks at the start of the request's
+        tokens, and the number of tokens they cover. The last token is never a
+        hit: computing it is what yields the logits to sample from."""
+        if not self._can_hit(request):
+            return [], 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        blocks: list[int] = []
+        for block_hash in self._block_hashes(request, max_blocks)[:max_blocks]:
+            block_id = self.pool.lookup(block_hash)
+            if block_id is None:
+                break
+            blocks.append(block_id)
+        return blocks, len(blocks) * self.block_size
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, computed_blocks: Sequence[int] = ()
+    ) -> bool:
+        """Make room for K/V of the next ``num_new_tokens`` tokens after
+        ``request.num_computed_tokens`` (plus ``computed_blocks``, the prefix
+        hits of a request that holds no blocks yet). Shared blocks about to be
+        written are copied first (copy-on-write). Returns False, changing
+        nothing, when the pool is short."""
+        rid = request.request_id
+        table = self._tables.get(rid, [])
+        if computed_blocks and table:
+            raise RuntimeError(f"request {rid} already holds blocks; prefix hits apply only at admission")
+        bs = self.block_size
+        start = request.num_computed_tokens + len(computed_blocks) * bs
+        num_needed = _cdiv(start + num_new_tokens, bs)
+        num_new_blocks = max(0, num_needed - len(table) - len(computed_blocks))
+        shared = [i for i in range(start // bs, min(len(table), num_needed)) if self.pool.ref_cnt(table[i]) > 1]
+        # Free cached hits are counted as free but stop being so once taken.
+        revived = sum(1 for b in computed_blocks if self.pool.ref_cnt(b) == 0)
+        if num_new_blocks + len(shared) > self.pool.num_free_blocks - revived:
+            return False
+
+        if rid not in self._tables and self._can_hit(request):
+            self.prefix_cache_queries += request.num_tokens
+            self.prefix_cache_hits += len(computed_blocks) * bs
+        # Hits first: allocating could otherwise evict them.
+        self.pool.touch(computed_blocks)
+        table = table + list(computed_blocks)
+        for i in shared:
+            (fresh,) = self.pool.allocate(1)
+            self._copies.append((table[i], fresh))
+            self.pool.free([table[i]])
+            table[i] = fresh
+        table.extend(self.pool.allocate(num_new_blocks))
+        self._tables[rid] = table
+        return True
+
+    def fork(self, parent: Request, child: Request) -> None:
+        """Give ``child`` (holding no blocks) the parent's whole table by reference."""
+        if child.request_id in self._tables:
+            raise RuntimeError(f"request {child.request_id} already holds blocks")
+        table = list(self._tables[parent.request_id])
+        self.pool.touch(table)
+        self._tables[child.request_id] = table
+
+    def cache_blocks(self, request: Request) -> None:
+        """Register the blocks filled by the request's computed tokens, so later
+        requests (and this one after a preemption) hit them."""
+        if not self.enable_prefix_caching:
+            return
+        rid = request.request_id
+        table = self._tables[rid]
+        num_full = min(request.num_computed_tokens // self.block_size, len(table))
+        done = self._num_registered.get(rid, 0)
+        if num_full <= done:
+            return
+        hashes = self._block_hashes(request, num_full)
+        for i in range(done, num_full):
+            self.pool.cache_block(table[i], hashes[i])
+        self._num_registered[rid] = num_full
+
+    def free(self, request: Request) -> None:
+        """Release the request's blocks; registered ones stay hittable until evicted."""
+        rid = request.request_id
+        table = self._tables.pop(rid, None)
+        self._hashes.pop(rid, None)
+        self._num_registered.pop(rid, None)
+        if table is None:
+            return
+        # A copy into a block of this request is moot now.
+        dropped = set(table)
+        self._copies = [(s, d) for s, d in self._copies if d not in dropped]
+        # Tail blocks first: a prefix's last blocks are the least likely to be
+        # shared, so they should be the first evicted.
+        self.pool.free(reversed(table))
+
+    def take_block_copies(self) -> list[tuple[int, int]]:
+        """The (src, dst) copies made since the last call, for the runner to
+        apply before the next forward."""
+        copies, self._copies = self._copies, []
+        return copies

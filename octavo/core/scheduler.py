@@ -1,0 +1,328 @@
+"""Iteration-level scheduler: one token budget per step shared by decodes and
+prompt chunks, with prefix reuse, preemption by recompute and priorities.
+
+There are no prefill or decode phases. Every request has ``num_tokens`` (prompt
+plus outputs) and ``num_computed_tokens``; a step hands each running request
+the tokens it still lacks (one, for a decoding request), in order of urgency,
+then admits waiting requests while the budget, ``max_num_seqs`` and the KV
+pool allow. Choices worth knowing:
+
+- Urgency is ``(priority, arrival_time)``, lower first, for both queues. When a
+  running request cannot grow, the least urgent running request is preempted
+  (possibly itself): its blocks are freed and it recomputes later from
+  ``all_token_ids``. A waiting request preempts running ones only when its
+  priority value is strictly lower; equal priorities queue first-come
+  first-served, so requests never evict each other back and forth.
+- Admission is in order: when the queue head cannot be admitted, nothing behind
+  it is (no starvation of long prompts).
+- ``max_tokens=0`` (prompt scoring): the prompt is computed with ``sample``
+  off and the request finishes with "length" once it is.
+- Lengths stop at ``min(max_model_len, whole pool)``, so a request alone always
+  fits and preemption always lets the most urgent request progress.
+- Only running requests hold blocks. Parallel-sampling siblings wait until
+  their parent's prompt is computed, then join the running set sharing its
+  blocks, if a seat is free; otherwise (or if the parent left first) they
+  compute their prompt like any request. The parent reports prompt logprobs.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
+
+from octavo.config import CacheConfig, SchedulerConfig
+from octavo.core.kv_cache_manager import KVCacheManager
+from octavo.core.outputs import EngineCoreOutput, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
+from octavo.core.request import Request, RequestStatus
+from octavo.core.request_queue import RequestQueue, SortKey
+from octavo.core.step_results import append_sampled, take_prompt_logprobs
+
+
+@dataclass
+class _Step:
+    """What one ``schedule()`` call has decided so far."""
+
+    budget: int
+    used: int = 0
+    scheduled: dict[str, ScheduledRequest] = field(default_factory=dict)
+    preempted: set[str] = field(default_factory=set)
+
+    @property
+    def left(self) -> int:
+        return max(0, self.budget - self.used)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        cache_config: CacheConfig,
+        num_blocks: int,
+        max_model_len: int,
+    ) -> None:
+        if max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
+        self.config = scheduler_config
+        self.max_model_len = max_model_len
+        self.kv_cache_manager = KVCacheManager(
+            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+        )
+        self._block_size = cache_config.block_size
+        self._max_len = min(max_model_len, num_blocks * cache_config.block_size)
+        self._requests: dict[str, Request] = {}
+        self._order: dict[str, SortKey] = {}
+        self._counter = itertools.count()
+        self.waiting = RequestQueue(self._sort_key)
+        self.running = RequestQueue(self._sort_key)
+        self._fork_waiters: dict[str, list[Request]] = {}  # parent id -> held siblings
+        self._finished_ids: set[str] = set()
+        self.num_preemptions = 0
+
+    def _sort_key(self, request: Request) -> SortKey:
+        return self._order[request.request_id]
+
+    # ---- requests -------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; ValueError for one that could never run."""
+        rid = request.request_id
+        if rid in self._requests:
+            raise ValueError(f"request_id {rid!r} is already in use")
+        num_prompt = request.num_prompt_tokens
+        if num_prompt == 0:
+            raise ValueError("prompt_token_ids must not be empty")
+        if num_prompt > self.max_model_len:
+            max_tokens = request.sampling_params.max_tokens or 0
+            raise ValueError(
+                f"maximum context length is {self.max_model_len} tokens, you requested "
+                f"{num_prompt + max_tokens} tokens ({num_prompt} in the prompt, {max_tokens} to generate)"
+            )
+        needed = -(-num_prompt // self._block_size)
+        total = self.kv_cache_manager.num_total_blocks
+        if needed > total:
+            raise ValueError(
+                f"prompt_token_ids: {num_prompt} tokens need {needed} KV cache blocks, "
+                f"the cache has {total} ({total * self._block_size} tokens)"
+            )
+        parent = self._requests.get(request.fork_of) if request.fork_of else None
+        if parent is not None and parent.prompt_token_ids != request.prompt_token_ids:
+            raise ValueError(f"fork_of: request {rid!r} must have the prompt of {parent.request_id!r}")
+        self._order[rid] = (request.priority, request.arrival_time, next(self._counter))
+        request.status = RequestStatus.WAITING
+        self._requests[rid] = request
+        self.waiting.add(request)
+        if parent is not None and parent.num_computed_tokens < parent.num_prompt_tokens:
+            self._fork_waiters.setdefault(parent.request_id, []).append(request)
+
+    def abort_requests(self, request_ids: str | Iterable[str]) -> None:
+        """Cancel requests in any state; their blocks return to the pool now."""
+        self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def finish_requests(self, request_ids: str | Iterable[str], status: RequestStatus) -> None:
+        """End requests from outside (stop strings, aborts). Unknown or already
+        finished ids are ignored: they may have finished in the same step."""
+        if not status.finished:
+            raise ValueError(f"status must be a finished status, got {status}")
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        for rid in request_ids:
+            request = self._requests.get(rid)
+            if request is not None:
+                self._finish(request, status)
+
+    def get_request(self, request_id: str) -> Optional[Request]:
+        return self._requests.get(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        return self.kv_cache_manager.prefix_cache_queries
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        return self.kv_cache_manager.prefix_cache_hits
+
+    # ---- schedule -------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        step = _Step(budget=self.config.max_num_batched_tokens)
+        self._schedule_running(step)
+        self._schedule_waiting(step)
+        finished = self._finished_ids | step.preempted
+        self._finished_ids = set()
+        return SchedulerOutput(
+            scheduled=list(step.scheduled.values()),
+            block_copies=self.kv_cache_manager.take_block_copies(),
+            finished_request_ids=finished,
+            preempted_request_ids=step.preempted,
+        )
+
+    def _schedule_running(self, step: _Step) -> None:
+        i = 0
+        while i < len(self.running) and step.left > 0:
+            request = self.running[i]
+            n = min(request.num_tokens - request.num_computed_tokens, step.left)
+            if n > 0:
+                if not self._allocate_running(request, n, step):
+                    break  # it was the least urgent, so the last one
+                self._add_scheduled(request, n, step)
+            i += 1
+
+    def _allocate_running(self, request: Request, n: int, step: _Step) -> bool:
+        # Victims come from the back of the running queue, which this loop has
+        # not reached yet, so nothing already scheduled is undone here.
+        while not self.kv_cache_manager.allocate_slots(request, n):
+            victim = self.running[-1]
+            self._preempt(victim, step)
+            if victim is request:
+                return False
+        return True
+
+    def _schedule_waiting(self, step: _Step) -> None:
+        for request in self.waiting:
+            if step.left == 0 or len(self.running) >= self.config.max_num_seqs:
+                return
+            if self._is_held(request):
+                continue
+            if request.request_id in step.preempted:
+                return  # it just left; the runner must see it gone for a step
+            computed, num_hit = self.kv_cache_manager.get_computed_blocks(request)
+            n = request.num_tokens - num_hit
+            if n > step.left:
+                if self.config.enable_chunked_prefill:
+                    n = step.left
+                elif step.scheduled or n <= self.config.max_num_batched_tokens:
+                    return  # waits for a step with room for all of it
+                # else: longer than any budget, so it runs alone, whole.
+            if not self._allocate_waiting(request, n, computed, step):
+                return
+            self.waiting.remove(request)
+            request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
+                request.num_cached_tokens = num_hit
+            request.num_computed_tokens = num_hit
+            self.running.add(request)
+            self._add_scheduled(request, n, step)
+
+    def _allocate_waiting(self, request: Request, n: int, computed: list[int], step: _Step) -> bool:
+        while not self.kv_cache_manager.allocate_slots(request, n, computed):
+            if not self.running or self.running[-1].priority <= request.priority:
+                return False
+            self._preempt(self.running[-1], step)
+        return True
+
+    def _add_scheduled(self, request: Request, n: int, step: _Step) -> None:
+        start = request.num_computed_tokens
+        end = start + n
+        step.scheduled[request.request_id] = ScheduledRequest(
+            request=request,
+            start_pos=start,
+            token_ids=request.all_token_ids[start:end],
+            block_ids=self.kv_cache_manager.get_block_ids(request),
+            sample=end == request.num_tokens and request.sampling_params.max_tokens != 0,
+        )
+        request.num_computed_tokens = end
+        step.used += n
+
+    def _preempt(self, request: Request, step: _Step) -> None:
+        self.kv_cache_manager.free(request)
+        self.running.remove(request)
+        self._fork_waiters.pop(request.request_id, None)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.add(request)
+        step.preempted.add(request.request_id)
+        undone = step.scheduled.pop(request.request_id, None)
+        if undone is not None:
+            step.used -= undone.num_tokens
+
+    def _is_held(self, request: Request) -> bool:
+        return request.fork_of is not None and any(
+            r is request for r in self._fork_waiters.get(request.fork_of, ())
+        )
+
+    # ---- update ---------------------------------------------------------
+
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
+    ) -> list[EngineCoreOutput]:
+        """Apply one step's results: append sampled tokens, run the stop checks,
+        register computed blocks, fork waiting siblings, free finished requests."""
+        outputs = []
+        for scheduled in scheduler_output.scheduled:
+            request = scheduled.request
+            rid = request.request_id
+            if request.status is not RequestStatus.RUNNING:
+                continue  # finished or aborted since it was scheduled
+            self.kv_cache_manager.cache_blocks(request)
+            prompt_logprobs = take_prompt_logprobs(
+                request, scheduled.start_pos, runner_output.prompt_logprobs.get(rid)
+            )
+            new_ids, new_logprobs, status = append_sampled(
+                request,
+                runner_output.sampled_token_ids.get(rid, ()),
+                runner_output.logprobs.get(rid),
+                self._max_len,
+            )
+            if not scheduled.sample and request.num_computed_tokens == request.num_tokens:
+                status = RequestStatus.FINISHED_LENGTH  # max_tokens=0: the prompt is scored
+            if request.num_computed_tokens >= request.num_prompt_tokens:
+                # Before a finished parent frees the blocks its siblings share.
+                self._fork_siblings(request)
+            if status is not None:
+                self._finish(request, status)
+            if new_ids or status is not None or prompt_logprobs:
+                outputs.append(
+                    EngineCoreOutput(
+                        request_id=rid,
+                        new_token_ids=new_ids,
+                        new_logprobs=new_logprobs,
+                        prompt_logprobs=prompt_logprobs,
+                        finish_reason=status.finish_reason if status is not None else None,
+                        stop_reason=request.stop_reason,
+                        num_cached_tokens=request.num_cached_tokens,
+                    )
+                )
+        return outputs
+
+    def _fork_siblings(self, parent: Request) -> None:
+        for child in self._fork_waiters.pop(parent.request_id, ()):
+            if len(self.running) >= self.config.max_num_seqs:
+                return  # the rest compute their prompt themselves
+            self.kv_cache_manager.fork(parent, child)
+            self.waiting.remove(child)
+            child.status = RequestStatus.RUNNING
+            child.first_scheduled_time = time.monotonic()
+            # Only the last prompt token runs again: its logits give the
+            # child its own first token, its K/V go to a copy of the last block.
+            child.num_computed_tokens = child.num_prompt_tokens - 1
+            child.num_cached_tokens = child.num_computed_tokens
+            self.running.add(child)
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        rid = request.request_id
+        queue = self.running if request.status is RequestStatus.RUNNING else self.waiting
+        queue.remove(request)
+        request.status = status
+        self.kv_cache_manager.free(request)
+        self._fork_waiters.pop(rid, None)
+        siblings = self._fork_waiters.get(request.fork_of) if request.fork_of else None
+        if siblings is not None and request in siblings:
+            siblings.remove(request)
+        del self._requests[rid]
+        del self._order[rid]
+        self._finished_ids.add(rid)
