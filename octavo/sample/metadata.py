@@ -7,14 +7,20 @@ from typing import Optional, Sequence
 import torch
 
 from octavo.core.request import Request
+from octavo.sample.masks import TokenMasks
+from octavo.sample.penalties import PenaltyInputs
+from octavo.sample.structured import GrammarBatch
 
 
 @dataclass
 class SamplingMetadata:
-    """Row i describes ``requests[i]``; all rows are sampled in one pass."""
+    """Row i describes ``requests[i]``; all rows are sampled in one pass.
+
+    Optional parts are None when no row of the batch uses them, so a plain
+    batch pays for none of them."""
 
     request_ids: list[str]
-    temperature: torch.Tensor  # [B] float32; 0 rows are greedy
+    temperature: torch.Tensor  # [B] float32; rows below GREEDY_TEMPERATURE are greedy
     top_k: torch.Tensor  # [B] int64; 0 = off
     top_p: torch.Tensor  # [B] float32
     min_p: torch.Tensor  # [B] float32
@@ -26,6 +32,11 @@ class SamplingMetadata:
     generators: list[Optional[torch.Generator]]
     max_num_logprobs: Optional[int]  # None when no row asked for logprobs
     requests: Sequence[Request]
+    penalties: Optional[PenaltyInputs] = None
+    masks: Optional[TokenMasks] = None
+    # Built here, before the forward pass, so a runner can overlap the CPU
+    # mask work with the model.
+    grammars: Optional[GrammarBatch] = None
 
     @classmethod
     def from_requests(
@@ -33,14 +44,18 @@ class SamplingMetadata:
         requests: Sequence[Request],
         generators: list[Optional[torch.Generator]],
         vocab_size: int,
+        device: torch.device | str = "cpu",
     ) -> SamplingMetadata:
+        if len(generators) != len(requests):
+            raise ValueError(f"need one generator slot per request: {len(generators)} for {len(requests)}")
+        device = torch.device(device)
         params = [r.sampling_params for r in requests]
-        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device)
         top_k = torch.tensor(
-            [p.top_k if 0 < p.top_k < vocab_size else 0 for p in params], dtype=torch.int64
+            [p.top_k if 0 < p.top_k < vocab_size else 0 for p in params], dtype=torch.int64, device=device
         )
-        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
-        min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
+        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
+        min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device)
         return cls(
             request_ids=[r.request_id for r in requests],
             temperature=temperature,
@@ -48,12 +63,15 @@ class SamplingMetadata:
             top_p=top_p,
             min_p=min_p,
             all_greedy=all(p.greedy for p in params),
-            needs_top_k=bool((top_k > 0).any()),
-            needs_top_p=bool((top_p < 1.0).any()),
-            needs_min_p=bool((min_p > 0.0).any()),
+            needs_top_k=any(0 < p.top_k < vocab_size for p in params),
+            needs_top_p=any(p.top_p < 1.0 for p in params),
+            needs_min_p=any(p.min_p > 0.0 for p in params),
             generators=generators,
             max_num_logprobs=max(
                 (p.logprobs for p in params if p.logprobs is not None), default=None
             ),
             requests=requests,
+            penalties=PenaltyInputs.from_requests(requests, vocab_size, device),
+            masks=TokenMasks.from_requests(requests, vocab_size, device),
+            grammars=GrammarBatch.from_requests(requests, vocab_size, device),
         )

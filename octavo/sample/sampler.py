@@ -1,4 +1,22 @@
-"""The sampler: logits of the last position of each request -> next tokens."""
+"""The sampler: logits of the last position of each request -> next tokens.
+
+Per row, in this order:
+1. logprobs (when asked) are taken from the raw logits' log-softmax, before
+   any of the steps below, as the OpenAI API reports them;
+2. logit_bias is added;
+3. bans: tokens outside allowed_token_ids, the last token of a matching
+   bad_words sequence, and EOS / stop_token_ids while below min_tokens;
+4. repetition penalty (prompt + output), then presence / frequency
+   penalties (output);
+5. the structured-output grammar's mask;
+6. greedy rows (temperature 0) take the argmax here, so penalties and masks
+   apply to them too; the others go on:
+7. temperature, top-k, top-p, min-p, then a draw from the result.
+Bans and masks set -inf, which every later step keeps at -inf.
+
+After the draw, each row's grammar (if any) is advanced by the row's token:
+the rows given to the sampler must be exactly the rows that sample.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -7,6 +25,8 @@ from typing import Optional
 import torch
 
 from octavo.sample.metadata import SamplingMetadata
+from octavo.sample.topk_topp import apply_top_k_top_p_min_p
+from octavo.sampling_params import GREEDY_TEMPERATURE
 
 
 @dataclass
@@ -27,48 +47,51 @@ class Sampler:
         logprobs = None
         if meta.max_num_logprobs is not None:
             logprobs = torch.log_softmax(logits, dim=-1)
-        greedy_tokens = logits.argmax(dim=-1)
-        if meta.all_greedy:
-            return SamplerOutput(greedy_tokens, logprobs)
-
-        temperature = meta.temperature.clamp_min(1e-5).unsqueeze(1)
-        scaled = logits / temperature
-        scaled = _apply_top_k_top_p_min_p(scaled, meta)
-        probs = torch.softmax(scaled, dim=-1)
-        sampled = _sample_exponential(probs, meta.generators)
-        is_greedy = meta.temperature < 1e-5
-        return SamplerOutput(torch.where(is_greedy, greedy_tokens, sampled), logprobs)
+        logits = process_logits(logits, meta)
+        token_ids = logits.argmax(dim=-1)
+        if not meta.all_greedy:
+            probs = torch.softmax(warp_logits(logits, meta), dim=-1)
+            sampled = _sample_exponential(probs, meta.generators)
+            token_ids = torch.where(meta.temperature < GREEDY_TEMPERATURE, token_ids, sampled)
+        if meta.grammars is not None:
+            meta.grammars.advance(token_ids.tolist())
+        return SamplerOutput(token_ids, logprobs)
 
 
-def _apply_top_k_top_p_min_p(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
-    if meta.needs_min_p:
-        probs = torch.softmax(logits, dim=-1)
-        threshold = probs.amax(dim=-1, keepdim=True) * meta.min_p.unsqueeze(1)
-        logits = logits.masked_fill(probs < threshold, float("-inf"))
-    if not (meta.needs_top_k or meta.needs_top_p):
-        return logits
-    sorted_logits, order = logits.sort(dim=-1, descending=True)
-    vocab = logits.shape[-1]
-    if meta.needs_top_k:
-        k = torch.where(meta.top_k > 0, meta.top_k, torch.full_like(meta.top_k, vocab))
-        positions = torch.arange(vocab).unsqueeze(0)
-        sorted_logits = sorted_logits.masked_fill(positions >= k.unsqueeze(1), float("-inf"))
-    if meta.needs_top_p:
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # Keep a token if the mass strictly before it is below top_p, so the
-        # most likely token always survives.
-        mass_before = probs.cumsum(dim=-1) - probs
-        sorted_logits = sorted_logits.masked_fill(
-            mass_before >= meta.top_p.unsqueeze(1), float("-inf")
-        )
-    return torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Steps 2-5 of the module docstring; returns a new tensor when any applies."""
+    if meta.masks is not None:
+        logits = meta.masks.apply(logits)
+    if meta.penalties is not None:
+        logits = meta.penalties.apply(logits)
+    if meta.grammars is not None:
+        logits = meta.grammars.apply(logits)
+    return logits
+
+
+def warp_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """Step 7 before the draw: temperature, top-k, top-p, min-p. Greedy rows
+    are scaled by 1 (their draw is discarded anyway)."""
+    is_greedy = meta.temperature < GREEDY_TEMPERATURE
+    temperature = torch.where(is_greedy, torch.ones_like(meta.temperature), meta.temperature)
+    return apply_top_k_top_p_min_p(
+        logits / temperature.unsqueeze(1),
+        top_k=meta.top_k if meta.needs_top_k else None,
+        top_p=meta.top_p if meta.needs_top_p else None,
+        min_p=meta.min_p if meta.needs_min_p else None,
+    )
 
 
 def _sample_exponential(probs: torch.Tensor, generators: list[Optional[torch.Generator]]) -> torch.Tensor:
     """argmax(p / E) with E ~ Exp(1) draws from p; rows with a generator draw
-    their own noise."""
-    noise = torch.empty_like(probs).exponential_()
+    their own noise, so their result depends on nothing else in the batch."""
+    noise = torch.empty_like(probs)
+    if any(g is None for g in generators):
+        noise.exponential_()
     for row, gen in enumerate(generators):
         if gen is not None:
             noise[row].exponential_(generator=gen)
+    # exponential_ may return exactly 0; 0 / 0 = NaN would win the argmax and
+    # pick a token of probability 0 (one a mask or grammar forbade).
+    noise.clamp_min_(torch.finfo(noise.dtype).tiny)
     return (probs / noise).argmax(dim=-1)

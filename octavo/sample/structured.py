@@ -1,0 +1,186 @@
+"""Structured output: JSON schema, any JSON object, regex or a fixed choice.
+
+The grammar engine is llguidance: a 3 MB wheel with no Python dependencies
+whose CPU mask computation (a lazy lexer and Earley parser walking a token
+trie) takes microseconds per step. xgrammar does the same job but pulls in
+triton and transformers, far too heavy for a CPU-only install.
+
+Lifecycle: one ``GrammarCompiler`` per engine holds the vocabulary as
+llguidance sees it; ``compile(spec)`` validates a ``StructuredOutputParams``
+(a bad schema or regex is a ``ValueError``) and caches the ``Grammar``;
+``grammar.new_matcher()`` gives each request its own state, stored on
+``Request.grammar``. Every step ``GrammarBatch`` fills a bitmask for the rows
+that have a matcher, the sampler masks their logits with it and, once the
+tokens are chosen, advances each matcher by its row's token. A terminated
+matcher (grammar complete, or in error) allows only EOS, so the request ends.
+
+JSON is generated without free whitespace, in ``json.dumps`` style
+(", " and ": " separators): free whitespace lets a weak model pad forever,
+and this is the layout models see most in training. A schema can override
+this through llguidance's "x-guidance" key.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import llguidance
+import torch
+
+from octavo.core.request import Request
+from octavo.engine.tokenizer import Tokenizer
+from octavo.sampling_params import StructuredOutputParams
+
+logger = logging.getLogger(__name__)
+
+_JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_BITS = 32  # llguidance packs the mask into int32 words, token t at bit t % 32 of word t // 32
+
+
+class GrammarMatcher:
+    """One request's position in its grammar."""
+
+    def __init__(
+        self, matcher: llguidance.LLMatcher, executor: llguidance.LLExecutor, vocab_size: int
+    ) -> None:
+        self._matcher = matcher
+        self._executor = executor
+        self.vocab_size = vocab_size  # width of the grammar's token mask
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by one sampled token; False (and terminated from then on)
+        when the grammar does not allow it."""
+        ok = self._matcher.consume_token(token_id)
+        if not ok:
+            logger.warning("grammar rejected token %d: %s", token_id, self._matcher.get_error())
+        return ok
+
+    def is_terminated(self) -> bool:
+        """True once nothing but EOS may follow."""
+        return self._matcher.is_stopped()
+
+
+class Grammar:
+    """A compiled grammar; cheap to start new matchers from."""
+
+    def __init__(
+        self, template: llguidance.LLMatcher, executor: llguidance.LLExecutor, vocab_size: int
+    ) -> None:
+        self._template = template
+        self._executor = executor
+        self._vocab_size = vocab_size
+
+    def new_matcher(self) -> GrammarMatcher:
+        return GrammarMatcher(self._template.deep_copy(), self._executor, self._vocab_size)
+
+
+class GrammarCompiler:
+    """Compiles structured-output specs against one tokenizer; build once per engine."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        vocab_size: int,
+        eos_token_ids: Optional[list[int]] = None,
+        cache_size: int = 128,
+    ) -> None:
+        eos = eos_token_ids or ([tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else [])
+        if not eos:
+            raise ValueError("structured output needs an EOS token: the tokenizer defines none")
+        # The model's vocabulary may be padded past the tokenizer's; the extra
+        # ids decode to nothing, so llguidance never allows them.
+        self.vocab_size = max(vocab_size, tokenizer.vocab_size)
+        # llguidance reads the vocabulary (and how tokens map to bytes) from
+        # the tokenizer.json text itself.
+        self._tokenizer = llguidance.LLTokenizer(
+            tokenizer._tok.to_str(), n_vocab=self.vocab_size, eos_token=eos
+        )
+        self._executor = llguidance.LLExecutor()
+        self._cache: OrderedDict[str, Grammar] = OrderedDict()
+        self._cache_size = cache_size
+
+    def compile(self, spec: StructuredOutputParams) -> Grammar:
+        """Raises ValueError naming the problem for an invalid schema, regex or choice."""
+        key = json.dumps(dataclasses.asdict(spec), sort_keys=True)
+        grammar = self._cache.get(key)
+        if grammar is not None:
+            self._cache.move_to_end(key)
+            return grammar
+        source = _grammar_source(spec)
+        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(source, self._tokenizer)
+        if is_error:
+            raise ValueError(f"structured_outputs: {messages[0]}")
+        template = llguidance.LLMatcher(self._tokenizer, source, log_level=0)
+        if template.is_error():
+            raise ValueError(f"structured_outputs: {template.get_error()}")
+        grammar = self._cache[key] = Grammar(template, self._executor, self.vocab_size)
+        if len(self._cache) > self._cache_size:
+            self._cache.popitem(last=False)
+        return grammar
+
+
+def _grammar_source(spec: StructuredOutputParams) -> str:
+    matcher = llguidance.LLMatcher
+    if spec.regex is not None:
+        return matcher.grammar_from_regex(spec.regex)
+    if spec.choice is not None:
+        # Lark string literals use JSON's escaping.
+        return matcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec.choice))
+    schema = {"type": "object"} if spec.json_object else spec.json_schema
+    try:
+        return matcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"structured_outputs.json_schema: {exc}") from None
+
+
+@dataclass
+class GrammarBatch:
+    """The grammar rows of one batch and what their grammars allow next."""
+
+    rows: torch.Tensor  # [R] int64 batch rows that have a matcher
+    matchers: list[GrammarMatcher]
+    allowed: torch.Tensor  # [R, V] bool
+
+    @classmethod
+    def from_requests(
+        cls, requests: Sequence[Request], vocab_size: int, device: torch.device
+    ) -> Optional[GrammarBatch]:
+        rows = [i for i, r in enumerate(requests) if r.grammar is not None]
+        if not rows:
+            return None
+        return cls.fill([requests[i].grammar for i in rows], rows, vocab_size, device)
+
+    @classmethod
+    def fill(
+        cls, matchers: list[GrammarMatcher], rows: list[int], vocab_size: int, device: torch.device
+    ) -> GrammarBatch:
+        # Wide enough for the grammar's vocabulary and for the logits; bits past
+        # the grammar's vocabulary stay 0 (forbidden).
+        words = -(-max(vocab_size, *(m.vocab_size for m in matchers)) // _BITS)
+        bitmask = torch.zeros(len(matchers), words, dtype=torch.int32)
+        # One call computes every row's mask, in parallel across rows.
+        matchers[0]._executor.unsafe_compute_mask_ptr(
+            [(m._matcher, i) for i, m in enumerate(matchers)],
+            bitmask.data_ptr(),
+            words * 4,
+            len(matchers),
+        )
+        shifts = torch.arange(_BITS, dtype=torch.int32)
+        bits = (bitmask.unsqueeze(-1) >> shifts) & 1
+        allowed = bits.reshape(len(matchers), words * _BITS)[:, :vocab_size].bool()
+        return cls(torch.tensor(rows, dtype=torch.int64, device=device), matchers, allowed.to(device))
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """Copy of ``logits`` [B, V] with grammar-forbidden tokens at -inf."""
+        logits = logits.clone()
+        logits[self.rows] = logits[self.rows].masked_fill(~self.allowed, float("-inf"))
+        return logits
+
+    def advance(self, token_ids: list[int]) -> None:
+        """Feed each matcher the token sampled for its row (``token_ids`` is per batch row)."""
+        for row, matcher in zip(self.rows.tolist(), self.matchers):
+            matcher.accept(token_ids[row])
