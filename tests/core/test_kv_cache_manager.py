@@ -144,3 +144,13 @@ def test_prefix_caching_off_registers_and_hits_nothing():
     assert kv.pool.cached_blocks() == {}
     assert kv.get_computed_blocks(make_request("b", list(a.prompt_token_ids))) == ([], 0)
     assert kv.prefix_cache_queries == 0
+
+
+def test_a_freed_request_queues_its_tail_blocks_for_eviction_first():
+    kv = KVCacheManager(6, 4)
+    a = make_request("a", 12)
+    _compute(kv, a, 12)
+    table = kv.get_block_ids(a)
+    kv.free(a)
+    # Never-used blocks are reused first; then a's deepest block, its root last.
+    assert kv.pool.free_block_ids() == [3, 4, 5] + table[::-1]

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import pytest
 from core_harness import Run, make_request, make_scheduler, reference_tokens
 
 from octavo.core.request import RequestStatus
@@ -113,3 +114,16 @@ def test_siblings_fall_back_when_the_parent_is_preempted_before_its_prompt_is_do
     child_first = next(s for out in run.steps for s in out.scheduled if s.request is children[0])
     assert child_first.start_pos != 19  # computed its prompt, not forked
     _assert_reference(run, parent, *children)
+
+
+def test_fork_of_an_unknown_parent_computes_normally_and_prompts_must_match():
+    sched, runner = make_scheduler(block_size=4)
+    orphan = make_request("o#1", 6, fork_of="gone", max_tokens=2)
+    sched.add_request(orphan)
+    run = Run(sched, runner).until_done()
+    assert run.tokens["o#1"] == reference_tokens(orphan.prompt_token_ids, 2, "o#1")
+    parent = make_request("q", 6, max_tokens=2)
+    sched.add_request(parent)
+    with pytest.raises(ValueError, match="fork_of"):
+        sched.add_request(make_request("q#1", 7, fork_of="q"))
+    run.until_done()

@@ -3,7 +3,9 @@ from __future__ import annotations
 import pytest
 from core_harness import Run, make_request, make_scheduler, reference_tokens
 
+from octavo.core.outputs import TokenLogprobs
 from octavo.core.request import RequestStatus
+from octavo.core.step_results import append_sampled
 
 EOS = 3
 
@@ -114,3 +116,12 @@ def test_finish_requests_ends_requests_from_outside():
     assert not sched.has_unfinished_requests()
     with pytest.raises(ValueError, match="status"):
         sched.finish_requests(["r"], RequestStatus.RUNNING)
+
+
+def test_tokens_after_a_stop_are_dropped():
+    req = make_request("r", 3, stop_token_ids=[9], max_tokens=10)
+    lps = [TokenLogprobs(t, -1.0, 1) for t in (1, 9, 2)]
+    new_ids, new_lps, status = append_sampled(req, [1, 9, 2], lps, max_len=100)
+    assert new_ids == [1, 9] and new_lps == lps[:2]
+    assert status is RequestStatus.FINISHED_STOPPED and req.all_token_ids[-2:] == [1, 9]
+    assert req.cumulative_logprob == -2.0
