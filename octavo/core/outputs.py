@@ -59,7 +59,9 @@ class ModelRunnerOutput:
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     # Per scheduled prompt chunk: logprobs of each prompt token given its prefix
-    # (the first prompt token has none, so it is absent from the list).
+    # (the first prompt token has none, so it is absent from the list). For a
+    # chunk starting at start_pos, entry i is for prompt position
+    # start_pos + 1 + i: the logits of a position score the token after it.
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 

@@ -54,11 +54,12 @@ def take_prompt_logprobs(
     request: Request, start_pos: int, entries: Optional[list[TokenLogprobs]]
 ) -> Optional[list[TokenLogprobs]]:
     """The part of a chunk's prompt logprobs not reported before. ``entries[i]``
-    is for prompt position ``max(start_pos, 1) + i``; a recompute after
-    preemption yields positions already sent, which are dropped."""
+    scores the prompt token at position ``start_pos + 1 + i`` (the logits of a
+    position score the token after it); a recompute after preemption yields
+    positions already sent, which are dropped."""
     if not entries:
         return None
-    first = max(start_pos, 1)
+    first = start_pos + 1
     skip = max(0, request.prompt_logprobs_upto - first)
     request.prompt_logprobs_upto = max(request.prompt_logprobs_upto, first + len(entries))
     return entries[skip:] or None

@@ -77,9 +77,10 @@ class FakeRunner:
                 if req.sampling_params.logprobs is not None:
                     result.logprobs[req.request_id] = [TokenLogprobs(token, -0.5, 1)]
             if req.sampling_params.prompt_logprobs is not None and s.start_pos < req.num_prompt_tokens:
-                positions = range(max(s.start_pos, 1), min(end, req.num_prompt_tokens))
+                # The logits at position p score prompt token p + 1.
+                positions = range(s.start_pos + 1, min(end + 1, req.num_prompt_tokens))
                 result.prompt_logprobs[req.request_id] = [
-                    TokenLogprobs(ctx[p], prompt_logprob(p), 1) for p in positions
+                    TokenLogprobs(req.prompt_token_ids[p], prompt_logprob(p), 1) for p in positions
                 ]
         return result
 
