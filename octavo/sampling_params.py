@@ -197,9 +197,9 @@ class SamplingParams:
     def resolve_bad_words(self, tokenizer: _Encoder) -> None:
         """Tokenize ``bad_words`` for the sampler.
 
-        Each word is encoded both as is and with one leading space, because
-        BPE vocabularies spell a word differently at the start of the text and
-        after a space. A variant that merely ends with another kept variant is
+        Each word is encoded both as is and with one leading space (as vLLM
+        does), because BPE vocabularies spell a word differently at the start
+        of the text and after a space. A variant that merely ends with another kept variant is
         dropped: banning the shorter sequence already bans it.
         """
         variants: list[list[int]] = []

@@ -26,14 +26,16 @@ import json
 import logging
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import llguidance
 import torch
 
 from octavo.core.request import Request
-from octavo.engine.tokenizer import Tokenizer
 from octavo.sampling_params import StructuredOutputParams
+
+if TYPE_CHECKING:  # the engine layer sits above this one: no runtime import
+    from octavo.engine.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
