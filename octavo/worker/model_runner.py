@@ -11,11 +11,11 @@ from octavo.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOu
 from octavo.core.request import Request
 from octavo.model.generation_config import load_generation_defaults
 from octavo.model.loader import load_model, model_folder, resolve_dtype
+from octavo.sample.logprobs import token_logprobs
 from octavo.sample.metadata import SamplingMetadata
 from octavo.sample.sampler import Sampler
 from octavo.worker.input_batch import StepInputs, prepare_inputs
 from octavo.worker.kv_cache import CacheShape, allocate_kv_caches, copy_blocks, num_cache_blocks
-from octavo.worker.logprobs import token_logprobs
 
 
 @dataclass
@@ -110,7 +110,8 @@ class ModelRunner:
 
     def _sample(self, scheduled: list[ScheduledRequest], logits: torch.Tensor, out: ModelRunnerOutput) -> None:
         requests = [s.request for s in scheduled]
-        meta = SamplingMetadata.from_requests(requests, [self._generator(r) for r in requests], self.vocab_size)
+        generators = [self._generator(r) for r in requests]
+        meta = SamplingMetadata.from_requests(requests, generators, self.vocab_size, device=self.device)
         result = self.sampler(logits, meta)
         tokens = result.token_ids.tolist()
         out.sampled_token_ids = {r.request_id: [t] for r, t in zip(requests, tokens)}
@@ -118,11 +119,11 @@ class ModelRunner:
         if wanted and result.logprobs is not None:
             idx = torch.tensor(wanted, device=logits.device)
             entries = token_logprobs(
-                result.logprobs.index_select(0, idx),
-                result.token_ids.index_select(0, idx),
-                [requests[i].sampling_params.logprobs for i in wanted],
+                result.logprobs.index_select(0, idx), result.token_ids.index_select(0, idx), meta.max_num_logprobs
             )
-            out.logprobs = {requests[i].request_id: [e] for i, e in zip(wanted, entries)}
+            for i, entry in zip(wanted, entries):
+                entry.top = entry.top[: requests[i].sampling_params.logprobs]
+                out.logprobs[requests[i].request_id] = [entry]
 
     def _generator(self, request: Request) -> Optional[torch.Generator]:
         seed = request.sampling_params.seed
@@ -155,15 +156,17 @@ def _plan_logit_rows(inputs: StepInputs) -> _LogitRows:
 
 def _prompt_logprobs(plan: _LogitRows, logits: torch.Tensor, out: ModelRunnerOutput) -> None:
     targets: list[int] = []
-    num_top: list[int] = []
     for s, _, n in plan.prompt:
         targets += s.request.prompt_token_ids[s.start_pos + 1 : s.start_pos + 1 + n]
-        num_top += [s.request.sampling_params.prompt_logprobs] * n
     entries: list[TokenLogprobs] = []
     if targets:
         ids = torch.tensor(targets, dtype=torch.int64, device=logits.device)
-        entries = token_logprobs(torch.log_softmax(logits, dim=-1), ids, num_top)
+        most = max(s.request.sampling_params.prompt_logprobs for s, _, _ in plan.prompt)
+        entries = token_logprobs(torch.log_softmax(logits, dim=-1), ids, most)
     offset = 0
     for s, _, n in plan.prompt:
-        out.prompt_logprobs[s.request.request_id] = entries[offset : offset + n]
+        mine = entries[offset : offset + n]
+        for entry in mine:
+            entry.top = entry.top[: s.request.sampling_params.prompt_logprobs]
+        out.prompt_logprobs[s.request.request_id] = mine
         offset += n

@@ -1,0 +1,99 @@
+"""KV cache sizing and block copies, step input preparation, runner attributes."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from octavo.config import CacheConfig
+from octavo.core.outputs import ScheduledRequest
+from octavo.worker.input_batch import prepare_inputs
+from octavo.worker.kv_cache import CacheShape, available_memory_bytes, copy_blocks, num_cache_blocks
+
+from .runner_utils import Blocks, make_request, make_runner, step
+
+SHAPE = CacheShape(num_layers=2, block_size=16, num_kv_heads=2, head_dim=16, dtype=torch.float32)
+CPU = torch.device("cpu")
+
+
+def test_bytes_per_block():
+    assert SHAPE.bytes_per_block == 2 * 2 * 16 * 2 * 16 * 4
+    half = CacheShape(2, 16, 2, 16, torch.bfloat16)
+    assert half.bytes_per_block * 2 == SHAPE.bytes_per_block
+
+
+def test_num_blocks_precedence():
+    per_block = SHAPE.bytes_per_block
+    assert num_cache_blocks(CacheConfig(num_blocks=7, kv_cache_memory_bytes=per_block * 100), SHAPE, CPU) == 7
+    assert num_cache_blocks(CacheConfig(kv_cache_memory_bytes=per_block * 10 + 5), SHAPE, CPU) == 10
+    blocks = num_cache_blocks(CacheConfig(memory_fraction=0.01), SHAPE, CPU)
+    assert 1 <= blocks <= available_memory_bytes(CPU) * 0.011 // per_block
+    with pytest.raises(ValueError, match="kv_cache_memory_bytes"):
+        num_cache_blocks(CacheConfig(kv_cache_memory_bytes=per_block - 1), SHAPE, CPU)
+
+
+def test_copy_blocks_every_layer():
+    caches = [torch.randn(2, 6, 4, 2, 8) for _ in range(3)]
+    before = [c.clone() for c in caches]
+    copy_blocks(caches, [(1, 4), (2, 0)])
+    for c, b in zip(caches, before):
+        assert torch.equal(c[:, 4], b[:, 1]) and torch.equal(c[:, 0], b[:, 2])
+        assert torch.equal(c[:, [1, 2, 3, 5]], b[:, [1, 2, 3, 5]])
+
+
+def test_prepare_inputs_layout():
+    a = make_request("a", list(range(10, 30)))  # prefill of 20 in 2 blocks of 16
+    b = make_request("b", list(range(5)))
+    scheduled = [
+        ScheduledRequest(a, 4, a.prompt_token_ids[4:20], [7, 2], True),  # positions 4..19
+        ScheduledRequest(b, 4, [b.prompt_token_ids[4]], [3], True),
+    ]
+    inputs = prepare_inputs(scheduled, 16, {None, 4}, CPU)
+    assert [s.request.request_id for s in inputs.order] == ["b", "a"]  # decodes first
+    assert inputs.q_starts == [0, 1]
+    assert inputs.input_ids.tolist() == [4] + list(range(14, 30))
+    assert inputs.positions.tolist() == [4] + list(range(4, 20))
+    expected_slots = [3 * 16 + 4] + [7 * 16 + p for p in range(4, 16)] + [2 * 16 + p - 16 for p in range(16, 20)]
+    assert inputs.attn.slot_mapping.tolist() == expected_slots
+    attn = inputs.attn
+    assert attn.num_decodes == 1 and attn.decode_block_table.tolist() == [[3]]
+    assert attn.decode_masks[None][0, 0, 0].tolist() == [True] * 5 + [False] * 11
+    assert attn.decode_masks[4][0, 0, 0].tolist() == [False] + [True] * 4 + [False] * 11
+    (chunk,) = attn.prefills
+    assert (chunk.q_start, chunk.q_end, chunk.context_len, chunk.fresh) == (1, 17, 20, False)
+    assert chunk.block_ids.tolist() == [7, 2]
+    full, windowed = chunk.masks[None], chunk.masks[4]
+    assert full.shape == (16, 20) and full[0].tolist() == [True] * 5 + [False] * 15
+    assert windowed[-1].tolist() == [False] * 16 + [True] * 4
+
+
+def test_prepare_inputs_rejects_a_short_block_table():
+    req = make_request("a", list(range(20)))
+    with pytest.raises(ValueError, match="blocks cannot hold"):
+        prepare_inputs([ScheduledRequest(req, 0, req.prompt_token_ids, [0], True)], 16, {None}, CPU)
+
+
+def test_runner_attributes(variant):
+    runner = make_runner(variant("llama"), num_blocks=9, max_model_len=100)
+    assert runner.num_blocks == 9 and len(runner.kv_caches) == 2
+    assert runner.kv_caches[0].shape == (2, 9, 16, 2, 16)
+    assert runner.max_model_len == 100
+    assert make_runner(variant("llama"), num_blocks=1).max_model_len == 512
+    assert runner.vocab_size == 512
+    assert runner.eos_token_ids == [1, 4]  # generation_config.json wins over config.json's 1
+    assert runner.generation_defaults.eos_token_ids == (1, 4)
+    assert runner.arch.architecture == "LlamaForCausalLM"
+
+
+def test_empty_step_applies_copies_and_drops_state(variant):
+    runner = make_runner(variant("llama"), num_blocks=4)
+    runner.kv_caches[0][:, 1] = 1.0
+    out = runner.execute(step(copies=[(1, 3)]))
+    assert out.sampled_token_ids == {} and torch.equal(runner.kv_caches[0][:, 3], runner.kv_caches[0][:, 1])
+
+
+def test_partial_prefill_chunk_samples_nothing(variant):
+    runner = make_runner(variant("llama"))
+    blocks = Blocks(runner)
+    req = make_request("a", list(range(3, 40)))
+    out = runner.execute(step(blocks.chunk(req, 0, 16, sample=False)))
+    assert out.sampled_token_ids == {} and out.logprobs == {} and out.prompt_logprobs == {}
