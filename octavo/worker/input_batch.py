@@ -28,17 +28,18 @@ def prepare_inputs(
     windows: Iterable[Optional[int]],
     device: torch.device,
 ) -> StepInputs:
-    order = [s for s in scheduled if s.num_tokens == 1] + [s for s in scheduled if s.num_tokens > 1]
-    num_decodes = sum(1 for s in order if s.num_tokens == 1)
-    lens = [s.num_tokens for s in order]
+    decodes = [s for s in scheduled if len(s.token_ids) == 1]
+    num_decodes = len(decodes)
+    order = decodes + [s for s in scheduled if len(s.token_ids) > 1]
+    lens = [len(s.token_ids) for s in order]
     starts = [s.start_pos for s in order]
-    context = [s.start_pos + s.num_tokens for s in order]
+    context = [start + n for start, n in zip(starts, lens)]
     blocks_needed = [-(-c // block_size) for c in context]
-    for s, need in zip(order, blocks_needed):
+    for s, need, tokens in zip(order, blocks_needed, context):
         if len(s.block_ids) < need:
             raise ValueError(
                 f"request {s.request.request_id}: {len(s.block_ids)} blocks cannot hold "
-                f"{s.start_pos + s.num_tokens} tokens with block_size {block_size}"
+                f"{tokens} tokens with block_size {block_size}"
             )
     q_starts = list(itertools.accumulate(lens, initial=0))[:-1]
 

@@ -15,11 +15,16 @@ from octavo.worker.model_runner import ModelRunner
 
 
 def make_runner(
-    folder: Path, block_size: int = 16, num_blocks: int = 64, dtype: str = "float32", **model_kwargs: object
+    folder: Path,
+    block_size: int = 16,
+    num_blocks: int = 64,
+    dtype: str = "float32",
+    cache_dtype: str = "auto",
+    **model_kwargs: object,
 ) -> ModelRunner:
     return ModelRunner(
         ModelConfig(model=str(folder), dtype=dtype, **model_kwargs),
-        CacheConfig(block_size=block_size, num_blocks=num_blocks),
+        CacheConfig(block_size=block_size, num_blocks=num_blocks, cache_dtype=cache_dtype),
         SchedulerConfig(),
     )
 

@@ -5,10 +5,9 @@ import pytest
 import torch
 
 from octavo.core.outputs import SchedulerOutput
+from tests.model_factory import VARIANTS
 
 from .runner_utils import Blocks, hf_logits, make_request, make_runner, step
-
-DECODE_VARIANTS = ["llama", "mistral", "qwen2", "qwen2_sliding", "qwen3", "llama_tied"]
 
 
 def _greedy(runner, prompt: list[int], num_new: int, block_seed: int = 0) -> list[int]:
@@ -22,7 +21,7 @@ def _greedy(runner, prompt: list[int], num_new: int, block_seed: int = 0) -> lis
     return req.output_token_ids
 
 
-@pytest.mark.parametrize("name", DECODE_VARIANTS)
+@pytest.mark.parametrize("name", sorted(VARIANTS))
 def test_greedy_decode_matches_hf_generate(name, variant, hf_model):
     prompt = [0, 17, 250, 33, 480, 91, 5, 6, 300, 12]
     ref = hf_model(name).generate(
@@ -106,3 +105,14 @@ def test_half_precision_load_is_close_to_float32(dtype, variant, hf_model):
     ref = hf_logits(hf_model("llama"), prompt)
     assert (logits - ref).abs().max().item() < 0.1
     assert (logits.argmax(-1) == ref.argmax(-1)).float().mean().item() > 0.8
+
+
+def test_half_precision_cache_with_float32_weights(variant, hf_model):
+    runner = make_runner(variant("llama"), num_blocks=8, cache_dtype="bfloat16")
+    assert runner.dtype == torch.float32 and runner.kv_caches[0].dtype == torch.bfloat16
+    blocks = Blocks(runner)
+    req = make_request("h", [0, 17, 250, 33, 480, 91, 5, 6, 300, 12, 40, 41])
+    first = runner.execute_logits(step(blocks.chunk(req, 0, 8)))["h"]
+    rest = runner.execute_logits(step(blocks.chunk(req, 8, 4)))["h"]  # reads the bf16 cache
+    ref = hf_logits(hf_model("llama"), req.prompt_token_ids)
+    assert (torch.cat([first, rest]) - ref).abs().max().item() < 0.1

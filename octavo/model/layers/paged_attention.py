@@ -16,15 +16,16 @@ from octavo.model.attention_metadata import AttentionMetadata
 
 
 def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """k, v [tokens, kv_heads, head_dim] into their slots."""
+    """k, v [tokens, kv_heads, head_dim] into their slots (cast when the cache
+    dtype differs from the model's; a no-op otherwise)."""
     slots = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
-    slots[0].index_copy_(0, slot_mapping, k)
-    slots[1].index_copy_(0, slot_mapping, v)
+    slots[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
+    slots[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))
 
 
-def _gather(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """cache [num_blocks, block_size, H, D], block_ids [...] -> [..., blocks * block_size, H, D]."""
-    blocks = cache.index_select(0, block_ids.reshape(-1))
+    blocks = cache.index_select(0, block_ids.reshape(-1)).to(dtype)
     return blocks.view(*block_ids.shape[:-1], -1, cache.shape[-2], cache.shape[-1])
 
 
@@ -41,8 +42,8 @@ def paged_attention(
     out = torch.empty_like(q)
     nd = meta.num_decodes
     if nd:
-        keys = _gather(kv_cache[0], meta.decode_block_table).transpose(1, 2)
-        values = _gather(kv_cache[1], meta.decode_block_table).transpose(1, 2)
+        keys = _gather(kv_cache[0], meta.decode_block_table, q.dtype).transpose(1, 2)
+        values = _gather(kv_cache[1], meta.decode_block_table, q.dtype).transpose(1, 2)
         o = F.scaled_dot_product_attention(
             q[:nd].unsqueeze(2), keys, values, attn_mask=meta.decode_masks[window], enable_gqa=True
         )
@@ -52,8 +53,8 @@ def paged_attention(
         if chunk.fresh:
             keys, values = k[rows], v[rows]
         else:
-            keys = _gather(kv_cache[0], chunk.block_ids)[: chunk.context_len]
-            values = _gather(kv_cache[1], chunk.block_ids)[: chunk.context_len]
+            keys = _gather(kv_cache[0], chunk.block_ids, q.dtype)[: chunk.context_len]
+            values = _gather(kv_cache[1], chunk.block_ids, q.dtype)[: chunk.context_len]
         mask = chunk.masks[window]
         o = F.scaled_dot_product_attention(
             q[rows].transpose(0, 1),
