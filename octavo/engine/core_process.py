@@ -1,0 +1,140 @@
+"""The engine process: an LLMEngine stepping in its own OS process.
+
+Why a separate process: the HTTP front spends its time in Python (JSON,
+tokenizing, SSE framing) and the engine spends it in model forwards; in one
+process they would share one GIL and every request parsed would stall a step.
+The split follows vLLM V1:
+
+- The front (``AsyncEngineClient``) starts this process with the ``spawn``
+  method (a clean interpreter: no inherited event loop, threads or CUDA state)
+  and binds two ZMQ ``ipc://`` sockets in a private temp dir. Front -> engine
+  is PUSH/PULL (AddRequest, AbortRequests, Shutdown); engine -> front is
+  PUSH/PULL too (EngineReady, StepOutputs, StatsUpdate, RequestRejected,
+  EngineFailed). Messages are msgspec msgpack structs (``messages.py``).
+- The loop: drain every pending message, then ``step()`` while there is work;
+  when idle, block on the socket (in 1 s slices, to notice a dead parent).
+  Outputs of one step go out as one message of deltas. Stats go out at most
+  every ``STATS_INTERVAL_S`` while busy, and whenever the engine turns idle,
+  so metrics read after the last request see the freed KV blocks.
+- Validation happens in the front; ``add_request`` errors still come back as
+  ``RequestRejected`` so that a front bug cannot kill the engine. Any other
+  exception is fatal: ``EngineFailed`` is sent and the process exits non-zero.
+  The front also watches the process sentinel, which covers crashes that
+  send nothing (OOM killer, segfault).
+- SIGINT is ignored here: Ctrl-C reaches the whole process group, and the
+  front must be able to drain in-flight requests before it sends Shutdown.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+import traceback
+
+import zmq
+
+from octavo.config import EngineConfig
+from octavo.engine import messages as msg
+
+STATS_INTERVAL_S = 0.1
+_IDLE_POLL_MS = 1000
+
+
+def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> None:
+    """Process entry point (must be importable for ``spawn``)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    parent = os.getppid()
+    ctx = zmq.Context()
+    inp = ctx.socket(zmq.PULL)
+    inp.connect(input_addr)
+    out = ctx.socket(zmq.PUSH)
+    out.setsockopt(zmq.LINGER, 5000)
+    out.connect(output_addr)
+    try:
+        _EngineLoop(config, inp, out, parent).run()
+    except Exception:
+        out.send(msg.encoder.encode(msg.EngineFailed(traceback.format_exc())))
+        raise SystemExit(1)
+    finally:
+        inp.close(linger=0)
+        out.close()
+        ctx.term()
+
+
+class _EngineLoop:
+    def __init__(self, config: EngineConfig, inp: zmq.Socket, out: zmq.Socket, parent: int) -> None:
+        from octavo.engine.llm_engine import LLMEngine  # torch: only in this process
+
+        self._inp, self._out, self._parent = inp, out, parent
+        self.engine = LLMEngine(config)
+        self._tracker = msg.DeltaTracker()
+        self._last_stats: object = None
+        self._last_stats_time = 0.0
+        self._stop = False
+        e = self.engine
+        self._send(
+            msg.EngineReady(
+                model_name=e.model_name,
+                max_model_len=e.max_model_len,
+                vocab_size=e.vocab_size,
+                generation_defaults=dict(e.generation_defaults),
+                pid=os.getpid(),
+            )
+        )
+
+    def run(self) -> None:
+        while not self._stop:
+            if not self.engine.has_unfinished_requests():
+                self._maybe_send_stats(force=True)
+                if not self._wait_for_input():
+                    return
+            self._drain_input()
+            if self._stop:
+                return
+            if self.engine.has_unfinished_requests():
+                outputs = self.engine.step()
+                if outputs:
+                    self._send(msg.StepOutputs([self._tracker.delta(o) for o in outputs]))
+                self._maybe_send_stats(force=False)
+
+    def _wait_for_input(self) -> bool:
+        """Block until a message arrives; False when the front is gone."""
+        while not self._inp.poll(_IDLE_POLL_MS):
+            if os.getppid() != self._parent:
+                return False
+        return True
+
+    def _drain_input(self) -> None:
+        while True:
+            try:
+                raw = self._inp.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._handle(msg.to_engine_decoder.decode(raw))
+
+    def _handle(self, m: msg.ToEngine) -> None:
+        if isinstance(m, msg.AddRequest):
+            try:
+                self.engine.add_request(
+                    m.request_id, m.prompt_token_ids, m.params, priority=m.priority, arrival_time=m.arrival_time
+                )
+            except ValueError as exc:
+                self._send(msg.RequestRejected(m.request_id, str(exc)))
+        elif isinstance(m, msg.AbortRequests):
+            self.engine.abort_request(m.request_ids)
+            self._tracker.forget(m.request_ids)
+        elif isinstance(m, msg.Shutdown):
+            self._stop = True
+
+    def _maybe_send_stats(self, force: bool) -> None:
+        now = time.monotonic()
+        if not force and now - self._last_stats_time < STATS_INTERVAL_S:
+            return
+        stats = self.engine.get_stats()
+        if stats != self._last_stats:
+            self._send(msg.StatsUpdate(stats))
+            self._last_stats = stats
+        self._last_stats_time = now
+
+    def _send(self, m: object) -> None:
+        self._out.send(msg.encoder.encode(m))

@@ -1,0 +1,163 @@
+"""The ``octavo`` command: ``octavo serve [MODEL]`` and ``octavo generate [MODEL]``."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import re
+import sys
+from typing import Optional, Sequence
+
+from octavo.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from octavo.server.config import DEFAULT_PUBLIC_ROUTES, ServerConfig
+
+_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?)?b?\s*$", re.IGNORECASE)
+
+
+def parse_bytes(text: str) -> int:
+    """'2GiB' -> 2147483648, '512M' -> 512000000, '1000' -> 1000."""
+    match = _SIZE.match(text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 2GiB, 512MiB, 1G, 1000000)")
+    value = float(match.group(1)) * _UNITS[(match.group(2) or "").lower()]
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"size must be at least 1 byte, got {text!r}")
+    return int(value)
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", default=None, help="model folder (default: the built-in model)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model folder)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--kv-cache-memory", type=parse_bytes, default=None, help="KV cache size, e.g. 2GiB")
+    p.add_argument("--num-blocks", type=int, default=None, help="force the KV cache block count (testing)")
+    p.add_argument("--no-prefix-caching", action="store_true")
+
+
+def _engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=ModelConfig(
+            model=str(_model_path(args.model)),
+            tokenizer=args.tokenizer,
+            dtype=args.dtype,
+            max_model_len=args.max_model_len,
+            seed=args.seed,
+            device=args.device,
+            served_model_name=getattr(args, "served_model_name", None),
+        ),
+        cache=CacheConfig(
+            block_size=args.block_size,
+            kv_cache_memory_bytes=args.kv_cache_memory,
+            num_blocks=args.num_blocks,
+            enable_prefix_caching=not args.no_prefix_caching,
+        ),
+        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens),
+    )
+
+
+def _model_path(model: Optional[str]) -> str:
+    if model is not None:
+        return model
+    from octavo.assets import DEFAULT_MODEL_PATH
+
+    return str(DEFAULT_MODEL_PATH)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="octavo", description="Octavo LLM inference engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    _add_engine_args(serve)
+    serve.add_argument("--served-model-name", default=None, help="the model name clients send (default: folder name)")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="require this bearer key (default: $OCTAVO_API_KEY)")
+    serve.add_argument(
+        "--public-routes",
+        default=",".join(DEFAULT_PUBLIC_ROUTES),
+        help="comma-separated paths served without the API key (default: %(default)s)",
+    )
+    serve.add_argument("--max-waiting-requests", type=int, default=None, help="beyond this many pending: 503")
+    serve.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to drain on SIGTERM")
+    serve.add_argument("--max-body-size", type=parse_bytes, default=8 * 2**20, help="larger bodies get 413")
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+    gen = sub.add_parser("generate", help="generate offline (no server)")
+    _add_engine_args(gen)
+    gen.add_argument("--prompt", action="append", required=True, help="repeat for several prompts")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
+    return parser
+
+
+def _serve(args: argparse.Namespace) -> None:
+    from octavo.server.launcher import serve
+
+    api_key = args.api_key if args.api_key is not None else os.environ.get("OCTAVO_API_KEY") or None
+    server_config = ServerConfig(
+        host=args.host,
+        port=args.port,
+        api_key=api_key,
+        public_routes=tuple(r.strip() for r in args.public_routes.split(",") if r.strip()),
+        max_waiting_requests=args.max_waiting_requests,
+        shutdown_timeout_s=args.shutdown_timeout,
+        max_body_bytes=args.max_body_size,
+        log_level=args.log_level,
+    )
+    serve(_engine_config(args), server_config)
+
+
+def _generate(args: argparse.Namespace) -> None:
+    from octavo import LLM, SamplingParams
+
+    llm = LLM(
+        _model_path(args.model),
+        tokenizer=args.tokenizer,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        block_size=args.block_size,
+        kv_cache_memory_bytes=args.kv_cache_memory,
+        num_blocks=args.num_blocks,
+        enable_prefix_caching=not args.no_prefix_caching,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        seed=args.seed,
+        device=args.device,
+    )
+    params = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens
+    )
+    if args.chat:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params, use_tqdm=False)
+    else:
+        outputs = llm.generate(args.prompt, params, use_tqdm=False)
+    for prompt, out in zip(args.prompt, outputs):
+        print(f"### {prompt}\n{out.outputs[0].text}\n")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        if args.command == "serve":
+            _serve(args)
+        else:
+            _generate(args)
+    except ValueError as exc:  # bad configuration: a message, not a traceback
+        print(f"octavo: error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""The FastAPI app: routes, middlewares, and the engine's lifetime (lifespan)."""
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+import octavo
+from octavo.config import EngineConfig
+from octavo.engine.async_client import AsyncEngineClient
+from octavo.engine.tokenizer import Tokenizer
+from octavo.server.chat import create_chat_completion, render_messages
+from octavo.server.completions import create_completion
+from octavo.server.config import ServerConfig
+from octavo.server.errors import bad_request, error_body, install_error_handlers
+from octavo.server.metrics import ServerMetrics
+from octavo.server.middleware import APIKeyMiddleware, BodyLimitMiddleware
+from octavo.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from octavo.server.state import ServerState
+
+_STARTED = time.time()
+
+
+def build_app(engine_config: EngineConfig, server_config: ServerConfig) -> FastAPI:
+    """The engine process starts with the app (lifespan) and stops after
+    the HTTP server has drained."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        client = await AsyncEngineClient.start(engine_config, timeout_s=server_config.engine_start_timeout_s)
+        try:
+            tokenizer = Tokenizer(engine_config.model.tokenizer or engine_config.model.model)
+            metrics = ServerMetrics(client.info.model_name, lambda: client.stats)
+            app.state.server = ServerState(client, tokenizer, server_config, metrics)
+            yield
+        finally:
+            await client.shutdown()
+
+    app = FastAPI(title="Octavo", version=octavo.__version__, lifespan=lifespan)
+    install_error_handlers(app)
+    _add_routes(app)
+    # Added last = outermost: oversized bodies are refused before anything else.
+    if server_config.api_key is not None:
+        app.add_middleware(APIKeyMiddleware, api_key=server_config.api_key, public_routes=server_config.public_routes)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=server_config.max_body_bytes)
+    return app
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+def _add_routes(app: FastAPI) -> None:
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await create_completion(body, request, _state(request))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await create_chat_completion(body, request, _state(request))
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        state = _state(request)
+        card = {
+            "id": state.model_name,
+            "object": "model",
+            "created": int(_STARTED),
+            "owned_by": "octavo",
+            "root": state.client.config.model.model,
+            "max_model_len": state.max_model_len,
+        }
+        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.get("/health")
+    async def health(request: Request) -> Response:
+        state = _state(request)
+        if not state.client.is_alive:
+            body = error_body(503, f"the engine is not running ({state.client.dead_reason})", code="engine_dead")
+            return JSONResponse(body, 503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": octavo.__version__})
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
+        state = _state(request)
+        state.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise bad_request("set exactly one of prompt or messages", "prompt")
+        if body.messages is not None:
+            ids = render_messages(body.messages, state, body.add_generation_prompt, None)
+        else:
+            ids = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len})
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest, request: Request) -> JSONResponse:
+        state = _state(request)
+        state.check_model(body.model)
+        vocab = state.client.info.vocab_size
+        bad = [t for t in body.tokens if not (0 <= t < vocab)]
+        if bad:
+            raise bad_request(f"tokens contains ids outside the vocabulary [0, {vocab}): {bad[:5]}", "tokens")
+        return JSONResponse({"prompt": state.tokenizer.decode(body.tokens, skip_special_tokens=False)})
+

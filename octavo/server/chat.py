@@ -1,0 +1,160 @@
+"""POST /v1/chat/completions."""
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+from typing import Any, AsyncIterator, Optional
+
+from fastapi import Request
+from fastapi.responses import Response
+
+from octavo.outputs import RequestOutput
+from octavo.server.errors import bad_request
+from octavo.server.logprobs import chat_logprobs
+from octavo.server.params import build_sampling_params
+from octavo.server.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessage,
+    ChatMessageOut,
+    Usage,
+)
+from octavo.server.state import ServerState
+from octavo.server.streams import ChoiceCursor, sse, sse_response, until_disconnected
+
+# SamplingParams fields that this endpoint names differently.
+_API_NAMES = {"logprobs": "top_logprobs"}
+
+
+async def create_chat_completion(req: ChatCompletionRequest, raw: Request, state: ServerState) -> Response:
+    state.check_model(req.model)
+    state.check_engine()
+    prompt_ids, params = _prepare(req, state)
+    state.admit(1)
+    request_id = f"chatcmpl-{uuid.uuid4().hex}"
+    stream = state.generate(prompt_ids, params, req.priority)
+    if req.stream:
+        return sse_response(_stream(req, state, request_id, len(prompt_ids), stream))
+    out = await until_disconnected(raw, _last(stream))
+    choices = []
+    for c in out.outputs:
+        lp = None
+        if req.logprobs and c.logprobs is not None:
+            lp = chat_logprobs(state.tokenizer, c.token_ids, c.logprobs, req.top_logprobs or 0)
+        choices.append(
+            ChatChoice(
+                index=c.index,
+                message=ChatMessageOut(role="assistant", content=c.text),
+                logprobs=lp,
+                finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+            )
+        )
+    body = ChatCompletionResponse(id=request_id, model=state.model_name, choices=choices, usage=_usage(len(prompt_ids), out))
+    return Response(body.model_dump_json(), media_type="application/json")
+
+
+def render_messages(
+    messages: list[ChatMessage], state: ServerState, add_generation_prompt: bool, kwargs: Optional[dict[str, Any]]
+) -> list[int]:
+    """Chat template -> token ids (also used by /tokenize)."""
+    if not messages:
+        raise bad_request("messages must not be empty", "messages")
+    plain = [_plain_message(i, m) for i, m in enumerate(messages)]
+    try:
+        text = state.tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt, **(kwargs or {}))
+    except (ValueError, TypeError) as exc:
+        raise bad_request(f"could not apply the chat template: {exc}", "messages") from None
+    # The template writes BOS and role markers itself.
+    return state.tokenizer.encode(text, add_special_tokens=False)
+
+
+def _plain_message(i: int, m: ChatMessage) -> dict[str, Any]:
+    if not m.role:
+        raise bad_request(f"messages.{i}.role must not be empty", "messages")
+    content = m.content
+    if isinstance(content, list):
+        bad = [p.type for p in content if p.type != "text" or p.text is None]
+        if bad:
+            raise bad_request(f"messages.{i}.content: only text parts are supported, got {bad[0]!r}", "messages")
+        content = "\n".join(p.text for p in content)  # type: ignore[misc]
+    message: dict[str, Any] = {"role": m.role, "content": content or ""}
+    if m.name is not None:
+        message["name"] = m.name
+    return message
+
+
+def _prepare(req: ChatCompletionRequest, state: ServerState) -> tuple[list[int], Any]:
+    if req.top_logprobs is not None and not req.logprobs:
+        raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
+    ids = render_messages(req.messages, state, req.add_generation_prompt, req.chat_template_kwargs)
+    if req.truncate_prompt_tokens is not None and req.truncate_prompt_tokens > 0:
+        ids = ids[-req.truncate_prompt_tokens :]
+    requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    max_tokens = state.check_prompt_ids(ids, requested, param="messages")
+    params = build_sampling_params(
+        req,
+        max_tokens=max_tokens,
+        logprobs=(req.top_logprobs or 0) if req.logprobs else None,
+        prompt_logprobs=req.prompt_logprobs,
+        defaults=state.client.info.generation_defaults,
+        vocab_size=state.client.info.vocab_size,
+        api_names=_API_NAMES if req.max_completion_tokens is None else {**_API_NAMES, "max_tokens": "max_completion_tokens"},
+    )
+    return ids, params
+
+
+async def _last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+    out = None
+    async with contextlib.aclosing(stream):  # type: ignore[type-var]
+        async for out in stream:
+            pass
+    assert out is not None  # generate always ends with a finished output or raises
+    return out
+
+
+async def _stream(
+    req: ChatCompletionRequest,
+    state: ServerState,
+    request_id: str,
+    num_prompt_tokens: int,
+    stream: AsyncIterator[RequestOutput],
+) -> AsyncIterator[str]:
+    created = int(time.time())
+
+    def chunk(choices: list[ChatChunkChoice], usage: Optional[Usage] = None) -> str:
+        return sse(ChatCompletionChunk(id=request_id, created=created, model=state.model_name, choices=choices, usage=usage))
+
+    # OpenAI opens each choice with a role-only delta.
+    for i in range(req.n):
+        yield chunk([ChatChunkChoice(index=i, delta=ChatMessageOut(role="assistant", content=""))])
+    cursors = [ChoiceCursor() for _ in range(req.n)]
+    out: Optional[RequestOutput] = None
+    async with contextlib.aclosing(stream):  # type: ignore[type-var]
+        async for out in stream:
+            for c in out.outputs:
+                delta = cursors[c.index].advance(c)
+                if delta is None:
+                    continue
+                lp = None
+                if req.logprobs and delta.logprobs is not None:
+                    lp = chat_logprobs(state.tokenizer, delta.token_ids, delta.logprobs, req.top_logprobs or 0)
+                choice = ChatChunkChoice(
+                    index=c.index,
+                    delta=ChatMessageOut(content=delta.text),
+                    logprobs=lp,
+                    finish_reason=delta.finish_reason,
+                    stop_reason=delta.stop_reason,
+                )
+                yield chunk([choice])
+    if out is not None and req.stream_options is not None and req.stream_options.include_usage:
+        yield chunk([], _usage(num_prompt_tokens, out))
+
+
+def _usage(num_prompt_tokens: int, out: RequestOutput) -> Usage:
+    completion = sum(len(c.token_ids) for c in out.outputs)
+    return Usage(prompt_tokens=num_prompt_tokens, completion_tokens=completion, total_tokens=num_prompt_tokens + completion)

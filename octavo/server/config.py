@@ -1,0 +1,35 @@
+"""HTTP server settings (the engine's own settings live in octavo.config)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+DEFAULT_PUBLIC_ROUTES = ("/health", "/metrics")
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    # None: no authentication. Else every route except ``public_routes``
+    # needs "Authorization: Bearer <api_key>".
+    api_key: Optional[str] = None
+    public_routes: tuple[str, ...] = DEFAULT_PUBLIC_ROUTES
+    # Requests admitted but not yet producing tokens beyond which new ones get 503.
+    max_waiting_requests: Optional[int] = None
+    shutdown_timeout_s: float = 30.0
+    max_body_bytes: int = 8 * 1024 * 1024
+    engine_start_timeout_s: float = 600.0
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not (0 <= self.port <= 65535):
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
+            raise ValueError(f"max_waiting_requests must be >= 0, got {self.max_waiting_requests}")
+        if self.shutdown_timeout_s < 0:
+            raise ValueError(f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}")
+        if self.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
+        if self.api_key == "":
+            raise ValueError("api_key must not be empty")

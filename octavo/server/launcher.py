@@ -1,0 +1,61 @@
+"""Run the app under uvicorn with a graceful SIGTERM / Ctrl-C shutdown.
+
+On the first signal uvicorn closes the listening socket (no new
+connections), and new requests on open keep-alive connections get 503; the
+in-flight ones may finish within ``shutdown_timeout_s``, after which uvicorn
+cancels them (their engine requests abort). Then the lifespan exit stops the
+engine process.
+"""
+from __future__ import annotations
+
+import logging
+import signal
+from types import FrameType
+from typing import Callable, Optional
+
+import uvicorn
+from fastapi import FastAPI
+
+from octavo.config import EngineConfig
+from octavo.server.app import build_app
+from octavo.server.config import ServerConfig
+
+logger = logging.getLogger(__name__)
+
+
+class _Server(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, app: FastAPI) -> None:
+        super().__init__(config)
+        self._app = app
+
+    def handle_exit(self, sig: int, frame: Optional[FrameType]) -> None:
+        state = getattr(self._app.state, "server", None)
+        if state is not None and not state.shutting_down:
+            state.shutting_down = True
+            logger.info("shutting down: draining %d in-flight requests", state.client.num_in_flight)
+        super().handle_exit(sig, frame)
+
+
+def _exit_with(code: int) -> Callable[[int, Optional[FrameType]], None]:
+    def handler(sig: int, frame: Optional[FrameType]) -> None:
+        raise SystemExit(code)
+
+    return handler
+
+
+def serve(engine_config: EngineConfig, server_config: ServerConfig) -> None:
+    # uvicorn re-raises the signal it drained on, through the handlers that
+    # were installed before it: after a complete drain, SIGTERM exits 0 (a
+    # clean stop for orchestrators) and Ctrl-C exits 130 without a traceback.
+    signal.signal(signal.SIGTERM, _exit_with(0))
+    signal.signal(signal.SIGINT, _exit_with(130))
+    app = build_app(engine_config, server_config)
+    config = uvicorn.Config(
+        app,
+        host=server_config.host,
+        port=server_config.port,
+        log_level=server_config.log_level,
+        timeout_graceful_shutdown=server_config.shutdown_timeout_s,
+        lifespan="on",
+    )
+    _Server(config, app).run()

@@ -1,0 +1,197 @@
+"""OpenAI API request and response bodies (pydantic; unknown request fields are ignored)."""
+from __future__ import annotations
+
+import time
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class JsonSchemaFormat(_Request):
+    name: Optional[str] = None
+    description: Optional[str] = None
+    json_schema: Optional[dict[str, Any]] = Field(default=None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+
+class StructuredOutputs(_Request):
+    """vLLM-style extension: one of json / regex / choice."""
+
+    json_: Optional[Union[dict[str, Any], str]] = Field(default=None, alias="json")
+    json_object: bool = False
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+
+
+class SamplingFields(_Request):
+    """Fields both endpoints share, including the vLLM extensions."""
+
+    model: Optional[str] = None
+    n: int = 1
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    presence_penalty: Optional[float] = None
+    seed: Optional[int] = None
+    stop: Optional[Union[str, list[str]]] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    logit_bias: Optional[dict[str, float]] = None
+    user: Optional[str] = None
+    response_format: Optional[ResponseFormat] = None
+    # Extensions.
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    ignore_eos: bool = False
+    priority: int = 0
+    min_tokens: int = 0
+    stop_token_ids: Optional[list[int]] = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    prompt_logprobs: Optional[int] = None
+    allowed_token_ids: Optional[list[int]] = None
+    bad_words: Optional[list[str]] = None
+    truncate_prompt_tokens: Optional[int] = None
+    structured_outputs: Optional[StructuredOutputs] = None
+
+
+class CompletionRequest(SamplingFields):
+    # A string, token ids, or a batch of either (mixed batches are accepted too).
+    prompt: Union[str, list[int], list[Union[str, list[int]]]]
+    suffix: Optional[str] = None
+    echo: bool = False
+    logprobs: Optional[int] = None
+    max_tokens: Optional[int] = 16
+    best_of: Optional[int] = None
+
+
+class ContentPart(_Request):
+    type: str
+    text: Optional[str] = None
+
+
+class ChatMessage(_Request):
+    role: str
+    content: Optional[Union[str, list[ContentPart]]] = None
+    name: Optional[str] = None
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage]
+    logprobs: bool = False
+    top_logprobs: Optional[int] = None
+    max_tokens: Optional[int] = None
+    max_completion_tokens: Optional[int] = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+
+
+class TokenizeRequest(_Request):
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Request):
+    model: Optional[str] = None
+    tokens: list[int]
+
+
+# Responses.
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[Optional[float]] = Field(default_factory=list)
+    top_logprobs: list[Optional[dict[str, float]]] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogprobs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[Union[int, str]] = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Optional[Usage] = None
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] = Field(default_factory=list)
+
+
+class ChatMessageOut(BaseModel):
+    role: Optional[str] = None
+    content: Optional[str] = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessageOut
+    logprobs: Optional[ChatLogprobs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[Union[int, str]] = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Optional[Usage] = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatMessageOut
+    logprobs: Optional[ChatLogprobs] = None
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[Union[int, str]] = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Optional[Usage] = None

@@ -1,0 +1,113 @@
+"""What every handler needs: the engine client, the tokenizer, limits, metrics."""
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator, Optional
+
+from octavo.engine.async_client import AsyncEngineClient, EngineDeadError, EngineRequestError
+from octavo.engine.tokenizer import Tokenizer
+from octavo.outputs import RequestOutput
+from octavo.sampling_params import SamplingParams
+from octavo.server.config import ServerConfig
+from octavo.server.errors import APIError, bad_request
+from octavo.server.metrics import ServerMetrics
+
+
+@dataclass
+class ServerState:
+    client: AsyncEngineClient
+    tokenizer: Tokenizer
+    config: ServerConfig
+    metrics: ServerMetrics
+    shutting_down: bool = False
+    # Requests handed to the engine that have not produced output yet; the
+    # admission limit counts these (see ``admit``).
+    num_pending: int = 0
+
+    @property
+    def model_name(self) -> str:
+        return self.client.info.model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self.client.info.max_model_len
+
+    def check_model(self, name: Optional[str]) -> None:
+        if name is not None and name != self.model_name:
+            raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+
+    def check_engine(self) -> None:
+        if not self.client.is_alive:
+            raise APIError(503, f"the engine is not running ({self.client.dead_reason})", code="engine_dead")
+        if self.shutting_down:
+            raise APIError(503, "the server is shutting down", code="shutting_down")
+
+    def admit(self, count: int) -> None:
+        """Overload answers 503 (the server, not the client, is over its
+        capacity: a rate limit of one client would be 429) with Retry-After,
+        which OpenAI clients and load balancers honour."""
+        limit = self.config.max_waiting_requests
+        if limit is not None and self.num_pending + count > limit:
+            raise APIError(
+                503,
+                f"too many requests waiting ({self.num_pending}, limit {limit}); retry later",
+                code="overloaded",
+                headers={"Retry-After": "1"},
+            )
+
+    def check_prompt_ids(self, ids: list[int], max_tokens: Optional[int], param: str = "prompt") -> int:
+        """Validate a tokenized prompt; returns max_tokens, defaulting to the
+        rest of the context when the request left it unset."""
+        if not ids:
+            raise bad_request(f"{param} must not be empty", param)
+        vocab = self.client.info.vocab_size
+        bad = [t for t in ids if not (0 <= t < vocab)]
+        if bad:
+            raise bad_request(f"{param} contains token ids outside the vocabulary [0, {vocab}): {bad[:5]}", param)
+        limit = self.max_model_len
+        resolved = limit - len(ids) if max_tokens is None else max_tokens
+        requested = len(ids) + max(resolved, 1 if max_tokens is None else 0)
+        if requested > limit:
+            where = "messages" if param == "messages" else "prompt"
+            raise bad_request(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{requested} tokens ({len(ids)} in the {where}, {requested - len(ids)} in the completion). "
+                f"Please reduce the length of the {where} or completion.",
+                param,
+            )
+        return resolved
+
+    async def generate(
+        self, prompt_ids: list[int], params: SamplingParams, priority: int
+    ) -> AsyncIterator[RequestOutput]:
+        """One engine request with metrics; engine failures become APIErrors."""
+        arrival = time.monotonic()
+        tracker = self.metrics.tracker(arrival)
+        self.num_pending += 1
+        pending, finished = True, False
+        try:
+            stream = self.client.generate(uuid.uuid4().hex, prompt_ids, params, priority, arrival)
+            # aclosing: when our consumer stops, the engine request aborts now, not at garbage collection.
+            async with contextlib.aclosing(stream):
+                async for out in stream:
+                    if pending:
+                        pending = False
+                        self.num_pending -= 1
+                    now = time.monotonic()
+                    tracker.on_output(out, now)
+                    if out.finished:
+                        finished = True
+                        tracker.on_finish(out, now)
+                    yield out
+        except EngineDeadError as exc:
+            raise APIError(500, f"the engine failed while serving this request: {exc}", code="engine_dead") from None
+        except EngineRequestError as exc:
+            raise bad_request(str(exc)) from None
+        finally:
+            if pending:
+                self.num_pending -= 1
+            if not finished:
+                tracker.on_finish(None, time.monotonic())

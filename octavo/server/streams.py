@@ -1,0 +1,127 @@
+"""Async plumbing shared by the handlers: merging request streams, SSE, disconnects."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from dataclasses import dataclass
+from typing import AsyncIterator, Awaitable, Optional, TypeVar
+
+from fastapi import Request
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel
+
+from octavo.core.outputs import TokenLogprobs
+from octavo.outputs import CompletionOutput
+from octavo.server.errors import APIError, sse_error
+
+T = TypeVar("T")
+
+
+async def merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]:
+    """Interleave several streams as (stream index, item), in arrival order.
+
+    Each stream is only advanced after its previous item was consumed, so an
+    item that is updated in place is never seen twice. Leaving early closes
+    every stream (which aborts their engine requests)."""
+    pending: dict[asyncio.Task[T], int] = {}
+
+    def arm(i: int) -> None:
+        pending[asyncio.ensure_future(anext(streams[i]))] = i
+
+    try:
+        for i in range(len(streams)):
+            arm(i)
+        while pending:
+            done, _ = await asyncio.wait(pending, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                i = pending.pop(task)
+                try:
+                    item = task.result()
+                except StopAsyncIteration:
+                    continue
+                yield i, item
+                arm(i)
+    finally:
+        for task in pending:
+            task.cancel()
+        for task in pending:
+            with contextlib.suppress(BaseException):
+                await task
+        for stream in streams:
+            with contextlib.suppress(Exception):
+                await stream.aclose()  # type: ignore[attr-defined]
+
+
+async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
+    """Run ``work`` unless the client goes away first, in which case it is
+    cancelled (its engine requests abort) and the handler's task ends too."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+    if task.cancelled():
+        # Nobody reads this answer; it just ends the handler without an
+        # exception (499: nginx's "client closed request").
+        raise APIError(499, "client disconnected")
+    return task.result()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    # The body has been read, so the next ASGI message is the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def sse(chunk: BaseModel) -> str:
+    return f"data: {chunk.model_dump_json(exclude_unset=False)}\n\n"
+
+
+def sse_response(events: AsyncIterator[str]) -> StreamingResponse:
+    async def body() -> AsyncIterator[str]:
+        try:
+            async with contextlib.aclosing(events):  # type: ignore[type-var]
+                async for event in events:
+                    yield event
+        except APIError as err:
+            # Headers (200) are gone already: report in-band, like OpenAI does.
+            yield sse_error(err)
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+@dataclass
+class ChoiceDelta:
+    text: str
+    token_ids: list[int]
+    logprobs: Optional[list[TokenLogprobs]]
+    finish_reason: Optional[str]
+    stop_reason: Optional[int | str]
+
+
+@dataclass
+class ChoiceCursor:
+    """How much of one cumulative CompletionOutput a stream has sent."""
+
+    text_len: int = 0
+    num_tokens: int = 0
+    done: bool = False
+
+    def advance(self, c: CompletionOutput) -> Optional[ChoiceDelta]:
+        if self.done:
+            return None
+        text = c.text[self.text_len :]
+        token_ids = c.token_ids[self.num_tokens :]
+        logprobs = c.logprobs[self.num_tokens :] if c.logprobs is not None else None
+        if not text and not token_ids and not c.finished:
+            return None
+        self.text_len = len(c.text)
+        self.num_tokens = len(c.token_ids)
+        self.done = c.finished
+        return ChoiceDelta(text, token_ids, logprobs, c.finish_reason, c.stop_reason)
