@@ -128,6 +128,8 @@ def parse_rope(raw: dict[str, Any]) -> RopeConfig:
     )
     factor = params.get("factor")
     if factor is None:  # yarn may leave it implicit in the two lengths
+        if not (original and raw.get("max_position_embeddings")):
+            raise ValueError("rope scaling 'yarn' needs a 'factor' or both context lengths")
         factor = raw["max_position_embeddings"] / original
     return RopeConfig(
         rope_type=rope_type,
