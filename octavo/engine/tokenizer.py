@@ -63,6 +63,10 @@ class Tokenizer:
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
+    def to_json(self) -> str:
+        """The tokenizer.json document (grammar libraries build their vocabulary from it)."""
+        return self._tok.to_str()
+
     def id_to_token(self, token_id: int) -> Optional[str]:
         return self._tok.id_to_token(token_id)
 

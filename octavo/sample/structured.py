@@ -99,7 +99,7 @@ class GrammarCompiler:
         # llguidance reads the vocabulary (and how tokens map to bytes) from
         # the tokenizer.json text itself.
         self._tokenizer = llguidance.LLTokenizer(
-            tokenizer._tok.to_str(), n_vocab=self.vocab_size, eos_token=eos
+            tokenizer.to_json(), n_vocab=self.vocab_size, eos_token=eos
         )
         self._executor = llguidance.LLExecutor()
         self._cache: OrderedDict[str, Grammar] = OrderedDict()

@@ -1,0 +1,257 @@
+"""LLMEngine: requests in, one scheduler step at a time, RequestOutputs out."""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from pathlib import Path
+from typing import Iterable, Optional
+
+from octavo.config import EngineConfig
+from octavo.core.outputs import ModelRunnerOutput
+from octavo.core.request import Request, RequestStatus
+from octavo.core.scheduler import Scheduler
+from octavo.engine.detokenizer import IncrementalDetokenizer
+from octavo.engine.request_state import RequestState, SequenceState
+from octavo.engine.stats import EngineStats
+from octavo.engine.tokenizer import Tokenizer
+from octavo.outputs import RequestMetrics, RequestOutput
+from octavo.sampling_params import SamplingParams
+from octavo.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+class LLMEngine:
+    """Owns the tokenizer, the scheduler and the model runner. Not thread-safe:
+    one caller drives ``add_request`` / ``abort_request`` / ``step``."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        model_dir = Path(config.model.model)
+        if not model_dir.is_dir():
+            raise ValueError(f"model folder not found: {config.model.model}")
+        self.config = config
+        self.tokenizer = Tokenizer(config.model.tokenizer or config.model.model)
+        self.runner = ModelRunner(config.model, config.cache, config.scheduler)
+        self.vocab_size = self.runner.vocab_size
+        self.max_model_len = self.runner.max_model_len
+        self.model_name = config.model.served_model_name or model_dir.resolve().name
+        # Sampling defaults from generation_config.json, for requests that
+        # leave a field unset (the server applies them).
+        self.generation_defaults = {
+            k: v
+            for k, v in dataclasses.asdict(self.runner.generation_defaults).items()
+            if v is not None and k != "eos_token_ids"
+        }
+        eos_ids = list(self.runner.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos_ids:
+            eos_ids.insert(0, self.tokenizer.eos_token_id)
+        self.eos_token_id: Optional[int] = eos_ids[0] if eos_ids else None
+        # Checkpoints with several end tokens (e.g. end-of-turn and end-of-text)
+        # stop on any of them; the extra ones act as stop tokens.
+        self._extra_eos_ids = eos_ids[1:]
+        self.scheduler = Scheduler(
+            config.scheduler, config.cache, self.runner.num_blocks, self.max_model_len
+        )
+        self._requests: dict[str, RequestState] = {}
+        self._child_to_parent: dict[str, str] = {}
+        self._pending: list[RequestOutput] = []  # outputs produced outside step()
+        self._grammar_compiler = None
+        self._prompt_tokens = 0
+        self._generation_tokens = 0
+
+    # ---- requests -------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        priority: int = 0,
+        arrival_time: Optional[float] = None,
+    ) -> None:
+        """Queue one request; raises ValueError for input the engine cannot serve."""
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        prompt_text, prompt_ids = self._tokenize(prompt)
+        if params.truncate_prompt_tokens is not None:
+            prompt_ids = prompt_ids[-params.truncate_prompt_tokens :]
+        self._check_prompt(prompt_ids, params)
+        params.check_vocab(self.vocab_size)
+        params = self._resolve_params(params, len(prompt_ids))
+        grammars = self._compile_grammar(params)
+
+        state = RequestState(
+            request_id=request_id,
+            prompt=prompt_text,
+            prompt_token_ids=prompt_ids,
+            params=params,
+            child_ids=[],
+            sequences={},
+            metrics=RequestMetrics(arrival_time=arrival_time or time.monotonic()),
+        )
+        num_seqs = params.best_of or params.n
+        seq_params = params
+        if num_seqs > params.n and params.logprobs is None:
+            # Ranking by cumulative logprob needs the chosen tokens' logprobs;
+            # the output leaves them out again (state.params keeps logprobs None).
+            seq_params = dataclasses.replace(params, logprobs=0)
+        children: list[Request] = []
+        for i in range(num_seqs):
+            child_id = request_id if num_seqs == 1 else f"{request_id}#{i}"
+            child_params = seq_params
+            if params.seed is not None and i > 0:
+                # Each sequence of a seeded request draws its own, reproducible stream.
+                child_params = dataclasses.replace(seq_params, seed=params.seed + i)
+            children.append(
+                Request(
+                    request_id=child_id,
+                    prompt_token_ids=prompt_ids,
+                    sampling_params=child_params,
+                    eos_token_id=self.eos_token_id,
+                    priority=priority,
+                    arrival_time=state.metrics.arrival_time,
+                    fork_of=children[0].request_id if i > 0 else None,
+                )
+            )
+            if grammars is not None:
+                children[-1].grammar = grammars.new_matcher()
+            state.child_ids.append(child_id)
+            detok = (
+                IncrementalDetokenizer(self.tokenizer, prompt_ids, params)
+                if params.detokenize
+                else None
+            )
+            state.sequences[child_id] = SequenceState(index=i, detokenizer=detok)
+        for child in children:
+            self.scheduler.add_request(child)
+            self._child_to_parent[child.request_id] = request_id
+        self._requests[request_id] = state
+        self._prompt_tokens += len(prompt_ids)
+
+    def abort_request(self, request_ids: Iterable[str]) -> None:
+        """Cancel requests in any state; their blocks return to the pool now and
+        each yields a final output with finish_reason "abort"."""
+        for request_id in request_ids:
+            state = self._requests.pop(request_id, None)
+            if state is None:
+                continue
+            self.scheduler.abort_requests(state.child_ids)
+            for child_id in state.child_ids:
+                self._child_to_parent.pop(child_id, None)
+            state.finish_all("abort")
+            self._pending.append(state.make_output())
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests) or bool(self._pending) or self.scheduler.has_unfinished_requests()
+
+    # ---- the step -------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
+        sched_out = self.scheduler.schedule()
+        runner_out = (
+            self.runner.execute(sched_out) if not sched_out.is_empty else ModelRunnerOutput()
+        )
+        now = time.monotonic()
+        for scheduled in sched_out.scheduled:
+            parent = self._child_to_parent.get(scheduled.request.request_id)
+            if parent is not None:
+                metrics = self._requests[parent].metrics
+                if metrics.first_scheduled_time is None:
+                    metrics.first_scheduled_time = now
+        progressed: dict[str, RequestState] = {}
+        stopped: list[str] = []
+        for core_out in self.scheduler.update_from_output(sched_out, runner_out):
+            parent = self._child_to_parent.get(core_out.request_id)
+            if parent is None:
+                continue  # aborted meanwhile
+            state = self._requests[parent]
+            self._generation_tokens += len(core_out.new_token_ids)
+            if state.apply(core_out) is not None:
+                stopped.append(core_out.request_id)
+            progressed[parent] = state
+        if stopped:
+            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        for request_id, state in progressed.items():
+            hold = state.params.best_of is not None and state.params.best_of > state.params.n
+            if state.finished:
+                self._release(request_id)
+            elif hold:
+                continue
+            outputs.append(state.make_output())
+        return outputs
+
+    def get_stats(self) -> EngineStats:
+        kv = self.scheduler.kv_cache_manager
+        return EngineStats(
+            num_running=self.scheduler.num_running,
+            num_waiting=self.scheduler.num_waiting,
+            num_total_blocks=kv.num_total_blocks,
+            num_free_blocks=kv.num_free_blocks,
+            prefix_cache_queries=kv.prefix_cache_queries,
+            prefix_cache_hits=kv.prefix_cache_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens=self._prompt_tokens,
+            generation_tokens=self._generation_tokens,
+        )
+
+    # ---- helpers --------------------------------------------------------
+
+    def _release(self, request_id: str) -> None:
+        state = self._requests.pop(request_id)
+        for child_id in state.child_ids:
+            self._child_to_parent.pop(child_id, None)
+
+    def _tokenize(self, prompt: str | list[int]) -> tuple[Optional[str], list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            return prompt, self.tokenizer.encode(prompt)
+        if not isinstance(prompt, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt
+        ):
+            raise ValueError("prompt must be a string or a list of token ids")
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"prompt contains token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}"
+            )
+        return None, list(prompt)
+
+    def _check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        if not prompt_ids:
+            raise ValueError("prompt must not be empty")
+        requested = len(prompt_ids) + (params.max_tokens or 0)
+        if len(prompt_ids) > self.max_model_len or (
+            params.max_tokens is not None and requested > self.max_model_len
+        ):
+            raise ValueError(
+                f"This model's maximum context length is {self.max_model_len} tokens. "
+                f"However, you requested {requested} tokens ({len(prompt_ids)} in the prompt, "
+                f"{params.max_tokens or 0} for the completion)."
+            )
+
+    def _resolve_params(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
+        changes: dict = {}
+        if params.max_tokens is None:
+            changes["max_tokens"] = self.max_model_len - prompt_len
+        if self._extra_eos_ids and not params.ignore_eos:
+            extra = [t for t in self._extra_eos_ids if t not in params.stop_token_ids]
+            if extra:
+                changes["stop_token_ids"] = list(params.stop_token_ids) + extra
+        if changes:
+            params = dataclasses.replace(params, **changes)
+        if params.bad_words:
+            params.resolve_bad_words(self.tokenizer)
+        return params
+
+    def _compile_grammar(self, params: SamplingParams):
+        if params.structured_outputs is None:
+            return None
+        if self._grammar_compiler is None:
+            from octavo.sample.structured import GrammarCompiler
+
+            eos_ids = [self.eos_token_id, *self._extra_eos_ids] if self.eos_token_id is not None else []
+            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, eos_token_ids=eos_ids)
+        return self._grammar_compiler.compile(params.structured_outputs)

@@ -1,0 +1,125 @@
+"""Per-request bookkeeping on the engine side: the n (or best_of) sequences of
+one user request, their detokenizers, and the assembly of RequestOutput."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+from octavo.core.outputs import EngineCoreOutput, TokenLogprobs
+from octavo.engine.detokenizer import IncrementalDetokenizer
+from octavo.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from octavo.sampling_params import SamplingParams
+
+
+@dataclass
+class SequenceState:
+    """One generated sequence (a child request in the scheduler)."""
+
+    index: int
+    detokenizer: Optional[IncrementalDetokenizer]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[int | str] = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def as_output(self, with_logprobs: bool) -> CompletionOutput:
+        return CompletionOutput(
+            index=self.index,
+            text=self.text,
+            token_ids=list(self.token_ids),
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=list(self.logprobs) if with_logprobs else None,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    child_ids: list[str]
+    sequences: dict[str, SequenceState]
+    metrics: RequestMetrics
+    prompt_logprobs: Optional[list[Optional[TokenLogprobs]]] = None
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.sequences.values())
+
+    def apply(self, out: EngineCoreOutput) -> Optional[str]:
+        """Fold one scheduler output into its sequence. Returns the stop string
+        when the detokenizer found one (the caller must stop the sequence)."""
+        seq = self.sequences[out.request_id]
+        now = time.monotonic()
+        if out.prompt_logprobs is not None and self.params.prompt_logprobs is not None:
+            if self.prompt_logprobs is None:
+                self.prompt_logprobs = [None]
+            # Every child computes the same prompt; keep the first child's.
+            if out.request_id == self.child_ids[0]:
+                self.prompt_logprobs.extend(out.prompt_logprobs)
+        self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
+        stop_str = None
+        if out.new_token_ids:
+            if self.metrics.first_token_time is None:
+                self.metrics.first_token_time = now
+            self.metrics.last_token_time = now
+            seq.token_ids.extend(out.new_token_ids)
+            for lp in out.new_logprobs or []:
+                seq.logprobs.append(lp)
+                seq.cumulative_logprob += lp.logprob
+            if seq.detokenizer is not None:
+                stop_str = seq.detokenizer.update(out.new_token_ids)
+                if stop_str is not None:
+                    seq.finish_reason, seq.stop_reason = "stop", stop_str
+        if out.finish_reason is not None and not seq.finished:
+            seq.finish_reason, seq.stop_reason = out.finish_reason, out.stop_reason
+        if seq.detokenizer is not None:
+            if seq.finished:
+                seq.detokenizer.finish()
+            seq.text += seq.detokenizer.get_delta()
+        if self.finished:
+            self.metrics.finished_time = now
+        return stop_str
+
+    def finish_all(self, reason: str) -> None:
+        for seq in self.sequences.values():
+            if not seq.finished:
+                seq.finish_reason = reason
+                if seq.detokenizer is not None:
+                    seq.detokenizer.finish()
+                    seq.text += seq.detokenizer.get_delta()
+        self.metrics.finished_time = time.monotonic()
+
+    def make_output(self) -> RequestOutput:
+        with_logprobs = self.params.logprobs is not None
+        seqs = sorted(self.sequences.values(), key=lambda s: s.index)
+        n = self.params.n
+        if self.params.best_of is not None and self.params.best_of > n:
+            # best_of > n: the n most likely sequences, reported once all are done.
+            seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[:n]
+            outputs = [s.as_output(with_logprobs) for s in seqs]
+            for i, o in enumerate(outputs):
+                o.index = i
+        else:
+            outputs = [s.as_output(with_logprobs) for s in seqs]
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=outputs,
+            finished=self.finished,
+            prompt_logprobs=self.prompt_logprobs,
+            num_cached_tokens=self.num_cached_tokens,
+            metrics=self.metrics,
+        )

@@ -1,0 +1,167 @@
+"""LLM: the offline Python API (batch generation and chat)."""
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+from typing import Any, Optional, Sequence, Union
+
+from tqdm import tqdm
+
+from octavo.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from octavo.engine.llm_engine import LLMEngine
+from octavo.engine.tokenizer import Tokenizer
+from octavo.outputs import RequestOutput
+from octavo.sampling_params import SamplingParams
+
+PromptType = Union[str, list[int]]
+Messages = list[dict[str, Any]]
+
+
+def default_model_path() -> Path:
+    from octavo.assets import DEFAULT_MODEL_PATH
+
+    return Path(DEFAULT_MODEL_PATH)
+
+
+class LLM:
+    """Generate for many prompts at once; the engine batches them continuously.
+
+    ``model`` is a Hugging Face checkpoint folder; ``None`` means the
+    built-in default model shipped with Octavo.
+    """
+
+    def __init__(
+        self,
+        model: Optional[str | Path] = None,
+        *,
+        tokenizer: Optional[str] = None,
+        dtype: str = "auto",
+        max_model_len: Optional[int] = None,
+        block_size: int = 16,
+        kv_cache_memory_bytes: Optional[int] = None,
+        memory_fraction: float = 0.3,
+        num_blocks: Optional[int] = None,
+        enable_prefix_caching: bool = True,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 2048,
+        enable_chunked_prefill: bool = True,
+        seed: int = 0,
+        device: str = "cpu",
+    ) -> None:
+        model_path = str(model) if model is not None else str(default_model_path())
+        config = EngineConfig(
+            model=ModelConfig(
+                model=model_path,
+                tokenizer=tokenizer,
+                dtype=dtype,
+                max_model_len=max_model_len,
+                seed=seed,
+                device=device,
+            ),
+            cache=CacheConfig(
+                block_size=block_size,
+                kv_cache_memory_bytes=kv_cache_memory_bytes,
+                memory_fraction=memory_fraction,
+                num_blocks=num_blocks,
+                enable_prefix_caching=enable_prefix_caching,
+            ),
+            scheduler=SchedulerConfig(
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens,
+                enable_chunked_prefill=enable_chunked_prefill,
+            ),
+        )
+        self.engine = LLMEngine(config)
+        self._ids = itertools.count()
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: Optional[SamplingParams | Sequence[SamplingParams]] = None,
+        *,
+        priority: Optional[Sequence[int]] = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Outputs in the order of ``prompts``. A single string or a single
+        list of token ids is one prompt."""
+        prompt_list = _as_prompt_list(prompts)
+        params_list = _broadcast(sampling_params or SamplingParams(), len(prompt_list), "sampling_params")
+        priorities = list(priority) if priority is not None else [0] * len(prompt_list)
+        if len(priorities) != len(prompt_list):
+            raise ValueError("priority must have one entry per prompt")
+        request_ids: list[str] = []
+        try:
+            for prompt, params, prio in zip(prompt_list, params_list, priorities):
+                request_id = str(next(self._ids))
+                self.engine.add_request(request_id, prompt, params, priority=prio)
+                request_ids.append(request_id)
+        except ValueError:
+            self.engine.abort_request(request_ids)
+            self._drain()
+            raise
+        return self._run(request_ids, use_tqdm)
+
+    def chat(
+        self,
+        messages: Messages | Sequence[Messages],
+        sampling_params: Optional[SamplingParams | Sequence[SamplingParams]] = None,
+        *,
+        chat_template: Optional[str] = None,
+        add_generation_prompt: bool = True,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Render each conversation with the tokenizer's chat template, then generate."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tokenizer = self.engine.tokenizer
+        prompts: list[PromptType] = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(
+                conversation, add_generation_prompt=add_generation_prompt, chat_template=chat_template
+            )
+            # The template writes the BOS token itself where the model wants one.
+            prompts.append(tokenizer.encode(text, add_special_tokens=False))
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        pending = set(request_ids)
+        final: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="generate", disable=not use_tqdm or len(request_ids) < 2)
+        try:
+            while pending:
+                for out in self.engine.step():
+                    if out.finished and out.request_id in pending:
+                        final[out.request_id] = out
+                        pending.discard(out.request_id)
+                        bar.update(1)
+        except BaseException:
+            # Interrupted (KeyboardInterrupt or an engine error): free what is left.
+            self.engine.abort_request(pending)
+            self._drain()
+            raise
+        finally:
+            bar.close()
+        return [final[r] for r in request_ids]
+
+    def _drain(self) -> None:
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
+
+
+def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt of token ids
+    return prompts
+
+
+def _broadcast(value: Any, count: int, name: str) -> list[Any]:
+    if isinstance(value, (list, tuple)):
+        if len(value) != count:
+            raise ValueError(f"{name} must be one value or one per prompt ({count})")
+        return list(value)
+    return [value] * count

@@ -1,0 +1,59 @@
+"""Fixtures for end-to-end engine tests: tiny checkpoints and transformers' greedy reference."""
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tests.model_factory import load_hf_model, make_tiny_model
+
+ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
+PROMPT_LENGTHS = [1, 7, 16, 33, 64, 128, 211, 300]
+NEW_TOKENS = 64
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("engine-models")
+    return lambda arch="llama", **kw: make_tiny_model(root, arch, **kw)
+
+
+def random_prompts(lengths: list[int], vocab: int = 512, seed: int = 1) -> list[list[int]]:
+    rng = random.Random(seed)
+    # Ids from 5 upwards: no special tokens inside prompts.
+    return [[rng.randrange(5, vocab) for _ in range(n)] for n in lengths]
+
+
+def shared_prefix_prompts(seed: int = 2) -> list[list[int]]:
+    """Prompts that share a 40-token system prefix, like chat traffic does."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(5, 512) for _ in range(40)]
+    return [prefix + [rng.randrange(5, 512) for _ in range(n)] for n in (3, 17, 30, 9)]
+
+
+_REFERENCE: dict = {}
+
+
+def hf_greedy(folder, prompts: list[list[int]], new_tokens: int = NEW_TOKENS) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt (one at a time: no padding effects)."""
+    key = (str(folder), tuple(map(tuple, prompts)), new_tokens)
+    if key not in _REFERENCE:
+        model = load_hf_model(folder)
+        # Like ignore_eos: end tokens may be generated but do not stop the
+        # sequence (min_new_tokens would instead forbid them).
+        model.generation_config.eos_token_id = None
+        outs = []
+        with torch.no_grad():
+            for p in prompts:
+                ids = torch.tensor([p])
+                gen = model.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    do_sample=False,
+                    max_new_tokens=new_tokens,
+                    pad_token_id=2,
+                )
+                outs.append(gen[0, len(p):].tolist())
+        _REFERENCE[key] = outs
+    return _REFERENCE[key]

@@ -1,0 +1,119 @@
+"""The Python API: bad input is a ValueError and the engine keeps serving; aborts free blocks."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from octavo import LLM, SamplingParams
+from tests.engine.conftest import hf_greedy, random_prompts
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm(model_dir):
+    return LLM(model_dir("llama"), dtype="float32", max_model_len=256)
+
+
+def assert_no_leak(llm):
+    stats = llm.engine.get_stats()
+    assert stats.num_free_blocks == stats.num_total_blocks
+    assert not llm.engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize(
+    "prompt, match",
+    [
+        ("", "prompt must not be empty"),
+        ([], "prompt must not be empty"),
+        ([7] * 300, "maximum context length is 256 tokens"),
+        ([7, 100000], "outside the vocabulary"),
+    ],
+)
+def test_bad_prompt_is_value_error_and_engine_keeps_serving(llm, model_dir, prompt, match):
+    with pytest.raises(ValueError, match=match):
+        llm.generate([[5, 6, 7], prompt], GREEDY, use_tqdm=False)
+    assert_no_leak(llm)
+    prompts = random_prompts([4, 9])
+    out = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in out] == hf_greedy(model_dir("llama"), prompts, 8)
+
+
+def test_prompt_plus_max_tokens_over_limit(llm):
+    with pytest.raises(ValueError, match="you requested 260 tokens"):
+        llm.generate([[5] * 200], SamplingParams(max_tokens=60), use_tqdm=False)
+    assert_no_leak(llm)
+
+
+def test_unknown_folder(tmp_path):
+    with pytest.raises(ValueError, match="not found"):
+        LLM(tmp_path / "nope")
+
+
+def test_missing_safetensors(model_dir, tmp_path):
+    folder = tmp_path / "broken"
+    shutil.copytree(model_dir("llama"), folder)
+    (folder / "model.safetensors").unlink()
+    with pytest.raises(ValueError, match="safetensors"):
+        LLM(folder)
+
+
+def test_abort_in_every_state_returns_blocks(llm):
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True)
+    for i, n in enumerate([30, 60, 90, 120]):
+        engine.add_request(f"abort-{i}", [9] * n, params)
+    finals = {}
+
+    def step():
+        for out in engine.step():
+            if out.finished:
+                finals[out.request_id] = out
+
+    engine.abort_request(["abort-0"])  # still waiting
+    step()  # the others start prefilling / decoding
+    step()
+    engine.abort_request(["abort-1", "abort-2"])
+    while engine.has_unfinished_requests():
+        step()
+        if "abort-3" in finals or len(finals) >= 3:
+            engine.abort_request(["abort-3"])
+    assert {finals[f"abort-{i}"].outputs[0].finish_reason for i in range(3)} == {"abort"}
+    assert_no_leak(llm)
+
+
+def test_finish_reasons_and_eos(model_dir):
+    llm = LLM(model_dir("llama"), dtype="float32")
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0.0, max_tokens=5), use_tqdm=False)[0]
+    seq = out.outputs[0]
+    assert len(seq.token_ids) <= 5
+    if len(seq.token_ids) < 5:
+        assert seq.finish_reason == "stop" and seq.token_ids[-1] in (1, 4)
+    else:
+        assert seq.finish_reason == "length"
+    # A stop token chosen from the greedy continuation ends the sequence there.
+    ref = hf_greedy(model_dir("llama"), [[5, 6, 7]], 8)[0]
+    stop_at = ref[3]
+    out = llm.generate(
+        [[5, 6, 7]],
+        SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, stop_token_ids=[stop_at]),
+        use_tqdm=False,
+    )[0].outputs[0]
+    assert out.token_ids == ref[: ref.index(stop_at) + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_at
+    assert_no_leak(llm)
+
+
+def test_chat_uses_template(model_dir):
+    llm = LLM(model_dir("llama"), dtype="float32")
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"}]
+    out = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
+    tok = llm.get_tokenizer()
+    expected = tok.encode(
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHello<|im_end|>\n<|im_start|>assistant\n",
+        add_special_tokens=False,
+    )
+    assert out.prompt_token_ids == expected
+    assert len(out.outputs[0].token_ids) == 4
+    assert out.outputs[0].text == tok.decode(out.outputs[0].token_ids)
