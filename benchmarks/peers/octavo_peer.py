@@ -1,0 +1,60 @@
+"""Octavo's offline ``LLM.generate`` as a peer: all requests submitted at once,
+batched continuously by the engine."""
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from benchmarks.report import PeerResult
+from benchmarks.workload import Workload
+
+if TYPE_CHECKING:
+    from octavo.engine.stats import EngineStats
+
+
+class OctavoPeer:
+    name = "octavo"
+
+    def __init__(self, model: Path, dtype: str, **engine_args: Any) -> None:
+        from octavo import LLM
+
+        self.model_path = model
+        self.engine_args = engine_args
+        self.llm = LLM(model=str(model), dtype=dtype, **engine_args)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, **overrides: Any) -> OctavoPeer:
+        """Built from the options benchmarks.throughput.add_common_args defines."""
+        engine_args = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+                       "kv_cache_memory_bytes": args.kv_cache_memory_bytes, **overrides}
+        return cls(args.model, args.dtype, **engine_args)
+
+    def stats(self) -> EngineStats:
+        return self.llm.engine.get_stats()
+
+    def generate(self, workload: Workload) -> list[Any]:
+        from octavo import SamplingParams
+
+        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in workload.output_lens]
+        outputs = self.llm.generate(workload.prompts, params, use_tqdm=False)
+        for out, want in zip(outputs, workload.output_lens):
+            got = len(out.outputs[0].token_ids)
+            if got != want:
+                raise RuntimeError(f"request {out.request_id}: {got} tokens generated, {want} requested")
+        return outputs
+
+    def warmup(self) -> None:
+        self.generate(Workload("warmup", [[1, 2, 3, 4]] * 2, [2, 2], "warmup"))
+
+    def run(self, workload: Workload) -> PeerResult:
+        start = time.perf_counter()
+        self.generate(workload)
+        elapsed = time.perf_counter() - start
+        return PeerResult(
+            peer=self.name, model=self.model_path.name, num_requests=len(workload.prompts),
+            prompt_tokens=workload.num_prompt_tokens, output_tokens=workload.num_output_tokens,
+            elapsed_s=elapsed, notes="continuous batching, paged KV cache",
+            extra={k: v for k, v in self.engine_args.items() if v is not None},
+        )

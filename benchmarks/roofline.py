@@ -1,0 +1,182 @@
+"""How close Octavo's decode gets to this machine's limits.
+
+    python -m benchmarks.roofline --model benchmarks/models/qwen2.5-0.5b
+    python -m benchmarks.roofline --quick           # smaller buffers and fewer tokens
+
+Measures memory read bandwidth (sum and copy over buffers of several sizes;
+L3 here can be hundreds of MiB, so the buffer as large as the model's weights
+is the one that matters for decode) and matmul GFLOP/s (square and
+decode-shaped). Then:
+- batch-1 decode tokens/s vs the bandwidth roofline: bandwidth / bytes read
+  per token (every weight matrix once, the embedding row aside, plus the KV
+  cache read by attention);
+- large-batch decode tokens/s vs the compute roofline: bf16 GFLOP/s /
+  (2 * matmul parameters) per token (attention FLOPs left out: small at these
+  context lengths).
+Decode rates subtract prefill: rate = B * (N - 1) / (t(N tokens) - t(1 token)).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from benchmarks.report import load_avg, print_table, write_json
+from benchmarks.options import add_common_args, apply_threads, int_list
+from benchmarks.workload import Workload, ordinary_token_ids
+
+MIB = 2**20
+
+
+def median_time(fn: Callable[[], object], repeats: int) -> float:
+    fn()  # warm: page faults and allocator growth happen here, not in the timing
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def bandwidth_gbs(size_bytes: int, repeats: int) -> dict[str, float]:
+    """Read bandwidth of a full-buffer sum, and of a copy (read + write counted)."""
+    x = torch.ones(size_bytes // 4, dtype=torch.float32)
+    y = torch.empty_like(x)
+    t_sum = median_time(lambda: x.sum(), repeats)
+    t_copy = median_time(lambda: y.copy_(x), repeats)
+    return {"size_mib": size_bytes / MIB, "sum_read_gbs": size_bytes / t_sum / 1e9,
+            "copy_gbs": 2 * size_bytes / t_copy / 1e9}
+
+
+def matmul_gflops(m: int, k: int, n: int, dtype: torch.dtype, repeats: int) -> float:
+    a = torch.randn(m, k).to(dtype)
+    b = torch.randn(k, n).to(dtype)
+    return 2 * m * k * n / median_time(lambda: torch.mm(a, b), repeats) / 1e9
+
+
+@dataclass
+class ModelShape:
+    params: int  # all parameters, counting a tied embedding once
+    matmul_params: int  # those multiplied per token: all but the embedding lookup (lm_head included)
+    layers: int
+    kv_heads: int
+    head_dim: int
+    hidden: int
+
+    @classmethod
+    def from_config(cls, model: Path, params: int) -> ModelShape:
+        cfg = json.loads((model / "config.json").read_text())
+        embed = cfg["vocab_size"] * cfg["hidden_size"]
+        tied = cfg.get("tie_word_embeddings", False)
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+        return cls(params=params, matmul_params=params if tied else params - embed,
+                   layers=cfg["num_hidden_layers"], kv_heads=cfg["num_key_value_heads"],
+                   head_dim=head_dim, hidden=cfg["hidden_size"])
+
+    def bytes_per_token(self, weight_bytes: int, context: int, kv_bytes: int) -> float:
+        """Bytes one batch-1 decode step must read: weights once, embedding row aside, plus K and V."""
+        weights = self.matmul_params * weight_bytes
+        kv = 2 * self.layers * self.kv_heads * self.head_dim * context * kv_bytes
+        return weights + kv
+
+
+def count_params(model: Path) -> int:
+    from safetensors import safe_open
+
+    total = 0
+    for shard in sorted(model.glob("*.safetensors")):
+        with safe_open(str(shard), framework="pt") as f:
+            for name in f.keys():
+                total += math.prod(f.get_slice(name).get_shape())
+    return total
+
+
+def decode_rate(llm_generate: Callable[[Workload], object], token_ids: list[int], batch: int,
+                prompt_len: int, new_tokens: int, repeats: int) -> float:
+    """Decode tokens/s for ``batch`` concurrent sequences, prefill subtracted."""
+    rng = random.Random(batch)
+    prompts = [[rng.choice(token_ids) for _ in range(prompt_len)] for _ in range(batch)]
+
+    def timed(n: int) -> float:
+        wl = Workload("decode", prompts, [n] * batch, "decode probe")
+        return median_time(lambda: llm_generate(wl), repeats)
+
+    t_full, t_first = timed(new_tokens), timed(1)
+    return batch * (new_tokens - 1) / (t_full - t_first)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(parser)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, help="decode length (default 128, --quick 32)")
+    parser.add_argument("--large-batches", type=int_list, help="batch sizes tried for peak decode "
+                        "(default 64,128,256, --quick 128)")
+    parser.add_argument("--quick", action="store_true", help="smaller buffers, fewer tokens and batch sizes")
+    args = parser.parse_args()
+    apply_threads(args)
+    args.repeats = max(args.repeats, 3)
+    args.new_tokens = args.new_tokens or (32 if args.quick else 128)
+    large_batches = args.large_batches or ([128] if args.quick else [64, 128, 256])
+    dtype = getattr(torch, args.dtype)
+    weight_bytes = torch.finfo(dtype).bits // 8
+    shape = ModelShape.from_config(args.model, count_params(args.model))
+    load_start = load_avg()
+
+    model_mib = max(64, shape.params * weight_bytes // MIB)
+    sizes = sorted({64, 256, model_mib, 1024 if args.quick else 2048})
+    bw = [bandwidth_gbs(s * MIB, args.repeats) for s in sizes]
+    print_table(bw, ["size_mib", "sum_read_gbs", "copy_gbs"], title="memory bandwidth (median of repeats)")
+    dram_gbs = bw[-1]["sum_read_gbs"]
+    model_gbs = next(b["sum_read_gbs"] for b in bw if b["size_mib"] == model_mib)
+
+    inter = json.loads((args.model / "config.json").read_text())["intermediate_size"]
+    squares = [(n, n, n) for n in ((1024, 2048) if args.quick else (1024, 2048, 4096))]
+    mm_shapes = squares + [(1, shape.hidden, inter), (32, shape.hidden, inter), (256, shape.hidden, inter)]
+    mm = [{"m,k,n": f"{m},{k},{n}", "dtype": str(dt).split(".")[1], "gflops": matmul_gflops(m, k, n, dt, args.repeats)}
+          for m, k, n in mm_shapes for dt in (torch.bfloat16, torch.float32)]
+    print_table(mm, ["m,k,n", "dtype", "gflops"], title="torch.mm GFLOP/s (median of repeats)")
+    # The roofline is the best rate any measured shape reached in the model's dtype.
+    compute_peak = max(r["gflops"] for r in mm if r["dtype"] == args.dtype)
+
+    from benchmarks.peers.octavo_peer import OctavoPeer
+
+    if max(large_batches) > args.max_num_seqs:
+        raise ValueError(f"--large-batches must not exceed --max-num-seqs ({args.max_num_seqs})")
+    peer = OctavoPeer.from_args(args, enable_prefix_caching=False)
+    ids = ordinary_token_ids(args.model)
+    b1 = decode_rate(peer.generate, ids, 1, args.prompt_len, args.new_tokens, args.repeats)
+    context = args.prompt_len + args.new_tokens // 2
+    per_token = shape.bytes_per_token(weight_bytes, context, kv_bytes=weight_bytes)
+    big = {b: decode_rate(peer.generate, ids, b, args.prompt_len, args.new_tokens, max(1, args.repeats // 2))
+           for b in large_batches}
+    best_b = max(big, key=big.get)
+    flops_per_token = 2 * shape.matmul_params
+    rows = [
+        {"measure": "batch-1 decode", "tok_s": b1, "roofline_tok_s": model_gbs * 1e9 / per_token,
+         "fraction": b1 * per_token / (model_gbs * 1e9), "basis": f"{model_gbs:.1f} GB/s at {model_mib} MiB"},
+        {"measure": "batch-1 decode (DRAM)", "tok_s": b1, "roofline_tok_s": dram_gbs * 1e9 / per_token,
+         "fraction": b1 * per_token / (dram_gbs * 1e9), "basis": f"{dram_gbs:.1f} GB/s at {sizes[-1]} MiB"},
+    ] + [
+        {"measure": f"batch-{b} decode", "tok_s": r, "roofline_tok_s": compute_peak * 1e9 / flops_per_token,
+         "fraction": r * flops_per_token / (compute_peak * 1e9), "basis": f"{compute_peak:.0f} GFLOP/s {args.dtype}"}
+        for b, r in big.items()
+    ]
+    print_table(rows, ["measure", "tok_s", "roofline_tok_s", "fraction", "basis"],
+                title=f"decode vs roofline, {args.model.name} {args.dtype}: {shape.params / 1e6:.0f}M params, "
+                      f"{per_token / 1e6:.0f} MB read per batch-1 token, {flops_per_token / 1e9:.2f} GFLOP per token")
+    print(f"load {load_start} -> {load_avg()}; peak decode at batch {best_b}")
+    write_json(args.json, {"benchmark": "roofline", "args": vars(args), "shape": asdict(shape),
+                           "bandwidth": bw, "matmul": mm, "decode": rows, "peak_batch": best_b})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""Offline throughput: Octavo vs Hugging Face transformers vs llama.cpp, one workload, one run.
+
+    python -m benchmarks.throughput --model benchmarks/models/llama-100m --num-prompts 256
+    python -m benchmarks.throughput --num-prompts 32 --peers octavo,hf --hf-batch-sizes 16,32   # quick
+
+Output tokens/s counts only the requested tokens (outputs are fixed by
+ignore_eos); each peer loads its model before its clock starts and does one
+warm-up generation.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+
+from benchmarks.peers.hf import HFPeer
+from benchmarks.peers.llamacpp import LlamaCppPeer
+from benchmarks.peers.octavo_peer import OctavoPeer
+from benchmarks.options import (
+    add_common_args, add_sharegpt_args, apply_threads, int_list, sharegpt_from_args, timed_runs,
+)
+from benchmarks.report import PeerResult, load_avg, print_table, write_json
+from benchmarks.workload import Workload
+
+PEERS = ("octavo", "hf", "llamacpp")
+
+
+def run_peer(name: str, args: argparse.Namespace, workload: Workload) -> tuple[PeerResult, list[PeerResult]]:
+    """The peer's headline result plus any sweep points behind it."""
+    if name == "octavo":
+        peer = OctavoPeer.from_args(args)
+        peer.warmup()
+        return timed_runs(lambda: peer.run(workload), args.repeats), []
+    if name == "hf":
+        hf = HFPeer(args.model, args.dtype)
+        hf.warmup()
+        sub = workload.head(args.hf_max_prompts or len(workload.prompts))
+        best, sweep = hf.sweep(sub, args.hf_batch_sizes)
+        if args.repeats > 1:
+            best = timed_runs(lambda: hf.run(sub, best.extra["batch_size"]), args.repeats)
+        return best, sweep
+    if name == "llamacpp":
+        sub = workload.head(args.llamacpp_max_prompts or len(workload.prompts))
+        lc = LlamaCppPeer(args.model, n_ctx=sub.max_seq_len + 16, threads=args.threads)
+        lc.warmup()
+        return timed_runs(lambda: lc.run(sub), args.repeats), []
+    raise ValueError(f"--peers: unknown peer {name!r}; choose from {', '.join(PEERS)}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(parser)
+    add_sharegpt_args(parser)
+    parser.add_argument("--peers", default="octavo,hf,llamacpp", help=f"comma-separated subset of {PEERS}")
+    parser.add_argument("--hf-batch-sizes", type=int_list, default=[8, 16, 32, 64])
+    parser.add_argument("--hf-max-prompts", type=int, default=0,
+                        help="run HF on only the first K prompts (it is slow); 0 = all")
+    parser.add_argument("--llamacpp-max-prompts", type=int, default=0,
+                        help="run llama.cpp on only the first K prompts; 0 = all")
+    args = parser.parse_args()
+    apply_threads(args)
+    peers = [p for p in args.peers.split(",") if p]
+    for p in peers:
+        if p not in PEERS:
+            raise ValueError(f"--peers: unknown peer {p!r}; choose from {', '.join(PEERS)}")
+
+    workload = sharegpt_from_args(args)
+    print(f"workload: {workload.summary()}", flush=True)
+    results: dict[str, PeerResult] = {}
+    sweeps: dict[str, list[PeerResult]] = {}
+    for name in peers:
+        results[name], sweeps[name] = run_peer(name, args, workload)
+        print(f"{name}: {results[name].output_tok_s:.1f} output tok/s (load {load_avg()})", flush=True)
+        gc.collect()
+
+    rows = [{"peer": r.peer, "requests": r.num_requests, "out_tokens": r.output_tokens, "elapsed_s": r.elapsed_s,
+             "out_tok_s": r.output_tok_s, "total_tok_s": r.total_tok_s, "notes": r.notes} for r in results.values()]
+    for point in sweeps.get("hf", []):
+        rows.append({"peer": f"  hf bs={point.extra['batch_size']}", "requests": point.num_requests,
+                     "out_tokens": point.output_tokens, "elapsed_s": point.elapsed_s,
+                     "out_tok_s": point.output_tok_s, "total_tok_s": point.total_tok_s})
+    print_table(rows, ["peer", "requests", "out_tokens", "elapsed_s", "out_tok_s", "total_tok_s", "notes"],
+                title=f"offline throughput, {args.model.name}, {args.dtype}")
+    ratios = {f"octavo/{p}": results["octavo"].output_tok_s / results[p].output_tok_s
+              for p in results if p != "octavo" and "octavo" in results}
+    for key, value in ratios.items():
+        print(f"{key}: {value:.2f}x")
+    write_json(args.json, {
+        "benchmark": "throughput", "args": vars(args), "workload": workload.summary(),
+        "results": {k: v.to_dict() for k, v in results.items()},
+        "hf_sweep": [r.to_dict() for r in sweeps.get("hf", [])], "ratios": ratios,
+    })
+
+
+if __name__ == "__main__":
+    main()
