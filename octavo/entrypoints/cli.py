@@ -63,11 +63,14 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
 
 
 def _model_path(model: Optional[str]) -> str:
-    if model is not None:
-        return model
-    from octavo.assets import DEFAULT_MODEL_PATH
+    if model is None:
+        from octavo.assets import DEFAULT_MODEL_PATH
 
-    return str(DEFAULT_MODEL_PATH)
+        model = str(DEFAULT_MODEL_PATH)
+    # Checked here so a typo is one line of error, not an engine start-up traceback.
+    if not os.path.isdir(model):
+        raise ValueError(f"model folder not found: {model}")
+    return model
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -31,9 +31,10 @@ def build_app(engine_config: EngineConfig, server_config: ServerConfig) -> FastA
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        # The tokenizer first: a bad folder fails in a second, not after the engine loaded.
+        tokenizer = Tokenizer(engine_config.model.tokenizer or engine_config.model.model)
         client = await AsyncEngineClient.start(engine_config, timeout_s=server_config.engine_start_timeout_s)
         try:
-            tokenizer = Tokenizer(engine_config.model.tokenizer or engine_config.model.model)
             metrics = ServerMetrics(client.info.model_name, lambda: client.stats)
             app.state.server = ServerState(client, tokenizer, server_config, metrics)
             yield

@@ -24,7 +24,7 @@ from octavo.server.protocol import (
     Usage,
 )
 from octavo.server.state import ServerState
-from octavo.server.streams import ChoiceCursor, sse, sse_response, until_disconnected
+from octavo.server.streams import ChoiceCursor, primed, sse, sse_response, until_disconnected
 
 # SamplingParams fields that this endpoint names differently.
 _API_NAMES = {"logprobs": "top_logprobs"}
@@ -38,6 +38,7 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, state
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     stream = state.generate(prompt_ids, params, req.priority)
     if req.stream:
+        stream = await primed(raw, stream)
         return sse_response(_stream(req, state, request_id, len(prompt_ids), stream))
     out = await until_disconnected(raw, _last(stream))
     choices = []

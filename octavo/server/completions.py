@@ -17,7 +17,7 @@ from octavo.server.logprobs import LegacyLogprobs, aligned_prompt_logprobs
 from octavo.server.params import build_sampling_params
 from octavo.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, Usage
 from octavo.server.state import ServerState
-from octavo.server.streams import ChoiceCursor, merge, sse, sse_response, until_disconnected
+from octavo.server.streams import ChoiceCursor, merge, primed, sse, sse_response, until_disconnected
 
 _MAX_LEGACY_LOGPROBS = 5
 
@@ -37,7 +37,8 @@ async def create_completion(req: CompletionRequest, raw: Request, state: ServerS
     request_id = f"cmpl-{uuid.uuid4().hex}"
     streams = [state.generate(p.ids, p.params, req.priority) for p in prompts]
     if req.stream:
-        return sse_response(_stream(req, state, request_id, prompts, streams))
+        merged = await primed(raw, merge(streams))
+        return sse_response(_stream(req, state, request_id, prompts, merged))
     finals = await until_disconnected(raw, _collect(streams))
     choices = []
     for i, (prompt, out) in enumerate(zip(prompts, finals)):
@@ -142,12 +143,12 @@ async def _stream(
     state: ServerState,
     request_id: str,
     prompts: list[_Prompt],
-    streams: list[AsyncIterator[RequestOutput]],
+    merged: AsyncIterator[tuple[int, RequestOutput]],
 ) -> AsyncIterator[str]:
     created = int(time.time())
     choices: dict[tuple[int, int], _ChoiceStream] = {}
     finals: list[Optional[RequestOutput]] = [None] * len(prompts)
-    async with contextlib.aclosing(merge(streams)) as merged:
+    async with contextlib.aclosing(merged):  # type: ignore[type-var]
         async for i, out in merged:
             finals[i] = out
             for c in out.outputs:

@@ -72,6 +72,21 @@ async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
     return task.result()
 
 
+async def primed(request: Request, stream: AsyncIterator[T]) -> AsyncIterator[T]:
+    """Wait for the stream's first item before the response starts, so that
+    a request the engine refuses still gets a real error status (not an
+    in-band error after a 200); returns an iterator over all items."""
+    first = await until_disconnected(request, anext(stream))
+
+    async def replay() -> AsyncIterator[T]:
+        async with contextlib.aclosing(stream):  # type: ignore[type-var]
+            yield first
+            async for item in stream:
+                yield item
+
+    return replay()
+
+
 async def _wait_disconnect(request: Request) -> None:
     # The body has been read, so the next ASGI message is the disconnect.
     while (await request.receive())["type"] != "http.disconnect":

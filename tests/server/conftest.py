@@ -31,7 +31,13 @@ class ServerProcess:
     """One `python -m octavo.entrypoints.cli serve ...` child process."""
 
     def __init__(
-        self, model: Path, log_path: Path, *args: str, api_key: Optional[str] = API_KEY, key_from_env: bool = False
+        self,
+        model: Path,
+        log_path: Path,
+        *args: str,
+        api_key: Optional[str] = API_KEY,
+        key_from_env: bool = False,
+        wait: bool = True,
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -47,9 +53,10 @@ class ServerProcess:
         self.log_path = log_path
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT)
-        self._wait_healthy()
+        if wait:
+            self.wait_healthy()
 
-    def _wait_healthy(self, timeout_s: float = 180.0) -> None:
+    def wait_healthy(self, timeout_s: float = 180.0) -> None:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:

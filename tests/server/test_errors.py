@@ -109,3 +109,16 @@ def test_bad_requests_never_reach_the_engine(http, server):
     # ...and the server still serves.
     r = http.post(CMPL, json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 2
+
+
+def test_grammars_the_engine_refuses_are_400(http):
+    """Schemas and regexes are compiled next to the vocabulary, in the engine
+    process: a refusal there must still be a 400, streaming or not, before any
+    200 header is sent."""
+    bad_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}}
+    for stream in (False, True):
+        r = http.post(CHAT, json={"model": MODEL, "messages": HI, "response_format": bad_schema, "stream": stream})
+        _check_shape(r, 400)
+        r = http.post(CMPL, json={"prompt": "hi", "stream": stream, "structured_outputs": {"regex": "(unclosed"}})
+        _check_shape(r, 400)
+    assert http.post(CMPL, json={"prompt": "hi", "max_tokens": 2}).status_code == 200

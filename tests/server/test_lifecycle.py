@@ -45,19 +45,24 @@ class _Stream(threading.Thread):
             self.error = exc
 
 
-@pytest.fixture
-def small_server(model_path, tmp_path):
-    """One running sequence at a time, at most one request pending; the key comes from $OCTAVO_API_KEY."""
-    srv = ServerProcess(
-        model_path, tmp_path / "small.log", "--max-num-seqs", "1", "--max-waiting-requests", "1",
-        "--shutdown-timeout", "20", key_from_env=True,
-    )
-    yield srv
-    srv.stop()
+@pytest.fixture(scope="module")
+def small_servers(model_path, tmp_path_factory):
+    """Two servers (started together to save time), one per test: one running
+    sequence at a time, at most one request pending; the key comes from $OCTAVO_API_KEY."""
+    logs = tmp_path_factory.mktemp("lifecycle")
+    args = ("--max-num-seqs", "1", "--max-waiting-requests", "1", "--shutdown-timeout", "20")
+    servers = [ServerProcess(model_path, logs / f"small{i}.log", *args, key_from_env=True, wait=False) for i in range(2)]
+    try:
+        for srv in servers:
+            srv.wait_healthy()
+        yield servers
+    finally:
+        for srv in servers:
+            srv.stop()
 
 
-def test_overload_503_then_graceful_sigterm(small_server):
-    srv = small_server
+def test_overload_503_then_graceful_sigterm(small_servers):
+    srv = small_servers[0]
     running = _Stream(srv, LONG)
     running.start()
     _wait_for(lambda: len(running.lines) >= 2, what="the first request to stream")
@@ -90,8 +95,8 @@ def _refused(url: str) -> bool:
     return False
 
 
-def test_engine_death_is_detected(small_server):
-    srv = small_server
+def test_engine_death_is_detected(small_servers):
+    srv = small_servers[1]
     stream = _Stream(srv, LONG)
     stream.start()
     _wait_for(lambda: len(stream.lines) >= 2, what="the request to stream")

@@ -1,0 +1,28 @@
+"""The `octavo` command line: offline generation and argument errors."""
+from __future__ import annotations
+
+import pytest
+
+from octavo import SamplingParams
+from octavo.entrypoints.cli import main
+
+
+def test_generate_prints_greedy_text(model_path, offline_llm, capsys):
+    main(["generate", str(model_path), "--dtype", "float32", "--num-blocks", "64",
+          "--prompt", "Hello there", "--prompt", "The rain", "--max-tokens", "6"])
+    printed = capsys.readouterr().out
+    refs = offline_llm.generate(["Hello there", "The rain"], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+    expected = "".join(f"### {p}\n{r.outputs[0].text}\n\n" for p, r in zip(["Hello there", "The rain"], refs))
+    assert printed == expected
+
+
+def test_bad_arguments_exit_with_a_message(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", str(tmp_path / "missing")])
+    assert exc.value.code == 2 and "model folder not found" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", str(tmp_path), "--kv-cache-memory", "lots"])
+    assert exc.value.code == 2 and "not a size" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", str(tmp_path), "--port", "70000"])
+    assert exc.value.code == 2 and "port must be in" in capsys.readouterr().err
