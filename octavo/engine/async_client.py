@@ -8,7 +8,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, AsyncIterator, Iterable, Optional
+from typing import Any, AsyncIterator, Optional
 
 import zmq
 import zmq.asyncio
@@ -142,11 +142,6 @@ class AsyncEngineClient:
             self._queues.pop(request_id, None)
             if not finished and self.dead_reason is None:
                 self._send(msg.AbortRequests([request_id]))
-
-    def abort(self, request_ids: Iterable[str]) -> None:
-        ids = [rid for rid in request_ids if self._queues.pop(rid, None) is not None]
-        if ids and self.dead_reason is None:
-            self._send(msg.AbortRequests(ids))
 
     def _send(self, m: msg.ToEngine) -> None:
         self._push.send(msg.encoder.encode(m), copy=False)

@@ -30,11 +30,13 @@ import os
 import signal
 import time
 import traceback
+from typing import Optional
 
 import zmq
 
 from octavo.config import EngineConfig
 from octavo.engine import messages as msg
+from octavo.engine.stats import EngineStats
 
 STATS_INTERVAL_S = 0.1
 _IDLE_POLL_MS = 1000
@@ -68,7 +70,7 @@ class _EngineLoop:
         self._inp, self._out, self._parent = inp, out, parent
         self.engine = LLMEngine(config)
         self._tracker = msg.DeltaTracker()
-        self._last_stats: object = None
+        self._last_stats: Optional[EngineStats] = None
         self._last_stats_time = 0.0
         self._stop = False
         e = self.engine

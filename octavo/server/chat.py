@@ -12,7 +12,7 @@ from fastapi.responses import Response
 from octavo.outputs import RequestOutput
 from octavo.server.errors import bad_request
 from octavo.server.logprobs import chat_logprobs
-from octavo.server.params import build_sampling_params
+from octavo.server.params import build_sampling_params, request_api_names
 from octavo.server.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -26,8 +26,6 @@ from octavo.server.protocol import (
 from octavo.server.state import ServerState
 from octavo.server.streams import ChoiceCursor, primed, sse, sse_response, until_disconnected
 
-# SamplingParams fields that this endpoint names differently.
-_API_NAMES = {"logprobs": "top_logprobs"}
 
 
 async def create_chat_completion(req: ChatCompletionRequest, raw: Request, state: ServerState) -> Response:
@@ -36,7 +34,7 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, state
     prompt_ids, params = _prepare(req, state)
     state.admit(1)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    stream = state.generate(prompt_ids, params, req.priority)
+    stream = state.generate(prompt_ids, params, req.priority, _api_names(req))
     if req.stream:
         stream = await primed(raw, stream)
         return sse_response(_stream(req, state, request_id, len(prompt_ids), stream))
@@ -104,9 +102,16 @@ def _prepare(req: ChatCompletionRequest, state: ServerState) -> tuple[list[int],
         prompt_logprobs=req.prompt_logprobs,
         defaults=state.client.info.generation_defaults,
         vocab_size=state.client.info.vocab_size,
-        api_names=_API_NAMES if req.max_completion_tokens is None else {**_API_NAMES, "max_tokens": "max_completion_tokens"},
+        api_names=_api_names(req),
     )
     return ids, params
+
+
+def _api_names(req: ChatCompletionRequest) -> dict[str, str]:
+    renames = {"logprobs": "top_logprobs"}
+    if req.max_completion_tokens is not None:
+        renames["max_tokens"] = "max_completion_tokens"
+    return request_api_names(req, renames)
 
 
 async def _last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:

@@ -14,7 +14,7 @@ from octavo.outputs import RequestOutput
 from octavo.sampling_params import SamplingParams
 from octavo.server.errors import bad_request
 from octavo.server.logprobs import LegacyLogprobs, aligned_prompt_logprobs
-from octavo.server.params import build_sampling_params
+from octavo.server.params import build_sampling_params, request_api_names
 from octavo.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, Usage
 from octavo.server.state import ServerState
 from octavo.server.streams import ChoiceCursor, merge, primed, sse, sse_response, until_disconnected
@@ -35,7 +35,8 @@ async def create_completion(req: CompletionRequest, raw: Request, state: ServerS
     prompts = _prepare(req, state)
     state.admit(len(prompts))
     request_id = f"cmpl-{uuid.uuid4().hex}"
-    streams = [state.generate(p.ids, p.params, req.priority) for p in prompts]
+    names = request_api_names(req, {})
+    streams = [state.generate(p.ids, p.params, req.priority, names) for p in prompts]
     if req.stream:
         merged = await primed(raw, merge(streams))
         return sse_response(_stream(req, state, request_id, prompts, merged))
@@ -74,6 +75,7 @@ def _prepare(req: CompletionRequest, state: ServerState) -> list[_Prompt]:
             best_of=req.best_of,
             defaults=state.client.info.generation_defaults,
             vocab_size=state.client.info.vocab_size,
+            api_names=request_api_names(req, {}),
         )
         prompts.append(_Prompt(text, ids, params))
     return prompts

@@ -17,7 +17,7 @@ _DIRECT = (
     "logit_bias",
 )
 _PARAM_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)}
-_LEADING_NAME = re.compile(r"^\s*(?:structured_outputs[.: ]+)?([a-z_]+)")
+_LEADING_NAME = re.compile(r"^\s*([a-z_]+)")
 
 
 def build_sampling_params(
@@ -29,7 +29,7 @@ def build_sampling_params(
     defaults: dict[str, Any],
     vocab_size: int,
     best_of: Optional[int] = None,
-    api_names: Optional[dict[str, str]] = None,
+    api_names: dict[str, str],
 ) -> SamplingParams:
     """``defaults`` (the model's generation_config) fill fields the request
     left unset; ``api_names`` maps SamplingParams fields back to the names
@@ -51,7 +51,7 @@ def build_sampling_params(
         params = SamplingParams(**kwargs)
         params.check_vocab(vocab_size)
     except ValueError as exc:
-        raise _as_400(exc, api_names or {}) from None
+        raise param_error(str(exc), api_names) from None
     return params
 
 
@@ -78,8 +78,16 @@ def structured_outputs(req: SamplingFields) -> Optional[StructuredOutputParams]:
     return None
 
 
-def _as_400(exc: ValueError, api_names: dict[str, str]) -> APIError:
-    message = str(exc)
+def request_api_names(req: SamplingFields, renames: dict[str, str]) -> dict[str, str]:
+    """SamplingParams field -> the request field it came from, where they differ."""
+    names = dict(renames)
+    if req.response_format is not None:
+        names["structured_outputs"] = "response_format"
+    return names
+
+
+def param_error(message: str, api_names: dict[str, str]) -> APIError:
+    """A 400 whose param is the field the message starts with, in the request's naming."""
     match = _LEADING_NAME.match(message)
     field = match.group(1) if match else None
     if field not in _PARAM_FIELDS:

@@ -14,6 +14,7 @@ from octavo.sampling_params import SamplingParams
 from octavo.server.config import ServerConfig
 from octavo.server.errors import APIError, bad_request
 from octavo.server.metrics import ServerMetrics
+from octavo.server.params import param_error
 
 
 @dataclass
@@ -81,9 +82,10 @@ class ServerState:
         return resolved
 
     async def generate(
-        self, prompt_ids: list[int], params: SamplingParams, priority: int
+        self, prompt_ids: list[int], params: SamplingParams, priority: int, api_names: dict[str, str]
     ) -> AsyncIterator[RequestOutput]:
-        """One engine request with metrics; engine failures become APIErrors."""
+        """One engine request with metrics; engine failures become APIErrors
+        (``api_names`` as for ``build_sampling_params``)."""
         arrival = time.monotonic()
         tracker = self.metrics.tracker(arrival)
         self.num_pending += 1
@@ -105,7 +107,7 @@ class ServerState:
         except EngineDeadError as exc:
             raise APIError(500, f"the engine failed while serving this request: {exc}", code="engine_dead") from None
         except EngineRequestError as exc:
-            raise bad_request(str(exc)) from None
+            raise param_error(str(exc), api_names) from None
         finally:
             if pending:
                 self.num_pending -= 1

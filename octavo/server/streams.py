@@ -94,7 +94,7 @@ async def _wait_disconnect(request: Request) -> None:
 
 
 def sse(chunk: BaseModel) -> str:
-    return f"data: {chunk.model_dump_json(exclude_unset=False)}\n\n"
+    return f"data: {chunk.model_dump_json()}\n\n"
 
 
 def sse_response(events: AsyncIterator[str]) -> StreamingResponse:

@@ -118,7 +118,7 @@ def test_grammars_the_engine_refuses_are_400(http):
     bad_schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}}
     for stream in (False, True):
         r = http.post(CHAT, json={"model": MODEL, "messages": HI, "response_format": bad_schema, "stream": stream})
-        _check_shape(r, 400)
+        _check_shape(r, 400, "response_format")
         r = http.post(CMPL, json={"prompt": "hi", "stream": stream, "structured_outputs": {"regex": "(unclosed"}})
-        _check_shape(r, 400)
+        assert "regex" in _check_shape(r, 400, "structured_outputs")["message"]
     assert http.post(CMPL, json={"prompt": "hi", "max_tokens": 2}).status_code == 200
