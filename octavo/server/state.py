@@ -69,8 +69,12 @@ class ServerState:
         if bad:
             raise bad_request(f"{param} contains token ids outside the vocabulary [0, {vocab}): {bad[:5]}", param)
         limit = self.max_model_len
-        resolved = limit - len(ids) if max_tokens is None else max_tokens
-        requested = len(ids) + max(resolved, 1 if max_tokens is None else 0)
+        if max_tokens is None:
+            resolved = limit - len(ids)
+            requested = len(ids) + 1  # room for at least one token
+        else:
+            resolved = max_tokens
+            requested = len(ids) + max(max_tokens, 0)  # a negative max_tokens is SamplingParams' 400
         if requested > limit:
             where = "messages" if param == "messages" else "prompt"
             raise bad_request(
@@ -98,6 +102,8 @@ class ServerState:
                     if pending:
                         pending = False
                         self.num_pending -= 1
+                    if out.error is not None:
+                        raise APIError(500, f"the engine failed this request: {out.error}", code="engine_error")
                     now = time.monotonic()
                     tracker.on_output(out, now)
                     if out.finished:

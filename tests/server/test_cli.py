@@ -26,3 +26,14 @@ def test_bad_arguments_exit_with_a_message(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["serve", str(tmp_path), "--port", "70000"])
     assert exc.value.code == 2 and "port must be in" in capsys.readouterr().err
+
+
+def test_no_model_means_the_built_in_one(tmp_path, monkeypatch):
+    import octavo.assets
+    from octavo.entrypoints.cli import _engine_config, build_parser
+
+    monkeypatch.setattr(octavo.assets, "DEFAULT_MODEL_PATH", tmp_path)
+    args = build_parser().parse_args(["serve", "--kv-cache-memory", "2GiB", "--no-prefix-caching"])
+    config = _engine_config(args)
+    assert config.model.model == str(tmp_path)
+    assert config.cache.kv_cache_memory_bytes == 2 * 2**30 and not config.cache.enable_prefix_caching
