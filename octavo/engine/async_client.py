@@ -92,8 +92,7 @@ class AsyncEngineClient:
     async def _wait_ready(self, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
         while True:
-            if not self._proc.is_alive():
-                raise EngineDeadError(f"engine process exited during start-up (code {self._proc.exitcode})")
+            # Messages first: a failing engine sends its reason, then exits.
             if await self._pull.poll(200):
                 m = msg.from_engine_decoder.decode(await self._pull.recv())
                 if isinstance(m, msg.EngineFailed):
@@ -102,6 +101,9 @@ class AsyncEngineClient:
                     self.info = EngineInfo(m.model_name, m.max_model_len, m.vocab_size, m.generation_defaults)
                     logger.info("engine process %d ready: model %s, context %d", m.pid, m.model_name, m.max_model_len)
                     return
+                continue
+            if not self._proc.is_alive():
+                raise EngineDeadError(f"engine process exited during start-up (code {self._proc.exitcode})")
             if time.monotonic() > deadline:
                 raise EngineDeadError(f"engine did not start within {timeout_s:.0f} s")
 
