@@ -4,6 +4,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -44,14 +45,24 @@ def available_memory_bytes(device: torch.device) -> int:
     raise ValueError("cannot read MemAvailable from /proc/meminfo: set kv_cache_memory_bytes or num_blocks")
 
 
-def num_cache_blocks(config: CacheConfig, shape: CacheShape, device: torch.device) -> int:
+def num_cache_blocks(
+    config: CacheConfig, shape: CacheShape, device: torch.device, max_useful_tokens: Optional[int] = None
+) -> int:
     """Forced ``num_blocks`` first, else ``kv_cache_memory_bytes``, else
-    ``memory_fraction`` of the memory available now (after the weights)."""
+    ``memory_fraction`` of the memory available now (after the weights).
+
+    The fraction-of-memory default is capped at ``max_useful_tokens``
+    (max_num_seqs * max_model_len, twice over for the prefix cache): more
+    blocks could never hold live tokens, and allocating them costs seconds
+    of zero-filling and gigabytes of resident memory on CPU."""
     if config.num_blocks is not None:
         return config.num_blocks
     budget = config.kv_cache_memory_bytes
     if budget is None:
         budget = int(available_memory_bytes(device) * config.memory_fraction)
+        if max_useful_tokens is not None:
+            cap_blocks = 2 * -(-max_useful_tokens // shape.block_size)
+            budget = min(budget, cap_blocks * shape.bytes_per_block)
     blocks = budget // shape.bytes_per_block
     if blocks < 1:
         raise ValueError(

@@ -39,9 +39,6 @@ class ModelRunner:
         cache_config: CacheConfig,
         scheduler_config: SchedulerConfig,
     ) -> None:
-        # The step's shape comes from each SchedulerOutput; scheduler_config is
-        # part of the constructor contract shared with other executors.
-        del scheduler_config
         folder = model_folder(model_config.model)
         self.device = torch.device(model_config.device)
         self.model, self.arch = load_model(folder, model_config.dtype, self.device, model_config.max_model_len)
@@ -54,7 +51,9 @@ class ModelRunner:
         self.block_size = cache_config.block_size
         cache_dtype = resolve_dtype(cache_config.cache_dtype, str(self.dtype).removeprefix("torch."))
         shape = CacheShape.of(self.arch, self.block_size, cache_dtype)
-        self.num_blocks = num_cache_blocks(cache_config, shape, self.device)
+        self.num_blocks = num_cache_blocks(
+            cache_config, shape, self.device, scheduler_config.max_num_seqs * self.max_model_len
+        )
         self.kv_caches = allocate_kv_caches(shape, self.num_blocks, self.device)
 
         self.sampler = Sampler()

@@ -97,3 +97,14 @@ def test_partial_prefill_chunk_samples_nothing(variant):
     req = make_request("a", list(range(3, 40)))
     out = runner.execute(step(blocks.chunk(req, 0, 16, sample=False)))
     assert out.sampled_token_ids == {} and out.logprobs == {} and out.prompt_logprobs == {}
+
+
+def test_memory_fraction_default_is_capped_by_useful_tokens():
+    # 4 sequences of 64 tokens can never need more than 16 blocks of 16 (32 with the prefix-cache margin).
+    capped = num_cache_blocks(CacheConfig(block_size=16, memory_fraction=0.5), SHAPE, CPU, max_useful_tokens=256)
+    assert capped == 32
+    # An explicit byte budget is the user's choice and is not capped.
+    explicit = num_cache_blocks(
+        CacheConfig(block_size=16, kv_cache_memory_bytes=SHAPE.bytes_per_block * 100), SHAPE, CPU, max_useful_tokens=256
+    )
+    assert explicit == 100
