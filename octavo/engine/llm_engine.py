@@ -73,6 +73,9 @@ class LLMEngine:
         """Queue one request; raises ValueError for input the engine cannot serve."""
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        # A copy validates again (fields may have been set since construction)
+        # and keeps later changes by the caller away from the running request.
+        params = dataclasses.replace(params)
         prompt_text, prompt_ids = self._tokenize(prompt)
         if params.truncate_prompt_tokens is not None:
             prompt_ids = prompt_ids[-params.truncate_prompt_tokens :]
