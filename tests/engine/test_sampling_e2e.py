@@ -1,0 +1,350 @@
+"""The sampling surface through LLM.generate / LLMEngine: parallel sampling on
+shared KV blocks, best_of, seeds across batch mixes, stops, min_tokens,
+penalties, biases and bans, and bad input."""
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import pytest
+import torch
+
+from octavo import LLM, SamplingParams
+from octavo.core.outputs import SchedulerOutput
+from octavo.engine.llm_engine import LLMEngine
+from octavo.outputs import RequestOutput
+from tests.engine.conftest import random_prompts
+from tests.engine.test_engine_api import assert_no_leak
+from tests.model_factory import EOS_ID, IM_END_ID, load_hf_model
+from tests.worker.runner_utils import hf_logits
+
+BLOCKS = 64  # the default pool is a share of system memory, slow to allocate
+BLOCK_SIZE = 16
+SEEDED = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=12, ignore_eos=True)
+
+Adjust = Callable[[torch.Tensor, list[int]], torch.Tensor]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # The tiny model's ops are too small to split; on busy shared cores a
+    # second intra-op thread makes each step several times slower.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def folder(model_dir):
+    return model_dir("llama")
+
+
+@pytest.fixture(scope="module")
+def hf(folder):
+    return load_hf_model(folder)
+
+
+@pytest.fixture
+def llm(folder):
+    return LLM(folder, dtype="float32", num_blocks=BLOCKS)
+
+
+def hf_greedy_with(
+    hf_model: torch.nn.Module,
+    prompt: list[int],
+    steps: int,
+    adjust: Adjust,
+    stop_ids: tuple[int, ...] = (),
+) -> list[int]:
+    """Reference greedy decoding: full transformers forwards, the last logits
+    passed through ``adjust(logits, outputs so far)``; ends after a stop id."""
+    out: list[int] = []
+    for _ in range(steps):
+        logits = adjust(hf_logits(hf_model, prompt + out)[-1].clone(), out)
+        out.append(int(logits.argmax()))
+        if out[-1] in stop_ids:
+            break
+    return out
+
+
+def tokens(outs: list[RequestOutput]) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outs]
+
+
+# ---- parallel sampling -------------------------------------------------
+
+
+def run_stepwise(
+    engine: LLMEngine, requests: list[tuple[str, list[int], SamplingParams]], monkeypatch
+) -> tuple[dict[str, RequestOutput], list[tuple[SchedulerOutput, int]]]:
+    """Step the engine until the requests finish. Returns the final outputs and,
+    per step, the scheduler's decision and the blocks in use after the step."""
+    decisions: list[SchedulerOutput] = []
+    schedule = engine.scheduler.schedule
+
+    def spy() -> SchedulerOutput:
+        decisions.append(schedule())
+        return decisions[-1]
+
+    monkeypatch.setattr(engine.scheduler, "schedule", spy)
+    for request_id, prompt, params in requests:
+        engine.add_request(request_id, prompt, params)
+    final: dict[str, RequestOutput] = {}
+    steps: list[tuple[SchedulerOutput, int]] = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+        stats = engine.get_stats()
+        steps.append((decisions[-1], stats.num_total_blocks - stats.num_free_blocks))
+    return final, steps
+
+
+def test_parallel_sampling_shares_prompt_blocks(folder, monkeypatch):
+    n, max_tokens = 3, 6
+    prompt = random_prompts([37], seed=31)[0]  # two full blocks and a partial one
+    params = SamplingParams(n=n, temperature=1.0, seed=11, max_tokens=max_tokens, ignore_eos=True)
+    # Prefix caching off: any sharing seen here comes from the fork alone.
+    group = LLM(folder, dtype="float32", num_blocks=BLOCKS, enable_prefix_caching=False)
+    final, steps = run_stepwise(group.engine, [("g", prompt, params)], monkeypatch)
+
+    full = len(prompt) // BLOCK_SIZE
+    per_seq = -(-(len(prompt) + max_tokens - 1) // BLOCK_SIZE)  # the last token's K/V is never written
+    assert max(used for _, used in steps) == full + n * (per_seq - full)
+    # The children join the parent's table right after its prompt; in the
+    # step where all n write into the shared partial block, n - 1 of them
+    # get a copy of it (the last writer keeps the original).
+    fork = next(d for d, _ in steps if any(s.request.request_id == "g#1" for s in d.scheduled))
+    tables = {s.request.request_id: s.block_ids for s in fork.scheduled}
+    assert len(tables) == n and all(t[:full] == tables["g#0"][:full] for t in tables.values())
+    sources = {src for src, _ in fork.block_copies}
+    assert len(fork.block_copies) == n - 1 and len(sources) == 1
+    assert sources | {dst for _, dst in fork.block_copies} == {t[full] for t in tables.values()}
+    assert_no_leak(group)
+
+    alone = LLM(folder, dtype="float32", num_blocks=BLOCKS, enable_prefix_caching=False)
+    separate = [
+        (f"s{i}", prompt, SamplingParams(temperature=1.0, seed=11 + i, max_tokens=max_tokens, ignore_eos=True))
+        for i in range(n)
+    ]
+    singles, single_steps = run_stepwise(alone.engine, separate, monkeypatch)
+    assert max(used for _, used in single_steps) == n * per_seq
+
+    group_tokens = [c.token_ids for c in final["g"].outputs]
+    assert len({tuple(t) for t in group_tokens}) == n, "seeded sequences should differ"
+    # Sequence i draws with seed + i, exactly as that seed alone does.
+    assert group_tokens == [singles[f"s{i}"].outputs[0].token_ids for i in range(n)]
+    assert_no_leak(alone)
+
+
+def test_best_of_returns_the_most_likely(llm, hf):
+    prompt = random_prompts([12], seed=32)[0]
+    base = dict(temperature=1.0, max_tokens=6, ignore_eos=True)
+    out = llm.generate([prompt], SamplingParams(n=2, best_of=5, seed=40, **base), use_tqdm=False)[0]
+    assert [o.index for o in out.outputs] == [0, 1]
+    assert all(o.logprobs is None for o in out.outputs), "logprobs were not asked for"
+
+    # The five candidates are the seeds 40..44 alone; score them with transformers.
+    candidates = tokens(
+        llm.generate([prompt] * 5, [SamplingParams(seed=40 + i, **base) for i in range(5)], use_tqdm=False)
+    )
+    scores = []
+    for cand in candidates:
+        ref = torch.log_softmax(hf_logits(hf, prompt + cand), dim=-1)
+        scores.append(sum(ref[len(prompt) - 1 + j, t].item() for j, t in enumerate(cand)))
+    ranked = sorted(range(5), key=lambda i: scores[i], reverse=True)[:2]
+    assert [o.token_ids for o in out.outputs] == [candidates[i] for i in ranked]
+    assert [o.cumulative_logprob for o in out.outputs] == pytest.approx([scores[i] for i in ranked], abs=1e-3)
+    assert_no_leak(llm)
+
+
+# ---- seeds ---------------------------------------------------------------
+
+
+def test_seeded_sampling_is_batch_independent(folder, llm):
+    target = random_prompts([23], seed=33)[0]
+    others_a = random_prompts([5, 40, 17], seed=34)
+    others_b = random_prompts([31, 3, 60], seed=35)
+    params_a = [
+        SamplingParams(temperature=0.0, max_tokens=12),
+        SamplingParams(temperature=0.7, max_tokens=20),  # unseeded: the global RNG
+        SamplingParams(temperature=1.0, seed=1234, top_p=0.5, presence_penalty=1.0, max_tokens=8),
+    ]
+    params_b = [
+        SamplingParams(temperature=1.3, min_p=0.1, max_tokens=16),
+        SamplingParams(temperature=0.9, seed=7, repetition_penalty=1.2, max_tokens=12),
+        SamplingParams(temperature=0.0, max_tokens=5, logprobs=3),
+    ]
+    alone = tokens(llm.generate([target], SEEDED, use_tqdm=False))[0]
+    with_a = llm.generate(others_a[:1] + [target] + others_a[1:], params_a[:1] + [SEEDED] + params_a[1:], use_tqdm=False)
+    with_b = llm.generate(others_b + [target], params_b + [SEEDED], use_tqdm=False)
+    chunked = LLM(folder, dtype="float32", num_blocks=BLOCKS, max_num_batched_tokens=16)
+    with_chunks = chunked.generate(others_a + [target], params_a + [SEEDED], use_tqdm=False)
+    assert tokens(with_a)[1] == alone
+    assert tokens(with_b)[3] == alone
+    assert tokens(with_chunks)[3] == alone
+    # It really sampled: another seed and greedy decoding both differ.
+    reseeded = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=4321, max_tokens=12, ignore_eos=True)
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    assert tokens(llm.generate([target, target], [reseeded, greedy], use_tqdm=False)) != [alone, alone]
+    assert_no_leak(llm)
+    assert_no_leak(chunked)
+
+
+# ---- stops -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_stop_string_ends_the_output(llm, folder, include):
+    prompt = "Once upon a time"
+    full = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    seq = full[0].outputs[0]
+    tok = llm.get_tokenizer()
+    assert seq.text == tok.decode(seq.token_ids)
+    # A stop string the greedy continuation surely produces: a printable
+    # token from its middle.
+    stop = next(
+        text for text in (tok.decode([t]) for t in seq.token_ids[4:]) if len(text.strip()) >= 2 and text.isprintable()
+    )
+    at = seq.text.index(stop)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop], include_stop_str_in_output=include)
+    out = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    assert out.text == seq.text[: at + len(stop) if include else at]
+    assert (out.finish_reason, out.stop_reason) == ("stop", stop)
+    assert out.token_ids == seq.token_ids[: len(out.token_ids)] and len(out.token_ids) < 24
+    assert tok.decode(out.token_ids).startswith(out.text + (stop if not include else ""))
+    assert_no_leak(llm)
+
+
+def test_min_tokens_defers_stop_tokens(llm, hf):
+    prompt = random_prompts([10], seed=36)[0]
+    greedy = tokens(llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False))[0]
+    stop_at = greedy[1]
+    stops = (stop_at, EOS_ID, IM_END_ID)  # the model's two end tokens stop too
+    early = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop_at]), use_tqdm=False)[0]
+    assert early.outputs[0].token_ids == greedy[:2] and early.outputs[0].stop_reason == stop_at
+
+    min_tokens = 5
+
+    def ban_stops_early(logits: torch.Tensor, out: list[int]) -> torch.Tensor:
+        if len(out) < min_tokens:
+            logits[list(stops)] = float("-inf")
+        return logits
+
+    params = SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop_at], min_tokens=min_tokens)
+    seq = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    assert len(seq.token_ids) > min_tokens
+    assert seq.token_ids == hf_greedy_with(hf, prompt, 12, ban_stops_early, stops)
+    assert_no_leak(llm)
+
+
+# ---- logit processors ------------------------------------------------------
+
+
+def presence_frequency(presence: float, frequency: float) -> Adjust:
+    def adjust(logits: torch.Tensor, out: list[int]) -> torch.Tensor:
+        for t in set(out):
+            logits[t] -= presence + frequency * out.count(t)
+        return logits
+
+    return adjust
+
+
+def test_repetition_penalty_matches_transformers(llm, hf):
+    prompt = random_prompts([8], seed=37)[0]
+    ids = torch.tensor([prompt])
+    with torch.inference_mode():
+        ref = hf.generate(
+            ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=16,
+            repetition_penalty=1.8, eos_token_id=None, pad_token_id=2,
+        )[0, len(prompt):].tolist()
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, repetition_penalty=1.8)
+    plain = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    penalised, unpenalised = tokens(llm.generate([prompt, prompt], [params, plain], use_tqdm=False))
+    assert penalised == ref
+    assert penalised != unpenalised
+
+
+def test_presence_and_frequency_penalties(llm, hf):
+    prompt = random_prompts([8], seed=38)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, presence_penalty=1.5, frequency_penalty=1.0)
+    plain = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    penalised, unpenalised = tokens(llm.generate([prompt, prompt], [params, plain], use_tqdm=False))
+    assert penalised == hf_greedy_with(hf, prompt, 16, presence_frequency(1.5, 1.0))
+    assert penalised != unpenalised
+
+
+def test_logit_bias_allowed_token_ids_and_bad_words(llm, hf):
+    prompt = random_prompts([9], seed=39)[0]
+    greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    plain = tokens(llm.generate([prompt], greedy, use_tqdm=False))[0]
+    favoured = next(t for t in range(5, 512) if t not in plain)
+    allowed = [plain[0] + 1, favoured]
+    tok = llm.get_tokenizer()
+    word = tok.decode([plain[0]])
+    variants = SamplingParams(bad_words=[word])
+    variants.resolve_bad_words(tok)
+    bans = variants.bad_words_token_ids
+
+    def no_bad_words(logits: torch.Tensor, out: list[int]) -> torch.Tensor:
+        for ids in bans:
+            if len(out) >= len(ids) - 1 and out[len(out) - len(ids) + 1 :] == ids[:-1]:
+                logits[ids[-1]] = float("-inf")
+        return logits
+
+    def only_allowed(logits: torch.Tensor, out: list[int]) -> torch.Tensor:
+        keep = torch.full_like(logits, float("-inf"))
+        keep[allowed] = logits[allowed]
+        return keep
+
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logit_bias={favoured: 100.0}),
+        SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, allowed_token_ids=allowed),
+        SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, bad_words=[word]),
+    ]
+    biased, restricted, cleaned = tokens(llm.generate([prompt] * 3, params, use_tqdm=False))
+    assert biased == [favoured] * 10
+    assert set(restricted) <= set(allowed)
+    assert restricted == hf_greedy_with(hf, prompt, 10, only_allowed)
+    assert cleaned[0] != plain[0]
+    assert not any(cleaned[i : i + len(ids)] == ids for ids in bans for i in range(len(cleaned)))
+    assert cleaned == hf_greedy_with(hf, prompt, 10, no_bad_words)
+    assert_no_leak(llm)
+
+
+# ---- bad input ---------------------------------------------------------------
+
+
+def mutated(**fields: object) -> SamplingParams:
+    """Params made valid, then changed behind the validation's back."""
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    for name, value in fields.items():
+        setattr(params, name, value)
+    return params
+
+
+@pytest.mark.parametrize(
+    "make, field",
+    [
+        (lambda: SamplingParams(temperature=-0.5), "temperature"),
+        (lambda: SamplingParams(top_p=1.5), "top_p"),
+        (lambda: SamplingParams(n=2, best_of=1), "best_of"),
+        (lambda: SamplingParams(logprobs=21), "logprobs"),
+        (lambda: SamplingParams(max_tokens=3, min_tokens=4), "min_tokens"),
+        (lambda: SamplingParams(stop_token_ids=[600]), "stop_token_ids"),
+        (lambda: SamplingParams(logit_bias={512: 1.0}), "logit_bias"),
+        (lambda: SamplingParams(allowed_token_ids=[3, 999]), "allowed_token_ids"),
+        (lambda: mutated(temperature=-1.0), "temperature"),
+        (lambda: mutated(top_k=-5), "top_k"),
+        (lambda: mutated(max_tokens=-2), "max_tokens"),
+    ],
+)
+def test_invalid_params_raise_and_the_engine_keeps_serving(llm, hf, make, field):
+    good = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    prompts = random_prompts([6, 11], seed=40)
+    with pytest.raises(ValueError, match=field):
+        llm.generate(prompts, [good, make()], use_tqdm=False)
+    assert_no_leak(llm)
+    assert tokens(llm.generate(prompts, good, use_tqdm=False)) == [
+        hf_greedy_with(hf, p, 4, lambda logits, out: logits) for p in prompts
+    ]
