@@ -6,7 +6,7 @@ import random
 import pytest
 import torch
 
-from tests.model_factory import load_hf_model, make_tiny_model
+from tests.model_factory import PAD_ID, load_hf_model, make_tiny_model
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 PROMPT_LENGTHS = [1, 7, 16, 33, 64, 128, 211, 300]
@@ -36,24 +36,20 @@ _REFERENCE: dict = {}
 
 
 def hf_greedy(folder, prompts: list[list[int]], new_tokens: int = NEW_TOKENS) -> list[list[int]]:
-    """transformers' greedy continuation of each prompt (one at a time: no padding effects)."""
+    """transformers' greedy continuation of each prompt: one left-padded batch
+    through ``generate``, as a user of transformers would run it."""
     key = (str(folder), tuple(map(tuple, prompts)), new_tokens)
     if key not in _REFERENCE:
         model = load_hf_model(folder)
         # Like ignore_eos: end tokens may be generated but do not stop the
         # sequence (min_new_tokens would instead forbid them).
         model.generation_config.eos_token_id = None
-        outs = []
+        width = max(map(len, prompts))
+        ids = torch.tensor([[PAD_ID] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
         with torch.no_grad():
-            for p in prompts:
-                ids = torch.tensor([p])
-                gen = model.generate(
-                    ids,
-                    attention_mask=torch.ones_like(ids),
-                    do_sample=False,
-                    max_new_tokens=new_tokens,
-                    pad_token_id=2,
-                )
-                outs.append(gen[0, len(p):].tolist())
-        _REFERENCE[key] = outs
+            gen = model.generate(
+                ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens, pad_token_id=PAD_ID
+            )
+        _REFERENCE[key] = gen[:, width:].tolist()
     return _REFERENCE[key]
