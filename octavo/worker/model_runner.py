@@ -99,7 +99,9 @@ class ModelRunner:
     def _forward(self, scheduler_output: SchedulerOutput) -> Optional[tuple[StepInputs, torch.Tensor]]:
         """Drop finished requests' state, apply block copies, run the model.
         None when nothing is scheduled."""
-        for request_id in scheduler_output.finished_request_ids:
+        # A preempted request keeps its generator: it resumes the same random
+        # stream, so its seeded output does not depend on the KV pool's size.
+        for request_id in scheduler_output.finished_request_ids - scheduler_output.preempted_request_ids:
             self._generators.pop(request_id, None)
         copy_blocks(self.kv_caches, scheduler_output.block_copies)
         if scheduler_output.is_empty:
