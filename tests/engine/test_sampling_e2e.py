@@ -191,6 +191,18 @@ def test_seeded_sampling_is_batch_independent(folder, llm):
     assert_no_leak(chunked)
 
 
+def test_seeded_sampling_survives_preemption(folder, llm):
+    prompts = random_prompts([20, 35, 50, 28], seed=5)
+    params = [SamplingParams(temperature=1.0, seed=100 + i, max_tokens=30, ignore_eos=True) for i in range(4)]
+    roomy = tokens(llm.generate(prompts, params, use_tqdm=False))
+    # Up to 80 tokens each need 18 blocks of 16; with 8, a request is evicted
+    # after sampling some tokens and recomputes them later.
+    tight = LLM(folder, dtype="float32", num_blocks=8)
+    assert tokens(tight.generate(prompts, params, use_tqdm=False)) == roomy
+    assert tight.engine.get_stats().num_preemptions > 0
+    assert_no_leak(tight)
+
+
 # ---- stops -----------------------------------------------------------------
 
 
