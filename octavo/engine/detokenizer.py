@@ -10,9 +10,11 @@ so the first output token is decoded in context. Each update costs
 O(new tokens), however long the output grows.
 
 Stop strings are searched only where a new match can be: from
-(max stop length - 1) characters before the new text. While no stop has
-matched, ``get_delta`` holds that many trailing characters back, because they
-could still turn out to start a stop string (not needed with
+(max stop length - 1) characters before the new text, and only once more
+than ``min_tokens`` tokens exist (as for stop tokens, the first token that
+can end the output is the one after the first min_tokens). While no stop
+has matched, ``get_delta`` holds that many trailing characters back, because
+they could still turn out to start a stop string (not needed with
 include_stop_str_in_output: nothing before a stop's end is ever removed).
 """
 from __future__ import annotations
@@ -45,6 +47,7 @@ class IncrementalDetokenizer:
         self._stops = list(params.stop)
         self._include_stop = params.include_stop_str_in_output
         self._longest_stop = max((len(s) for s in self._stops), default=0)
+        self._min_tokens = params.min_tokens
         self._hold = 0 if self._include_stop else max(self._longest_stop - 1, 0)
         self._ids = list(prompt_token_ids[-_PROMPT_CONTEXT:])
         self._prefix = 0  # window start: context for the tokens being decoded
@@ -102,7 +105,7 @@ class IncrementalDetokenizer:
 
     def _find_stop(self, start: int) -> Optional[str]:
         """Earliest stop string in text that was not fully there before ``start``."""
-        if not self._stops:
+        if not self._stops or len(self.token_ids) <= self._min_tokens:
             return None
         search_from = max(0, start - self._longest_stop + 1)
         best: Optional[tuple[int, str]] = None
