@@ -228,6 +228,27 @@ def test_stop_string_ends_the_output(llm, folder, include):
     assert_no_leak(llm)
 
 
+def test_min_tokens_defers_stop_strings(llm):
+    prompt, min_tokens = "Once upon a time", 5
+    # The same bans as the stopped run below, so both choose the same tokens.
+    full = llm.generate(
+        prompt, SamplingParams(temperature=0.0, max_tokens=24, min_tokens=min_tokens), use_tqdm=False
+    )[0].outputs[0]
+    tok = llm.get_tokenizer()
+    stop = tok.decode(full.token_ids[1:2])  # would end the output after two tokens
+    early = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=24, stop=[stop]), use_tqdm=False)
+    assert len(early[0].outputs[0].token_ids) <= 2
+    params = SamplingParams(temperature=0.0, max_tokens=24, min_tokens=min_tokens, stop=[stop])
+    out = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
+    # Only a match ending after the text of the first min_tokens tokens counts.
+    first_text = len(tok.decode(full.token_ids[:min_tokens]))
+    at = full.text.find(stop, max(0, first_text - len(stop) + 1))
+    assert at != -1, "the stop string should recur later in this continuation"
+    assert out.text == full.text[:at] and (out.finish_reason, out.stop_reason) == ("stop", stop)
+    assert out.token_ids == full.token_ids[: len(out.token_ids)] and len(out.token_ids) > min_tokens
+    assert_no_leak(llm)
+
+
 def test_min_tokens_defers_stop_tokens(llm, hf):
     prompt = random_prompts([10], seed=36)[0]
     greedy = tokens(llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False))[0]
