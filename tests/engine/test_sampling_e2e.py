@@ -137,6 +137,26 @@ def test_parallel_sampling_shares_prompt_blocks(folder, monkeypatch):
     assert_no_leak(alone)
 
 
+def test_parallel_sampling_without_free_seats_and_abort(folder, llm):
+    prompt = random_prompts([37], seed=31)[0]
+    base = dict(temperature=1.0, max_tokens=6, ignore_eos=True)
+    # Two seats for three sequences: the third computes the prompt itself.
+    crowded = LLM(folder, dtype="float32", num_blocks=BLOCKS, max_num_seqs=2)
+    group = crowded.generate([prompt], SamplingParams(n=3, seed=11, **base), use_tqdm=False)[0]
+    singles = llm.generate([prompt] * 3, [SamplingParams(seed=11 + i, **base) for i in range(3)], use_tqdm=False)
+    assert [c.token_ids for c in group.outputs] == tokens(singles)
+
+    engine = crowded.engine
+    engine.add_request("x", prompt, SamplingParams(n=4, temperature=1.0, max_tokens=50, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    assert engine.scheduler.num_running == 2 and engine.scheduler.num_waiting == 2
+    engine.abort_request(["x"])
+    (final,) = engine.step()
+    assert final.finished and [c.finish_reason for c in final.outputs] == ["abort"] * 4
+    assert_no_leak(crowded)
+
+
 def test_best_of_returns_the_most_likely(llm, hf):
     prompt = random_prompts([12], seed=32)[0]
     base = dict(temperature=1.0, max_tokens=6, ignore_eos=True)
