@@ -3,7 +3,7 @@ shared KV blocks, best_of, seeds across batch mixes, stops, min_tokens,
 penalties, biases and bans, and bad input."""
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable
 
 import pytest
 import torch
@@ -67,8 +67,17 @@ def hf_greedy_with(
     return out
 
 
+def greedy(max_tokens: int, **kw: object) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
 def tokens(outs: list[RequestOutput]) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
+
+
+def generate_tokens(llm: LLM, prompts: list, params: SamplingParams | list[SamplingParams]) -> list[list[int]]:
+    """The first sequence's tokens of each prompt."""
+    return tokens(llm.generate(prompts, params, use_tqdm=False))
 
 
 # ---- parallel sampling -------------------------------------------------
@@ -143,8 +152,8 @@ def test_parallel_sampling_without_free_seats_and_abort(folder, llm):
     # Two seats for three sequences: the third computes the prompt itself.
     crowded = LLM(folder, dtype="float32", num_blocks=BLOCKS, max_num_seqs=2)
     group = crowded.generate([prompt], SamplingParams(n=3, seed=11, **base), use_tqdm=False)[0]
-    singles = llm.generate([prompt] * 3, [SamplingParams(seed=11 + i, **base) for i in range(3)], use_tqdm=False)
-    assert [c.token_ids for c in group.outputs] == tokens(singles)
+    singles = generate_tokens(llm, [prompt] * 3, [SamplingParams(seed=11 + i, **base) for i in range(3)])
+    assert [c.token_ids for c in group.outputs] == singles
 
     engine = crowded.engine
     engine.add_request("x", prompt, SamplingParams(n=4, temperature=1.0, max_tokens=50, ignore_eos=True))
@@ -165,9 +174,7 @@ def test_best_of_returns_the_most_likely(llm, hf):
     assert all(o.logprobs is None for o in out.outputs), "logprobs were not asked for"
 
     # The five candidates are the seeds 40..44 alone; score them with transformers.
-    candidates = tokens(
-        llm.generate([prompt] * 5, [SamplingParams(seed=40 + i, **base) for i in range(5)], use_tqdm=False)
-    )
+    candidates = generate_tokens(llm, [prompt] * 5, [SamplingParams(seed=40 + i, **base) for i in range(5)])
     scores = []
     for cand in candidates:
         ref = torch.log_softmax(hf_logits(hf, prompt + cand), dim=-1)
@@ -195,18 +202,15 @@ def test_seeded_sampling_is_batch_independent(folder, llm):
         SamplingParams(temperature=0.9, seed=7, repetition_penalty=1.2, max_tokens=12),
         SamplingParams(temperature=0.0, max_tokens=5, logprobs=3),
     ]
-    alone = tokens(llm.generate([target], SEEDED, use_tqdm=False))[0]
-    with_a = llm.generate(others_a[:1] + [target] + others_a[1:], params_a[:1] + [SEEDED] + params_a[1:], use_tqdm=False)
-    with_b = llm.generate(others_b + [target], params_b + [SEEDED], use_tqdm=False)
+    alone = generate_tokens(llm, [target], SEEDED)[0]
+    with_a = generate_tokens(llm, others_a[:1] + [target] + others_a[1:], params_a[:1] + [SEEDED] + params_a[1:])
+    with_b = generate_tokens(llm, others_b + [target], params_b + [SEEDED])
     chunked = LLM(folder, dtype="float32", num_blocks=BLOCKS, max_num_batched_tokens=16)
-    with_chunks = chunked.generate(others_a + [target], params_a + [SEEDED], use_tqdm=False)
-    assert tokens(with_a)[1] == alone
-    assert tokens(with_b)[3] == alone
-    assert tokens(with_chunks)[3] == alone
+    with_chunks = generate_tokens(chunked, others_a + [target], params_a + [SEEDED])
+    assert with_a[1] == with_b[3] == with_chunks[3] == alone
     # It really sampled: another seed and greedy decoding both differ.
     reseeded = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=4321, max_tokens=12, ignore_eos=True)
-    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    assert tokens(llm.generate([target, target], [reseeded, greedy], use_tqdm=False)) != [alone, alone]
+    assert generate_tokens(llm, [target, target], [reseeded, greedy(12)]) != [alone, alone]
     assert_no_leak(llm)
     assert_no_leak(chunked)
 
@@ -214,11 +218,11 @@ def test_seeded_sampling_is_batch_independent(folder, llm):
 def test_seeded_sampling_survives_preemption(folder, llm):
     prompts = random_prompts([20, 35, 50, 28], seed=5)
     params = [SamplingParams(temperature=1.0, seed=100 + i, max_tokens=30, ignore_eos=True) for i in range(4)]
-    roomy = tokens(llm.generate(prompts, params, use_tqdm=False))
+    roomy = generate_tokens(llm, prompts, params)
     # Up to 80 tokens each need 18 blocks of 16; with 8, a request is evicted
     # after sampling some tokens and recomputes them later.
     tight = LLM(folder, dtype="float32", num_blocks=8)
-    assert tokens(tight.generate(prompts, params, use_tqdm=False)) == roomy
+    assert generate_tokens(tight, prompts, params) == roomy
     assert tight.engine.get_stats().num_preemptions > 0
     assert_no_leak(tight)
 
@@ -229,17 +233,15 @@ def test_seeded_sampling_survives_preemption(folder, llm):
 @pytest.mark.parametrize("include", [False, True])
 def test_stop_string_ends_the_output(llm, folder, include):
     prompt = "Once upon a time"
-    full = llm.generate(prompt, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
-    seq = full[0].outputs[0]
+    seq = llm.generate(prompt, greedy(24), use_tqdm=False)[0].outputs[0]
     tok = llm.get_tokenizer()
     assert seq.text == tok.decode(seq.token_ids)
     # A stop string the greedy continuation surely produces: a printable
     # token from its middle.
-    stop = next(
-        text for text in (tok.decode([t]) for t in seq.token_ids[4:]) if len(text.strip()) >= 2 and text.isprintable()
-    )
+    pieces = (tok.decode([t]) for t in seq.token_ids[4:])
+    stop = next(text for text in pieces if len(text.strip()) >= 2 and text.isprintable())
     at = seq.text.index(stop)
-    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, stop=[stop], include_stop_str_in_output=include)
+    params = greedy(24, stop=[stop], include_stop_str_in_output=include)
     out = llm.generate(prompt, params, use_tqdm=False)[0].outputs[0]
     assert out.text == seq.text[: at + len(stop) if include else at]
     assert (out.finish_reason, out.stop_reason) == ("stop", stop)
@@ -271,11 +273,12 @@ def test_min_tokens_defers_stop_strings(llm):
 
 def test_min_tokens_defers_stop_tokens(llm, hf):
     prompt = random_prompts([10], seed=36)[0]
-    greedy = tokens(llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), use_tqdm=False))[0]
-    stop_at = greedy[1]
+    plain = generate_tokens(llm, [prompt], greedy(12))[0]
+    stop_at = plain[1]
     stops = (stop_at, EOS_ID, IM_END_ID)  # the model's two end tokens stop too
-    early = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop_at]), use_tqdm=False)[0]
-    assert early.outputs[0].token_ids == greedy[:2] and early.outputs[0].stop_reason == stop_at
+    params = SamplingParams(temperature=0.0, max_tokens=12, stop_token_ids=[stop_at])
+    early = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    assert early.token_ids == plain[:2] and early.stop_reason == stop_at
 
     min_tokens = 5
 
@@ -311,26 +314,25 @@ def test_repetition_penalty_matches_transformers(llm, hf):
             ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=16,
             repetition_penalty=1.8, eos_token_id=None, pad_token_id=2,
         )[0, len(prompt):].tolist()
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, repetition_penalty=1.8)
-    plain = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    penalised, unpenalised = tokens(llm.generate([prompt, prompt], [params, plain], use_tqdm=False))
+    params = greedy(16, repetition_penalty=1.8)
+    plain = greedy(16)
+    penalised, unpenalised = generate_tokens(llm, [prompt, prompt], [params, plain])
     assert penalised == ref
     assert penalised != unpenalised
 
 
 def test_presence_and_frequency_penalties(llm, hf):
     prompt = random_prompts([8], seed=38)[0]
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, presence_penalty=1.5, frequency_penalty=1.0)
-    plain = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    penalised, unpenalised = tokens(llm.generate([prompt, prompt], [params, plain], use_tqdm=False))
+    params = greedy(16, presence_penalty=1.5, frequency_penalty=1.0)
+    plain = greedy(16)
+    penalised, unpenalised = generate_tokens(llm, [prompt, prompt], [params, plain])
     assert penalised == hf_greedy_with(hf, prompt, 16, presence_frequency(1.5, 1.0))
     assert penalised != unpenalised
 
 
 def test_logit_bias_allowed_token_ids_and_bad_words(llm, hf):
     prompt = random_prompts([9], seed=39)[0]
-    greedy = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-    plain = tokens(llm.generate([prompt], greedy, use_tqdm=False))[0]
+    plain = generate_tokens(llm, [prompt], greedy(10))[0]
     favoured = next(t for t in range(5, 512) if t not in plain)
     allowed = [plain[0] + 1, favoured]
     tok = llm.get_tokenizer()
@@ -351,11 +353,11 @@ def test_logit_bias_allowed_token_ids_and_bad_words(llm, hf):
         return keep
 
     params = [
-        SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logit_bias={favoured: 100.0}),
-        SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, allowed_token_ids=allowed),
-        SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, bad_words=[word]),
+        greedy(10, logit_bias={favoured: 100.0}),
+        greedy(10, allowed_token_ids=allowed),
+        greedy(10, bad_words=[word]),
     ]
-    biased, restricted, cleaned = tokens(llm.generate([prompt] * 3, params, use_tqdm=False))
+    biased, restricted, cleaned = generate_tokens(llm, [prompt] * 3, params)
     assert biased == [favoured] * 10
     assert set(restricted) <= set(allowed)
     assert restricted == hf_greedy_with(hf, prompt, 10, only_allowed)
@@ -393,11 +395,11 @@ def mutated(**fields: object) -> SamplingParams:
     ],
 )
 def test_invalid_params_raise_and_the_engine_keeps_serving(llm, hf, make, field):
-    good = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    good = greedy(4)
     prompts = random_prompts([6, 11], seed=40)
     with pytest.raises(ValueError, match=field):
         llm.generate(prompts, [good, make()], use_tqdm=False)
     assert_no_leak(llm)
-    assert tokens(llm.generate(prompts, good, use_tqdm=False)) == [
+    assert generate_tokens(llm, prompts, good) == [
         hf_greedy_with(hf, p, 4, lambda logits, out: logits) for p in prompts
     ]

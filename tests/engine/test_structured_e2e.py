@@ -122,6 +122,6 @@ def test_invalid_grammar_is_value_error_and_the_engine_keeps_serving(folder, spe
     with pytest.raises(ValueError, match="structured_outputs"):
         llm.generate(PROMPTS[:2], [SamplingParams(max_tokens=4), structured(spec)], use_tqdm=False)
     assert_no_leak(llm)
-    out = llm.generate(PROMPTS[0], structured(StructuredOutputParams(choice=CHOICES), temperature=0.0), use_tqdm=False)
-    assert out[0].outputs[0].text in CHOICES
+    params = structured(StructuredOutputParams(choice=CHOICES), temperature=0.0)
+    assert llm.generate(PROMPTS[0], params, use_tqdm=False)[0].outputs[0].text in CHOICES
     assert_no_leak(llm)
