@@ -14,8 +14,7 @@ from tests.model_factory import load_hf_model
 from tests.worker.runner_utils import hf_logits
 
 TOL = 1e-4
-# Sized for these tests: the default pool is a share of system memory, slow to allocate.
-BLOCKS = 64
+BLOCKS = 64  # 1024 tokens: ample here, and quick to allocate
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -14,7 +14,7 @@ from octavo import LLM, SamplingParams
 from octavo.sampling_params import StructuredOutputParams
 from tests.engine.test_engine_api import assert_no_leak
 
-BLOCKS = 64  # the default pool is a share of system memory, slow to allocate
+BLOCKS = 64  # 1024 tokens: ample here, and quick to allocate
 MAX_TOKENS = 200  # far more than any of these grammars needs
 PROMPTS = ["Hello, world!", "The quick brown fox", "Once upon a time"]
 SCHEMA = {
