@@ -55,7 +55,8 @@ class TokenMasks:
             banned = list(_bad_word_bans(req.output_token_ids, params.bad_words_token_ids))
             if _below_min_tokens(req):
                 banned.extend(params.stop_token_ids)
-                if req.eos_token_id is not None:
+                # ignore_eos makes EOS an ordinary token, as in vLLM.
+                if req.eos_token_id is not None and not params.ignore_eos:
                     banned.append(req.eos_token_id)
             ban_rows.extend([row] * len(banned))
             ban_tokens.extend(banned)

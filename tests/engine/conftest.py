@@ -13,10 +13,32 @@ PROMPT_LENGTHS = [1, 7, 16, 33, 64, 128, 211, 300]
 NEW_TOKENS = 64
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # The tiny models' ops are too small to split; on busy shared cores a
+    # second intra-op thread makes each step several times slower.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory):
     root = tmp_path_factory.mktemp("engine-models")
     return lambda arch="llama", **kw: make_tiny_model(root, arch, **kw)
+
+
+@pytest.fixture(scope="module")
+def folder(model_dir):
+    return model_dir("llama")
+
+
+def assert_no_leak(llm) -> None:
+    """Every KV block is back in the pool and nothing is left running."""
+    stats = llm.engine.get_stats()
+    assert stats.num_free_blocks == stats.num_total_blocks
+    assert not llm.engine.has_unfinished_requests()
 
 
 def random_prompts(lengths: list[int], vocab: int = 512, seed: int = 1) -> list[list[int]]:

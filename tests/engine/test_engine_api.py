@@ -6,7 +6,7 @@ import shutil
 import pytest
 
 from octavo import LLM, SamplingParams
-from tests.engine.conftest import hf_greedy, random_prompts
+from tests.engine.conftest import assert_no_leak, hf_greedy, random_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
@@ -14,12 +14,6 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 @pytest.fixture(scope="module")
 def llm(model_dir):
     return LLM(model_dir("llama"), dtype="float32", max_model_len=256)
-
-
-def assert_no_leak(llm):
-    stats = llm.engine.get_stats()
-    assert stats.num_free_blocks == stats.num_total_blocks
-    assert not llm.engine.has_unfinished_requests()
 
 
 @pytest.mark.parametrize(

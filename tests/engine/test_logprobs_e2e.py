@@ -9,27 +9,12 @@ import torch
 from octavo import LLM, SamplingParams
 from octavo.core.outputs import TokenLogprobs
 from tests.engine.conftest import random_prompts
-from tests.engine.test_engine_api import assert_no_leak
+from tests.engine.conftest import assert_no_leak
 from tests.model_factory import load_hf_model
 from tests.worker.runner_utils import hf_logits
 
 TOL = 1e-4
 BLOCKS = 64  # 1024 tokens: ample here, and quick to allocate
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # The tiny model's ops are too small to split; on busy shared cores a
-    # second intra-op thread makes each step several times slower.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def folder(model_dir):
-    return model_dir("llama")
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from octavo.core.outputs import SchedulerOutput
 from octavo.engine.llm_engine import LLMEngine
 from octavo.outputs import RequestOutput
 from tests.engine.conftest import random_prompts
-from tests.engine.test_engine_api import assert_no_leak
+from tests.engine.conftest import assert_no_leak
 from tests.model_factory import EOS_ID, IM_END_ID, load_hf_model
 from tests.worker.runner_utils import hf_logits
 
@@ -22,21 +22,6 @@ BLOCK_SIZE = 16
 SEEDED = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=12, ignore_eos=True)
 
 Adjust = Callable[[torch.Tensor, list[int]], torch.Tensor]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # The tiny model's ops are too small to split; on busy shared cores a
-    # second intra-op thread makes each step several times slower.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def folder(model_dir):
-    return model_dir("llama")
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import torch
 
 from octavo import LLM, SamplingParams
 from octavo.sampling_params import StructuredOutputParams
-from tests.engine.test_engine_api import assert_no_leak
+from tests.engine.conftest import assert_no_leak
 
 BLOCKS = 64  # 1024 tokens: ample here, and quick to allocate
 MAX_TOKENS = 200  # far more than any of these grammars needs
@@ -30,21 +30,6 @@ SCHEMA = {
 }
 REGEX = r"[a-z]{3}-\d{2}"
 CHOICES = ["yes", "no", "maybe so"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # The tiny model's ops are too small to split; on busy shared cores a
-    # second intra-op thread makes each step several times slower.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def folder(model_dir):
-    return model_dir("llama")
 
 
 def structured(spec: StructuredOutputParams, **kw: object) -> SamplingParams:

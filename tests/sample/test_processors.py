@@ -125,9 +125,13 @@ def test_logit_bias_allowed_ids_bad_words_min_tokens(logits):
         output=[5, 20, 21],
     )
     min_tok = make_request(SamplingParams(min_tokens=3, stop_token_ids=[12, 13]), output=[4, 4], eos_token_id=1)
+    # ignore_eos makes EOS an ordinary token: min_tokens bans only the stop ids.
+    no_eos = make_request(
+        SamplingParams(min_tokens=3, stop_token_ids=[12], ignore_eos=True), output=[4], eos_token_id=1
+    )
     done = make_request(SamplingParams(min_tokens=2, stop_token_ids=[12]), output=[4, 4], eos_token_id=1)
     plain = make_request(SamplingParams())
-    reqs = [bias, allowed, bad, min_tok, done, plain]
+    reqs = [bias, allowed, bad, min_tok, no_eos, done, plain]
     ours = process_logits(logits, metadata(reqs, V))
 
     expected = logits.clone()
@@ -138,8 +142,9 @@ def test_logit_bias_allowed_ids_bad_words_min_tokens(logits):
     expected[1, ~keep] = float("-inf")
     expected[2, [7, 22]] = float("-inf")  # single token always; 22 as the output ends with 20 21
     expected[3, [1, 12, 13]] = float("-inf")  # eos and stop ids while below min_tokens
+    expected[4, 12] = float("-inf")
     assert_same(ours, expected)
-    assert torch.equal(ours[4:], logits[4:])  # untouched rows stay bit-identical
+    assert torch.equal(ours[5:], logits[5:])  # untouched rows stay bit-identical
 
 
 def test_bad_word_prefix_must_match_the_end_of_the_output(logits):
