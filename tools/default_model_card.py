@@ -76,11 +76,12 @@ def _model_section(name: str, m: dict[str, Any]) -> str:
         "",
         _fence(m["golden"]["prompt"] + m["golden"]["text"]),
         "",
-        "Greedy samples:",
+        "Samples (prompt and completion, up to 80 new tokens; `sampled` is temperature 0.7, top-p 0.9,",
+        "torch seed 0, the `generation_config.json` defaults):",
         "",
     ]
     for sample in m["samples"]:
-        lines += [_fence(sample["prompt"] + sample["text"]), ""]
+        lines += [f"{sample['mode']}:", "", _fence(sample["prompt"] + sample["text"]), ""]
     return "\n".join(lines)
 
 
@@ -88,6 +89,7 @@ def write_model_card(out: Path, results: dict[str, Any]) -> Path:
     names = list(results["models"])
     plot_loss(out / "training", names)
     d = results["data"]
+    target, draft = results["models"]["octavo-mini"], results["models"]["octavo-mini-draft"]
     py = f"{sys.version_info.major}.{sys.version_info.minor}.{sys.version_info.micro}"
     text = f"""# Octavo Mini: the built-in default model
 
@@ -125,17 +127,37 @@ generation prompt as `<|assistant|>\\n`; roles other than system, user and assis
 ## Models
 
 {chr(10).join(_model_section(n, results['models'][n]) for n in names)}
+## Limitations
+
+- `octavo-mini` saw {target['tokens'] / 1e6:.1f} M tokens ({target['tokens'] / d['train_tokens']:.1f} passes over the
+  training stream). It writes Python-looking code and docstring-like English with invented names and
+  wrong logic; greedy decoding soon repeats itself, so prefer the sampling defaults.
+- `octavo-mini-draft` saw {draft['tokens'] / 1e6:.2f} M tokens; it exists to exercise speculative decoding, and
+  its acceptance rate against the target will be low.
+- Context length 512 tokens; English and Python only.
+
+`tests/test_default_model.py` checks the held-out sample perplexity of both models against the bounds
+above, the golden greedy completion, tokenizer agreement between Octavo and transformers, and that the
+Octavo engine's greedy tokens equal transformers'.
+
 ## Training
 
-Hardware: {d['threads']} threads of a shared {_cpu_name()} (other jobs ran at the same time), fp32
-(bf16 autocast measured slower on this CPU), torch seed {d['seed']}. Batches are random 512-token windows of
-the packed, shuffled token stream. The learning-rate schedule follows
-`max(step / max_steps, elapsed / max_minutes)`, so the run length was set by its time budget; for a
-step-exact reproduction pass the step counts above with `--draft-minutes 0 --target-minutes 0`.
+Hardware: torch with {d['threads']} thread(s) on one {_cpu_name()} machine of 2 cores shared with
+other jobs (under that load one thread trained about 3x faster than two), fp32 (bf16 autocast measured
+slower on this CPU), torch seed {d['seed']}. Batches are random 512-token windows of the packed,
+shuffled token stream. The learning-rate schedule follows
+`max(step / max_steps, elapsed / max_minutes)`, so this run's length and schedule were set by its time
+budget. Rerunning the command rebuilds the corpus, tokenizer and `heldout_sample.txt` byte for byte
+(same Python version) and repeats the first steps' losses exactly, but the final weights depend on the
+machine's speed; for a step-exact run pass `--draft-steps N --target-steps N` with
+`--draft-minutes 0 --target-minutes 0`.
 
 Command: `{d['command']}`
 
 ![loss curve](training/loss_curve.png)
+
+Train loss is an EMA of batch losses; the held-out points are the first 8 windows (4,096 tokens) of the
+held-out stream, measured every 100 steps.
 
 Per-step numbers: `training/*_loss.csv`; every number on this card: `training/results.json`.
 """

@@ -9,9 +9,13 @@ from __future__ import annotations
 
 import ast
 import hashlib
+import random
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer
 
 from default_model_tokenizer import render_chat
 
@@ -106,3 +110,14 @@ def build_corpus(root: Path | None = None) -> Corpus:
         train.append(Document(relative, text))
         train.extend(_docstring_chats(_module_name(relative), text))
     return Corpus(train=train, heldout=heldout)
+
+
+def token_stream(tok: Tokenizer, docs: list[Document], seed: int) -> torch.Tensor:
+    """The documents in a seeded order as one stream; the tokenizer's post-processor
+    opens each with EOS, so documents are separated exactly as at inference."""
+    docs = list(docs)
+    random.Random(seed).shuffle(docs)
+    ids: list[int] = []
+    for enc in tok.encode_batch([d.text for d in docs]):
+        ids.extend(enc.ids)
+    return torch.tensor(ids, dtype=torch.long)

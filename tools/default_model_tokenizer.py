@@ -14,8 +14,10 @@ END_OF_TURN = "<|end|>"
 MODEL_MAX_LENGTH = 512
 
 # Roles other than system/user/assistant are refused rather than rendered,
-# because the model has only ever seen these three markers.
+# because the model has only ever seen these three markers. The template writes
+# the BOS itself, as chat callers encode its output without special tokens.
 CHAT_TEMPLATE = (
+    "{{ bos_token }}"
     "{% for message in messages %}"
     "{% if message['role'] not in ['system', 'user', 'assistant'] %}"
     "{{ raise_exception('unknown role: ' + message['role']) }}"
@@ -36,8 +38,9 @@ _TEMPLATE = _ENV.from_string(CHAT_TEMPLATE)
 
 
 def render_chat(messages: list[dict[str, str]], add_generation_prompt: bool) -> str:
-    """The chat template as the model saw it in training (same settings as transformers)."""
-    return _TEMPLATE.render(messages=messages, add_generation_prompt=add_generation_prompt)
+    """The chat template as transformers renders it, minus the BOS: the text is meant to be
+    encoded with special tokens, so the post-processor adds the BOS exactly once."""
+    return _TEMPLATE.render(messages=messages, add_generation_prompt=add_generation_prompt, bos_token="")
 
 
 def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
