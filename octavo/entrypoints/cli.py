@@ -97,9 +97,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_args(gen)
     gen.add_argument("--prompt", action="append", required=True, help="repeat for several prompts")
     gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--top-k", type=int, default=0)
+    # Unset sampling options take the model's generation_config.json values,
+    # as the server does: tiny models loop under greedy decoding.
+    gen.add_argument("--temperature", type=float, default=None, help="default: the model's, else 1.0")
+    gen.add_argument("--top-p", type=float, default=None, help="default: the model's, else 1.0")
+    gen.add_argument("--top-k", type=int, default=None, help="default: the model's, else off")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
     return parser
 
@@ -138,8 +140,17 @@ def _generate(args: argparse.Namespace) -> None:
         seed=args.seed,
         device=args.device,
     )
+    defaults = llm.engine.generation_defaults
+
+    def pick(name: str, fallback: float) -> float:
+        value = getattr(args, name)
+        return value if value is not None else defaults.get(name, fallback)
+
     params = SamplingParams(
-        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, max_tokens=args.max_tokens
+        temperature=pick("temperature", 1.0),
+        top_p=pick("top_p", 1.0),
+        top_k=int(pick("top_k", 0)),
+        max_tokens=args.max_tokens,
     )
     if args.chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params, use_tqdm=False)

@@ -9,11 +9,26 @@ from octavo.entrypoints.cli import main
 
 def test_generate_prints_greedy_text(model_path, offline_llm, capsys):
     main(["generate", str(model_path), "--dtype", "float32", "--num-blocks", "64",
-          "--prompt", "Hello there", "--prompt", "The rain", "--max-tokens", "6"])
+          "--prompt", "Hello there", "--prompt", "The rain", "--max-tokens", "6", "--temperature", "0"])
     printed = capsys.readouterr().out
     refs = offline_llm.generate(["Hello there", "The rain"], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
     expected = "".join(f"### {p}\n{r.outputs[0].text}\n\n" for p, r in zip(["Hello there", "The rain"], refs))
     assert printed == expected
+
+
+def test_generate_takes_unset_sampling_options_from_generation_config(tmp_path, capsys):
+    from tests.model_factory import make_tiny_model
+
+    # The model asks for greedy decoding in generation_config.json; the
+    # command line leaves temperature unset, so the output is greedy.
+    folder = make_tiny_model(tmp_path, "llama", generation_config={"eos_token_id": [1, 4], "temperature": 0.0})
+    args = ["generate", str(folder), "--dtype", "float32", "--num-blocks", "64", "--prompt", "Hello", "--max-tokens", "8"]
+    main(args)
+    first = capsys.readouterr().out
+    main(args + ["--seed", "7"])  # another seed: still the same text, as greedy must be
+    assert capsys.readouterr().out == first
+    main(args + ["--temperature", "0"])
+    assert capsys.readouterr().out == first
 
 
 def test_bad_arguments_exit_with_a_message(tmp_path, capsys):
