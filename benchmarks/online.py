@@ -63,11 +63,13 @@ def wait_ready(base_url: str, proc: subprocess.Popen, timeout_s: float) -> None:
 
 
 @contextlib.contextmanager
-def running_server(cmd: list[str], base_url: str, log: Path, timeout_s: float) -> Iterator[None]:
+def running_server(cmd: list[str], base_url: str, log: Path, timeout_s: float, threads: int) -> Iterator[None]:
     """Start ``cmd``, wait for /v1/models, and always stop it (its whole process group)."""
     log.parent.mkdir(parents=True, exist_ok=True)
+    # torch sizes its thread pool from OMP_NUM_THREADS; llama-server gets -t.
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         try:
             wait_ready(base_url, proc, timeout_s)
             yield
@@ -140,7 +142,7 @@ def main() -> None:
     for name in servers:
         cmd = commands[name](args, args.port)
         print(f"starting {name}: {' '.join(cmd)}", flush=True)
-        with running_server(cmd, base_url, args.out_dir / f"{name}.log", args.ready_timeout):
+        with running_server(cmd, base_url, args.out_dir / f"{name}.log", args.ready_timeout, args.threads):
             serve.main(["--base-url", base_url, "--num-prompts", "2", "--output-len", "4", "--ignore-eos"])  # warm-up
             reports[name] = {sc.name: measure(args, base_url, sc, args.out_dir / f"{name}-{sc.name}.json")
                              for sc in scenarios}

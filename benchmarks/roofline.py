@@ -36,8 +36,9 @@ from benchmarks.workload import Workload, ordinary_token_ids
 MIB = 2**20
 
 
-def median_time(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # warm: page faults and allocator growth happen here, not in the timing
+def median_time(fn: Callable[[], object], repeats: int, warm: bool = True) -> float:
+    if warm:  # page faults and allocator growth happen here, not in the timing
+        fn()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -100,14 +101,14 @@ def count_params(model: Path) -> int:
 
 
 def decode_rate(llm_generate: Callable[[Workload], object], token_ids: list[int], batch: int,
-                prompt_len: int, new_tokens: int, repeats: int) -> float:
+                prompt_len: int, new_tokens: int, repeats: int, warm: bool = True) -> float:
     """Decode tokens/s for ``batch`` concurrent sequences, prefill subtracted."""
     rng = random.Random(batch)
     prompts = [[rng.choice(token_ids) for _ in range(prompt_len)] for _ in range(batch)]
 
     def timed(n: int) -> float:
         wl = Workload("decode", prompts, [n] * batch, "decode probe")
-        return median_time(lambda: llm_generate(wl), repeats)
+        return median_time(lambda: llm_generate(wl), repeats, warm)
 
     t_full, t_first = timed(new_tokens), timed(1)
     return batch * (new_tokens - 1) / (t_full - t_first)
@@ -117,7 +118,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(parser)
     parser.add_argument("--prompt-len", type=int, default=32)
-    parser.add_argument("--new-tokens", type=int, help="decode length (default 128, --quick 32)")
+    parser.add_argument("--new-tokens", type=int, help="batch-1 decode length (default 128, --quick 32)")
+    parser.add_argument("--large-new-tokens", type=int, default=32, help="decode length at large batch")
     parser.add_argument("--large-batches", type=int_list, help="batch sizes tried for peak decode "
                         "(default 64,128,256, --quick 128)")
     parser.add_argument("--quick", action="store_true", help="smaller buffers, fewer tokens and batch sizes")
@@ -156,7 +158,8 @@ def main() -> None:
     b1 = decode_rate(peer.generate, ids, 1, args.prompt_len, args.new_tokens, args.repeats)
     context = args.prompt_len + args.new_tokens // 2
     per_token = shape.bytes_per_token(weight_bytes, context, kv_bytes=weight_bytes)
-    big = {b: decode_rate(peer.generate, ids, b, args.prompt_len, args.new_tokens, max(1, args.repeats // 2))
+    # The engine is warm by now, and each large-batch run is long: no extra warm-up run.
+    big = {b: decode_rate(peer.generate, ids, b, args.prompt_len, args.large_new_tokens, 1, warm=False)
            for b in large_batches}
     best_b = max(big, key=big.get)
     flops_per_token = 2 * shape.matmul_params

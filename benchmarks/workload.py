@@ -76,10 +76,6 @@ class Workload:
             "max_seq_len": self.max_seq_len,
         }
 
-    def save(self, path: Path) -> None:
-        path.write_text(json.dumps({"name": self.name, "description": self.description,
-                                    "prompts": self.prompts, "output_lens": self.output_lens}))
-
 
 def ordinary_token_ids(model: Path) -> list[int]:
     """Every id of the model's vocabulary except the tokenizer's special tokens,

@@ -56,25 +56,36 @@ BENCH_MODELS: dict[str, BenchModel] = {
 }
 
 
-def _synthetic_merges(alphabet: list[str], count: int) -> Iterator[tuple[str, str]]:
-    """``count`` BPE merges in rank order: every byte pair first, then pairs
-    followed by one more byte. Training to a 152k vocabulary would need a huge
-    corpus; for random-weight models a systematic vocabulary does the same job."""
+def _synthetic_merges(pieces: list[str], count: int) -> Iterator[tuple[str, str]]:
+    """``count`` BPE merges in rank order over ``pieces``: every pair first,
+    then pairs followed by one more piece. Training to a 152k vocabulary would
+    need a huge corpus; for random-weight models a systematic vocabulary does
+    the same job."""
     made = 0
-    for a in alphabet:
-        for b in alphabet:
+    for a in pieces:
+        for b in pieces:
             if made == count:
                 return
             yield a, b
             made += 1
-    for a in alphabet:
-        for b in alphabet:
-            for c in alphabet:
+    for a in pieces:
+        for b in pieces:
+            for c in pieces:
                 if made == count:
                     return
                 yield a + b, c
                 made += 1
     raise ValueError(f"vocab_size too large for the synthetic vocabulary: {count} merges")
+
+
+def _printable_pieces() -> list[str]:
+    """Byte-level spellings of printable ASCII (space included). Merging only
+    these keeps almost every token valid UTF-8 on its own: a random model
+    emits random tokens, and servers that hold back incomplete UTF-8
+    (llama-server) would otherwise stream no text at all."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    return [tok.pre_tokenizer.pre_tokenize_str(chr(b))[0][0] for b in range(32, 127)]
 
 
 def write_tokenizer(folder: Path, vocab_size: int, max_len: int) -> None:
@@ -84,7 +95,7 @@ def write_tokenizer(folder: Path, vocab_size: int, max_len: int) -> None:
     if num_merges < 0:
         raise ValueError(f"vocab_size must be >= {len(alphabet) + len(SPECIAL_TOKENS)}, got {vocab_size}")
     vocab = {ch: i for i, ch in enumerate(alphabet)}
-    merges = list(_synthetic_merges(alphabet, num_merges))
+    merges = list(_synthetic_merges(_printable_pieces(), num_merges))
     for a, b in merges:
         vocab[a + b] = len(vocab)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
