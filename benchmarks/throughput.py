@@ -24,22 +24,33 @@ from benchmarks.workload import Workload
 PEERS = ("octavo", "hf", "llamacpp")
 
 
-def run_peer(name: str, args: argparse.Namespace, workload: Workload) -> tuple[PeerResult, list[PeerResult]]:
-    """The peer's headline result plus any sweep points behind it."""
+def subset_size(args: argparse.Namespace, peer: str, workload: Workload) -> int:
+    """How many leading requests a slow peer runs (all unless capped)."""
+    cap = {"hf": args.hf_max_prompts, "llamacpp": args.llamacpp_max_prompts}.get(peer, 0)
+    return min(cap, len(workload.prompts)) if cap else len(workload.prompts)
+
+
+def run_peer(name: str, args: argparse.Namespace, workload: Workload,
+             peers: list[str]) -> tuple[PeerResult, list[PeerResult]]:
+    """The peer's headline result plus the runs behind it: HF's batch-size
+    sweep, or Octavo on the same leading subsets the capped peers ran, so
+    every ratio can be taken over identical requests."""
     if name == "octavo":
         peer = OctavoPeer.from_args(args)
         peer.warmup()
-        return timed_runs(lambda: peer.run(workload), args.repeats), []
+        full = timed_runs(lambda: peer.run(workload), args.repeats)
+        sizes = sorted({subset_size(args, p, workload) for p in peers} - {len(workload.prompts)})
+        return full, [timed_runs(lambda: peer.run(workload.head(k)), args.repeats) for k in sizes]
     if name == "hf":
         hf = HFPeer(args.model, args.dtype)
         hf.warmup()
-        sub = workload.head(args.hf_max_prompts or len(workload.prompts))
+        sub = workload.head(subset_size(args, "hf", workload))
         best, sweep = hf.sweep(sub, args.hf_batch_sizes)
         if args.repeats > 1:
             best = timed_runs(lambda: hf.run(sub, best.extra["batch_size"]), args.repeats)
         return best, sweep
     if name == "llamacpp":
-        sub = workload.head(args.llamacpp_max_prompts or len(workload.prompts))
+        sub = workload.head(subset_size(args, "llamacpp", workload))
         lc = LlamaCppPeer(args.model, n_ctx=sub.max_seq_len + 16, threads=args.threads)
         lc.warmup()
         return timed_runs(lambda: lc.run(sub), args.repeats), []
@@ -68,26 +79,35 @@ def main() -> None:
     results: dict[str, PeerResult] = {}
     sweeps: dict[str, list[PeerResult]] = {}
     for name in peers:
-        results[name], sweeps[name] = run_peer(name, args, workload)
+        results[name], sweeps[name] = run_peer(name, args, workload, peers)
         print(f"{name}: {results[name].output_tok_s:.1f} output tok/s (load {load_avg()})", flush=True)
         gc.collect()
 
     rows = [{"peer": r.peer, "requests": r.num_requests, "out_tokens": r.output_tokens, "elapsed_s": r.elapsed_s,
              "out_tok_s": r.output_tok_s, "total_tok_s": r.total_tok_s, "notes": r.notes} for r in results.values()]
-    for point in sweeps.get("hf", []):
-        rows.append({"peer": f"  hf bs={point.extra['batch_size']}", "requests": point.num_requests,
-                     "out_tokens": point.output_tokens, "elapsed_s": point.elapsed_s,
-                     "out_tok_s": point.output_tok_s, "total_tok_s": point.total_tok_s})
+    extra_rows = [(f"  octavo first {r.num_requests}", r) for r in sweeps.get("octavo", [])]
+    extra_rows += [(f"  hf bs={r.extra['batch_size']}", r) for r in sweeps.get("hf", [])]
+    for label, r in extra_rows:
+        rows.append({"peer": label, "requests": r.num_requests, "out_tokens": r.output_tokens,
+                     "elapsed_s": r.elapsed_s, "out_tok_s": r.output_tok_s, "total_tok_s": r.total_tok_s})
     print_table(rows, ["peer", "requests", "out_tokens", "elapsed_s", "out_tok_s", "total_tok_s", "notes"],
                 title=f"offline throughput, {args.model.name}, {args.dtype}")
-    ratios = {f"octavo/{p}": results["octavo"].output_tok_s / results[p].output_tok_s
-              for p in results if p != "octavo" and "octavo" in results}
+    ratios = {}
+    if "octavo" in results:
+        octavo_by_size = {r.num_requests: r for r in [results["octavo"], *sweeps["octavo"]]}
+        for p, r in results.items():
+            if p == "octavo":
+                continue
+            same = octavo_by_size[r.num_requests]
+            ratios[f"octavo/{p} (same {r.num_requests} requests)"] = same.output_tok_s / r.output_tok_s
+            if r.num_requests != len(workload.prompts):
+                ratios[f"octavo all {len(workload.prompts)}/{p}"] = results["octavo"].output_tok_s / r.output_tok_s
     for key, value in ratios.items():
         print(f"{key}: {value:.2f}x")
     write_json(args.json, {
         "benchmark": "throughput", "args": vars(args), "workload": workload.summary(),
         "results": {k: v.to_dict() for k, v in results.items()},
-        "hf_sweep": [r.to_dict() for r in sweeps.get("hf", [])], "ratios": ratios,
+        "runs_behind": {k: [r.to_dict() for r in v] for k, v in sweeps.items()}, "ratios": ratios,
     })
 
 

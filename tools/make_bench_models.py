@@ -1,6 +1,6 @@
 """Random-weight benchmark checkpoints (and their GGUF copies for llama.cpp).
 
-    python tools/make_bench_models.py                       # both models into benchmarks/models/
+    python tools/make_bench_models.py        # both random models + a copy of octavo-mini into benchmarks/models/
     python tools/make_bench_models.py --models llama-100m --gguf \\
         --llama-cpp-src /path/to/llama_cpp_python-X/vendor/llama.cpp
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = REPO / "benchmarks" / "models"
+DEFAULT_MODEL_NAME = "octavo-mini"  # the shipped default model, benchmarked as it is
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
@@ -140,6 +142,18 @@ def make_model(spec: BenchModel, out: Path, seed: int = 0) -> Path:
     return folder
 
 
+def copy_default_model(out: Path) -> Path:
+    """The shipped default model, copied so its GGUF lands beside the copy and
+    never inside the package's assets."""
+    from octavo.assets import DEFAULT_MODEL_PATH
+
+    folder = out / DEFAULT_MODEL_PATH.name
+    if not (folder / "model.safetensors").is_file():
+        shutil.copytree(DEFAULT_MODEL_PATH, folder, dirs_exist_ok=True)
+    print(f"{folder}: copy of {DEFAULT_MODEL_PATH}")
+    return folder
+
+
 def convert_to_gguf(folder: Path, llama_cpp_src: Path, outtype: str = "bf16") -> Path:
     """Convert with the converter that ships in llama.cpp's source tree.
 
@@ -167,7 +181,8 @@ def convert_to_gguf(folder: Path, llama_cpp_src: Path, outtype: str = "bf16") ->
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", choices=sorted(BENCH_MODELS), default=sorted(BENCH_MODELS))
+    parser.add_argument("--models", nargs="+", choices=[*sorted(BENCH_MODELS), DEFAULT_MODEL_NAME],
+                        default=[*sorted(BENCH_MODELS), DEFAULT_MODEL_NAME])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--gguf", action="store_true", help="also write model-bf16.gguf next to each checkpoint")
@@ -176,7 +191,10 @@ def main() -> None:
     if args.gguf and (args.llama_cpp_src is None or not (args.llama_cpp_src / "convert_hf_to_gguf.py").is_file()):
         raise ValueError("--llama-cpp-src must be a folder containing convert_hf_to_gguf.py when --gguf is given")
     for name in args.models:
-        folder = make_model(BENCH_MODELS[name], args.out, args.seed)
+        if name == DEFAULT_MODEL_NAME:
+            folder = copy_default_model(args.out)
+        else:
+            folder = make_model(BENCH_MODELS[name], args.out, args.seed)
         if args.gguf:
             convert_to_gguf(folder, args.llama_cpp_src)
 
