@@ -30,11 +30,21 @@ class PrefillChunk:
 
 
 @dataclass
+class DecodeGroup:
+    """Decode rows ``row_start:row_end`` whose contexts are of similar length,
+    so padding them to the longest one wastes little gather and attention work."""
+
+    row_start: int
+    row_end: int
+    # [rows, max_blocks]: each decode's blocks, padded with block 0 (masked out).
+    block_table: torch.Tensor
+    masks: MaskByWindow  # [rows, 1, 1, max_blocks * block_size]
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [total_tokens] int64: block_id * block_size + offset
     block_size: int
     num_decodes: int  # rows 0 .. num_decodes-1 are single-token queries
-    # [num_decodes, max_blocks]: each decode's blocks, padded with block 0 (masked out).
-    decode_block_table: Optional[torch.Tensor] = None
-    decode_masks: MaskByWindow = field(default_factory=dict)  # [num_decodes, 1, 1, max_blocks * block_size]
+    decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)

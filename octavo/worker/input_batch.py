@@ -8,7 +8,7 @@ from typing import Iterable, Optional
 import torch
 
 from octavo.core.outputs import ScheduledRequest
-from octavo.model.attention_metadata import AttentionMetadata, MaskByWindow, PrefillChunk
+from octavo.model.attention_metadata import AttentionMetadata, DecodeGroup, MaskByWindow, PrefillChunk
 
 
 @dataclass
@@ -28,7 +28,10 @@ def prepare_inputs(
     windows: Iterable[Optional[int]],
     device: torch.device,
 ) -> StepInputs:
-    decodes = [s for s in scheduled if len(s.token_ids) == 1]
+    # Longest context first, so decodes of similar length sit in contiguous rows.
+    decodes = sorted(
+        (s for s in scheduled if len(s.token_ids) == 1), key=lambda s: s.start_pos, reverse=True
+    )
     num_decodes = len(decodes)
     order = decodes + [s for s in scheduled if len(s.token_ids) > 1]
     lens = [len(s.token_ids) for s in order]
@@ -54,14 +57,18 @@ def prepare_inputs(
 
     windows = set(windows)
     attn = AttentionMetadata(slot_mapping=slot_mapping, block_size=block_size, num_decodes=num_decodes)
-    if num_decodes:
-        dec_width = max(blocks_needed[:num_decodes])
-        attn.decode_block_table = block_table[:num_decodes, :dec_width]
-        keys = torch.arange(dec_width * block_size, device=device)
-        query_pos = ints(context[:num_decodes]).unsqueeze(1) - 1
-        attn.decode_masks = {
-            w: _mask(query_pos, keys, w).view(num_decodes, 1, 1, -1) for w in windows
-        }
+    for start, end in _decode_groups(blocks_needed[:num_decodes]):
+        width = blocks_needed[start]  # rows are sorted longest first
+        keys = torch.arange(width * block_size, device=device)
+        query_pos = ints(context[start:end]).unsqueeze(1) - 1
+        attn.decode_groups.append(
+            DecodeGroup(
+                row_start=start,
+                row_end=end,
+                block_table=block_table[start:end, :width],
+                masks={w: _mask(query_pos, keys, w).view(end - start, 1, 1, -1) for w in windows},
+            )
+        )
     for i in range(num_decodes, len(order)):
         fresh = starts[i] == 0
         query_pos = torch.arange(starts[i], context[i], device=device).unsqueeze(1)
@@ -82,6 +89,21 @@ def prepare_inputs(
         )
     input_ids = ints(list(itertools.chain.from_iterable(s.token_ids for s in order)))
     return StepInputs(input_ids, positions, attn, order, q_starts)
+
+
+def _decode_groups(blocks_needed: list[int]) -> list[tuple[int, int]]:
+    """Split rows sorted by descending length into runs whose shortest member
+    needs at least half the blocks of the longest: padding then at most doubles
+    the work, and a batch mixing 10- and 1000-token contexts no longer pads
+    every row to 1000. Each group costs one more attention call per layer, so
+    the halving rule keeps their number logarithmic in the length spread."""
+    groups: list[tuple[int, int]] = []
+    start = 0
+    for row in range(1, len(blocks_needed) + 1):
+        if row == len(blocks_needed) or 2 * blocks_needed[row] < blocks_needed[start]:
+            groups.append((start, row))
+            start = row
+    return groups
 
 
 def _mask(query_pos: torch.Tensor, keys: torch.Tensor, window: Optional[int]) -> torch.Tensor:

@@ -55,9 +55,10 @@ def test_prepare_inputs_layout():
     expected_slots = [3 * 16 + 4] + [7 * 16 + p for p in range(4, 16)] + [2 * 16 + p - 16 for p in range(16, 20)]
     assert inputs.attn.slot_mapping.tolist() == expected_slots
     attn = inputs.attn
-    assert attn.num_decodes == 1 and attn.decode_block_table.tolist() == [[3]]
-    assert attn.decode_masks[None][0, 0, 0].tolist() == [True] * 5 + [False] * 11
-    assert attn.decode_masks[4][0, 0, 0].tolist() == [False] + [True] * 4 + [False] * 11
+    (group,) = attn.decode_groups
+    assert attn.num_decodes == 1 and group.block_table.tolist() == [[3]]
+    assert group.masks[None][0, 0, 0].tolist() == [True] * 5 + [False] * 11
+    assert group.masks[4][0, 0, 0].tolist() == [False] + [True] * 4 + [False] * 11
     (chunk,) = attn.prefills
     assert (chunk.q_start, chunk.q_end, chunk.context_len, chunk.fresh) == (1, 17, 20, False)
     assert chunk.block_ids.tolist() == [7, 2]
@@ -108,3 +109,20 @@ def test_memory_fraction_default_is_capped_by_useful_tokens():
         CacheConfig(block_size=16, kv_cache_memory_bytes=SHAPE.bytes_per_block * 100), SHAPE, CPU, max_useful_tokens=256
     )
     assert explicit == 100
+
+
+def test_decodes_of_different_lengths_are_grouped_longest_first():
+    # Contexts of 3, 40, 200 and 190 tokens (block_size 16: 1, 3, 13 and 12 blocks).
+    reqs = [make_request(name, list(range(n))) for name, n in [("a", 3), ("b", 40), ("c", 200), ("d", 190)]]
+    scheduled = [
+        ScheduledRequest(r, r.num_prompt_tokens - 1, [r.prompt_token_ids[-1]], list(range(13)), True) for r in reqs
+    ]
+    inputs = prepare_inputs(scheduled, 16, {None}, CPU)
+    assert [s.request.request_id for s in inputs.order] == ["c", "d", "b", "a"]
+    groups = inputs.attn.decode_groups
+    # c and d pad to 13 blocks together; b (3 blocks) and a (1 block) would more
+    # than double their work if padded to 13, and a to 3, so they go alone.
+    assert [(g.row_start, g.row_end, g.block_table.shape[1]) for g in groups] == [(0, 2, 13), (2, 3, 3), (3, 4, 1)]
+    # Each row's mask covers exactly its own context.
+    assert groups[0].masks[None][1, 0, 0].sum().item() == 190
+    assert groups[2].masks[None][0, 0, 0].tolist() == [True] * 3 + [False] * 13

@@ -2,8 +2,9 @@
 
 Each layer's cache is one tensor ``[2, num_blocks, block_size, kv_heads, head_dim]``
 (K then V). New K/V are written by slot; reads gather only the blocks a request
-needs. Decodes are batched into one SDPA call (padded to the longest context
-and masked); each prefill chunk gets its own call with an offset causal mask.
+needs. Decodes of similar context length are batched into one SDPA call each
+(padded to the group's longest context and masked); each prefill chunk gets
+its own call with an offset causal mask.
 """
 from __future__ import annotations
 
@@ -40,14 +41,14 @@ def paged_attention(
     """q [T, heads, D]; k, v [T, kv_heads, D] already written to ``kv_cache``.
     Returns [T, heads, D]."""
     out = torch.empty_like(q)
-    nd = meta.num_decodes
-    if nd:
-        keys = _gather(kv_cache[0], meta.decode_block_table, q.dtype).transpose(1, 2)
-        values = _gather(kv_cache[1], meta.decode_block_table, q.dtype).transpose(1, 2)
+    for group in meta.decode_groups:
+        rows = slice(group.row_start, group.row_end)
+        keys = _gather(kv_cache[0], group.block_table, q.dtype).transpose(1, 2)
+        values = _gather(kv_cache[1], group.block_table, q.dtype).transpose(1, 2)
         o = F.scaled_dot_product_attention(
-            q[:nd].unsqueeze(2), keys, values, attn_mask=meta.decode_masks[window], enable_gqa=True
+            q[rows].unsqueeze(2), keys, values, attn_mask=group.masks[window], enable_gqa=True
         )
-        out[:nd] = o.squeeze(2)
+        out[rows] = o.squeeze(2)
     for chunk in meta.prefills:
         rows = slice(chunk.q_start, chunk.q_end)
         if chunk.fresh:
