@@ -47,6 +47,7 @@ class LLM:
         enable_chunked_prefill: bool = True,
         seed: int = 0,
         device: str = "cpu",
+        attention_backend: str = "auto",
     ) -> None:
         model_path = str(model) if model is not None else str(default_model_path())
         config = EngineConfig(
@@ -57,6 +58,7 @@ class LLM:
                 max_model_len=max_model_len,
                 seed=seed,
                 device=device,
+                attention_backend=attention_backend,
             ),
             cache=CacheConfig(
                 block_size=block_size,

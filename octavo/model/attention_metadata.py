@@ -7,9 +7,12 @@ built here per sliding window used by the model, so layers never rebuild them.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
+
+if TYPE_CHECKING:
+    from octavo.kernels.paged_decode import PagedDecodeKernel
 
 # window (None = full attention) -> mask; True marks keys a query attends to.
 MaskByWindow = dict[Optional[int], Optional[torch.Tensor]]
@@ -42,9 +45,22 @@ class DecodeGroup:
 
 
 @dataclass
+class PagedDecodes:
+    """All decode rows in one call of the native kernel, which walks each
+    row's block table itself: no padding, masks or groups needed."""
+
+    block_table: torch.Tensor  # [num_decodes, max_blocks] int64, padded with block 0 (never read)
+    context_lens: torch.Tensor  # [num_decodes] int64
+    kernel: PagedDecodeKernel
+
+
+@dataclass
 class AttentionMetadata:
     slot_mapping: torch.Tensor  # [total_tokens] int64: block_id * block_size + offset
     block_size: int
     num_decodes: int  # rows 0 .. num_decodes-1 are single-token queries
+    # Decodes go either to the native kernel (paged_decodes) or, on the torch
+    # path, through decode_groups.
+    paged_decodes: Optional[PagedDecodes] = None
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)

@@ -3,12 +3,15 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import TYPE_CHECKING, Iterable, Optional
 
 import torch
 
 from octavo.core.outputs import ScheduledRequest
-from octavo.model.attention_metadata import AttentionMetadata, DecodeGroup, MaskByWindow, PrefillChunk
+from octavo.model.attention_metadata import AttentionMetadata, DecodeGroup, MaskByWindow, PagedDecodes, PrefillChunk
+
+if TYPE_CHECKING:
+    from octavo.kernels.paged_decode import PagedDecodeKernel
 
 
 @dataclass
@@ -27,7 +30,10 @@ def prepare_inputs(
     block_size: int,
     windows: Iterable[Optional[int]],
     device: torch.device,
+    decode_kernel: Optional[PagedDecodeKernel] = None,
 ) -> StepInputs:
+    """``decode_kernel``: attend the decodes with the native kernel (one call
+    over their block tables) instead of length groups of gather + SDPA."""
     # Longest context first, so decodes of similar length sit in contiguous rows.
     decodes = sorted(
         (s for s in scheduled if len(s.token_ids) == 1), key=lambda s: s.start_pos, reverse=True
@@ -57,7 +63,14 @@ def prepare_inputs(
 
     windows = set(windows)
     attn = AttentionMetadata(slot_mapping=slot_mapping, block_size=block_size, num_decodes=num_decodes)
-    for start, end in _decode_groups(blocks_needed[:num_decodes]):
+    if decode_kernel is not None and num_decodes:
+        attn.paged_decodes = PagedDecodes(
+            block_table=block_table[:num_decodes, : blocks_needed[0]],
+            context_lens=ints(context[:num_decodes]),
+            kernel=decode_kernel,
+        )
+    groups = [] if decode_kernel is not None else _decode_groups(blocks_needed[:num_decodes])
+    for start, end in groups:
         width = blocks_needed[start]  # rows are sorted longest first
         keys = torch.arange(width * block_size, device=device)
         query_pos = ints(context[start:end]).unsqueeze(1) - 1

@@ -9,6 +9,7 @@ import torch
 from octavo.config import CacheConfig, ModelConfig, SchedulerConfig
 from octavo.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from octavo.core.request import Request
+from octavo.kernels.paged_decode import PagedDecodeKernel, paged_decode_kernel
 from octavo.model.generation_config import load_generation_defaults
 from octavo.model.loader import load_model, model_folder, resolve_dtype
 from octavo.sample.logprobs import token_logprobs
@@ -55,6 +56,7 @@ class ModelRunner:
             cache_config, shape, self.device, scheduler_config.max_num_seqs * self.max_model_len
         )
         self.kv_caches = allocate_kv_caches(shape, self.num_blocks, self.device)
+        self.decode_kernel = _decode_kernel(model_config.attention_backend, self.device, self.dtype, cache_dtype)
 
         self.sampler = Sampler()
         self._windows = self.model.attention_windows
@@ -106,7 +108,9 @@ class ModelRunner:
         copy_blocks(self.kv_caches, scheduler_output.block_copies)
         if scheduler_output.is_empty:
             return None
-        inputs = prepare_inputs(scheduler_output.scheduled, self.block_size, self._windows, self.device)
+        inputs = prepare_inputs(
+            scheduler_output.scheduled, self.block_size, self._windows, self.device, self.decode_kernel
+        )
         return inputs, self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
 
     def _sample(self, scheduled: list[ScheduledRequest], logits: torch.Tensor, out: ModelRunnerOutput) -> None:
@@ -135,6 +139,20 @@ class ModelRunner:
             gen = self._generators[request.request_id] = torch.Generator(device=self.device)
             gen.manual_seed(seed)
         return gen
+
+
+def _decode_kernel(
+    backend: str, device: torch.device, dtype: torch.dtype, cache_dtype: torch.dtype
+) -> Optional[PagedDecodeKernel]:
+    if backend == "torch":
+        return None
+    fits = PagedDecodeKernel.supports(device, dtype, cache_dtype)
+    if backend == "native" and not fits:
+        raise ValueError(
+            f"attention_backend 'native' runs on CPU with float32/bfloat16/float16; "
+            f"got device {device.type}, dtype {dtype}, cache dtype {cache_dtype}"
+        )
+    return paged_decode_kernel(required=backend == "native") if fits else None
 
 
 def _plan_logit_rows(inputs: StepInputs) -> _LogitRows:

@@ -24,11 +24,12 @@ def run(folder, prompts, **engine_kwargs):
     return [o.outputs[0].token_ids for o in outs], stats
 
 
+@pytest.mark.parametrize("backend", ["native", "torch"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_batch_of_mixed_lengths_matches_transformers(model_dir, arch):
+def test_batch_of_mixed_lengths_matches_transformers(model_dir, arch, backend):
     folder = model_dir(arch)
     prompts = random_prompts(PROMPT_LENGTHS)
-    tokens, _ = run(folder, prompts)
+    tokens, _ = run(folder, prompts, attention_backend=backend)
     assert tokens == hf_greedy(folder, prompts)
 
 

@@ -10,6 +10,8 @@ from .runner_utils import Blocks, hf_logits, make_request, make_runner, step
 
 TOL = 1e-4
 ALL = sorted(VARIANTS)
+# Decode attention: the native kernel over the block tables, and gather + SDPA.
+BACKENDS = ["native", "torch"]
 
 
 def _prompt(length: int, seed: int) -> list[int]:
@@ -60,11 +62,12 @@ def test_prefix_already_cached(name, variant, hf_model):
     _assert_close(logits, hf_logits(hf_model(name), b.prompt_token_ids)[32:])
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 @pytest.mark.parametrize("name", ["llama", "mistral", "qwen2_sliding"])
-def test_block_sizes(name, block_size, variant, hf_model):
+def test_block_sizes(name, block_size, backend, variant, hf_model):
     """Whole prompt, then a 2nd chunk reading the 1st from the cache, then decodes."""
-    runner = make_runner(variant(name), block_size=block_size, num_blocks=128)
+    runner = make_runner(variant(name), block_size=block_size, num_blocks=128, attention_backend=backend)
     blocks = Blocks(runner)
     tokens = _prompt(45, seed=6)
     req = make_request("a", tokens[:30])
@@ -77,10 +80,11 @@ def test_block_sizes(name, block_size, variant, hf_model):
     _assert_close(torch.cat([first, second, *decodes]), hf_logits(hf_model(name), tokens))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("name", ALL)
-def test_mixed_batch(name, variant, hf_model):
+def test_mixed_batch(name, backend, variant, hf_model):
     """One execute holding a fresh prefill, a second prefill chunk and two decodes."""
-    runner = make_runner(variant(name))
+    runner = make_runner(variant(name), attention_backend=backend)
     blocks = Blocks(runner)
     a = make_request("a", _prompt(25, seed=7))
     b = make_request("b", _prompt(30, seed=8))

@@ -1,10 +1,11 @@
 """Attention over a paged KV cache, in plain torch ops.
 
 Each layer's cache is one tensor ``[2, num_blocks, block_size, kv_heads, head_dim]``
-(K then V). New K/V are written by slot; reads gather only the blocks a request
-needs. Decodes of similar context length are batched into one SDPA call each
-(padded to the group's longest context and masked); each prefill chunk gets
-its own call with an offset causal mask.
+(K then V). New K/V are written by slot. Decodes go to the native kernel,
+which reads their blocks in place, when the step has one; otherwise reads
+gather only the blocks a request needs, and decodes of similar context length
+are batched into one SDPA call each (padded to the group's longest context and
+masked). Each prefill chunk gets its own SDPA call with an offset causal mask.
 """
 from __future__ import annotations
 
@@ -40,7 +41,18 @@ def paged_attention(
 ) -> torch.Tensor:
     """q [T, heads, D]; k, v [T, kv_heads, D] already written to ``kv_cache``.
     Returns [T, heads, D]."""
-    out = torch.empty_like(q)
+    decodes = meta.paged_decodes
+    if decodes is not None:
+        n = meta.num_decodes
+        o = decodes.kernel(
+            q[:n], kv_cache[0], kv_cache[1], decodes.block_table, decodes.context_lens, window, q.shape[-1] ** -0.5
+        )
+        if not meta.prefills:
+            return o
+        out = torch.empty_like(q)
+        out[:n] = o
+    else:
+        out = torch.empty_like(q)
     for group in meta.decode_groups:
         rows = slice(group.row_start, group.row_end)
         keys = _gather(kv_cache[0], group.block_table, q.dtype).transpose(1, 2)

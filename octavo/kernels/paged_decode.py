@@ -1,0 +1,77 @@
+"""Python side of the native paged decode-attention kernel (paged_decode.c)."""
+from __future__ import annotations
+
+import ctypes
+from typing import Optional
+
+import torch
+
+from octavo.kernels.build import load_kernel, try_load_kernel
+
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_ARGTYPES = [
+    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,  # q, out, q dtype
+    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,  # k cache, v cache, cache dtype
+    ctypes.c_void_p, ctypes.c_int64,  # block tables, table width
+    ctypes.c_void_p, ctypes.c_int64,  # context lens, num seqs
+    ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,  # heads, kv heads, head dim
+    ctypes.c_int64, ctypes.c_int64, ctypes.c_float,  # block size, window, scale
+]
+
+
+class PagedDecodeKernel:
+    """Decode attention over the block tables, reading K/V in place."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._fn = lib.octavo_paged_decode
+        self._fn.argtypes = _ARGTYPES
+        self._fn.restype = ctypes.c_int
+
+    @staticmethod
+    def supports(device: torch.device, dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+        return device.type == "cpu" and dtype in _DTYPE_CODES and cache_dtype in _DTYPE_CODES
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        context_lens: torch.Tensor,
+        window: Optional[int],
+        scale: float,
+    ) -> torch.Tensor:
+        """q [seqs, heads, D]; k/v_cache [blocks, block_size, kv_heads, D];
+        block_tables [seqs, width] int64; context_lens [seqs] int64 (each
+        query attends to positions 0 .. len-1, or the last ``window`` of them).
+        Returns [seqs, heads, D] in q's dtype."""
+        num_seqs, num_heads, head_dim = q.shape
+        _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
+        if cache_head_dim != head_dim or num_heads % num_kv_heads:
+            raise ValueError(f"q {tuple(q.shape)} does not fit a cache of shape {tuple(k_cache.shape)}")
+        if block_tables.dtype != torch.int64 or context_lens.dtype != torch.int64:
+            raise ValueError("block_tables and context_lens must be int64")
+        if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+            raise ValueError("the K/V cache views must be contiguous")
+        q = q.contiguous()
+        block_tables = block_tables.contiguous()
+        context_lens = context_lens.contiguous()
+        out = torch.empty_like(q)
+        status = self._fn(
+            q.data_ptr(), out.data_ptr(), _DTYPE_CODES[q.dtype],
+            k_cache.data_ptr(), v_cache.data_ptr(), _DTYPE_CODES[k_cache.dtype],
+            block_tables.data_ptr(), block_tables.shape[1],
+            context_lens.data_ptr(), num_seqs,
+            num_heads, num_kv_heads, head_dim,
+            block_size, window or 0, scale,
+        )
+        if status != 0:
+            raise MemoryError("paged decode kernel could not allocate its work buffers")
+        return out
+
+
+def paged_decode_kernel(required: bool = False) -> Optional[PagedDecodeKernel]:
+    """The kernel, built on first use; None when it cannot be built, unless
+    ``required`` (then the build error is raised)."""
+    lib = load_kernel("paged_decode") if required else try_load_kernel("paged_decode")
+    return None if lib is None else PagedDecodeKernel(lib)

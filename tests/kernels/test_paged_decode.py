@@ -1,0 +1,129 @@
+"""The native paged decode kernel against SDPA over the same K/V gathered by hand."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from octavo.kernels.paged_decode import PagedDecodeKernel, paged_decode_kernel
+
+# (heads, kv_heads, head_dim, block_size, window)
+SHAPES = [
+    (12, 4, 64, 16, None),  # GQA, llama-100m-like
+    (14, 2, 64, 1, None),  # Qwen2.5-0.5B's head layout, one token per block
+    (8, 8, 32, 32, 7),  # MHA with a sliding window shorter than most contexts
+    (4, 1, 128, 16, 40),  # MQA, window longer than some contexts
+]
+# Output rounding to the query dtype dominates the difference.
+TOL = {torch.float32: 2e-6, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+@pytest.fixture(scope="module")
+def kernel() -> PagedDecodeKernel:
+    return paged_decode_kernel(required=True)
+
+
+def _case(heads, kv_heads, head_dim, block_size, dtype, lens, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-n // block_size) for n in lens) + 3
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    width = max(-(-n // block_size) for n in lens)
+    # Shuffled block ids and a garbage pad id: a wrong lookup cannot pass by accident.
+    free = torch.randperm(num_blocks, generator=gen).tolist()
+    tables = torch.full((len(lens), width), num_blocks - 1, dtype=torch.int64)
+    for i, n in enumerate(lens):
+        for j in range(-(-n // block_size)):
+            tables[i, j] = free.pop()
+    q = torch.randn(len(lens), heads, head_dim, generator=gen).to(dtype)
+    return q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int64)
+
+
+def _reference(q, k_cache, v_cache, tables, lens, window):
+    rows = []
+    for i, n in enumerate(lens.tolist()):
+        keys = k_cache[tables[i]].flatten(0, 1)[:n].float()
+        values = v_cache[tables[i]].flatten(0, 1)[:n].float()
+        if window is not None:
+            keys, values = keys[max(0, n - window) :], values[max(0, n - window) :]
+        o = F.scaled_dot_product_attention(
+            q[i].float().unsqueeze(1), keys.transpose(0, 1), values.transpose(0, 1), enable_gqa=True
+        )
+        rows.append(o.squeeze(1))
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_matches_sdpa_on_gathered_blocks(kernel, shape, dtype):
+    heads, kv_heads, head_dim, block_size, window = shape
+    lens = [1, 5, 17, 40, 33, 16, 100]
+    q, kc, vc, tables, ctx = _case(heads, kv_heads, head_dim, block_size, dtype, lens)
+    out = kernel(q, kc, vc, tables, ctx, window, 1 / math.sqrt(head_dim))
+    assert out.dtype == dtype and out.shape == q.shape
+    ref = _reference(q, kc, vc, tables, ctx, window)
+    diff = (out.float() - ref).abs().max().item()
+    assert diff < TOL[dtype], f"max abs diff {diff}"
+
+
+def test_bfloat16_queries_over_a_float32_cache(kernel):
+    q, kc, vc, tables, ctx = _case(12, 4, 64, 16, torch.float32, [3, 50, 21])
+    out = kernel(q.bfloat16(), kc, vc, tables, ctx, None, 0.125)
+    ref = _reference(q.bfloat16(), kc, vc, tables, ctx, None)
+    assert (out.float() - ref).abs().max().item() < TOL[torch.bfloat16]
+
+
+def test_rows_are_independent_of_the_batch(kernel):
+    """A row's result does not depend on which other rows share the call."""
+    q, kc, vc, tables, ctx = _case(12, 4, 64, 16, torch.float32, [7, 64, 200, 1])
+    together = kernel(q, kc, vc, tables, ctx, None, 0.125)
+    for i in range(len(ctx)):
+        alone = kernel(q[i : i + 1], kc, vc, tables[i : i + 1], ctx[i : i + 1], None, 0.125)
+        assert torch.equal(alone[0], together[i])
+
+
+def test_bad_shapes_are_value_errors(kernel):
+    q, kc, vc, tables, ctx = _case(12, 4, 64, 16, torch.float32, [3, 5])
+    with pytest.raises(ValueError, match="does not fit"):
+        kernel(q[..., :32], kc, vc, tables, ctx, None, 0.125)
+    with pytest.raises(ValueError, match="int64"):
+        kernel(q, kc, vc, tables.int(), ctx, None, 0.125)
+
+
+def test_supports_only_cpu_float_dtypes():
+    assert PagedDecodeKernel.supports(torch.device("cpu"), torch.bfloat16, torch.float32)
+    assert not PagedDecodeKernel.supports(torch.device("cuda"), torch.float32, torch.float32)
+    assert not PagedDecodeKernel.supports(torch.device("cpu"), torch.float32, torch.int8)
+
+
+def test_without_a_compiler_auto_falls_back_and_native_says_why(monkeypatch, tmp_path):
+    from octavo.kernels import build
+
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("OCTAVO_CACHE_DIR", str(tmp_path / "cache"))
+    build.load_kernel.cache_clear()
+    try:
+        assert paged_decode_kernel() is None
+        with pytest.raises(build.KernelBuildError, match="no-such-cc"):
+            paged_decode_kernel(required=True)
+    finally:
+        build.load_kernel.cache_clear()
+
+
+def test_build_is_cached_by_source_and_cpu(monkeypatch, tmp_path):
+    from octavo.kernels import build
+
+    monkeypatch.setenv("OCTAVO_CACHE_DIR", str(tmp_path))
+    build.load_kernel.cache_clear()
+    try:
+        paged_decode_kernel(required=True)
+        built = list(tmp_path.glob("kernels/paged_decode-*/libpaged_decode.so"))
+        assert len(built) == 1
+        stamp = built[0].stat().st_mtime_ns
+        build.load_kernel.cache_clear()
+        paged_decode_kernel(required=True)
+        assert built[0].stat().st_mtime_ns == stamp  # loaded, not rebuilt
+    finally:
+        build.load_kernel.cache_clear()
