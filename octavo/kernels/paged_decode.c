@@ -22,6 +22,10 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#define HAVE_AVX512_BF16 1
+#endif
 
 enum { F32 = 0, BF16 = 1, F16 = 2 };
 
@@ -60,7 +64,178 @@ static inline void store_row(const float *src, int dtype, int64_t n, void *dst) 
     }
 }
 
+
+
+#define PREFETCH_AHEAD 1
 static inline int64_t element_size(int dtype) { return dtype == F32 ? 4 : 2; }
+
+/* Blocks sit anywhere in the pool, so the hardware prefetcher cannot see the
+ * next one coming: ask for its rows of this KV head while the current block
+ * is being read. */
+static inline void prefetch_block(const char *base, const int64_t *table, int64_t index, int64_t end_index,
+                                  int64_t block_size, int64_t row_bytes, int64_t head_bytes) {
+    if (index >= end_index) return;
+    const char *src = base + table[index] * block_size * row_bytes;
+    for (int64_t i = 0; i < block_size; i++, src += row_bytes)
+        for (int64_t off = 0; off < head_bytes; off += 64) __builtin_prefetch(src + off, 0, 3);
+}
+
+/* e^x for x <= 0 (scores minus their max), vectorisable: 2^(x log2 e) split
+ * into an integer power (exponent bits) and a degree-6 polynomial on
+ * [-0.5, 0.5]; relative error below 2e-7. Below -87 the result is 0. */
+static inline float exp_nonpositive(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    const float t = x * 1.44269504088896341f;
+    /* Round to nearest by the float adder (|t| < 2^22): vectorises, unlike roundf. */
+    const float n = (t + 12582912.0f) - 12582912.0f;
+    const float f = t - n; /* in [-0.5, 0.5] */
+    float p = 1.5353362e-4f;
+    p = p * f + 1.3398874e-3f;
+    p = p * f + 9.6180346e-3f;
+    p = p * f + 5.5503406e-2f;
+    p = p * f + 2.4022652e-1f;
+    p = p * f + 6.9314720e-1f;
+    p = p * f + 1.0f;
+    int32_t bits;
+    memcpy(&bits, &p, sizeof bits);
+    bits += (int32_t)n << 23;
+    float r;
+    memcpy(&r, &bits, sizeof r);
+    return r;
+}
+
+/* scores[h * n + t] for t in 0..n-1: softmax weights of the query heads of one group. */
+static void softmax_rows(float *scores, int64_t group, int64_t n) {
+    for (int64_t h = 0; h < group; h++) {
+        float *sh = scores + h * n, peak = -INFINITY, total = 0.0f;
+#pragma omp simd reduction(max : peak)
+        for (int64_t t = 0; t < n; t++) peak = sh[t] > peak ? sh[t] : peak;
+#pragma omp simd reduction(+ : total)
+        for (int64_t t = 0; t < n; t++) {
+            sh[t] = exp_nonpositive(sh[t] - peak);
+            total += sh[t];
+        }
+        const float inv = 1.0f / total;
+#pragma omp simd
+        for (int64_t t = 0; t < n; t++) sh[t] *= inv;
+    }
+}
+
+/* One (sequence, KV head) item, any dtypes: rows converted to float32 first. */
+static void attend_generic(const float *qf, const char *k_base, const char *v_base, int kv_dtype,
+                           const int64_t *table, int64_t begin, int64_t n, int64_t group, int64_t head_dim,
+                           int64_t block_size, int64_t row_bytes, float *row, float *scores, float *acc) {
+    for (int pass = 0; pass < 2; pass++) {
+        const char *base = pass == 0 ? k_base : v_base;
+        int64_t t = 0, pos = begin;
+        while (t < n) {
+            const int64_t block = table[pos / block_size], first = pos % block_size;
+            const int64_t count = (block_size - first < n - t) ? block_size - first : n - t;
+            const char *src = base + (block * block_size + first) * row_bytes;
+            for (int64_t i = 0; i < count; i++, t++, src += row_bytes) {
+                load_row(src, kv_dtype, head_dim, row);
+                for (int64_t h = 0; h < group; h++) {
+                    if (pass == 0) {
+                        const float *qh = qf + h * head_dim;
+                        float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+                        for (int64_t d = 0; d < head_dim; d++) dot += qh[d] * row[d];
+                        scores[h * n + t] = dot;
+                    } else {
+                        const float p = scores[h * n + t];
+                        float *ah = acc + h * head_dim;
+#pragma omp simd
+                        for (int64_t d = 0; d < head_dim; d++) ah[d] += p * row[d];
+                    }
+                }
+            }
+            pos += count;
+        }
+        if (pass == 0) softmax_rows(scores, group, n);
+    }
+}
+
+#ifdef HAVE_AVX512_BF16
+/* bf16 queries and cache, head_dim a multiple of 32: q.k with vdpbf16ps on the
+ * raw bf16 pairs (exact products, float32 sums), p.v in float32. qb holds the
+ * unscaled bf16 query heads; the scale is applied to the float32 scores.
+ * Inlined into dispatch() with constant group and head_dim for the common
+ * shapes, so the loops unroll and the p.v accumulators live in registers. */
+#define MAX_REG_ACC 24 /* zmm accumulators kept in registers (of 32) */
+static inline __attribute__((always_inline)) void attend_bf16(
+    const uint16_t *qb, float scale, const char *k_base, const char *v_base, const int64_t *table,
+    int64_t begin, int64_t n, int64_t group, int64_t head_dim, int64_t block_size, int64_t row_bytes,
+    float *scores, float *acc) {
+    const int64_t chunks = head_dim / 32, lanes = head_dim / 16;
+    const int64_t last_block = (begin + n - 1) / block_size + 1; /* one past the last block read */
+    int64_t t = 0, pos = begin;
+    while (t < n) {
+        const int64_t block = table[pos / block_size], first = pos % block_size;
+        const int64_t count = (block_size - first < n - t) ? block_size - first : n - t;
+        prefetch_block(k_base, table, pos / block_size + PREFETCH_AHEAD, last_block, block_size, row_bytes, head_dim * 2);
+        const char *src = k_base + (block * block_size + first) * row_bytes;
+        for (int64_t i = 0; i < count; i++, t++, src += row_bytes) {
+            for (int64_t h = 0; h < group; h++) {
+                __m512 sum = _mm512_setzero_ps();
+                for (int64_t c = 0; c < chunks; c++) {
+                    const __m512i k = _mm512_loadu_si512((const void *)(src + c * 64));
+                    const __m512i q = _mm512_loadu_si512((const void *)(qb + h * head_dim + c * 32));
+                    sum = _mm512_dpbf16_ps(sum, (__m512bh)k, (__m512bh)q);
+                }
+                scores[h * n + t] = _mm512_reduce_add_ps(sum) * scale;
+            }
+        }
+        pos += count;
+    }
+    softmax_rows(scores, group, n);
+    const int in_registers = group * lanes <= MAX_REG_ACC;
+    __m512 regs[MAX_REG_ACC];
+    if (in_registers)
+        for (int64_t j = 0; j < group * lanes; j++) regs[j] = _mm512_setzero_ps();
+    t = 0, pos = begin;
+    while (t < n) {
+        const int64_t block = table[pos / block_size], first = pos % block_size;
+        const int64_t count = (block_size - first < n - t) ? block_size - first : n - t;
+        prefetch_block(v_base, table, pos / block_size + PREFETCH_AHEAD, last_block, block_size, row_bytes, head_dim * 2);
+        const char *src = v_base + (block * block_size + first) * row_bytes;
+        for (int64_t i = 0; i < count; i++, t++, src += row_bytes) {
+            for (int64_t c = 0; c < lanes; c++) {
+                const __m256i raw = _mm256_loadu_si256((const __m256i *)(src + c * 32));
+                const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+                for (int64_t h = 0; h < group; h++) {
+                    const __m512 p = _mm512_set1_ps(scores[h * n + t]);
+                    if (in_registers) {
+                        regs[h * lanes + c] = _mm512_fmadd_ps(p, v, regs[h * lanes + c]);
+                    } else {
+                        float *a = acc + h * head_dim + c * 16;
+                        _mm512_storeu_ps(a, _mm512_fmadd_ps(p, v, _mm512_loadu_ps(a)));
+                    }
+                }
+            }
+        }
+        pos += count;
+    }
+    if (in_registers)
+        for (int64_t j = 0; j < group * lanes; j++) _mm512_storeu_ps(acc + j * 16, regs[j]);
+}
+
+/* attend_bf16 specialised for the common (group, head_dim) pairs. */
+static void dispatch_bf16(const uint16_t *qb, float scale, const char *k_base, const char *v_base,
+                          const int64_t *table, int64_t begin, int64_t n, int64_t group, int64_t head_dim,
+                          int64_t block_size, int64_t row_bytes, float *scores, float *acc) {
+#define OCTAVO_SHAPE(G, D)                                                                             \
+    if (group == G && head_dim == D) {                                                                 \
+        attend_bf16(qb, scale, k_base, v_base, table, begin, n, G, D, block_size, row_bytes, scores, acc); \
+        return;                                                                                        \
+    }
+    OCTAVO_SHAPE(1, 64) OCTAVO_SHAPE(2, 64) OCTAVO_SHAPE(3, 64) OCTAVO_SHAPE(4, 64)
+    OCTAVO_SHAPE(5, 64) OCTAVO_SHAPE(6, 64) OCTAVO_SHAPE(7, 64) OCTAVO_SHAPE(8, 64)
+    OCTAVO_SHAPE(1, 128) OCTAVO_SHAPE(2, 128) OCTAVO_SHAPE(3, 128) OCTAVO_SHAPE(4, 128)
+    OCTAVO_SHAPE(5, 128) OCTAVO_SHAPE(6, 128) OCTAVO_SHAPE(7, 128) OCTAVO_SHAPE(8, 128)
+#undef OCTAVO_SHAPE
+    attend_bf16(qb, scale, k_base, v_base, table, begin, n, group, head_dim, block_size, row_bytes, scores, acc);
+}
+#endif
 
 /* Returns 0, or -1 when a work buffer could not be allocated. */
 int octavo_paged_decode(const void *q, void *out, int q_dtype,
@@ -71,7 +246,12 @@ int octavo_paged_decode(const void *q, void *out, int q_dtype,
                         int64_t block_size, int64_t window, float scale) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t q_elem = element_size(q_dtype), kv_elem = element_size(kv_dtype);
-    const int64_t row_stride = num_kv_heads * head_dim; /* elements between tokens */
+    const int64_t row_bytes = num_kv_heads * head_dim * kv_elem; /* between consecutive tokens */
+#ifdef HAVE_AVX512_BF16
+    const int fast_bf16 = q_dtype == BF16 && kv_dtype == BF16 && head_dim % 32 == 0;
+#else
+    const int fast_bf16 = 0;
+#endif
     int failed = 0;
 
 #pragma omp parallel for collapse(2) schedule(dynamic, 1)
@@ -81,54 +261,34 @@ int octavo_paged_decode(const void *q, void *out, int q_dtype,
             const int64_t begin = (window > 0 && end > window) ? end - window : 0;
             const int64_t n = end - begin;
             const int64_t *table = block_tables + s * table_width;
-            /* q (scaled), accumulators, one K/V row, then the scores. */
+            const char *k_base = (const char *)k_cache + g * head_dim * kv_elem;
+            const char *v_base = (const char *)v_cache + g * head_dim * kv_elem;
+            const char *q_group = (const char *)q + (s * num_heads + g * group) * head_dim * q_elem;
+            /* q (float32, scaled), accumulators, one K/V row, then the scores. */
             float *work = malloc(sizeof(float) * (size_t)(2 * group * head_dim + head_dim + group * n));
-            if (work == NULL) {
+            if (work == NULL || n <= 0) {
+                free(work);
 #pragma omp atomic write
                 failed = 1;
                 continue;
             }
             float *qf = work, *acc = qf + group * head_dim, *row = acc + group * head_dim;
             float *scores = row + head_dim;
-
-            for (int64_t h = 0; h < group; h++) {
-                const char *src = (const char *)q + ((s * num_heads + g * group + h) * head_dim) * q_elem;
-                load_row(src, q_dtype, head_dim, qf + h * head_dim);
-                for (int64_t d = 0; d < head_dim; d++) qf[h * head_dim + d] *= scale;
-            }
-            for (int64_t t = 0; t < n; t++) {
-                const int64_t pos = begin + t;
-                const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
-                load_row((const char *)k_cache + (slot * row_stride + g * head_dim) * kv_elem, kv_dtype, head_dim, row);
-                for (int64_t h = 0; h < group; h++) {
-                    const float *qh = qf + h * head_dim;
-                    float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
-                    for (int64_t d = 0; d < head_dim; d++) dot += qh[d] * row[d];
-                    scores[h * n + t] = dot;
-                }
-            }
-            for (int64_t h = 0; h < group; h++) {
-                float *sh = scores + h * n, peak = -INFINITY, total = 0.0f;
-                for (int64_t t = 0; t < n; t++) peak = sh[t] > peak ? sh[t] : peak;
-                for (int64_t t = 0; t < n; t++) {
-                    sh[t] = expf(sh[t] - peak);
-                    total += sh[t];
-                }
-                const float inv = n > 0 ? 1.0f / total : 0.0f;
-                for (int64_t t = 0; t < n; t++) sh[t] *= inv;
-            }
             memset(acc, 0, sizeof(float) * (size_t)(group * head_dim));
-            for (int64_t t = 0; t < n; t++) {
-                const int64_t pos = begin + t;
-                const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
-                load_row((const char *)v_cache + (slot * row_stride + g * head_dim) * kv_elem, kv_dtype, head_dim, row);
+#ifdef HAVE_AVX512_BF16
+            if (fast_bf16) {
+                dispatch_bf16((const uint16_t *)q_group, scale, k_base, v_base, table, begin, n, group, head_dim,
+                            block_size, row_bytes, scores, acc);
+            } else
+#endif
+            {
+                (void)fast_bf16;
                 for (int64_t h = 0; h < group; h++) {
-                    const float p = scores[h * n + t];
-                    float *ah = acc + h * head_dim;
-#pragma omp simd
-                    for (int64_t d = 0; d < head_dim; d++) ah[d] += p * row[d];
+                    load_row(q_group + h * head_dim * q_elem, q_dtype, head_dim, qf + h * head_dim);
+                    for (int64_t d = 0; d < head_dim; d++) qf[h * head_dim + d] *= scale;
                 }
+                attend_generic(qf, k_base, v_base, kv_dtype, table, begin, n, group, head_dim, block_size,
+                               row_bytes, row, scores, acc);
             }
             for (int64_t h = 0; h < group; h++) {
                 char *dst = (char *)out + ((s * num_heads + g * group + h) * head_dim) * q_elem;

@@ -69,13 +69,15 @@ def paged_attention(
             keys = _gather(kv_cache[0], chunk.block_ids, q.dtype)[: chunk.context_len]
             values = _gather(kv_cache[1], chunk.block_ids, q.dtype)[: chunk.context_len]
         mask = chunk.masks[window]
+        # 4-D inputs: torch's CPU flash kernel takes only those (3-D ones go
+        # to the unfused math path: 6x slower on a 64-request offline run).
         o = F.scaled_dot_product_attention(
-            q[rows].transpose(0, 1),
-            keys.transpose(0, 1),
-            values.transpose(0, 1),
+            q[rows].transpose(0, 1).unsqueeze(0),
+            keys.transpose(0, 1).unsqueeze(0),
+            values.transpose(0, 1).unsqueeze(0),
             attn_mask=mask,
             is_causal=mask is None,
             enable_gqa=True,
         )
-        out[rows] = o.transpose(0, 1)
+        out[rows] = o.squeeze(0).transpose(0, 1)
     return out
