@@ -123,6 +123,8 @@ def main() -> None:
     parser.add_argument("--large-batches", type=int_list, help="batch sizes tried for peak decode "
                         "(default 64,128,256, --quick 128)")
     parser.add_argument("--quick", action="store_true", help="smaller buffers, fewer tokens and batch sizes")
+    parser.add_argument("--llamacpp", action="store_true",
+                        help="also measure llama.cpp's batch-1 decode the same way (needs the GGUF)")
     args = parser.parse_args()
     apply_threads(args)
     args.repeats = max(args.repeats, 3)
@@ -159,6 +161,12 @@ def main() -> None:
     context = args.prompt_len + args.new_tokens // 2
     per_token = shape.bytes_per_token(weight_bytes, context, kv_bytes=weight_bytes)
     # The engine is warm by now, and each large-batch run is long: no extra warm-up run.
+    if args.llamacpp:
+        from benchmarks.peers.llamacpp import LlamaCppPeer
+
+        lc = LlamaCppPeer(args.model, n_ctx=args.prompt_len + args.new_tokens + 16, threads=args.threads)
+        lc_b1 = decode_rate(lc.generate, ids, 1, args.prompt_len, args.new_tokens, args.repeats)
+        del lc
     big = {b: decode_rate(peer.generate, ids, b, args.prompt_len, args.large_new_tokens, 1, warm=False)
            for b in large_batches}
     best_b = max(big, key=big.get)
@@ -168,7 +176,10 @@ def main() -> None:
          "fraction": b1 * per_token / (model_gbs * 1e9), "basis": f"{model_gbs:.1f} GB/s at {model_mib} MiB"},
         {"measure": "batch-1 decode (DRAM)", "tok_s": b1, "roofline_tok_s": dram_gbs * 1e9 / per_token,
          "fraction": b1 * per_token / (dram_gbs * 1e9), "basis": f"{dram_gbs:.1f} GB/s at {sizes[-1]} MiB"},
-    ] + [
+    ] + ([
+        {"measure": "llama.cpp batch-1 decode", "tok_s": lc_b1, "roofline_tok_s": model_gbs * 1e9 / per_token,
+         "fraction": lc_b1 * per_token / (model_gbs * 1e9), "basis": f"{model_gbs:.1f} GB/s at {model_mib} MiB"},
+    ] if args.llamacpp else []) + [
         {"measure": f"batch-{b} decode", "tok_s": r, "roofline_tok_s": compute_peak * 1e9 / flops_per_token,
          "fraction": r * flops_per_token / (compute_peak * 1e9), "basis": f"{compute_peak:.0f} GFLOP/s {args.dtype}"}
         for b, r in big.items()

@@ -5,7 +5,7 @@
 #       benchmarks/run_suite.sh [quick|full] [threads]
 #
 # quick: llama-100m only, small request counts (~6 min on 2 cores).
-# full:  all three models, the request counts BENCHMARKS.md reports (~45 min on 2 shared cores).
+# full:  all three models, the request counts BENCHMARKS.md reports (~45 min with 1 thread).
 # threads defaults to all cores; use 1 when other jobs share the machine (see BENCHMARKS.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -32,7 +32,7 @@ T=(--threads "$THREADS")
 if [ "$MODE" = quick ]; then
     step throughput-llama-100m python -m benchmarks.throughput --model $M/llama-100m --num-prompts 32 \
         --hf-batch-sizes 16,32 --llamacpp-max-prompts 8 "${T[@]}" --json "$R/throughput-llama-100m.json"
-    step roofline-llama-100m python -m benchmarks.roofline --model $M/llama-100m --quick "${T[@]}" \
+    step roofline-llama-100m python -m benchmarks.roofline --model $M/llama-100m --quick --llamacpp "${T[@]}" \
         --json "$R/roofline-llama-100m.json"
     step kv-memory-llama-100m python -m benchmarks.kv_memory --model $M/llama-100m --num-prompts 64 "${T[@]}" \
         --json "$R/kv-memory-llama-100m.json"
@@ -44,21 +44,21 @@ if [ "$MODE" = quick ]; then
     exit 0
 fi
 
-step throughput-llama-100m python -m benchmarks.throughput --model $M/llama-100m --num-prompts 256 \
+step throughput-llama-100m python -m benchmarks.throughput --model $M/llama-100m --num-prompts 128 \
     --hf-max-prompts 32 --hf-batch-sizes 16,32 --llamacpp-max-prompts 16 "${T[@]}" \
     --json "$R/throughput-llama-100m.json"
-step throughput-qwen2.5-0.5b python -m benchmarks.throughput --model $M/qwen2.5-0.5b --num-prompts 64 \
+step throughput-qwen2.5-0.5b python -m benchmarks.throughput --model $M/qwen2.5-0.5b --num-prompts 32 \
     --hf-max-prompts 16 --hf-batch-sizes 16 --llamacpp-max-prompts 4 "${T[@]}" \
     --json "$R/throughput-qwen2.5-0.5b.json"
 # octavo-mini has a 512-token context: lengths clipped to fit.
 step throughput-octavo-mini python -m benchmarks.throughput --model $M/octavo-mini --num-prompts 256 \
     --max-input-len 256 --max-output-len 192 --hf-max-prompts 64 --hf-batch-sizes 32,64 \
     --llamacpp-max-prompts 32 "${T[@]}" --json "$R/throughput-octavo-mini.json"
-step roofline-llama-100m python -m benchmarks.roofline --model $M/llama-100m "${T[@]}" \
+step roofline-llama-100m python -m benchmarks.roofline --model $M/llama-100m --llamacpp "${T[@]}" \
     --json "$R/roofline-llama-100m.json"
-step roofline-qwen2.5-0.5b python -m benchmarks.roofline --model $M/qwen2.5-0.5b --new-tokens 64 \
+step roofline-qwen2.5-0.5b python -m benchmarks.roofline --model $M/qwen2.5-0.5b --new-tokens 64 --llamacpp \
     --large-batches 64,128 "${T[@]}" --json "$R/roofline-qwen2.5-0.5b.json"
-step kv-memory-llama-100m python -m benchmarks.kv_memory --model $M/llama-100m --num-prompts 256 "${T[@]}" \
+step kv-memory-llama-100m python -m benchmarks.kv_memory --model $M/llama-100m --num-prompts 128 "${T[@]}" \
     --json "$R/kv-memory-llama-100m.json"
 step prefix-llama-100m python -m benchmarks.prefix --model $M/llama-100m --num-prompts 64 \
     --hf-batch-sizes 16,32 "${T[@]}" --json "$R/prefix-llama-100m.json"

@@ -47,10 +47,13 @@ class LlamaCppPeer:
     def warmup(self) -> None:
         self._generate([1, 2, 3, 4], 2)
 
-    def run(self, workload: Workload) -> PeerResult:
-        start = time.perf_counter()
+    def generate(self, workload: Workload) -> None:
         for prompt, n in zip(workload.prompts, workload.output_lens):
             self._generate(prompt, n)
+
+    def run(self, workload: Workload) -> PeerResult:
+        start = time.perf_counter()
+        self.generate(workload)
         elapsed = time.perf_counter() - start
         return PeerResult(
             peer=self.name, model=self.model_path.name, num_requests=len(workload.prompts),

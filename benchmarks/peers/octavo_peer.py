@@ -28,7 +28,8 @@ class OctavoPeer:
     def from_args(cls, args: argparse.Namespace, **overrides: Any) -> OctavoPeer:
         """Built from the options benchmarks.throughput.add_common_args defines."""
         engine_args = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-                       "kv_cache_memory_bytes": args.kv_cache_memory_bytes, **overrides}
+                       "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
+                       "kernel_backend": args.kernel_backend, **overrides}
         return cls(args.model, args.dtype, **engine_args)
 
     def stats(self) -> EngineStats:

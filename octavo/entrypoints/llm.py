@@ -47,7 +47,7 @@ class LLM:
         enable_chunked_prefill: bool = True,
         seed: int = 0,
         device: str = "cpu",
-        attention_backend: str = "auto",
+        kernel_backend: str = "auto",
     ) -> None:
         model_path = str(model) if model is not None else str(default_model_path())
         config = EngineConfig(
@@ -58,7 +58,7 @@ class LLM:
                 max_model_len=max_model_len,
                 seed=seed,
                 device=device,
-                attention_backend=attention_backend,
+                kernel_backend=kernel_backend,
             ),
             cache=CacheConfig(
                 block_size=block_size,

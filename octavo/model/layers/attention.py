@@ -6,6 +6,7 @@ from torch import nn
 
 from octavo.model.attention_metadata import AttentionMetadata
 from octavo.model.config import ArchConfig
+from octavo.model.layers.linear import Linear
 from octavo.model.layers.norm import RMSNorm
 from octavo.model.layers.paged_attention import paged_attention, write_kv
 from octavo.model.layers.rotary import RotaryEmbedding
@@ -16,10 +17,10 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         sw = arch.switches
-        self.q_proj = nn.Linear(arch.hidden_size, self.num_heads * self.head_dim, bias=sw.qkv_bias)
-        self.k_proj = nn.Linear(arch.hidden_size, self.num_kv_heads * self.head_dim, bias=sw.qkv_bias)
-        self.v_proj = nn.Linear(arch.hidden_size, self.num_kv_heads * self.head_dim, bias=sw.qkv_bias)
-        self.o_proj = nn.Linear(self.num_heads * self.head_dim, arch.hidden_size, bias=sw.o_bias)
+        self.q_proj = Linear(arch.hidden_size, self.num_heads * self.head_dim, bias=sw.qkv_bias)
+        self.k_proj = Linear(arch.hidden_size, self.num_kv_heads * self.head_dim, bias=sw.qkv_bias)
+        self.v_proj = Linear(arch.hidden_size, self.num_kv_heads * self.head_dim, bias=sw.qkv_bias)
+        self.o_proj = Linear(self.num_heads * self.head_dim, arch.hidden_size, bias=sw.o_bias)
         self.qk_norm = sw.qk_norm
         if sw.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps)

@@ -12,6 +12,7 @@ from torch import nn
 from octavo.model.attention_metadata import AttentionMetadata
 from octavo.model.config import ArchConfig
 from octavo.model.layers.attention import Attention
+from octavo.model.layers.linear import Linear
 from octavo.model.layers.mlp import GatedMLP
 from octavo.model.layers.norm import RMSNorm
 from octavo.model.layers.rotary import RotaryEmbedding
@@ -50,7 +51,7 @@ class DecoderForCausalLM(nn.Module):
         super().__init__()
         self.arch = arch
         self.model = DecoderModel(arch)
-        self.lm_head = nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.lm_head = Linear(arch.hidden_size, arch.vocab_size, bias=False)
         # Not a buffer: the module may be built on the meta device for loading.
         self.rotary = RotaryEmbedding(arch.rope, arch.head_dim, max_len)
 
