@@ -27,8 +27,9 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=2 * 2**30,
                         help="Octavo's KV cache budget (default 2 GiB: the machine is shared)")
-    parser.add_argument("--kernel-backend", default="auto", choices=["auto", "native", "torch"],
-                        help="Octavo's native C kernels or torch only")
+    parser.add_argument("--attention-backend", default="auto", choices=["auto", "native", "torch"],
+                        help="Octavo's decode attention (native kernel or torch gather + SDPA)")
+    parser.add_argument("--no-pack-weights", action="store_true", help="Octavo without oneDNN-prepacked weights")
     parser.add_argument("--threads", type=int, default=os.cpu_count(),
                         help="CPU threads for every peer (torch and llama.cpp); 1 is steadier on a loaded machine")
     parser.add_argument("--json", type=Path, help="write the results here")

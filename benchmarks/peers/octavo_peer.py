@@ -29,7 +29,8 @@ class OctavoPeer:
         """Built from the options benchmarks.throughput.add_common_args defines."""
         engine_args = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
                        "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
-                       "kernel_backend": args.kernel_backend, **overrides}
+                       "attention_backend": args.attention_backend,
+                       "pack_weights": not args.no_pack_weights, **overrides}
         return cls(args.model, args.dtype, **engine_args)
 
     def stats(self) -> EngineStats:

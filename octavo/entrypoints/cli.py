@@ -31,8 +31,10 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model folder)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--kernel-backend", default="auto", choices=["auto", "native", "torch"],
-                   help="native C kernels (decode attention over the KV blocks, few-row bf16 matmuls) or torch only")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "native", "torch"],
+                   help="decode attention: native C kernel over the KV blocks, or torch gather + SDPA")
+    p.add_argument("--no-pack-weights", action="store_true",
+                   help="keep torch's plain bf16 matmul instead of weights prepacked for oneDNN")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
@@ -52,7 +54,8 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
             max_model_len=args.max_model_len,
             seed=args.seed,
             device=args.device,
-            kernel_backend=args.kernel_backend,
+            attention_backend=args.attention_backend,
+            pack_weights=not args.no_pack_weights,
             served_model_name=getattr(args, "served_model_name", None),
         ),
         cache=CacheConfig(

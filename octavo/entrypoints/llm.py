@@ -47,7 +47,8 @@ class LLM:
         enable_chunked_prefill: bool = True,
         seed: int = 0,
         device: str = "cpu",
-        kernel_backend: str = "auto",
+        attention_backend: str = "auto",
+        pack_weights: bool = True,
     ) -> None:
         model_path = str(model) if model is not None else str(default_model_path())
         config = EngineConfig(
@@ -58,7 +59,8 @@ class LLM:
                 max_model_len=max_model_len,
                 seed=seed,
                 device=device,
-                kernel_backend=kernel_backend,
+                attention_backend=attention_backend,
+                pack_weights=pack_weights,
             ),
             cache=CacheConfig(
                 block_size=block_size,

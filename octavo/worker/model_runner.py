@@ -9,10 +9,9 @@ import torch
 from octavo.config import CacheConfig, ModelConfig, SchedulerConfig
 from octavo.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from octavo.core.request import Request
-from octavo.kernels.bf16_gemv import bf16_gemv_kernel
 from octavo.kernels.paged_decode import PagedDecodeKernel, paged_decode_kernel
 from octavo.model.generation_config import load_generation_defaults
-from octavo.model.layers.linear import use_gemv
+from octavo.model.layers.linear import can_pack, pack_weights
 from octavo.model.loader import load_model, model_folder, resolve_dtype
 from octavo.sample.logprobs import token_logprobs
 from octavo.sample.metadata import SamplingMetadata
@@ -58,10 +57,9 @@ class ModelRunner:
             cache_config, shape, self.device, scheduler_config.max_num_seqs * self.max_model_len
         )
         self.kv_caches = allocate_kv_caches(shape, self.num_blocks, self.device)
-        self.decode_kernel = _decode_kernel(model_config.kernel_backend, self.device, self.dtype, cache_dtype)
-        # Few-row bf16 matmuls (small decode batches); a CPU without AVX512-BF16 keeps torch's.
-        if model_config.kernel_backend != "torch" and self.device.type == "cpu" and self.dtype == torch.bfloat16:
-            use_gemv(self.model, bf16_gemv_kernel())
+        self.decode_kernel = _decode_kernel(model_config.attention_backend, self.device, self.dtype, cache_dtype)
+        if model_config.pack_weights and can_pack(self.device, self.dtype):
+            pack_weights(self.model)
 
         self.sampler = Sampler()
         self._windows = self.model.attention_windows
@@ -154,7 +152,7 @@ def _decode_kernel(
     fits = PagedDecodeKernel.supports(device, dtype, cache_dtype)
     if backend == "native" and not fits:
         raise ValueError(
-            f"kernel_backend 'native' runs on CPU with float32/bfloat16/float16; "
+            f"attention_backend 'native' runs on CPU with float32/bfloat16/float16; "
             f"got device {device.type}, dtype {dtype}, cache dtype {cache_dtype}"
         )
     return paged_decode_kernel(required=backend == "native") if fits else None

@@ -45,17 +45,17 @@ def test_unknown_folder(tmp_path):
         LLM(tmp_path / "nope")
 
 
-def test_unknown_kernel_backend(model_dir):
-    with pytest.raises(ValueError, match="kernel_backend"):
-        LLM(model_dir("llama"), kernel_backend="flash")
+def test_unknown_attention_backend(model_dir):
+    with pytest.raises(ValueError, match="attention_backend"):
+        LLM(model_dir("llama"), attention_backend="flash")
 
 
 def test_native_backend_refuses_a_cache_dtype_it_cannot_read(model_dir, monkeypatch):
     from octavo.kernels.paged_decode import PagedDecodeKernel
 
     monkeypatch.setattr(PagedDecodeKernel, "supports", staticmethod(lambda *_: False))
-    with pytest.raises(ValueError, match="kernel_backend 'native'"):
-        LLM(model_dir("llama"), kernel_backend="native")
+    with pytest.raises(ValueError, match="attention_backend 'native'"):
+        LLM(model_dir("llama"), attention_backend="native")
 
 
 def test_missing_safetensors(model_dir, tmp_path):

@@ -29,7 +29,7 @@ def run(folder, prompts, **engine_kwargs):
 def test_batch_of_mixed_lengths_matches_transformers(model_dir, arch, backend):
     folder = model_dir(arch)
     prompts = random_prompts(PROMPT_LENGTHS)
-    tokens, _ = run(folder, prompts, kernel_backend=backend)
+    tokens, _ = run(folder, prompts, attention_backend=backend)
     assert tokens == hf_greedy(folder, prompts)
 
 

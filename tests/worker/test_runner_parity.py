@@ -67,7 +67,7 @@ def test_prefix_already_cached(name, variant, hf_model):
 @pytest.mark.parametrize("name", ["llama", "mistral", "qwen2_sliding"])
 def test_block_sizes(name, block_size, backend, variant, hf_model):
     """Whole prompt, then a 2nd chunk reading the 1st from the cache, then decodes."""
-    runner = make_runner(variant(name), block_size=block_size, num_blocks=128, kernel_backend=backend)
+    runner = make_runner(variant(name), block_size=block_size, num_blocks=128, attention_backend=backend)
     blocks = Blocks(runner)
     tokens = _prompt(45, seed=6)
     req = make_request("a", tokens[:30])
@@ -84,7 +84,7 @@ def test_block_sizes(name, block_size, backend, variant, hf_model):
 @pytest.mark.parametrize("name", ALL)
 def test_mixed_batch(name, backend, variant, hf_model):
     """One execute holding a fresh prefill, a second prefill chunk and two decodes."""
-    runner = make_runner(variant(name), kernel_backend=backend)
+    runner = make_runner(variant(name), attention_backend=backend)
     blocks = Blocks(runner)
     a = make_request("a", _prompt(25, seed=7))
     b = make_request("b", _prompt(30, seed=8))
