@@ -10,6 +10,7 @@ import torch
 from safetensors import safe_open
 
 from octavo.model.config import ArchConfig, load_arch_config
+from octavo.model.layers.linear import FusedLinear
 from octavo.model.models.decoder import DecoderForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -57,6 +58,21 @@ def safetensors_files(folder: Path) -> list[Path]:
     )
 
 
+def _fused_parts(net: torch.nn.Module) -> dict[str, dict[str, torch.Size]]:
+    """Fused parameter name -> its checkpoint parts' names and shapes, in stacking order."""
+    stacks: dict[str, dict[str, torch.Size]] = {}
+    for module_name, module in net.named_modules():
+        if not isinstance(module, FusedLinear):
+            continue
+        parent = module_name.rsplit(".", 1)[0]
+        for param_name, param in module.named_parameters(recurse=False):
+            stacks[f"{module_name}.{param_name}"] = {
+                f"{parent}.{part}.{param_name}": torch.Size([size, *param.shape[1:]])
+                for part, size in zip(module.parts, module.sizes)
+            }
+    return stacks
+
+
 def load_model(
     model: str | Path,
     dtype: str = "auto",
@@ -78,6 +94,10 @@ def load_model(
     expected = {name: p.shape for name, p in net.state_dict().items()}
     if arch.tie_word_embeddings:
         del expected["lm_head.weight"]
+    stacks = _fused_parts(net)
+    for fused, parts in stacks.items():
+        del expected[fused]
+        expected.update(parts)
 
     tensors: dict[str, torch.Tensor] = {}
     unexpected: list[str] = []
@@ -101,6 +121,8 @@ def load_model(
     if wrong:
         raise ValueError(f"checkpoint in {folder} has tensors of the wrong shape: {wrong[:10]}")
 
+    for fused, parts in stacks.items():
+        tensors[fused] = torch.cat([tensors.pop(part) for part in parts])
     net.load_state_dict(tensors, strict=False, assign=True)
     net.tie_weights()
     net.requires_grad_(False)

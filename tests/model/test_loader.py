@@ -8,6 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from octavo.model.layers.linear import FusedLinear
 from octavo.model.loader import load_model, resolve_dtype
 from tests.model_factory import make_tiny_model
 
@@ -24,11 +25,25 @@ def test_loads_every_tensor_by_name(variant):
     folder = variant("llama")
     model, arch = load_model(folder)
     stored = load_file(folder / "model.safetensors")
-    ours = model.state_dict()
+    ours = _unfused_state_dict(model)
     assert set(ours) == set(stored)
     for name, tensor in stored.items():
         assert torch.equal(ours[name], tensor), name
     assert arch.architecture == "LlamaForCausalLM"
+
+
+def _unfused_state_dict(model):
+    """The model's tensors under the checkpoint's names: fused projections
+    (q/k/v, gate/up) split back into their parts."""
+    out = dict(model.state_dict())
+    for module_name, module in model.named_modules():
+        if isinstance(module, FusedLinear):
+            parent = module_name.rsplit(".", 1)[0]
+            for param_name, param in module.named_parameters(recurse=False):
+                del out[f"{module_name}.{param_name}"]
+                for part, piece in zip(module.parts, param.split(module.sizes)):
+                    out[f"{parent}.{part}.{param_name}"] = piece
+    return out
 
 
 def test_tied_embeddings_share_one_tensor(variant):
@@ -48,7 +63,7 @@ def test_sharded_checkpoint(llama_copy):
         weight_map.update({n: file for n in part})
     (llama_copy / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     model, _ = load_model(llama_copy)
-    ours = model.state_dict()
+    ours = _unfused_state_dict(model)
     assert all(torch.equal(ours[n], t) for n, t in tensors.items())
 
 

@@ -6,7 +6,7 @@ from torch import nn
 
 from octavo.model.attention_metadata import AttentionMetadata
 from octavo.model.config import ArchConfig
-from octavo.model.layers.linear import Linear
+from octavo.model.layers.linear import FusedLinear, Linear
 from octavo.model.layers.norm import RMSNorm
 from octavo.model.layers.paged_attention import paged_attention, write_kv
 from octavo.model.layers.rotary import RotaryEmbedding
@@ -17,9 +17,11 @@ class Attention(nn.Module):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
         sw = arch.switches
-        self.q_proj = Linear(arch.hidden_size, self.num_heads * self.head_dim, bias=sw.qkv_bias)
-        self.k_proj = Linear(arch.hidden_size, self.num_kv_heads * self.head_dim, bias=sw.qkv_bias)
-        self.v_proj = Linear(arch.hidden_size, self.num_kv_heads * self.head_dim, bias=sw.qkv_bias)
+        kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = FusedLinear(
+            arch.hidden_size, [self.num_heads * self.head_dim, kv_size, kv_size], ("q_proj", "k_proj", "v_proj"),
+            bias=sw.qkv_bias,
+        )
         self.o_proj = Linear(self.num_heads * self.head_dim, arch.hidden_size, bias=sw.o_bias)
         self.qk_norm = sw.qk_norm
         if sw.qk_norm:
@@ -36,9 +38,10 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         n = x.shape[0]
-        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj.forward_split(x)
+        q = q.view(n, self.num_heads, self.head_dim)
+        k = k.view(n, self.num_kv_heads, self.head_dim)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q = RotaryEmbedding.apply(q, cos, sin)

@@ -3,7 +3,7 @@
 torch's bf16 CPU matmul reorders the weight into oneDNN's blocked layout on
 every call. Packing each weight once at load time (``pack_weights``) skips
 that: 1.3-2.2x faster products at every batch size on this project's CPUs,
-bit-identical results (BENCHMARKS.md has the figures).
+the same results up to the summation order (BENCHMARKS.md has the figures).
 """
 from __future__ import annotations
 
@@ -24,6 +24,22 @@ class Linear(nn.Linear):
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+
+class FusedLinear(Linear):
+    """Several projections of the same input as one matmul (q/k/v, gate/up).
+
+    Checkpoints store the parts under their own names (``q_proj``, ...); the
+    loader stacks them in ``parts`` order, ``sizes`` output rows each."""
+
+    def __init__(self, in_features: int, sizes: list[int], parts: tuple[str, ...], bias: bool) -> None:
+        super().__init__(in_features, sum(sizes), bias=bias)
+        if len(sizes) != len(parts):
+            raise ValueError(f"{len(parts)} parts {parts} but {len(sizes)} sizes")
+        self.sizes, self.parts = list(sizes), parts
+
+    def forward_split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.forward(x).split(self.sizes, dim=-1)
 
 
 def can_pack(device: torch.device, dtype: torch.dtype) -> bool:

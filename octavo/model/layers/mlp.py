@@ -7,7 +7,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from octavo.model.layers.linear import Linear
+from octavo.model.layers.linear import FusedLinear, Linear
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -23,10 +23,10 @@ class GatedMLP(nn.Module):
         super().__init__()
         if act not in _ACTIVATIONS:
             raise ValueError(f"hidden_act {act!r} is not supported; supported: {', '.join(_ACTIVATIONS)}")
-        self.gate_proj = Linear(hidden, intermediate, bias=bias)
-        self.up_proj = Linear(hidden, intermediate, bias=bias)
+        self.gate_up_proj = FusedLinear(hidden, [intermediate, intermediate], ("gate_proj", "up_proj"), bias=bias)
         self.down_proj = Linear(intermediate, hidden, bias=bias)
         self.act = _ACTIVATIONS[act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj.forward_split(x)
+        return self.down_proj(self.act(gate) * up)

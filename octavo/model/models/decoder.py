@@ -1,7 +1,8 @@
 """The decoder-only transformer shared by Llama, Mistral, Qwen2 and Qwen3.
 
-Module names mirror Hugging Face checkpoints (``model.layers.0.self_attn.q_proj``
-...) so loading is a plain name match."""
+Module names mirror Hugging Face checkpoints (``model.layers.0.self_attn.o_proj``
+...) so loading is a name match; fused projections (``qkv_proj``, ``gate_up_proj``)
+are stacked by the loader from the checkpoint's parts."""
 from __future__ import annotations
 
 from typing import Optional
