@@ -156,6 +156,22 @@ static void attend_generic(const float *qf, const char *k_base, const char *v_ba
 }
 
 #ifdef HAVE_AVX512_BF16
+/* Lane t of the result = the sum of v[t]'s 16 lanes: a transpose-and-add tree
+ * (45 shuffles and adds for 16 vectors instead of ~9 per vector). */
+static inline __m512 sum16(const __m512 v[16]) {
+    __m512 a[8], b[4];
+    for (int i = 0; i < 8; i++) /* per 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3] */
+        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int j = 0; j < 4; j++) { /* per 128-bit lane: tokens 4j..4j+3, that lane's part of each sum */
+        const __m512d x = _mm512_castps_pd(a[2 * j]), y = _mm512_castps_pd(a[2 * j + 1]);
+        b[j] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    /* Add the four 128-bit lanes of each b[j] and put b[j]'s total in lane j. */
+    const __m512 s01 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x44), _mm512_shuffle_f32x4(b[0], b[1], 0xEE));
+    const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x44), _mm512_shuffle_f32x4(b[2], b[3], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xDD));
+}
+
 /* bf16 queries and cache, head_dim a multiple of 32: q.k with vdpbf16ps on the
  * raw bf16 pairs (exact products, float32 sums), p.v in float32. qb holds the
  * unscaled bf16 query heads; the scale is applied to the float32 scores.
@@ -174,17 +190,29 @@ static inline __attribute__((always_inline)) void attend_bf16(
         const int64_t count = (block_size - first < n - t) ? block_size - first : n - t;
         prefetch_block(k_base, table, pos / block_size + PREFETCH_AHEAD, last_block, block_size, row_bytes, head_dim * 2);
         const char *src = k_base + (block * block_size + first) * row_bytes;
-        for (int64_t i = 0; i < count; i++, t++, src += row_bytes) {
+        /* Up to 16 tokens at a time: their 16 partial-sum vectors are reduced
+         * together (sum16), far cheaper than one horizontal sum each. */
+        for (int64_t i0 = 0; i0 < count; i0 += 16) {
+            const int64_t m = count - i0 < 16 ? count - i0 : 16;
             for (int64_t h = 0; h < group; h++) {
-                __m512 sum = _mm512_setzero_ps();
-                for (int64_t c = 0; c < chunks; c++) {
-                    const __m512i k = _mm512_loadu_si512((const void *)(src + c * 64));
-                    const __m512i q = _mm512_loadu_si512((const void *)(qb + h * head_dim + c * 32));
-                    sum = _mm512_dpbf16_ps(sum, (__m512bh)k, (__m512bh)q);
+                __m512 sums[16];
+                const char *row = src + i0 * row_bytes;
+                for (int64_t i = 0; i < 16; i++, row += row_bytes) {
+                    __m512 sum = _mm512_setzero_ps();
+                    if (i < m) {
+                        for (int64_t c = 0; c < chunks; c++) {
+                            const __m512i k = _mm512_loadu_si512((const void *)(row + c * 64));
+                            const __m512i q = _mm512_loadu_si512((const void *)(qb + h * head_dim + c * 32));
+                            sum = _mm512_dpbf16_ps(sum, (__m512bh)k, (__m512bh)q);
+                        }
+                    }
+                    sums[i] = sum;
                 }
-                scores[h * n + t] = _mm512_reduce_add_ps(sum) * scale;
+                const __m512 dots = _mm512_mul_ps(sum16(sums), _mm512_set1_ps(scale));
+                _mm512_mask_storeu_ps(scores + h * n + t + i0, (__mmask16)((1u << m) - 1u), dots);
             }
         }
+        t += count;
         pos += count;
     }
     softmax_rows(scores, group, n);
