@@ -1,7 +1,7 @@
 """Build a kernel's C source with the machine's compiler on first use, and load it.
 
 The shared library is cached under ``$OCTAVO_CACHE_DIR`` (default
-``~/.cache/octavo``) in a folder named by a hash of the source, the compiler,
+``~/.cache/octavo``) in a folder named by a hash of the source (and the shared headers), the compiler,
 the flags and this CPU, so a change of any of them rebuilds and a cache shared
 between different machines never hands one a library built for another's
 instruction set (``-march=native``).
@@ -24,7 +24,7 @@ import torch  # noqa: F401  (loads torch's libgomp.so.1 first, which the kernels
 
 logger = logging.getLogger(__name__)
 
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 
 
 class KernelBuildError(RuntimeError):
@@ -62,8 +62,9 @@ def load_kernel(name: str) -> ctypes.CDLL:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError) as exc:
         raise KernelBuildError(f"C compiler {cc!r} does not run: {exc}") from exc
+    headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]
     key = hashlib.sha256(
-        "\0".join([source.read_text(), cc, version, " ".join(FLAGS), _cpu_signature()]).encode()
+        "\0".join([source.read_text(), *headers, cc, version, " ".join(FLAGS), _cpu_signature()]).encode()
     ).hexdigest()[:16]
     target = _cache_root() / f"{name}-{key}" / f"lib{name}.so"
     if not target.exists():

@@ -22,52 +22,10 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
-#if defined(__AVX512F__) && defined(__AVX512BF16__)
-#include <immintrin.h>
-#define HAVE_AVX512_BF16 1
-#endif
 
-enum { F32 = 0, BF16 = 1, F16 = 2 };
-
-static inline void load_row(const void *src, int dtype, int64_t n, float *dst) {
-    if (dtype == F32) {
-        memcpy(dst, src, (size_t)n * sizeof(float));
-    } else if (dtype == BF16) {
-        const uint16_t *s = (const uint16_t *)src;
-        uint32_t *d = (uint32_t *)dst;
-#pragma omp simd
-        for (int64_t i = 0; i < n; i++) d[i] = (uint32_t)s[i] << 16;
-    } else {
-        const _Float16 *s = (const _Float16 *)src;
-#pragma omp simd
-        for (int64_t i = 0; i < n; i++) dst[i] = (float)s[i];
-    }
-}
-
-static inline void store_row(const float *src, int dtype, int64_t n, void *dst) {
-    if (dtype == F32) {
-        memcpy(dst, src, (size_t)n * sizeof(float));
-    } else if (dtype == BF16) {
-        uint16_t *d = (uint16_t *)dst;
-        for (int64_t i = 0; i < n; i++) {
-            uint32_t u;
-            memcpy(&u, &src[i], sizeof u);
-            if ((u & 0x7fffffffu) > 0x7f800000u) {
-                d[i] = (uint16_t)((u >> 16) | 0x40u); /* NaN stays NaN */
-            } else {
-                d[i] = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16); /* round to nearest even */
-            }
-        }
-    } else {
-        _Float16 *d = (_Float16 *)dst;
-        for (int64_t i = 0; i < n; i++) d[i] = (_Float16)src[i];
-    }
-}
-
-
+#include "common.h"
 
 #define PREFETCH_AHEAD 1
-static inline int64_t element_size(int dtype) { return dtype == F32 ? 4 : 2; }
 
 /* Blocks sit anywhere in the pool, so the hardware prefetcher cannot see the
  * next one coming: ask for its rows of this KV head while the current block
@@ -78,30 +36,6 @@ static inline void prefetch_block(const char *base, const int64_t *table, int64_
     const char *src = base + table[index] * block_size * row_bytes;
     for (int64_t i = 0; i < block_size; i++, src += row_bytes)
         for (int64_t off = 0; off < head_bytes; off += 64) __builtin_prefetch(src + off, 0, 3);
-}
-
-/* e^x for x <= 0 (scores minus their max), vectorisable: 2^(x log2 e) split
- * into an integer power (exponent bits) and a degree-6 polynomial on
- * [-0.5, 0.5]; relative error below 2e-7. Below -87 the result is 0. */
-static inline float exp_nonpositive(float x) {
-    x = x < -87.0f ? -87.0f : x;
-    const float t = x * 1.44269504088896341f;
-    /* Round to nearest by the float adder (|t| < 2^22): vectorises, unlike roundf. */
-    const float n = (t + 12582912.0f) - 12582912.0f;
-    const float f = t - n; /* in [-0.5, 0.5] */
-    float p = 1.5353362e-4f;
-    p = p * f + 1.3398874e-3f;
-    p = p * f + 9.6180346e-3f;
-    p = p * f + 5.5503406e-2f;
-    p = p * f + 2.4022652e-1f;
-    p = p * f + 6.9314720e-1f;
-    p = p * f + 1.0f;
-    int32_t bits;
-    memcpy(&bits, &p, sizeof bits);
-    bits += (int32_t)n << 23;
-    float r;
-    memcpy(&r, &bits, sizeof r);
-    return r;
 }
 
 /* scores[h * n + t] for t in 0..n-1: softmax weights of the query heads of one group. */

@@ -1,0 +1,227 @@
+/* Fused elementwise ops of a decoder layer (CPU): one pass over the data
+ * where torch runs several ops, each reading and writing the whole tensor.
+ *
+ * Every op rounds where the reference implementation (transformers, step by
+ * step in torch) rounds, so bf16/f16 results match it: each intermediate
+ * that torch would store in the model dtype is rounded to it here too.
+ * All tensors are contiguous, in one dtype (`dtype`: see common.h).
+ * Rows are split across torch's OpenMP threads when there is enough work.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.h"
+
+/* Below this many elements a parallel region costs more than it saves. */
+#define PARALLEL_MIN 32768
+/* Columns converted to float32 at a time: a few KiB on the stack, vectorised loops. */
+#define CHUNK 256
+
+ALWAYS_INLINE const char *row_at(const void *base, int64_t row, int64_t row_elems, int dtype) {
+    return (const char *)base + row * row_elems * element_size(dtype);
+}
+
+/* RMSNorm as transformers computes it: x in float32, x * rsqrt(mean(x^2) + eps)
+ * rounded to the dtype, then times the weight (a dtype product, rounded).
+ * With `residual` (not NULL) the input is first x + residual rounded to the
+ * dtype, and that sum is written back to `residual`: the next layer's
+ * residual stream. x, residual, out [rows, dim]; weight [dim]. */
+#ifdef HAVE_AVX512_BF16
+/* rms_norm_row for bf16 rows of a multiple of 16, with native bf16 rounding. */
+static void rms_norm_row_bf16(const char *src, char *res, const void *weight, char *dst, int64_t dim, float eps) {
+    __m512 squares = _mm512_setzero_ps();
+    for (int64_t c = 0; c < dim; c += 16) {
+        __m512 a = load16_bf16(src + c * 2);
+        if (res) {
+            a = round16_bf16(_mm512_add_ps(a, load16_bf16(res + c * 2)));
+            store16_bf16(res + c * 2, a);
+        }
+        squares = _mm512_fmadd_ps(a, a, squares);
+    }
+    const __m512 inv = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(squares) / (float)dim + eps));
+    const char *normed_src = res ? res : src;
+    for (int64_t c = 0; c < dim; c += 16) {
+        const __m512 normed = round16_bf16(_mm512_mul_ps(load16_bf16(normed_src + c * 2), inv));
+        store16_bf16(dst + c * 2, _mm512_mul_ps(load16_bf16((const char *)weight + c * 2), normed));
+    }
+}
+#endif
+
+ALWAYS_INLINE void rms_norm_row(const char *src, char *res, const void *weight, char *dst, int64_t dim, float eps,
+                               const int dtype) {
+#ifdef HAVE_AVX512_BF16
+        if (dtype == BF16 && dim % 16 == 0) {
+            rms_norm_row_bf16(src, res, weight, dst, dim, eps);
+            return;
+        }
+#endif
+        const int64_t es = element_size(dtype);
+        float a[CHUNK], b[CHUNK];
+        float squares = 0.0f;
+        for (int64_t c = 0; c < dim; c += CHUNK) {
+            const int64_t n = dim - c < CHUNK ? dim - c : CHUNK;
+            load_row(src + c * es, dtype, n, a);
+            if (res) {
+                load_row(res + c * es, dtype, n, b);
+#pragma omp simd
+                for (int64_t i = 0; i < n; i++) a[i] = round_to(a[i] + b[i], dtype);
+                store_row(a, dtype, n, res + c * es);
+            }
+#pragma omp simd reduction(+ : squares)
+            for (int64_t i = 0; i < n; i++) squares += a[i] * a[i];
+        }
+        const float inv = 1.0f / sqrtf(squares / (float)dim + eps);
+        const char *normed_src = res ? res : src;
+        for (int64_t c = 0; c < dim; c += CHUNK) {
+            const int64_t n = dim - c < CHUNK ? dim - c : CHUNK;
+            load_row(normed_src + c * es, dtype, n, a);
+            load_row((const char *)weight + c * es, dtype, n, b);
+#pragma omp simd
+            for (int64_t i = 0; i < n; i++) a[i] = round_to(b[i] * round_to(a[i] * inv, dtype), dtype);
+            store_row(a, dtype, n, dst + c * es);
+        }
+}
+
+void octavo_rms_norm(const void *x, void *residual, const void *weight, void *out, int64_t rows, int64_t dim,
+                     float eps, int dtype) {
+#pragma omp parallel for schedule(static) if (rows * dim >= PARALLEL_MIN)
+    for (int64_t r = 0; r < rows; r++) {
+        const char *src = row_at(x, r, dim, dtype);
+        char *res = residual ? (char *)row_at(residual, r, dim, dtype) : NULL;
+        char *dst = (char *)row_at(out, r, dim, dtype);
+        DTYPE_SWITCH(dtype, rms_norm_row(src, res, weight, dst, dim, eps, dt));
+    }
+}
+
+/* silu(gate) * up over a fused gate/up projection's output: gate_up
+ * [rows, 2 * inter] (gate first), out [rows, inter]. silu is rounded to the
+ * dtype before the product, as torch's two ops do. */
+ALWAYS_INLINE void silu_mul_row(const char *gate, char *dst, int64_t inter, const int dtype) {
+        const int64_t es = element_size(dtype);
+        const char *up = gate + inter * es;
+        int64_t c = 0;
+#ifdef HAVE_AVX512_BF16
+        if (dtype == BF16) {
+            /* The loop below, 16 lanes at a time with native bf16 rounding. */
+            const __m512 one = _mm512_set1_ps(1.0f);
+            for (; c + 16 <= inter; c += 16) {
+                const __m512 g = load16_bf16(gate + c * 2), u = load16_bf16(up + c * 2);
+                const __m512 e = exp16_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
+                const __mmask16 positive = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_GE_OQ);
+                const __m512 sigmoid = _mm512_div_ps(_mm512_mask_blend_ps(positive, e, one), _mm512_add_ps(one, e));
+                store16_bf16(dst + c * 2, _mm512_mul_ps(round16_bf16(_mm512_mul_ps(g, sigmoid)), u));
+            }
+        }
+#endif
+        float g[CHUNK], u[CHUNK];
+        for (; c < inter; c += CHUNK) {
+            const int64_t n = inter - c < CHUNK ? inter - c : CHUNK;
+            load_row(gate + c * es, dtype, n, g);
+            load_row(up + c * es, dtype, n, u);
+#pragma omp simd
+            for (int64_t i = 0; i < n; i++) {
+                /* sigmoid from e^-|x| (<= 1): no overflow for either sign. */
+                const float e = exp_nonpositive(-fabsf(g[i]));
+                const float sigmoid = (g[i] >= 0.0f ? 1.0f : e) / (1.0f + e);
+                g[i] = round_to(round_to(g[i] * sigmoid, dtype) * u[i], dtype);
+            }
+            store_row(g, dtype, n, dst + c * es);
+        }
+}
+
+void octavo_silu_mul(const void *gate_up, void *out, int64_t rows, int64_t inter, int dtype) {
+#pragma omp parallel for schedule(static) if (rows * inter >= PARALLEL_MIN)
+    for (int64_t r = 0; r < rows; r++) {
+        const char *gate = row_at(gate_up, r, 2 * inter, dtype);
+        char *dst = (char *)row_at(out, r, inter, dtype);
+        DTYPE_SWITCH(dtype, silu_mul_row(gate, dst, inter, dt));
+    }
+}
+
+/* Rotate one head in place by the half-split convention:
+ * x * cos + rotate_half(x) * sin, each product and the sum rounded to the dtype. */
+ALWAYS_INLINE void rotate_head(char *head, const float *cos_row, const float *sin_row, int64_t head_dim,
+                              const int dtype) {
+    float x[512], y[512];
+    const int64_t half = head_dim / 2;
+    load_row(head, dtype, head_dim, x);
+#pragma omp simd
+    for (int64_t i = 0; i < half; i++)
+        y[i] = round_to(round_to(x[i] * cos_row[i], dtype) + round_to(-x[i + half] * sin_row[i], dtype), dtype);
+#pragma omp simd
+    for (int64_t i = half; i < head_dim; i++)
+        y[i] = round_to(round_to(x[i] * cos_row[i], dtype) + round_to(x[i - half] * sin_row[i], dtype), dtype);
+    store_row(y, dtype, head_dim, head);
+}
+
+/* Rotary embedding and the K/V cache write of a fused q/k/v projection's
+ * output. qkv [rows, (heads + 2 kv_heads) * head_dim]: q and k are rotated
+ * in place; then k and v go to their cache slots. cos, sin [rows, head_dim]
+ * (model dtype); k_cache, v_cache [num_slots, kv_heads, head_dim]; slots [rows].
+ * Returns 0; -1 when head_dim is odd or above 512, -2 when a slot is not in
+ * [0, num_slots) (nothing is written then). */
+int octavo_rotary_write_kv(void *qkv, int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim,
+                           const void *cos, const void *sin, void *k_cache, void *v_cache, const int64_t *slots,
+                           int64_t num_slots, int dtype) {
+    if (head_dim > 512 || head_dim % 2) return -1;
+    for (int64_t r = 0; r < rows; r++)
+        if (slots[r] < 0 || slots[r] >= num_slots) return -2;
+    const int64_t es = element_size(dtype), width = (heads + 2 * kv_heads) * head_dim;
+    const int64_t rotated_heads = heads + kv_heads, kv_bytes = kv_heads * head_dim * es;
+#pragma omp parallel for schedule(static) if (rows * width >= PARALLEL_MIN)
+    for (int64_t r = 0; r < rows; r++) {
+        char *row = (char *)qkv + r * width * es;
+        float c[512], s[512];
+        DTYPE_SWITCH(dtype, load_row(row_at(cos, r, head_dim, dt), dt, head_dim, c);
+                            load_row(row_at(sin, r, head_dim, dt), dt, head_dim, s));
+        DTYPE_SWITCH(dtype, for (int64_t h = 0; h < rotated_heads; h++)
+                                rotate_head(row + h * head_dim * es, c, s, head_dim, dt));
+        const char *k = row + heads * head_dim * es;
+        memcpy((char *)k_cache + slots[r] * kv_bytes, k, (size_t)kv_bytes);
+        memcpy((char *)v_cache + slots[r] * kv_bytes, k + kv_bytes, (size_t)kv_bytes);
+    }
+    return 0;
+}
+
+/* Index of each row's first maximum (a NaN counts as the maximum, as in
+ * torch.max). logits [rows, vocab]; out [rows] int64. */
+void octavo_argmax(const void *logits, int64_t rows, int64_t vocab, int64_t *out, int dtype) {
+#pragma omp parallel for schedule(static) if (rows * vocab >= 4 * PARALLEL_MIN)
+    for (int64_t r = 0; r < rows; r++) {
+        const char *src = row_at(logits, r, vocab, dtype);
+        const int64_t es = element_size(dtype);
+        float a[CHUNK];
+        float peak = -INFINITY;
+        int nans = 0;
+        for (int64_t c = 0; c < vocab; c += CHUNK) {
+            const int64_t n = vocab - c < CHUNK ? vocab - c : CHUNK;
+            load_row(src + c * es, dtype, n, a);
+#pragma omp simd reduction(max : peak) reduction(| : nans)
+            for (int64_t i = 0; i < n; i++) {
+                peak = a[i] > peak ? a[i] : peak;
+                nans |= a[i] != a[i];
+            }
+        }
+        /* Second pass: the first index holding the peak (the first NaN if any). The row
+         * is in cache by now. */
+        int64_t found = 0;
+        for (int64_t c = 0; c < vocab; c += CHUNK) {
+            const int64_t n = vocab - c < CHUNK ? vocab - c : CHUNK;
+            load_row(src + c * es, dtype, n, a);
+            int64_t hit = -1;
+            for (int64_t i = 0; i < n; i++) {
+                if (nans ? a[i] != a[i] : a[i] == peak) {
+                    hit = i;
+                    break;
+                }
+            }
+            if (hit >= 0) {
+                found = c + hit;
+                break;
+            }
+        }
+        out[r] = found;
+    }
+}

@@ -1,0 +1,125 @@
+"""Python side of the fused elementwise kernels (fused_ops.c): RMSNorm with the
+residual add, SiLU-and-multiply, rotary embedding with the K/V cache write,
+and the greedy argmax. Each gives the values the step-by-step torch ops give."""
+from __future__ import annotations
+
+import ctypes
+from typing import Optional
+
+import torch
+
+from octavo.kernels.build import load_kernel, try_load_kernel
+
+_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_SIGNATURES = {
+    "octavo_rms_norm": ([_P, _P, _P, _P, _I, _I, _F, ctypes.c_int], None),
+    "octavo_silu_mul": ([_P, _P, _I, _I, ctypes.c_int], None),
+    "octavo_rotary_write_kv": ([_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _I, ctypes.c_int], ctypes.c_int),
+    "octavo_argmax": ([_P, _I, _I, _P, ctypes.c_int], None),
+}
+
+
+def _check(name: str, t: torch.Tensor, dtype: torch.dtype, shape: Optional[tuple[int, ...]] = None) -> None:
+    if t.dtype != dtype or not t.is_contiguous() or t.device.type != "cpu":
+        raise ValueError(f"{name} must be a contiguous CPU {dtype} tensor; got {t.dtype}, {tuple(t.shape)}, "
+                         f"contiguous={t.is_contiguous()}, device {t.device}")
+    if shape is not None and tuple(t.shape) != shape:
+        raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {shape}")
+
+
+class FusedOps:
+    """The kernels of fused_ops.c for contiguous CPU tensors of one float dtype."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        for name, (argtypes, restype) in _SIGNATURES.items():
+            fn = getattr(lib, name)
+            fn.argtypes, fn.restype = argtypes, restype
+        self._lib = lib
+
+    @staticmethod
+    def supports(device: torch.device, dtype: torch.dtype) -> bool:
+        return device.type == "cpu" and dtype in _DTYPE_CODES
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        """RMSNorm over the last dim of ``x`` [rows, dim]. With ``residual``,
+        normalises x + residual and leaves that sum in ``residual``."""
+        dim = x.shape[-1]
+        _check("x", x, x.dtype)
+        _check("weight", weight, x.dtype, (dim,))
+        if residual is not None:
+            _check("residual", residual, x.dtype, tuple(x.shape))
+        out = torch.empty_like(x)
+        self._lib.octavo_rms_norm(
+            x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
+            x.numel() // max(dim, 1), dim, eps, _DTYPE_CODES[x.dtype],
+        )
+        return out
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[rows, 2 * inter] (gate, then up) -> silu(gate) * up [rows, inter]."""
+        _check("gate_up", gate_up, gate_up.dtype)
+        if gate_up.dim() != 2 or gate_up.shape[1] % 2:
+            raise ValueError(f"gate_up must be [rows, 2 * intermediate]; got {tuple(gate_up.shape)}")
+        rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+        out = gate_up.new_empty(rows, inter)
+        self._lib.octavo_silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, inter, _DTYPE_CODES[gate_up.dtype])
+        return out
+
+    def rotary_write_kv(
+        self,
+        qkv: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> None:
+        """Rotate q and k of ``qkv`` [rows, (heads + 2 kv_heads) * head_dim] in
+        place and write k, v to ``slots`` of the caches [..., kv_heads, head_dim].
+        cos, sin [rows, head_dim]."""
+        rows, width = qkv.shape
+        head_dim = cos.shape[-1]
+        if width != (num_heads + 2 * num_kv_heads) * head_dim:
+            raise ValueError(f"qkv width {width} is not (heads {num_heads} + 2 x kv heads {num_kv_heads}) "
+                             f"x head_dim {head_dim}")
+        _check("qkv", qkv, qkv.dtype)
+        for name, t in (("cos", cos), ("sin", sin)):
+            _check(name, t, qkv.dtype, (rows, head_dim))
+        for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+            _check(name, t, qkv.dtype)
+            if tuple(t.shape[-2:]) != (num_kv_heads, head_dim):
+                raise ValueError(f"{name} rows are {tuple(t.shape[-2:])}, expected {(num_kv_heads, head_dim)}")
+        _check("slots", slots, torch.int64, (rows,))
+        if k_cache.shape != v_cache.shape:
+            raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ")
+        capacity = k_cache.numel() // (num_kv_heads * head_dim)
+        status = self._lib.octavo_rotary_write_kv(
+            qkv.data_ptr(), rows, num_heads, num_kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(),
+            k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), capacity, _DTYPE_CODES[qkv.dtype],
+        )
+        if status == -1:
+            raise ValueError(f"rotary kernel takes an even head_dim up to 512; got {head_dim}")
+        if status == -2:
+            raise ValueError(f"slots must lie in [0, {capacity})")
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """[rows, vocab] -> each row's first maximum index [rows] int64."""
+        _check("logits", logits, logits.dtype)
+        if logits.dim() != 2:
+            raise ValueError(f"logits must be [rows, vocab]; got {tuple(logits.shape)}")
+        out = torch.empty(logits.shape[0], dtype=torch.int64)
+        self._lib.octavo_argmax(logits.data_ptr(), logits.shape[0], logits.shape[1], out.data_ptr(),
+                                _DTYPE_CODES[logits.dtype])
+        return out
+
+
+def fused_ops(required: bool = False) -> Optional[FusedOps]:
+    """The kernels, built on first use; None when they cannot be built, unless
+    ``required`` (then the build error is raised)."""
+    lib = load_kernel("fused_ops") if required else try_load_kernel("fused_ops")
+    return None if lib is None else FusedOps(lib)
