@@ -62,6 +62,10 @@ class ModelConfig:
     attention_backend: str = "auto"
     # Prepack bf16 weights for oneDNN on CPU (faster matmuls, same results).
     pack_weights: bool = True
+    # Native fused kernels for RMSNorm + residual add, SiLU-and-multiply,
+    # rotary + K/V cache write and the greedy argmax (CPU; same values as the
+    # torch ops). Off, or no C compiler: torch ops.
+    fused_ops: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in ("auto", "float32", "float", "bfloat16", "float16", "half"):

@@ -35,6 +35,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="decode attention: native C kernel over the KV blocks, or torch gather + SDPA")
     p.add_argument("--no-pack-weights", action="store_true",
                    help="keep torch's plain bf16 matmul instead of weights prepacked for oneDNN")
+    p.add_argument("--no-fused-ops", action="store_true",
+                   help="torch ops instead of the native fused norm/SiLU/rotary/argmax kernels")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=256)
@@ -56,6 +58,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
             device=args.device,
             attention_backend=args.attention_backend,
             pack_weights=not args.no_pack_weights,
+            fused_ops=not args.no_fused_ops,
             served_model_name=getattr(args, "served_model_name", None),
         ),
         cache=CacheConfig(

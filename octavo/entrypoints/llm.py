@@ -49,6 +49,7 @@ class LLM:
         device: str = "cpu",
         attention_backend: str = "auto",
         pack_weights: bool = True,
+        fused_ops: bool = True,
     ) -> None:
         model_path = str(model) if model is not None else str(default_model_path())
         config = EngineConfig(
@@ -61,6 +62,7 @@ class LLM:
                 device=device,
                 attention_backend=attention_backend,
                 pack_weights=pack_weights,
+                fused_ops=fused_ops,
             ),
             cache=CacheConfig(
                 block_size=block_size,

@@ -20,7 +20,7 @@ the rows given to the sampler must be exactly the rows that sample.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -42,7 +42,21 @@ class Sampler:
     temperature-scaled distribution. Seeded rows draw from their own
     generator so their tokens do not depend on the rest of the batch."""
 
+    def __init__(self, argmax: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> None:
+        # A native argmax for contiguous CPU logits in the model's dtype
+        # (FusedOps.argmax); None: torch's.
+        self._argmax = argmax
+
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        """``logits`` [B, V] in any float dtype."""
+        if meta.all_greedy and meta.max_num_logprobs is None and _nothing_to_process(meta):
+            # Plain greedy: the argmax of the logits as they come (rounding to
+            # the model dtype and back is exact, so the index is the same).
+            if self._argmax is not None and logits.is_contiguous() and logits.device.type == "cpu":
+                token_ids = self._argmax(logits)
+            else:
+                token_ids = logits.max(dim=-1).indices
+            return SamplerOutput(token_ids)
         logits = logits.float()
         logprobs = None
         if meta.max_num_logprobs is not None:
@@ -58,6 +72,10 @@ class Sampler:
         if meta.grammars is not None:
             meta.grammars.advance(token_ids.tolist())
         return SamplerOutput(token_ids, logprobs)
+
+
+def _nothing_to_process(meta: SamplingMetadata) -> bool:
+    return meta.masks is None and meta.penalties is None and meta.grammars is None
 
 
 def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

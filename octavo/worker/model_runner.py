@@ -9,6 +9,7 @@ import torch
 from octavo.config import CacheConfig, ModelConfig, SchedulerConfig
 from octavo.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from octavo.core.request import Request
+from octavo.kernels.fused_ops import FusedOps, fused_ops
 from octavo.kernels.paged_decode import PagedDecodeKernel, paged_decode_kernel
 from octavo.model.generation_config import load_generation_defaults
 from octavo.model.layers.linear import can_pack, pack_weights
@@ -60,8 +61,10 @@ class ModelRunner:
         self.decode_kernel = _decode_kernel(model_config.attention_backend, self.device, self.dtype, cache_dtype)
         if model_config.pack_weights and can_pack(self.device, self.dtype):
             pack_weights(self.model)
+        ops = fused_ops() if model_config.fused_ops and FusedOps.supports(self.device, self.dtype) else None
+        self.model.use_fused_ops(ops)
 
-        self.sampler = Sampler()
+        self.sampler = Sampler(argmax=ops.argmax if ops is not None else None)
         self._windows = self.model.attention_windows
         self._generators: dict[str, torch.Generator] = {}
         torch.manual_seed(model_config.seed)  # unseeded requests draw from the global RNG
@@ -77,13 +80,14 @@ class ModelRunner:
             if not row_ids:
                 return ModelRunnerOutput()
             rows = torch.tensor(row_ids, dtype=torch.int64, device=self.device)
-            logits = self.model.compute_logits(hidden.index_select(0, rows)).float()
+            # In the model's dtype: the sampler converts when it needs float32.
+            logits = self.model.compute_logits(hidden.index_select(0, rows))
             out = ModelRunnerOutput()
             num_sample = len(plan.sample)
             if num_sample:
                 self._sample(plan.sample, logits[:num_sample], out)
             if plan.prompt:
-                _prompt_logprobs(plan, logits[num_sample:], out)
+                _prompt_logprobs(plan, logits[num_sample:].float(), out)
         return out
 
     def execute_logits(self, scheduler_output: SchedulerOutput) -> dict[str, torch.Tensor]:

@@ -10,6 +10,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from octavo.kernels.fused_ops import FusedOps
 from octavo.model.attention_metadata import AttentionMetadata
 from octavo.model.config import ArchConfig
 from octavo.model.layers.attention import Attention
@@ -30,13 +31,21 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         h: torch.Tensor,
+        residual: Optional[torch.Tensor],
         cos: torch.Tensor,
         sin: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, kv_cache, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        """(this layer's output, the residual stream before it is added):
+        each add is done by the next norm (``add_forward``), fused with it."""
+        if residual is None:
+            residual, h = h, self.input_layernorm(h)
+        else:
+            h, residual = self.input_layernorm.add_forward(h, residual)
+        h = self.self_attn(h, cos, sin, kv_cache, meta)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h), residual
 
 
 class DecoderModel(nn.Module):
@@ -75,9 +84,17 @@ class DecoderForCausalLM(nn.Module):
         (``compute_logits`` applies it to the rows that need logits only)."""
         h = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary.cos_sin(positions, h.dtype)
+        residual: Optional[torch.Tensor] = None
         for layer, kv_cache in zip(self.model.layers, kv_caches):
-            h = layer(h, cos, sin, kv_cache, meta)
-        return h
+            h, residual = layer(h, residual, cos, sin, kv_cache, meta)
+        return h if residual is None else h + residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.model.norm(hidden))
+
+    def use_fused_ops(self, ops: Optional[FusedOps]) -> None:
+        """Run norms, SiLU-and-multiply and rotary with the native kernels
+        (``ops``), or with torch ops (None). Same values either way."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, GatedMLP, Attention)):
+                module.fused = ops
