@@ -29,7 +29,8 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
                         help="Octavo's KV cache budget (default 2 GiB: the machine is shared)")
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "native", "torch"],
                         help="Octavo's decode attention (native kernel or torch gather + SDPA)")
-    parser.add_argument("--no-pack-weights", action="store_true", help="Octavo without oneDNN-prepacked weights")
+    parser.add_argument("--linear-backend", default="auto", choices=["auto", "native", "onednn", "torch"],
+                        help="Octavo's bf16 matmuls (see octavo serve --help)")
     parser.add_argument("--no-fused-ops", action="store_true", help="Octavo with torch ops instead of its fused kernels")
     parser.add_argument("--threads", type=int, default=os.cpu_count(),
                         help="CPU threads for every peer (torch and llama.cpp); 1 is steadier on a loaded machine")

@@ -60,8 +60,11 @@ class ModelConfig:
     # (built on first use; CPU), "torch" = gather + SDPA, "auto" = native when
     # it builds and fits the device and dtypes, else torch.
     attention_backend: str = "auto"
-    # Prepack bf16 weights for oneDNN on CPU (faster matmuls, same results).
-    pack_weights: bool = True
+    # bf16 matmuls on CPU: "onednn" = weights prepacked once for oneDNN;
+    # "native" = the same, plus products of few rows (small-batch decode)
+    # through the AMX kernel reading those packed bytes; "torch" = plain
+    # F.linear; "auto" = native where the CPU has AMX, else onednn, else torch.
+    linear_backend: str = "auto"
     # Native fused kernels for RMSNorm + residual add, SiLU-and-multiply,
     # rotary + K/V cache write and the greedy argmax (CPU; same values as the
     # torch ops). Off, or no C compiler: torch ops.
@@ -75,6 +78,10 @@ class ModelConfig:
         if self.attention_backend not in ("auto", "native", "torch"):
             raise ValueError(
                 f"attention_backend must be one of auto, native, torch; got {self.attention_backend!r}"
+            )
+        if self.linear_backend not in ("auto", "native", "onednn", "torch"):
+            raise ValueError(
+                f"linear_backend must be one of auto, native, onednn, torch; got {self.linear_backend!r}"
             )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")

@@ -30,7 +30,7 @@ class OctavoPeer:
         engine_args = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
                        "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
                        "attention_backend": args.attention_backend,
-                       "pack_weights": not args.no_pack_weights, "fused_ops": not args.no_fused_ops,
+                       "linear_backend": args.linear_backend, "fused_ops": not args.no_fused_ops,
                        **overrides}
         return cls(args.model, args.dtype, **engine_args)
 

@@ -33,8 +33,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.add_argument("--attention-backend", default="auto", choices=["auto", "native", "torch"],
                    help="decode attention: native C kernel over the KV blocks, or torch gather + SDPA")
-    p.add_argument("--no-pack-weights", action="store_true",
-                   help="keep torch's plain bf16 matmul instead of weights prepacked for oneDNN")
+    p.add_argument("--linear-backend", default="auto", choices=["auto", "native", "onednn", "torch"],
+                   help="bf16 matmuls: weights prepacked for oneDNN (onednn), plus the AMX kernel for "
+                        "few-row products (native), or torch's plain matmul (torch)")
     p.add_argument("--no-fused-ops", action="store_true",
                    help="torch ops instead of the native fused norm/SiLU/rotary/argmax kernels")
     p.add_argument("--seed", type=int, default=0)
@@ -57,7 +58,7 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
             seed=args.seed,
             device=args.device,
             attention_backend=args.attention_backend,
-            pack_weights=not args.no_pack_weights,
+            linear_backend=args.linear_backend,
             fused_ops=not args.no_fused_ops,
             served_model_name=getattr(args, "served_model_name", None),
         ),

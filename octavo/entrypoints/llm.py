@@ -48,7 +48,7 @@ class LLM:
         seed: int = 0,
         device: str = "cpu",
         attention_backend: str = "auto",
-        pack_weights: bool = True,
+        linear_backend: str = "auto",
         fused_ops: bool = True,
     ) -> None:
         model_path = str(model) if model is not None else str(default_model_path())
@@ -61,7 +61,7 @@ class LLM:
                 seed=seed,
                 device=device,
                 attention_backend=attention_backend,
-                pack_weights=pack_weights,
+                linear_backend=linear_backend,
                 fused_ops=fused_ops,
             ),
             cache=CacheConfig(

@@ -9,6 +9,7 @@ import torch
 from octavo.config import CacheConfig, ModelConfig, SchedulerConfig
 from octavo.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from octavo.core.request import Request
+from octavo.kernels.amx_linear import amx_linear_kernel
 from octavo.kernels.fused_ops import FusedOps, fused_ops
 from octavo.kernels.paged_decode import PagedDecodeKernel, paged_decode_kernel
 from octavo.model.generation_config import load_generation_defaults
@@ -59,8 +60,7 @@ class ModelRunner:
         )
         self.kv_caches = allocate_kv_caches(shape, self.num_blocks, self.device)
         self.decode_kernel = _decode_kernel(model_config.attention_backend, self.device, self.dtype, cache_dtype)
-        if model_config.pack_weights and can_pack(self.device, self.dtype):
-            pack_weights(self.model)
+        _pack_linear_weights(self.model, model_config.linear_backend, self.device, self.dtype)
         ops = fused_ops() if model_config.fused_ops and FusedOps.supports(self.device, self.dtype) else None
         self.model.use_fused_ops(ops)
 
@@ -160,6 +160,18 @@ def _decode_kernel(
             f"got device {device.type}, dtype {dtype}, cache dtype {cache_dtype}"
         )
     return paged_decode_kernel(required=backend == "native") if fits else None
+
+
+def _pack_linear_weights(model: torch.nn.Module, backend: str, device: torch.device, dtype: torch.dtype) -> None:
+    if backend == "torch":
+        return
+    if not can_pack(device, dtype):
+        if backend != "auto":
+            raise ValueError(f"linear_backend {backend!r} runs bfloat16 weights on a CPU with oneDNN bf16 support; "
+                             f"got dtype {dtype} on {device.type}")
+        return
+    amx = amx_linear_kernel(required=backend == "native") if backend in ("auto", "native") else None
+    pack_weights(model, amx)
 
 
 def _plan_logit_rows(inputs: StepInputs) -> _LogitRows:

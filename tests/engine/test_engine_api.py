@@ -50,6 +50,17 @@ def test_unknown_attention_backend(model_dir):
         LLM(model_dir("llama"), attention_backend="flash")
 
 
+def test_unknown_linear_backend(model_dir):
+    with pytest.raises(ValueError, match="linear_backend must be one of"):
+        LLM(model_dir("llama"), linear_backend="mkl")
+
+
+@pytest.mark.parametrize("backend", ["native", "onednn"])
+def test_packed_linear_backends_refuse_float32(model_dir, backend):
+    with pytest.raises(ValueError, match=f"linear_backend '{backend}' runs bfloat16"):
+        LLM(model_dir("llama"), dtype="float32", linear_backend=backend)
+
+
 def test_native_backend_refuses_a_cache_dtype_it_cannot_read(model_dir, monkeypatch):
     from octavo.kernels.paged_decode import PagedDecodeKernel
 

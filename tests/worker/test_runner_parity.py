@@ -6,6 +6,8 @@ import copy
 import pytest
 import torch
 
+from octavo.kernels.amx_linear import amx_linear_kernel
+from octavo.model.layers.linear import Linear
 from tests.model_factory import VARIANTS
 
 from .runner_utils import Blocks, hf_logits, make_request, make_runner, step
@@ -13,9 +15,10 @@ from .runner_utils import Blocks, hf_logits, make_request, make_runner, step
 TOL = 1e-4
 ALL = sorted(VARIANTS)
 # The native kernels (decode attention over the block tables, fused norms,
-# SiLU, rotary), and plain torch ops throughout (gather + SDPA).
-BACKENDS = {"native": {"attention_backend": "native", "fused_ops": True},
-            "torch": {"attention_backend": "torch", "fused_ops": False}}
+# SiLU, rotary, and in bf16 the AMX kernel for few-row matmuls where the CPU
+# has it), and plain torch ops throughout (gather + SDPA, F.linear).
+BACKENDS = {"native": {"attention_backend": "native", "fused_ops": True, "linear_backend": "auto"},
+            "torch": {"attention_backend": "torch", "fused_ops": False, "linear_backend": "torch"}}
 
 
 def _prompt(length: int, seed: int) -> list[int]:
@@ -139,6 +142,9 @@ def test_bfloat16_matches_transformers_in_bfloat16(backend, variant, hf_model):
     """Both paths round where transformers rounds: prefill, then decodes that
     read the bf16 cache, against transformers run in bf16 itself."""
     runner = make_runner(variant("llama"), dtype="bfloat16", **BACKENDS[backend])
+    linears = [m for m in runner.model.modules() if isinstance(m, Linear)]
+    amx_expected = backend == "native" and amx_linear_kernel() is not None
+    assert all((m.small_rows is not None) == amx_expected for m in linears)
     blocks = Blocks(runner)
     tokens = _prompt(40, seed=11)
     req = make_request("a", tokens[:32])

@@ -1,0 +1,98 @@
+"""bf16 linear layers alone: every weight matrix of a model, applied in a loop
+to ``rows`` activations, by each linear backend Octavo has.
+
+    python -m benchmarks.linear_kernels --model benchmarks/models/llama-100m --rows 1,4,32,256,2048
+
+Backends: ``onednn`` (torch's oneDNN with prepacked weights), ``native``
+(Octavo's AMX kernel reading those same prepacked bytes), ``torch`` (F.linear
+on the plain weight). Reported: ms per pass over all matrices, GB/s of weights read
+(what bounds few rows) and GFLOP/s (what bounds many), next to a plain
+full-buffer sum of the same byte count (the read-bandwidth yardstick that
+benchmarks/roofline.py uses).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch.nn import functional as F
+
+from benchmarks.options import DEFAULT_MODEL, int_list
+from benchmarks.report import load_avg, print_table, write_json
+
+
+def model_matrices(model: Path) -> list[tuple[int, int]]:
+    """[out, in] of each matmul of one forward, q/k/v and gate/up fused as Octavo runs them."""
+    cfg = json.loads((model / "config.json").read_text())
+    hidden, inter = cfg["hidden_size"], cfg["intermediate_size"]
+    head_dim = cfg.get("head_dim") or hidden // cfg["num_attention_heads"]
+    q, kv = cfg["num_attention_heads"] * head_dim, cfg["num_key_value_heads"] * head_dim
+    layer = [(q + 2 * kv, hidden), (hidden, q), (2 * inter, hidden), (hidden, inter)]
+    return layer * cfg["num_hidden_layers"] + [(cfg["vocab_size"], hidden)]
+
+
+def median_seconds(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    parser.add_argument("--rows", type=int_list, default=[1, 4, 32, 256, 2048])
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from octavo.kernels.amx_linear import amx_linear_kernel
+
+    torch.manual_seed(0)
+    shapes = model_matrices(args.model)
+    weights = [torch.randn(s).to(torch.bfloat16) for s in shapes]
+    nbytes = sum(w.numel() * 2 for w in weights)
+    amx = amx_linear_kernel()
+    packed = [torch.ops.mkldnn._reorder_linear_weight(w, 128) for w in weights]
+    forms: dict[str, list[Callable[[torch.Tensor], torch.Tensor]]] = {
+        "torch": [lambda x, w=w: F.linear(x, w) for w in weights],
+        "onednn": [lambda x, p=p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], "") for p in packed],
+    }
+    shared = [amx.share_onednn(p, w) for p, w in zip(packed, weights)] if amx is not None else []
+    if shared and all(shared):
+        forms["native"] = shared
+    flat = torch.ones(nbytes // 4)
+    sum_s = median_seconds(flat.sum, args.repeats)
+    load_start = load_avg()
+    rows_out = []
+    for m in args.rows:
+        inputs = {k: torch.randn(m, k).to(torch.bfloat16) for k in {s[1] for s in shapes}}
+        for name, fns in forms.items():
+            def run() -> None:
+                for (_, k), fn in zip(shapes, fns):
+                    fn(inputs[k])
+
+            t = median_seconds(run, args.repeats)
+            rows_out.append({"rows": m, "backend": name, "ms": t * 1e3, "weight_gbs": nbytes / t / 1e9,
+                             "gflops": m * nbytes / t / 1e9, "of_sum_rate": sum_s / t})
+    print_table(rows_out, ["rows", "backend", "ms", "weight_gbs", "gflops", "of_sum_rate"],
+                title=f"{len(shapes)} matrices of {args.model.name}, {nbytes / 1e6:.0f} MB bf16; "
+                      f"full-buffer sum of as many bytes: {nbytes / sum_s / 1e9:.1f} GB/s "
+                      f"({args.threads} threads, median of {args.repeats})")
+    print(f"load {load_start} -> {load_avg()}")
+    write_json(args.json, {"benchmark": "linear_kernels", "args": vars(args), "sum_gbs": nbytes / sum_s / 1e9,
+                           "results": rows_out})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""Python side of the AMX linear kernel (amx_linear.c): ``y = x @ W^T + b`` for
+a few rows of bf16, reading the weight in oneDNN's prepacked layout (the copy
+the model already holds) or in a copy packed the same way here."""
+from __future__ import annotations
+
+import ctypes
+from typing import Optional
+
+import torch
+from torch.nn import functional as F
+
+from octavo.kernels.build import load_kernel, try_load_kernel
+
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+# AB16b32a2b: groups of 32 outputs, blocks of 32 k's.
+N_BLOCK, K_BLOCK = 32, 32
+
+
+def blocked_layout(weight: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> [N/32][K/32][16][32][2] (N zero-padded to a multiple of 32):
+    the bytes the kernel reads. K must be a multiple of 32."""
+    n, k = weight.shape
+    padded = F.pad(weight.detach(), (0, 0, 0, -n % N_BLOCK))
+    return padded.view(-1, N_BLOCK, k // K_BLOCK, K_BLOCK // 2, 2).permute(0, 2, 3, 1, 4).contiguous()
+
+
+def _onednn_bytes(packed: torch.Tensor, numel: int) -> Optional[torch.Tensor]:
+    """A bf16 view (no copy) of an opaque oneDNN tensor's buffer, or None when
+    its size is not ``numel`` elements. The view is valid while ``packed`` lives."""
+    if torch.ops.mkldnn._nbytes(packed) != 2 * numel:
+        return None
+    buffer = (ctypes.c_uint16 * numel).from_address(torch.ops.mkldnn.data_ptr(packed))
+    return torch.frombuffer(buffer, dtype=torch.bfloat16)
+
+
+class AmxLinearKernel:
+    """The kernel of amx_linear.c, on a CPU with AMX bf16 tiles."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        lib.octavo_amx_linear.argtypes = [_P, _P, _P, _I, _I, _I, _P]
+        lib.octavo_amx_linear.restype = None
+        self._lib = lib
+
+    @staticmethod
+    def fits(weight: torch.Tensor) -> bool:
+        """Whether a weight [N, K] can be read by the kernel: CPU bf16, K a multiple of 32."""
+        return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
+                and weight.shape[1] % K_BLOCK == 0)
+
+    def pack(self, weight: torch.Tensor) -> AmxWeight:
+        """A new copy of ``weight`` in the kernel's layout."""
+        if not self.fits(weight):
+            raise ValueError(f"the AMX kernel takes a CPU bfloat16 [N, K] weight with K a multiple of {K_BLOCK}; "
+                             f"got {weight.dtype} {tuple(weight.shape)} on {weight.device}")
+        return AmxWeight(self._lib, blocked_layout(weight), *weight.shape)
+
+    def share_onednn(self, packed: torch.Tensor, weight: torch.Tensor) -> Optional[AmxWeight]:
+        """The kernel reading oneDNN's prepacked copy ``packed`` of ``weight``
+        in place, when its bytes are exactly the kernel's layout (oneDNN picks
+        the layout per CPU and shape); else None. Keeps ``packed`` alive."""
+        if not self.fits(weight):
+            return None
+        expected = blocked_layout(weight).view(-1)
+        found = _onednn_bytes(packed, expected.numel())
+        if found is None or not torch.equal(found.view(torch.int16), expected.view(torch.int16)):
+            return None
+        return AmxWeight(self._lib, found, *weight.shape, owner=packed)
+
+
+class AmxWeight:
+    """One weight as the kernel reads it; call it like ``F.linear(x, weight, bias)``."""
+
+    def __init__(self, lib: ctypes.CDLL, blocks: torch.Tensor, out_features: int, in_features: int,
+                 owner: Optional[torch.Tensor] = None) -> None:
+        self._lib, self.blocks, self._owner = lib, blocks, owner
+        self.out_features, self.in_features = out_features, in_features
+
+    def __call__(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.shape[-1] != self.in_features:
+            raise ValueError(f"input must be a CPU bfloat16 tensor [..., {self.in_features}]; "
+                             f"got {x.dtype} {tuple(x.shape)} on {x.device}")
+        if bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (self.out_features,)
+                                 or not bias.is_contiguous()):
+            raise ValueError(f"bias must be contiguous bfloat16 [{self.out_features}]; "
+                             f"got {bias.dtype} {tuple(bias.shape)}")
+        rows = x.reshape(-1, self.in_features).contiguous()
+        out = rows.new_empty(rows.shape[0], self.out_features)
+        if rows.shape[0]:
+            self._lib.octavo_amx_linear(
+                rows.data_ptr(), self.blocks.data_ptr(), None if bias is None else bias.data_ptr(),
+                rows.shape[0], self.in_features, self.out_features, out.data_ptr(),
+            )
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+def amx_linear_kernel(required: bool = False) -> Optional[AmxLinearKernel]:
+    """The kernel, built on first use; None where it cannot be built or the CPU
+    (or the OS) offers no AMX, unless ``required`` (then a ValueError says why)."""
+    lib = load_kernel("amx_linear") if required else try_load_kernel("amx_linear")
+    if lib is None:
+        return None
+    if not lib.octavo_amx_available():
+        if required:
+            raise ValueError("the AMX linear kernel needs a CPU with AMX bf16 tiles and an OS that grants them")
+        return None
+    return AmxLinearKernel(lib)

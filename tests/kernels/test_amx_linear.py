@@ -1,0 +1,111 @@
+"""The AMX linear kernel against a float32 reference, on oneDNN's own packed
+bytes and on a copy packed here; and the Linear layer's choice of path."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from octavo.kernels.amx_linear import AmxLinearKernel, amx_linear_kernel, blocked_layout
+from octavo.model.layers.linear import SMALL_ROWS, Linear, can_pack, pack_weights
+
+pytestmark = pytest.mark.skipif(
+    not can_pack(torch.device("cpu"), torch.bfloat16) or amx_linear_kernel() is None,
+    reason="this CPU (or OS) offers no AMX bf16 tiles",
+)
+
+
+@pytest.fixture(scope="module")
+def amx() -> AmxLinearKernel:
+    return amx_linear_kernel(required=True)
+
+
+def _randn(*shape: int, seed: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+
+
+def _onednn(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight, 128)
+
+
+def _assert_rounded_from(out: torch.Tensor, ref: torch.Tensor) -> None:
+    """out is the float32 result ``ref`` rounded once to bf16 (up to the sum order)."""
+    assert out.dtype == torch.bfloat16 and out.shape == ref.shape
+    err = (out.float() - ref).abs()
+    assert (err <= ref.abs() * 2**-8 + 1e-3).all(), f"max error {err.max().item()}"
+
+
+# Row counts around the 16-row tiles and the 32-row pairs; outputs not a
+# multiple of 32 (a padded last group, a half one); K of one and several blocks.
+@pytest.mark.parametrize("rows", [1, 2, 15, 16, 17, 31, 32, 33, 64, 100])
+@pytest.mark.parametrize("out_features,in_features", [(200, 96), (48, 32), (1280, 768)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_matches_float32_reference(amx, rows, out_features, in_features, bias):
+    weight = _randn(out_features, in_features, seed=rows)
+    b = _randn(out_features, seed=1) if bias else None
+    x = _randn(rows, in_features, seed=2)
+    ref = F.linear(x.float(), weight.float(), None if b is None else b.float())
+    shared = amx.share_onednn(_onednn(weight), weight)
+    assert shared is not None, "oneDNN's packed layout changed: the kernel no longer reads it"
+    out = shared(x, b)
+    _assert_rounded_from(out, ref)
+    assert torch.equal(out, amx.pack(weight)(x, b))  # same bytes, same kernel
+
+
+def test_oneDNN_bytes_are_the_blocked_layout(amx):
+    """The byte-for-byte check behind share_onednn: oneDNN's buffer is read in
+    place (no copy) and holds exactly blocked_layout(weight)."""
+    weight = _randn(96, 64, seed=3)
+    packed = _onednn(weight)
+    shared = amx.share_onednn(packed, weight)
+    assert shared.blocks.data_ptr() == torch.ops.mkldnn.data_ptr(packed)
+    assert torch.equal(shared.blocks.view(torch.int16), blocked_layout(weight).view(-1).view(torch.int16))
+
+
+def test_another_weights_bytes_are_refused(amx):
+    weight = _randn(64, 64, seed=4)
+    assert amx.share_onednn(_onednn(_randn(64, 64, seed=5)), weight) is None
+
+
+def test_input_dims_are_kept(amx):
+    weight = _randn(64, 32, seed=6)
+    x = _randn(2, 3, 32, seed=7)
+    out = amx.pack(weight)(x)
+    assert out.shape == (2, 3, 64)
+    _assert_rounded_from(out, F.linear(x.float(), weight.float()))
+    assert amx.pack(weight)(x[:0]).shape == (0, 3, 64)
+
+
+def test_bad_inputs_are_refused(amx):
+    weight = _randn(64, 32, seed=8)
+    layer = amx.pack(weight)
+    with pytest.raises(ValueError, match="input must be a CPU bfloat16 tensor"):
+        layer(torch.randn(1, 32))
+    with pytest.raises(ValueError, match=r"\[\.\.\., 32\]"):
+        layer(_randn(1, 48, seed=9))
+    with pytest.raises(ValueError, match="bias must be contiguous bfloat16"):
+        layer(_randn(1, 32, seed=9), torch.zeros(64))
+    with pytest.raises(ValueError, match="K a multiple of 32"):
+        amx.pack(_randn(64, 40, seed=10))
+    assert amx.share_onednn(_onednn(_randn(64, 40, seed=10)), _randn(64, 40, seed=10)) is None
+
+
+@pytest.mark.parametrize("rows", [1, SMALL_ROWS, SMALL_ROWS + 1, 300])
+def test_linear_sends_few_rows_to_the_kernel(amx, rows):
+    torch.manual_seed(rows)
+    layer = Linear(96, 200, bias=True).bfloat16()
+    weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
+    pack_weights(layer, amx)
+    assert layer.small_rows is not None and layer.weight.device.type == "meta"
+    x = _randn(rows, 96, seed=11)
+    out = layer(x)
+    _assert_rounded_from(out, F.linear(x.float(), weight.float(), bias.float()))
+    onednn = torch.ops.mkldnn._linear_pointwise(x, layer.packed, layer.bias, "none", [], "")
+    kernel = layer.small_rows(x, layer.bias)
+    assert torch.equal(out, kernel if rows <= SMALL_ROWS else onednn)
+
+
+def test_a_layer_the_kernel_cannot_read_stays_on_oneDNN(amx):
+    layer = Linear(40, 64, bias=False).bfloat16()  # K = 40: not whole 32-blocks
+    pack_weights(layer, amx)
+    assert layer.packed is not None and layer.small_rows is None
