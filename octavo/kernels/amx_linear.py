@@ -73,24 +73,26 @@ class AmxWeight:
     def __init__(self, lib: ctypes.CDLL, blocks: torch.Tensor, out_features: int, in_features: int,
                  owner: Optional[torch.Tensor] = None) -> None:
         self._lib, self.blocks, self._owner = lib, blocks, owner
+        self.blocks_ptr = blocks.data_ptr()
         self.out_features, self.in_features = out_features, in_features
 
     def __call__(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if x.dtype != torch.bfloat16 or x.device.type != "cpu" or x.shape[-1] != self.in_features:
+        # On every decode step, ~50 calls a token: the checks stay cheap.
+        if x.dtype != torch.bfloat16 or not x.is_cpu or x.shape[-1] != self.in_features:
             raise ValueError(f"input must be a CPU bfloat16 tensor [..., {self.in_features}]; "
                              f"got {x.dtype} {tuple(x.shape)} on {x.device}")
-        if bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (self.out_features,)
+        if bias is not None and (bias.dtype != torch.bfloat16 or bias.shape[0] != self.out_features
                                  or not bias.is_contiguous()):
             raise ValueError(f"bias must be contiguous bfloat16 [{self.out_features}]; "
                              f"got {bias.dtype} {tuple(bias.shape)}")
-        rows = x.reshape(-1, self.in_features).contiguous()
-        out = rows.new_empty(rows.shape[0], self.out_features)
+        rows = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, self.in_features).contiguous()
+        out = torch.empty(rows.shape[0], self.out_features, dtype=torch.bfloat16)
         if rows.shape[0]:
             self._lib.octavo_amx_linear(
-                rows.data_ptr(), self.blocks.data_ptr(), None if bias is None else bias.data_ptr(),
+                rows.data_ptr(), self.blocks_ptr, None if bias is None else bias.data_ptr(),
                 rows.shape[0], self.in_features, self.out_features, out.data_ptr(),
             )
-        return out.view(*x.shape[:-1], self.out_features)
+        return out if rows is x else out.view(*x.shape[:-1], self.out_features)
 
 
 def amx_linear_kernel(required: bool = False) -> Optional[AmxLinearKernel]:

@@ -21,10 +21,11 @@ _SIGNATURES = {
 
 
 def _check(name: str, t: torch.Tensor, dtype: torch.dtype, shape: Optional[tuple[int, ...]] = None) -> None:
-    if t.dtype != dtype or not t.is_contiguous() or t.device.type != "cpu":
+    # Runs several times per layer and step: attribute reads only, no Device objects.
+    if t.dtype != dtype or not t.is_contiguous() or not t.is_cpu:
         raise ValueError(f"{name} must be a contiguous CPU {dtype} tensor; got {t.dtype}, {tuple(t.shape)}, "
                          f"contiguous={t.is_contiguous()}, device {t.device}")
-    if shape is not None and tuple(t.shape) != shape:
+    if shape is not None and t.shape != shape:
         raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {shape}")
 
 
