@@ -33,6 +33,8 @@ T=(--threads "$THREADS")
 if [ "$MODE" = quick ]; then
     step throughput-llama-100m python -m benchmarks.throughput --model $M/llama-100m --num-prompts 32 \
         --hf-batch-sizes 16,32 --llamacpp-max-prompts 8 "${T[@]}" --json "$R/throughput-llama-100m.json"
+    step linear-kernels-llama-100m python -m benchmarks.linear_kernels --model $M/llama-100m --rows 1,32,256 \
+        --threads "$THREADS" --json "$R/linear-kernels-llama-100m.json"
     step roofline-llama-100m python -m benchmarks.roofline --model $M/llama-100m --quick --llamacpp "${T[@]}" \
         --json "$R/roofline-llama-100m.json"
     step kv-memory-llama-100m python -m benchmarks.kv_memory --model $M/llama-100m --num-prompts 64 "${T[@]}" \
@@ -55,6 +57,8 @@ step throughput-qwen2.5-0.5b python -m benchmarks.throughput --model $M/qwen2.5-
 step throughput-octavo-mini python -m benchmarks.throughput --model $M/octavo-mini --num-prompts 256 \
     --max-input-len 256 --max-output-len 192 --hf-max-prompts 64 --hf-batch-sizes 32,64 \
     --llamacpp-max-prompts 32 --repeats 3 "${T[@]}" --json "$R/throughput-octavo-mini.json"
+step linear-kernels-llama-100m python -m benchmarks.linear_kernels --model $M/llama-100m \
+    --rows 1,4,16,32,64,128,256,2048 --threads "$THREADS" --json "$R/linear-kernels-llama-100m.json"
 step roofline-llama-100m python -m benchmarks.roofline --model $M/llama-100m --llamacpp "${T[@]}" \
     --json "$R/roofline-llama-100m.json"
 step roofline-qwen2.5-0.5b python -m benchmarks.roofline --model $M/qwen2.5-0.5b --new-tokens 64 --llamacpp \

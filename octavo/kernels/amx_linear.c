@@ -132,14 +132,16 @@ static inline void multiply_block(const uint16_t *a, const uint16_t *tail, int64
 }
 
 /* out[M, N] = a[M, K] @ W^T (+ bias[N]); a, out row-major bf16, W in the
- * blocked layout above with N padded to a multiple of 32. K must be a multiple of 32. */
-void octavo_amx_linear(const uint16_t *a, const uint16_t *w, const uint16_t *bias, int64_t M, int64_t K, int64_t N,
-                       uint16_t *out) {
-    const int64_t groups = (N + 31) / 32; /* pairs of 16-row weight tiles */
+ * blocked layout above with N padded to a multiple of 32. K must be a
+ * multiple of 32. Returns 0, or -1 when the padded last tile cannot be allocated. */
+int octavo_amx_linear(const uint16_t *a, const uint16_t *w, const uint16_t *bias, int64_t M, int64_t K, int64_t N,
+                      uint16_t *out) {
+    const int64_t groups = (N + 31) / 32; /* of 32 outputs: two 16-wide weight tiles */
     const int64_t full_tiles = M / 16, tail_rows = M % 16;
     uint16_t *tail = NULL;
     if (tail_rows && full_tiles) { /* the last rows, zero-padded to a whole tile so its loads stay in bounds */
         tail = aligned_alloc(64, (size_t)(16 * K * 2));
+        if (tail == NULL) return -1;
         memset(tail, 0, (size_t)(16 * K * 2));
         memcpy(tail, a + full_tiles * 16 * K, (size_t)(tail_rows * K * 2));
     }
@@ -161,14 +163,15 @@ void octavo_amx_linear(const uint16_t *a, const uint16_t *w, const uint16_t *bia
         _tile_release();
     }
     free(tail);
+    return 0;
 }
 
 #else
 
 int octavo_amx_available(void) { return 0; }
 
-void octavo_amx_linear(const uint16_t *a, const uint16_t *w, const uint16_t *bias, int64_t M, int64_t K, int64_t N,
-                       uint16_t *out) {
+int octavo_amx_linear(const uint16_t *a, const uint16_t *w, const uint16_t *bias, int64_t M, int64_t K, int64_t N,
+                      uint16_t *out) {
     (void)a, (void)w, (void)bias, (void)M, (void)K, (void)N, (void)out;
     abort(); /* unreachable: the Python side checks octavo_amx_available() first */
 }

@@ -38,7 +38,7 @@ class AmxLinearKernel:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         lib.octavo_amx_linear.argtypes = [_P, _P, _P, _I, _I, _I, _P]
-        lib.octavo_amx_linear.restype = None
+        lib.octavo_amx_linear.restype = ctypes.c_int
         self._lib = lib
 
     @staticmethod
@@ -87,11 +87,11 @@ class AmxWeight:
                              f"got {bias.dtype} {tuple(bias.shape)}")
         rows = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, self.in_features).contiguous()
         out = torch.empty(rows.shape[0], self.out_features, dtype=torch.bfloat16)
-        if rows.shape[0]:
-            self._lib.octavo_amx_linear(
-                rows.data_ptr(), self.blocks_ptr, None if bias is None else bias.data_ptr(),
-                rows.shape[0], self.in_features, self.out_features, out.data_ptr(),
-            )
+        if rows.shape[0] and self._lib.octavo_amx_linear(
+            rows.data_ptr(), self.blocks_ptr, None if bias is None else bias.data_ptr(),
+            rows.shape[0], self.in_features, self.out_features, out.data_ptr(),
+        ):
+            raise MemoryError("AMX linear kernel could not allocate its padded row tile")
         return out if rows is x else out.view(*x.shape[:-1], self.out_features)
 
 

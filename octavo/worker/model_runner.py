@@ -1,6 +1,7 @@
 """ModelRunner: one SchedulerOutput in, sampled tokens (and logprobs) out."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -13,13 +14,15 @@ from octavo.kernels.amx_linear import amx_linear_kernel
 from octavo.kernels.fused_ops import FusedOps, fused_ops
 from octavo.kernels.paged_decode import PagedDecodeKernel, paged_decode_kernel
 from octavo.model.generation_config import load_generation_defaults
-from octavo.model.layers.linear import can_pack, pack_weights
+from octavo.model.layers.linear import SMALL_ROWS, Linear, can_pack, pack_weights
 from octavo.model.loader import load_model, model_folder, resolve_dtype
 from octavo.sample.logprobs import token_logprobs
 from octavo.sample.metadata import SamplingMetadata
 from octavo.sample.sampler import Sampler
 from octavo.worker.input_batch import StepInputs, prepare_inputs
 from octavo.worker.kv_cache import CacheShape, allocate_kv_caches, copy_blocks, num_cache_blocks
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -171,7 +174,14 @@ def _pack_linear_weights(model: torch.nn.Module, backend: str, device: torch.dev
                              f"got dtype {dtype} on {device.type}")
         return
     amx = amx_linear_kernel(required=backend == "native") if backend in ("auto", "native") else None
-    pack_weights(model, amx)
+    packed = pack_weights(model, amx)
+    if amx is None:
+        return
+    served = sum(isinstance(m, Linear) and m.small_rows is not None for m in model.modules())
+    if backend == "native" and served == 0:
+        raise ValueError("linear_backend 'native': the AMX kernel reads none of this model's packed weights "
+                         "(in-features not a multiple of 32, or a oneDNN layout it does not know)")
+    logger.info("AMX kernel serves %d of %d packed linear layers for up to %d rows", served, packed, SMALL_ROWS)
 
 
 def _plan_logit_rows(inputs: StepInputs) -> _LogitRows:

@@ -61,6 +61,16 @@ def test_packed_linear_backends_refuse_float32(model_dir, backend):
         LLM(model_dir("llama"), dtype="float32", linear_backend=backend)
 
 
+def test_native_linear_backend_refuses_weights_its_kernel_cannot_read(model_dir, monkeypatch):
+    from octavo.kernels.amx_linear import AmxLinearKernel, amx_linear_kernel
+
+    if amx_linear_kernel() is None:
+        pytest.skip("this CPU (or OS) offers no AMX bf16 tiles")
+    monkeypatch.setattr(AmxLinearKernel, "share_onednn", lambda *_: None)  # as if oneDNN's layout changed
+    with pytest.raises(ValueError, match="reads none of this model's packed weights"):
+        LLM(model_dir("llama"), dtype="bfloat16", linear_backend="native")
+
+
 def test_native_backend_refuses_a_cache_dtype_it_cannot_read(model_dir, monkeypatch):
     from octavo.kernels.paged_decode import PagedDecodeKernel
 
