@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
 from typing import Callable
 
@@ -24,6 +22,7 @@ from torch.nn import functional as F
 
 from benchmarks.options import DEFAULT_MODEL, int_list
 from benchmarks.report import load_avg, print_table, write_json
+from benchmarks.roofline import median_time
 
 
 def model_matrices(model: Path) -> list[tuple[int, int]]:
@@ -34,16 +33,6 @@ def model_matrices(model: Path) -> list[tuple[int, int]]:
     q, kv = cfg["num_attention_heads"] * head_dim, cfg["num_key_value_heads"] * head_dim
     layer = [(q + 2 * kv, hidden), (hidden, q), (2 * inter, hidden), (hidden, inter)]
     return layer * cfg["num_hidden_layers"] + [(cfg["vocab_size"], hidden)]
-
-
-def median_seconds(fn: Callable[[], object], repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -72,7 +61,7 @@ def main() -> None:
     if shared and all(shared):
         forms["native"] = shared
     flat = torch.ones(nbytes // 4)
-    sum_s = median_seconds(flat.sum, args.repeats)
+    sum_s = median_time(flat.sum, args.repeats)
     load_start = load_avg()
     rows_out = []
     for m in args.rows:
@@ -82,7 +71,7 @@ def main() -> None:
                 for (_, k), fn in zip(shapes, fns):
                     fn(inputs[k])
 
-            t = median_seconds(run, args.repeats)
+            t = median_time(run, args.repeats)
             rows_out.append({"rows": m, "backend": name, "ms": t * 1e3, "weight_gbs": nbytes / t / 1e9,
                              "gflops": m * nbytes / t / 1e9, "of_sum_rate": sum_s / t})
     print_table(rows_out, ["rows", "backend", "ms", "weight_gbs", "gflops", "of_sum_rate"],

@@ -6,7 +6,7 @@
 #       benchmarks/run_suite.sh [quick|full] [threads]
 #
 # quick: llama-100m only, small request counts (~6 min on 2 cores).
-# full:  all three models, the request counts BENCHMARKS.md reports (~35 min on 2 quiet cores).
+# full:  all three models, the request counts BENCHMARKS.md reports (~20 min on 2 quiet cores).
 # threads defaults to all cores; use 1 when other jobs share the machine (see BENCHMARKS.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
