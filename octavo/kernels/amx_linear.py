@@ -1,6 +1,6 @@
 """Python side of the AMX linear kernel (amx_linear.c): ``y = x @ W^T + b`` for
-a few rows of bf16, reading the weight in oneDNN's prepacked layout (the copy
-the model already holds) or in a copy packed the same way here."""
+a few rows of bf16, reading the weight in oneDNN's prepacked layout: the copy
+the model already holds."""
 from __future__ import annotations
 
 import ctypes
@@ -46,13 +46,6 @@ class AmxLinearKernel:
         """Whether a weight [N, K] can be read by the kernel: CPU bf16, K a multiple of 32."""
         return (weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
                 and weight.shape[1] % K_BLOCK == 0)
-
-    def pack(self, weight: torch.Tensor) -> AmxWeight:
-        """A new copy of ``weight`` in the kernel's layout."""
-        if not self.fits(weight):
-            raise ValueError(f"the AMX kernel takes a CPU bfloat16 [N, K] weight with K a multiple of {K_BLOCK}; "
-                             f"got {weight.dtype} {tuple(weight.shape)} on {weight.device}")
-        return AmxWeight(self._lib, blocked_layout(weight), *weight.shape)
 
     def share_onednn(self, packed: torch.Tensor, weight: torch.Tensor) -> Optional[AmxWeight]:
         """The kernel reading oneDNN's prepacked copy ``packed`` of ``weight``

@@ -1,5 +1,5 @@
 """The AMX linear kernel against a float32 reference, on oneDNN's own packed
-bytes and on a copy packed here; and the Linear layer's choice of path."""
+bytes; and the Linear layer's choice of path."""
 from __future__ import annotations
 
 import pytest
@@ -28,6 +28,12 @@ def _onednn(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight, 128)
 
 
+def _kernel_weight(amx: AmxLinearKernel, weight: torch.Tensor):
+    shared = amx.share_onednn(_onednn(weight), weight)
+    assert shared is not None, "oneDNN's packed layout changed: the kernel no longer reads it"
+    return shared
+
+
 def _assert_rounded_from(out: torch.Tensor, ref: torch.Tensor) -> None:
     """out is the float32 result ``ref`` rounded once to bf16 (up to the sum order)."""
     assert out.dtype == torch.bfloat16 and out.shape == ref.shape
@@ -45,11 +51,7 @@ def test_matches_float32_reference(amx, rows, out_features, in_features, bias):
     b = _randn(out_features, seed=1) if bias else None
     x = _randn(rows, in_features, seed=2)
     ref = F.linear(x.float(), weight.float(), None if b is None else b.float())
-    shared = amx.share_onednn(_onednn(weight), weight)
-    assert shared is not None, "oneDNN's packed layout changed: the kernel no longer reads it"
-    out = shared(x, b)
-    _assert_rounded_from(out, ref)
-    assert torch.equal(out, amx.pack(weight)(x, b))  # same bytes, same kernel
+    _assert_rounded_from(_kernel_weight(amx, weight)(x, b), ref)
 
 
 def test_oneDNN_bytes_are_the_blocked_layout(amx):
@@ -70,23 +72,23 @@ def test_another_weights_bytes_are_refused(amx):
 def test_input_dims_are_kept(amx):
     weight = _randn(64, 32, seed=6)
     x = _randn(2, 3, 32, seed=7)
-    out = amx.pack(weight)(x)
+    layer = _kernel_weight(amx, weight)
+    out = layer(x)
     assert out.shape == (2, 3, 64)
     _assert_rounded_from(out, F.linear(x.float(), weight.float()))
-    assert amx.pack(weight)(x[:0]).shape == (0, 3, 64)
+    assert layer(x[:0]).shape == (0, 3, 64)
 
 
 def test_bad_inputs_are_refused(amx):
     weight = _randn(64, 32, seed=8)
-    layer = amx.pack(weight)
+    layer = _kernel_weight(amx, weight)
     with pytest.raises(ValueError, match="input must be a CPU bfloat16 tensor"):
         layer(torch.randn(1, 32))
     with pytest.raises(ValueError, match=r"\[\.\.\., 32\]"):
         layer(_randn(1, 48, seed=9))
     with pytest.raises(ValueError, match="bias must be contiguous bfloat16"):
         layer(_randn(1, 32, seed=9), torch.zeros(64))
-    with pytest.raises(ValueError, match="K a multiple of 32"):
-        amx.pack(_randn(64, 40, seed=10))
+    assert not amx.fits(_randn(64, 40, seed=10))  # K = 40: not whole 32-blocks
     assert amx.share_onednn(_onednn(_randn(64, 40, seed=10)), _randn(64, 40, seed=10)) is None
 
 
