@@ -26,6 +26,8 @@
 #include <sys/syscall.h>
 #include <unistd.h>
 
+long syscall(long number, ...); /* unistd.h declares it only under _DEFAULT_SOURCE */
+
 #define ARCH_REQ_XCOMP_PERM 0x1023
 #define XFEATURE_XTILEDATA 18
 

@@ -1,10 +1,23 @@
 /* Decode attention read straight from the paged KV cache (CPU).
  *
- * One query token per sequence. Each (sequence, KV head) work item walks the
- * sequence's block table, so K/V are read once in place: no gather copy, no
- * padding to the longest context in the batch, no mask tensor. The query
- * heads sharing a KV head (GQA) are handled together, so each K/V row is
- * loaded and converted once per group.
+ * One query token per sequence. Each sequence is one work item that walks its
+ * block table, so K/V are read once in place: no gather copy, no padding to
+ * the longest context in the batch, no mask tensor. The query heads sharing a
+ * KV head (GQA) are handled together, so each K/V row is loaded once per group.
+ *
+ * Memory: a block holds all KV heads' rows for its tokens, so a sequence's
+ * K/V is a few contiguous spans at scattered places in the pool. A thread
+ * reads them span by span, whole rows (every KV head) at a time, and keeps
+ * prefetches running a fixed distance ahead through its next spans and next
+ * sequences (the hardware prefetcher cannot guess where the next block
+ * lies). Per-(sequence, KV head) items, which read 128-byte pieces of rows
+ * at a stride and start cold, took 15.7 ms per batch-256 step of llama-100m;
+ * this takes 9.4-10.3 (benchmarks/attention_kernel.py, BENCHMARKS.md).
+ *
+ * Arithmetic, bf16 q and cache: q.k with vdpbf16ps on the raw bf16 pairs
+ * (exact products, float32 sums), p.v in float32 FMAs. (q.k on AMX tiles was
+ * tried: no faster with the data in cache, slower from memory.) Other dtypes
+ * convert rows to float32 first.
  *
  * Built on first use by octavo/kernels/build.py with the machine's C compiler
  * (-O3 -march=native -fopenmp) and called through ctypes. Linked against
@@ -25,23 +38,73 @@
 
 #include "common.h"
 
-#define PREFETCH_AHEAD 1
+/* Return codes (the Python side turns them into exceptions). */
+#define FAIL_MEMORY -1
+#define FAIL_EMPTY_CONTEXT -2
+/* Sequences per scheduling chunk: a thread reads ahead within its chunk. */
+#define CHUNK_SEQS 8
+/* How far the prefetches run ahead of the compute (see read_ahead). */
+#define READ_AHEAD_BYTES 32768
 
-/* Blocks sit anywhere in the pool, so the hardware prefetcher cannot see the
- * next one coming: ask for its rows of this KV head while the current block
- * is being read. */
-static inline void prefetch_block(const char *base, const int64_t *table, int64_t index, int64_t end_index,
-                                  int64_t block_size, int64_t row_bytes, int64_t head_bytes) {
-    if (index >= end_index) return;
-    const char *src = base + table[index] * block_size * row_bytes;
-    for (int64_t i = 0; i < block_size; i++, src += row_bytes)
-        for (int64_t off = 0; off < head_bytes; off += 64) __builtin_prefetch(src + off, 0, 3);
+/* The K and V rows a thread reads, in its order: sequence after sequence of
+ * its chunk, each one's K spans (a span: its positions in one block, whole
+ * rows with every KV head), then its V spans. The compute calls
+ * read_ahead_advance() with what it is about to consume, so the prefetches
+ * stay READ_AHEAD_BYTES ahead of it. Into L2 (prefetcht1): with the spans
+ * prefetched whole the distance mattered little (16-128 KiB within noise);
+ * prefetching only each page's first lines, to start the hardware streamer,
+ * was 1.5x slower. */
+typedef struct {
+    const char *cache[2]; /* K, V */
+    const int64_t *block_tables, *context_lens;
+    int64_t table_width, block_size, row_bytes, window;
+    int64_t s, end, pass, t; /* the next span to prefetch: sequence, K or V, position */
+} read_ahead;
+
+static void read_ahead_advance(read_ahead *ra, int64_t bytes) {
+    while (bytes > 0 && ra->s < ra->end) {
+        const int64_t len = ra->context_lens[ra->s];
+        const int64_t begin = (ra->window > 0 && len > ra->window) ? len - ra->window : 0;
+        const int64_t pos = begin + ra->t, first = pos % ra->block_size;
+        const int64_t count = (ra->block_size - first < len - pos) ? ra->block_size - first : len - pos;
+        const int64_t block = ra->block_tables[ra->s * ra->table_width + pos / ra->block_size];
+        const char *span = ra->cache[ra->pass] + (block * ra->block_size + first) * ra->row_bytes;
+        for (int64_t off = 0; off < count * ra->row_bytes; off += 64) __builtin_prefetch(span + off, 0, 2);
+        bytes -= count * ra->row_bytes;
+        ra->t += count;
+        if (begin + ra->t >= len) {
+            ra->t = 0;
+            ra->s += ra->pass;
+            ra->pass ^= 1;
+        }
+    }
 }
 
 /* scores[h * n + t] for t in 0..n-1: softmax weights of the query heads of one group. */
 static void softmax_rows(float *scores, int64_t group, int64_t n) {
     for (int64_t h = 0; h < group; h++) {
-        float *sh = scores + h * n, peak = -INFINITY, total = 0.0f;
+        float *sh = scores + h * n;
+#ifdef HAVE_AVX512_BF16
+        /* 16 lanes at a time, the tail masked: no scalar remainder loops. */
+        __m512 peak = _mm512_set1_ps(-INFINITY), total = _mm512_setzero_ps();
+        for (int64_t t = 0; t < n; t += 16) {
+            const __mmask16 m = n - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - t)) - 1u);
+            peak = _mm512_max_ps(peak, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), m, sh + t));
+        }
+        const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(peak));
+        for (int64_t t = 0; t < n; t += 16) {
+            const __mmask16 m = n - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - t)) - 1u);
+            const __m512 e = exp16_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sh + t), top));
+            total = _mm512_mask_add_ps(total, m, total, e);
+            _mm512_mask_storeu_ps(sh + t, m, e);
+        }
+        const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(total));
+        for (int64_t t = 0; t < n; t += 16) {
+            const __mmask16 m = n - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - t)) - 1u);
+            _mm512_mask_storeu_ps(sh + t, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, sh + t), inv));
+        }
+#else
+        float peak = -INFINITY, total = 0.0f;
 #pragma omp simd reduction(max : peak)
         for (int64_t t = 0; t < n; t++) peak = sh[t] > peak ? sh[t] : peak;
 #pragma omp simd reduction(+ : total)
@@ -52,6 +115,7 @@ static void softmax_rows(float *scores, int64_t group, int64_t n) {
         const float inv = 1.0f / total;
 #pragma omp simd
         for (int64_t t = 0; t < n; t++) sh[t] *= inv;
+#endif
     }
 }
 
@@ -90,6 +154,23 @@ static void attend_generic(const float *qf, const char *k_base, const char *v_ba
 }
 
 #ifdef HAVE_AVX512_BF16
+/* The bf16 path (bf16 q and cache, head_dim a multiple of 32). A sequence is
+ * read span by span (a span: its tokens in one block), each span front to back
+ * with all KV heads' rows, the order the hardware prefetcher streams best; per
+ * KV head the group's query heads go together. scores[head * n + t] holds
+ * query head `head`'s score of position begin + t. */
+typedef struct {
+    const int64_t *table;
+    int64_t begin, n, block_size, row_bytes;
+} seq_view;
+
+/* Position t's span: its first row and how many rows follow in the block. */
+ALWAYS_INLINE const char *span_at(const seq_view *sv, const char *cache, int64_t t, int64_t *count) {
+    const int64_t pos = sv->begin + t, first = pos % sv->block_size;
+    *count = (sv->block_size - first < sv->n - t) ? sv->block_size - first : sv->n - t;
+    return cache + (sv->table[pos / sv->block_size] * sv->block_size + first) * sv->row_bytes;
+}
+
 /* Lane t of the result = the sum of v[t]'s 16 lanes: a transpose-and-add tree
  * (45 shuffles and adds for 16 vectors instead of ~9 per vector). */
 static inline __m512 sum16(const __m512 v[16]) {
@@ -106,100 +187,142 @@ static inline __m512 sum16(const __m512 v[16]) {
     return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xDD));
 }
 
-/* bf16 queries and cache, head_dim a multiple of 32: q.k with vdpbf16ps on the
- * raw bf16 pairs (exact products, float32 sums), p.v in float32. qb holds the
- * unscaled bf16 query heads; the scale is applied to the float32 scores.
- * Inlined into dispatch() with constant group and head_dim for the common
- * shapes, so the loops unroll and the p.v accumulators live in registers. */
-#define MAX_REG_ACC 24 /* zmm accumulators kept in registers (of 32) */
-static inline __attribute__((always_inline)) void attend_bf16(
-    const uint16_t *qb, float scale, const char *k_base, const char *v_base, const int64_t *table,
-    int64_t begin, int64_t n, int64_t group, int64_t head_dim, int64_t block_size, int64_t row_bytes,
-    float *scores, float *acc) {
-    const int64_t chunks = head_dim / 32, lanes = head_dim / 16;
-    const int64_t last_block = (begin + n - 1) / block_size + 1; /* one past the last block read */
-    int64_t t = 0, pos = begin;
-    while (t < n) {
-        const int64_t block = table[pos / block_size], first = pos % block_size;
-        const int64_t count = (block_size - first < n - t) ? block_size - first : n - t;
-        prefetch_block(k_base, table, pos / block_size + PREFETCH_AHEAD, last_block, block_size, row_bytes, head_dim * 2);
-        const char *src = k_base + (block * block_size + first) * row_bytes;
-        /* Up to 16 tokens at a time: their 16 partial-sum vectors are reduced
-         * together (sum16), far cheaper than one horizontal sum each. */
-        for (int64_t i0 = 0; i0 < count; i0 += 16) {
-            const int64_t m = count - i0 < 16 ? count - i0 : 16;
+/* q.k for one span with vdpbf16ps on the raw bf16 pairs (exact products,
+ * float32 sums), up to 16 rows at a time: their 16 partial-sum vectors are
+ * reduced together (sum16), far cheaper than one horizontal sum each. The
+ * running maximum of each head's scores is kept lane-wise in peaks[head][16]. */
+ALWAYS_INLINE void span_scores_avx512(const uint16_t *qb, float scale, const char *span, int64_t count, int64_t t,
+                                      int64_t n, int64_t num_kv_heads, int64_t group, int64_t head_dim,
+                                      int64_t row_bytes, float *scores, float *peaks) {
+    const int64_t chunks = head_dim / 32;
+    for (int64_t i0 = 0; i0 < count; i0 += 16) {
+        const int64_t m = count - i0 < 16 ? count - i0 : 16;
+        for (int64_t kv = 0; kv < num_kv_heads; kv++) {
             for (int64_t h = 0; h < group; h++) {
+                const uint16_t *qh = qb + (kv * group + h) * head_dim;
                 __m512 sums[16];
-                const char *row = src + i0 * row_bytes;
+                const char *row = span + i0 * row_bytes + kv * head_dim * 2;
                 for (int64_t i = 0; i < 16; i++, row += row_bytes) {
                     __m512 sum = _mm512_setzero_ps();
                     if (i < m) {
                         for (int64_t c = 0; c < chunks; c++) {
                             const __m512i k = _mm512_loadu_si512((const void *)(row + c * 64));
-                            const __m512i q = _mm512_loadu_si512((const void *)(qb + h * head_dim + c * 32));
+                            const __m512i q = _mm512_loadu_si512((const void *)(qh + c * 32));
                             sum = _mm512_dpbf16_ps(sum, (__m512bh)k, (__m512bh)q);
                         }
                     }
                     sums[i] = sum;
                 }
                 const __m512 dots = _mm512_mul_ps(sum16(sums), _mm512_set1_ps(scale));
-                _mm512_mask_storeu_ps(scores + h * n + t + i0, (__mmask16)((1u << m) - 1u), dots);
+                const __mmask16 valid = (__mmask16)((1u << m) - 1u);
+                float *peak = peaks + (kv * group + h) * 16;
+                _mm512_mask_storeu_ps(scores + (kv * group + h) * n + t + i0, valid, dots);
+                _mm512_storeu_ps(peak, _mm512_mask_max_ps(_mm512_loadu_ps(peak), valid, _mm512_loadu_ps(peak), dots));
             }
         }
-        t += count;
-        pos += count;
     }
-    softmax_rows(scores, group, n);
-    const int in_registers = group * lanes <= MAX_REG_ACC;
-    __m512 regs[MAX_REG_ACC];
-    if (in_registers)
-        for (int64_t j = 0; j < group * lanes; j++) regs[j] = _mm512_setzero_ps();
-    t = 0, pos = begin;
-    while (t < n) {
-        const int64_t block = table[pos / block_size], first = pos % block_size;
-        const int64_t count = (block_size - first < n - t) ? block_size - first : n - t;
-        prefetch_block(v_base, table, pos / block_size + PREFETCH_AHEAD, last_block, block_size, row_bytes, head_dim * 2);
-        const char *src = v_base + (block * block_size + first) * row_bytes;
-        for (int64_t i = 0; i < count; i++, t++, src += row_bytes) {
-            for (int64_t c = 0; c < lanes; c++) {
-                const __m256i raw = _mm256_loadu_si256((const __m256i *)(src + c * 32));
-                const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-                for (int64_t h = 0; h < group; h++) {
-                    const __m512 p = _mm512_set1_ps(scores[h * n + t]);
-                    if (in_registers) {
-                        regs[h * lanes + c] = _mm512_fmadd_ps(p, v, regs[h * lanes + c]);
-                    } else {
-                        float *a = acc + h * head_dim + c * 16;
-                        _mm512_storeu_ps(a, _mm512_fmadd_ps(p, v, _mm512_loadu_ps(a)));
-                    }
-                }
-            }
-        }
-        pos += count;
-    }
-    if (in_registers)
-        for (int64_t j = 0; j < group * lanes; j++) _mm512_storeu_ps(acc + j * 16, regs[j]);
 }
 
-/* attend_bf16 specialised for the common (group, head_dim) pairs. */
-static void dispatch_bf16(const uint16_t *qb, float scale, const char *k_base, const char *v_base,
-                          const int64_t *table, int64_t begin, int64_t n, int64_t group, int64_t head_dim,
-                          int64_t block_size, int64_t row_bytes, float *scores, float *acc) {
-#define OCTAVO_SHAPE(G, D)                                                                             \
-    if (group == G && head_dim == D) {                                                                 \
-        attend_bf16(qb, scale, k_base, v_base, table, begin, n, G, D, block_size, row_bytes, scores, acc); \
-        return;                                                                                        \
+/* acc[head] += sum over the span's rows of p * v, in float32; per KV head the
+ * group's accumulators sit in registers for the span when they fit. */
+#define MAX_REG_ACC 24 /* zmm accumulators kept in registers (of 32) */
+ALWAYS_INLINE void span_values(const float *scores, const char *span, int64_t count, int64_t t, int64_t n,
+                               int64_t num_kv_heads, int64_t group, int64_t head_dim, int64_t row_bytes, float *acc) {
+    const int64_t lanes = head_dim / 16;
+    for (int64_t kv = 0; kv < num_kv_heads; kv++) {
+        const float *p = scores + kv * group * n + t;
+        float *a = acc + kv * group * head_dim;
+        const char *row = span + kv * head_dim * 2;
+        if (group * lanes <= MAX_REG_ACC) {
+            __m512 regs[MAX_REG_ACC];
+            for (int64_t j = 0; j < group * lanes; j++) regs[j] = _mm512_loadu_ps(a + j * 16);
+            for (int64_t i = 0; i < count; i++, row += row_bytes)
+                for (int64_t c = 0; c < lanes; c++) {
+                    const __m512 v = load16_bf16(row + c * 32);
+                    for (int64_t h = 0; h < group; h++)
+                        regs[h * lanes + c] = _mm512_fmadd_ps(_mm512_set1_ps(p[h * n + i]), v, regs[h * lanes + c]);
+                }
+            for (int64_t j = 0; j < group * lanes; j++) _mm512_storeu_ps(a + j * 16, regs[j]);
+        } else {
+            for (int64_t i = 0; i < count; i++, row += row_bytes)
+                for (int64_t c = 0; c < lanes; c++) {
+                    const __m512 v = load16_bf16(row + c * 32);
+                    for (int64_t h = 0; h < group; h++) {
+                        float *ah = a + h * head_dim + c * 16;
+                        _mm512_storeu_ps(ah, _mm512_fmadd_ps(_mm512_set1_ps(p[h * n + i]), v, _mm512_loadu_ps(ah)));
+                    }
+                }
+        }
+    }
+}
+
+/* One sequence: scores, softmax, then the values into acc[num_heads][head_dim].
+ * Inlined by attend_bf16 with constant group and head_dim for the common
+ * shapes, so the loops unroll and the accumulators stay in registers. */
+/* Scores -> exp(score - max) in place; inv[head] = 1 / their sum. The
+ * normalisation is applied to the outputs, not to every weight. */
+static void exponentiate_rows(float *scores, const float *peaks, int64_t heads, int64_t n, float *inv) {
+    for (int64_t h = 0; h < heads; h++) {
+        float *sh = scores + h * n;
+        const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(_mm512_loadu_ps(peaks + h * 16)));
+        __m512 total = _mm512_setzero_ps();
+        for (int64_t t = 0; t < n; t += 16) {
+            const __mmask16 m = n - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - t)) - 1u);
+            const __m512 e = exp16_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sh + t), top));
+            total = _mm512_mask_add_ps(total, m, total, e);
+            _mm512_mask_storeu_ps(sh + t, m, e);
+        }
+        inv[h] = 1.0f / _mm512_reduce_add_ps(total);
+    }
+}
+
+/* One sequence: scores, their exponentials, then the values into
+ * acc[num_heads][head_dim]. `peaks` holds num_heads * 16 floats, `inv`
+ * num_heads. Inlined by attend_bf16 with constant group and head_dim for the
+ * common shapes, so the loops unroll and the accumulators stay in registers. */
+ALWAYS_INLINE void sequence_bf16(const uint16_t *qb, float scale, const char *k_cache, const char *v_cache,
+                                 const seq_view *sv, read_ahead *ra, int64_t num_kv_heads, int64_t group,
+                                 int64_t head_dim, float *scores, float *peaks, float *inv, float *acc) {
+    const int64_t n = sv->n, heads = num_kv_heads * group;
+    int64_t count;
+    for (int64_t h = 0; h < heads; h++) _mm512_storeu_ps(peaks + h * 16, _mm512_set1_ps(-INFINITY));
+    for (int64_t t = 0; t < n; t += count) {
+        const char *span = span_at(sv, k_cache, t, &count);
+        read_ahead_advance(ra, count * sv->row_bytes);
+        span_scores_avx512(qb, scale, span, count, t, n, num_kv_heads, group, head_dim, sv->row_bytes, scores, peaks);
+    }
+    exponentiate_rows(scores, peaks, heads, n, inv);
+    memset(acc, 0, sizeof(float) * (size_t)(heads * head_dim));
+    for (int64_t t = 0; t < n; t += count) {
+        const char *span = span_at(sv, v_cache, t, &count);
+        read_ahead_advance(ra, count * sv->row_bytes);
+        span_values(scores, span, count, t, n, num_kv_heads, group, head_dim, sv->row_bytes, acc);
+    }
+    for (int64_t h = 0; h < heads; h++)
+        for (int64_t d = 0; d < head_dim; d += 16)
+            _mm512_storeu_ps(acc + h * head_dim + d, _mm512_mul_ps(_mm512_loadu_ps(acc + h * head_dim + d),
+                                                                   _mm512_set1_ps(inv[h])));
+}
+
+static void attend_bf16(const uint16_t *qb, float scale, const char *k_cache, const char *v_cache, const seq_view *sv,
+                        read_ahead *ra, int64_t num_kv_heads, int64_t group, int64_t head_dim, float *scores,
+                        float *peaks, float *inv, float *acc) {
+#define OCTAVO_SHAPE(G, D)                                                                                        \
+    if (group == G && head_dim == D) {                                                                            \
+        sequence_bf16(qb, scale, k_cache, v_cache, sv, ra, num_kv_heads, G, D, scores, peaks, inv, acc); \
+        return;                                                                                                   \
     }
     OCTAVO_SHAPE(1, 64) OCTAVO_SHAPE(2, 64) OCTAVO_SHAPE(3, 64) OCTAVO_SHAPE(4, 64)
     OCTAVO_SHAPE(5, 64) OCTAVO_SHAPE(6, 64) OCTAVO_SHAPE(7, 64) OCTAVO_SHAPE(8, 64)
     OCTAVO_SHAPE(1, 128) OCTAVO_SHAPE(2, 128) OCTAVO_SHAPE(3, 128) OCTAVO_SHAPE(4, 128)
     OCTAVO_SHAPE(5, 128) OCTAVO_SHAPE(6, 128) OCTAVO_SHAPE(7, 128) OCTAVO_SHAPE(8, 128)
 #undef OCTAVO_SHAPE
-    attend_bf16(qb, scale, k_base, v_base, table, begin, n, group, head_dim, block_size, row_bytes, scores, acc);
+    sequence_bf16(qb, scale, k_cache, v_cache, sv, ra, num_kv_heads, group, head_dim, scores, peaks, inv, acc);
 }
 #endif
 
-/* Returns 0, or -1 when a work buffer could not be allocated. */
+/* Returns 0, FAIL_MEMORY when a work buffer could not be allocated, or
+ * FAIL_EMPTY_CONTEXT when a sequence has no position to attend to. */
 int octavo_paged_decode(const void *q, void *out, int q_dtype,
                         const void *k_cache, const void *v_cache, int kv_dtype,
                         const int64_t *block_tables, int64_t table_width,
@@ -209,6 +332,12 @@ int octavo_paged_decode(const void *q, void *out, int q_dtype,
     const int64_t group = num_heads / num_kv_heads;
     const int64_t q_elem = element_size(q_dtype), kv_elem = element_size(kv_dtype);
     const int64_t row_bytes = num_kv_heads * head_dim * kv_elem; /* between consecutive tokens */
+    int64_t longest = 0;
+    for (int64_t s = 0; s < num_seqs; s++) {
+        const int64_t n = window > 0 && context_lens[s] > window ? window : context_lens[s];
+        if (n <= 0) return FAIL_EMPTY_CONTEXT;
+        longest = n > longest ? n : longest;
+    }
 #ifdef HAVE_AVX512_BF16
     const int fast_bf16 = q_dtype == BF16 && kv_dtype == BF16 && head_dim % 32 == 0;
 #else
@@ -216,48 +345,60 @@ int octavo_paged_decode(const void *q, void *out, int q_dtype,
 #endif
     int failed = 0;
 
-#pragma omp parallel for collapse(2) schedule(dynamic, 1)
-    for (int64_t s = 0; s < num_seqs; s++) {
-        for (int64_t g = 0; g < num_kv_heads; g++) {
-            const int64_t end = context_lens[s];
-            const int64_t begin = (window > 0 && end > window) ? end - window : 0;
-            const int64_t n = end - begin;
-            const int64_t *table = block_tables + s * table_width;
-            const char *k_base = (const char *)k_cache + g * head_dim * kv_elem;
-            const char *v_base = (const char *)v_cache + g * head_dim * kv_elem;
-            const char *q_group = (const char *)q + (s * num_heads + g * group) * head_dim * q_elem;
-            /* q (float32, scaled), accumulators, one K/V row, then the scores. */
-            float *work = malloc(sizeof(float) * (size_t)(2 * group * head_dim + head_dim + group * n));
-            if (work == NULL || n <= 0) {
-                free(work);
+#pragma omp parallel
+    {
+        /* Per thread: accumulators and scores of every head, one K/V row, the
+         * float32 queries of a group, each head's running maximum and 1/sum. */
+        const size_t floats =
+            (size_t)(num_heads * head_dim + num_heads * longest + head_dim + group * head_dim + num_heads * 17);
+        float *work = malloc(sizeof(float) * floats);
+        if (work == NULL) {
 #pragma omp atomic write
-                failed = 1;
-                continue;
-            }
-            float *qf = work, *acc = qf + group * head_dim, *row = acc + group * head_dim;
-            float *scores = row + head_dim;
-            memset(acc, 0, sizeof(float) * (size_t)(group * head_dim));
-#ifdef HAVE_AVX512_BF16
-            if (fast_bf16) {
-                dispatch_bf16((const uint16_t *)q_group, scale, k_base, v_base, table, begin, n, group, head_dim,
-                            block_size, row_bytes, scores, acc);
-            } else
-#endif
-            {
-                (void)fast_bf16;
-                for (int64_t h = 0; h < group; h++) {
-                    load_row(q_group + h * head_dim * q_elem, q_dtype, head_dim, qf + h * head_dim);
-                    for (int64_t d = 0; d < head_dim; d++) qf[h * head_dim + d] *= scale;
-                }
-                attend_generic(qf, k_base, v_base, kv_dtype, table, begin, n, group, head_dim, block_size,
-                               row_bytes, row, scores, acc);
-            }
-            for (int64_t h = 0; h < group; h++) {
-                char *dst = (char *)out + ((s * num_heads + g * group + h) * head_dim) * q_elem;
-                store_row(acc + h * head_dim, q_dtype, head_dim, dst);
-            }
-            free(work);
+            failed = 1;
         }
+        float *acc = work, *scores = acc + num_heads * head_dim, *row = scores + num_heads * longest;
+        float *qf = row + head_dim, *peaks = qf + group * head_dim, *inv = peaks + num_heads * 16;
+        const int64_t chunks = (num_seqs + CHUNK_SEQS - 1) / CHUNK_SEQS;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t chunk = 0; chunk < chunks; chunk++) {
+            if (work == NULL) continue;
+            const int64_t first_seq = chunk * CHUNK_SEQS;
+            const int64_t last_seq = first_seq + CHUNK_SEQS < num_seqs ? first_seq + CHUNK_SEQS : num_seqs;
+            read_ahead ra = {{k_cache, v_cache}, block_tables, context_lens, table_width, block_size, row_bytes,
+                             window, first_seq, last_seq, 0, 0};
+            read_ahead_advance(&ra, READ_AHEAD_BYTES);
+            for (int64_t s = first_seq; s < last_seq; s++) {
+                const int64_t end = context_lens[s];
+                const int64_t begin = (window > 0 && end > window) ? end - window : 0;
+                const int64_t n = end - begin;
+                const int64_t *table = block_tables + s * table_width;
+                const char *q_seq = (const char *)q + s * num_heads * head_dim * q_elem;
+#ifdef HAVE_AVX512_BF16
+                if (fast_bf16) {
+                    const seq_view sv = {table, begin, n, block_size, row_bytes};
+                    attend_bf16((const uint16_t *)q_seq, scale, k_cache, v_cache, &sv, &ra, num_kv_heads, group,
+                                head_dim, scores, peaks, inv, acc);
+                } else
+#endif
+                {
+                    (void)fast_bf16, (void)peaks, (void)inv;
+                    read_ahead_advance(&ra, 2 * n * row_bytes);
+                    for (int64_t g = 0; g < num_kv_heads; g++) {
+                        for (int64_t h = 0; h < group; h++) {
+                            load_row(q_seq + (g * group + h) * head_dim * q_elem, q_dtype, head_dim, qf + h * head_dim);
+                            for (int64_t d = 0; d < head_dim; d++) qf[h * head_dim + d] *= scale;
+                        }
+                        memset(acc + g * group * head_dim, 0, sizeof(float) * (size_t)(group * head_dim));
+                        attend_generic(qf, (const char *)k_cache + g * head_dim * kv_elem,
+                                       (const char *)v_cache + g * head_dim * kv_elem, kv_dtype, table, begin, n, group,
+                                       head_dim, block_size, row_bytes, row, scores, acc + g * group * head_dim);
+                    }
+                }
+                for (int64_t h = 0; h < num_heads; h++)
+                    store_row(acc + h * head_dim, q_dtype, head_dim, (char *)out + (s * num_heads + h) * head_dim * q_elem);
+            }
+        }
+        free(work);
     }
-    return failed ? -1 : 0;
+    return failed ? FAIL_MEMORY : 0;
 }

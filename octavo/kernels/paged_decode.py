@@ -17,6 +17,7 @@ _ARGTYPES = [
     ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,  # heads, kv heads, head dim
     ctypes.c_int64, ctypes.c_int64, ctypes.c_float,  # block size, window, scale
 ]
+_FAIL_MEMORY, _FAIL_EMPTY_CONTEXT = -1, -2
 
 
 class PagedDecodeKernel:
@@ -65,6 +66,8 @@ class PagedDecodeKernel:
             num_heads, num_kv_heads, head_dim,
             block_size, window or 0, scale,
         )
+        if status == _FAIL_EMPTY_CONTEXT:
+            raise ValueError("every sequence's context length must be at least 1")
         if status != 0:
             raise MemoryError("paged decode kernel could not allocate its work buffers")
         return out

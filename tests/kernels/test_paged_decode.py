@@ -68,6 +68,27 @@ def test_matches_sdpa_on_gathered_blocks(kernel, shape, dtype):
     assert diff < TOL[dtype], f"max abs diff {diff}"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(12, 4, 64, 16, None), (16, 1, 64, 8, None), (8, 2, 128, 16, 30)])
+def test_many_sequences_across_work_chunks(kernel, shape, dtype):
+    """More sequences than one thread's chunk, of mixed lengths: the read-ahead
+    walks from one sequence into the next and across chunk ends. (16, 1, 64):
+    a 16-head group, whose accumulators do not fit in registers."""
+    heads, kv_heads, head_dim, block_size, window = shape
+    lens = torch.randint(1, 120, (21,), generator=torch.Generator().manual_seed(3)).tolist()
+    q, kc, vc, tables, ctx = _case(heads, kv_heads, head_dim, block_size, dtype, lens, seed=4)
+    out = kernel(q, kc, vc, tables, ctx, window, 1 / math.sqrt(head_dim))
+    diff = (out.float() - _reference(q, kc, vc, tables, ctx, window)).abs().max().item()
+    assert diff < TOL[dtype], f"max abs diff {diff}"
+
+
+def test_an_empty_context_is_a_value_error(kernel):
+    q, kc, vc, tables, ctx = _case(12, 4, 64, 16, torch.bfloat16, [3, 5])
+    ctx[1] = 0
+    with pytest.raises(ValueError, match="at least 1"):
+        kernel(q, kc, vc, tables, ctx, None, 0.125)
+
+
 def test_bfloat16_queries_over_a_float32_cache(kernel):
     q, kc, vc, tables, ctx = _case(12, 4, 64, 16, torch.float32, [3, 50, 21])
     out = kernel(q.bfloat16(), kc, vc, tables, ctx, None, 0.125)
@@ -75,9 +96,10 @@ def test_bfloat16_queries_over_a_float32_cache(kernel):
     assert (out.float() - ref).abs().max().item() < TOL[torch.bfloat16]
 
 
-def test_rows_are_independent_of_the_batch(kernel):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rows_are_independent_of_the_batch(kernel, dtype):
     """A row's result does not depend on which other rows share the call."""
-    q, kc, vc, tables, ctx = _case(12, 4, 64, 16, torch.float32, [7, 64, 200, 1])
+    q, kc, vc, tables, ctx = _case(12, 4, 64, 16, dtype, [7, 64, 200, 1, 30, 9, 12, 80, 44, 3])
     together = kernel(q, kc, vc, tables, ctx, None, 0.125)
     for i in range(len(ctx)):
         alone = kernel(q[i : i + 1], kc, vc, tables[i : i + 1], ctx[i : i + 1], None, 0.125)

@@ -1,0 +1,93 @@
+"""Decode attention alone: one decode step's attention over every layer of a
+model, for a batch of sequences at one context length, by each attention
+backend Octavo has.
+
+    python -m benchmarks.attention_kernel --model benchmarks/models/llama-100m --batch 256 --context 50
+
+``native`` is octavo/kernels/paged_decode.c reading the blocks in place;
+``torch`` gathers each sequence's blocks and runs SDPA on them (what
+``--attention-backend torch`` does for a decode batch of equal lengths). Each
+layer has its own cache and every sequence's blocks lie at shuffled places in
+the pool, as in an engine that has run a while. Reported: ms per step (all
+layers), the K/V bytes the step must read and their rate next to a
+full-buffer sum of as many bytes (the read-bandwidth yardstick of
+benchmarks/roofline.py), and ``native, data in cache``: the same call with
+every block table pointing into a few blocks, i.e. the kernel's arithmetic
+without the memory traffic.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+import torch
+from torch.nn import functional as F
+
+from benchmarks.options import DEFAULT_MODEL
+from benchmarks.report import load_avg, print_table, write_json
+from benchmarks.roofline import median_time
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="read for its attention shape only")
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--context", type=int, default=50)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from octavo.kernels.paged_decode import paged_decode_kernel
+
+    cfg = json.loads((args.model / "config.json").read_text())
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    layers, bs, batch, ctx = cfg["num_hidden_layers"], args.block_size, args.batch, args.context
+    per_seq = -(-ctx // bs)
+    torch.manual_seed(0)
+    caches = [torch.randn(2, batch * per_seq, bs, kv_heads, head_dim).to(torch.bfloat16) for _ in range(layers)]
+    ids = list(range(batch * per_seq))
+    random.Random(0).shuffle(ids)
+    tables = torch.tensor(ids, dtype=torch.int64).view(batch, per_seq)
+    in_cache = torch.arange(per_seq, dtype=torch.int64).repeat(batch, 1)
+    lens = torch.full((batch,), ctx, dtype=torch.int64)
+    q = torch.randn(batch, heads, head_dim).to(torch.bfloat16)
+    scale = head_dim**-0.5
+    kernel = paged_decode_kernel(required=True)
+
+    def native(block_tables: torch.Tensor) -> None:
+        for cache in caches:
+            kernel(q, cache[0], cache[1], block_tables, lens, None, scale)
+
+    def gathered() -> None:
+        for cache in caches:
+            keys = cache[0].index_select(0, tables.view(-1)).view(batch, -1, kv_heads, head_dim)[:, :ctx]
+            values = cache[1].index_select(0, tables.view(-1)).view(batch, -1, kv_heads, head_dim)[:, :ctx]
+            F.scaled_dot_product_attention(q.unsqueeze(2), keys.transpose(1, 2), values.transpose(1, 2),
+                                           enable_gqa=True)
+
+    kv_bytes = layers * batch * ctx * kv_heads * head_dim * 2 * 2
+    sum_s = median_time(torch.ones(kv_bytes // 4).sum, args.repeats)
+    load_start = load_avg()
+    runs = {"native": lambda: native(tables), "torch": gathered, "native, data in cache": lambda: native(in_cache)}
+    rows = []
+    for name, run in runs.items():
+        t = median_time(run, args.repeats)
+        rows.append({"backend": name, "ms": t * 1e3, "kv_gbs": kv_bytes / t / 1e9, "of_sum_rate": sum_s / t})
+    print_table(rows, ["backend", "ms", "kv_gbs", "of_sum_rate"],
+                title=f"decode attention, {args.model.name} ({layers} layers, {heads}/{kv_heads} heads of "
+                      f"{head_dim}), batch {batch}, context {ctx}: {kv_bytes / 1e6:.0f} MB of K/V per step; "
+                      f"full-buffer sum of as many bytes {kv_bytes / sum_s / 1e9:.1f} GB/s "
+                      f"({args.threads} threads, median of {args.repeats})")
+    print(f"load {load_start} -> {load_avg()}")
+    write_json(args.json, {"benchmark": "attention_kernel", "args": {k: str(v) for k, v in vars(args).items()},
+                           "kv_bytes": kv_bytes, "results": rows})
+
+
+if __name__ == "__main__":
+    main()
