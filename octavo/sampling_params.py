@@ -9,12 +9,17 @@ Choices worth knowing:
   OpenAI API.
 - ``bad_words`` are strings; the engine turns them into token sequences with
   ``resolve_bad_words(tokenizer)`` before the request reaches the sampler.
+- ``output_kind``: ``cumulative`` (every step yields the request's output so
+  far, for streaming) or ``final_only`` (one output when it finishes; the
+  offline ``LLM`` API sets it). With ``final_only`` and no stop strings the
+  text is decoded once at the end instead of token by token.
 """
 from __future__ import annotations
 
 import json
 import math
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, Optional, Protocol
 
 _MAX_LOGPROBS = 20
@@ -22,6 +27,11 @@ _MAX_LOGIT_BIAS = 100.0
 _SEED_RANGE = (-(2**63), 2**63 - 1)
 # Temperatures below this decode greedily (dividing by them would overflow).
 GREEDY_TEMPERATURE = 1e-5
+
+
+class RequestOutputKind(str, Enum):
+    CUMULATIVE = "cumulative"
+    FINAL_ONLY = "final_only"
 
 
 class _Encoder(Protocol):
@@ -97,6 +107,7 @@ class SamplingParams:
     truncate_prompt_tokens: Optional[int] = None
     detokenize: bool = True
     structured_outputs: Optional[StructuredOutputParams] = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Set by resolve_bad_words(); an init field so dataclasses.replace keeps it.
     _bad_words_token_ids: Optional[list[list[int]]] = field(default=None, repr=False)
 
@@ -146,6 +157,11 @@ class SamplingParams:
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
         if self.stop and not self.detokenize:
             raise ValueError("stop strings need detokenize=True")
+        try:
+            self.output_kind = RequestOutputKind(self.output_kind)
+        except ValueError:
+            kinds = ", ".join(k.value for k in RequestOutputKind)
+            raise ValueError(f"output_kind must be one of {kinds}; got {self.output_kind!r}") from None
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens, low=0)
         _check_int("min_tokens", self.min_tokens, low=0)

@@ -162,3 +162,14 @@ def test_work_per_update_is_bounded(tokenizer):
     assert detok.text == tokenizer.decode(ids)
     assert max(decoded) <= 12
     assert sum(decoded) <= 12 * len(ids)
+
+
+def test_a_whole_output_at_once_decodes_like_token_by_token(tokenizer):
+    """What the engine does for final_only requests: one update with every id."""
+    rng = random.Random(1)
+    pool = [t for text in TEXTS for t in tokenizer.encode(text, add_special_tokens=False)]
+    for _ in range(20):
+        ids = [rng.choice(pool) for _ in range(rng.randint(1, 40))]
+        at_once, _, _ = stream(tokenizer, ids, SamplingParams(), chunk_sizes=(len(ids),))
+        one_by_one, _, _ = stream(tokenizer, ids, SamplingParams())
+        assert "".join(at_once) == "".join(one_by_one) == tokenizer.decode(ids)

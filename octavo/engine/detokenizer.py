@@ -63,12 +63,12 @@ class IncrementalDetokenizer:
         if self.finished:
             return None
         start = len(self.text)
-        pieces = []
-        for token_id in new_token_ids:
-            self._ids.append(token_id)
-            self.token_ids.append(token_id)
-            pieces.append(self._decode_window(flush=False))
-        self.text += "".join(pieces)
+        # One window decode for all of them: the same text as one per token
+        # (the window only moves on once its text is complete), and what
+        # makes decoding a whole output at its end cheap.
+        self._ids.extend(new_token_ids)
+        self.token_ids.extend(new_token_ids)
+        self.text += self._decode_window(flush=False)
         return self._find_stop(start)
 
     def finish(self) -> Optional[str]:

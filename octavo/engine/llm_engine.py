@@ -16,7 +16,7 @@ from octavo.engine.request_state import RequestState, SequenceState
 from octavo.engine.stats import EngineStats
 from octavo.engine.tokenizer import Tokenizer
 from octavo.outputs import RequestMetrics, RequestOutput
-from octavo.sampling_params import SamplingParams
+from octavo.sampling_params import RequestOutputKind, SamplingParams
 from octavo.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -177,10 +177,11 @@ class LLMEngine:
         if stopped:
             self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
         for request_id, state in progressed.items():
+            # best_of > n ranks the candidates once all are done.
             hold = state.params.best_of is not None and state.params.best_of > state.params.n
             if state.finished:
                 self._release(request_id)
-            elif hold:
+            elif hold or state.params.output_kind is RequestOutputKind.FINAL_ONLY:
                 continue
             outputs.append(state.make_output())
         return outputs

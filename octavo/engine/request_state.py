@@ -9,7 +9,7 @@ from typing import Optional
 from octavo.core.outputs import EngineCoreOutput, TokenLogprobs
 from octavo.engine.detokenizer import IncrementalDetokenizer
 from octavo.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from octavo.sampling_params import SamplingParams
+from octavo.sampling_params import RequestOutputKind, SamplingParams
 
 
 @dataclass
@@ -57,6 +57,12 @@ class RequestState:
     def finished(self) -> bool:
         return all(s.finished for s in self.sequences.values())
 
+    @property
+    def text_at_end(self) -> bool:
+        """Whether the text is decoded once when a sequence ends: nobody sees
+        it before, and no stop string needs it earlier."""
+        return self.params.output_kind is RequestOutputKind.FINAL_ONLY and not self.params.stop
+
     def apply(self, out: EngineCoreOutput) -> Optional[str]:
         """Fold one scheduler output into its sequence. Returns the stop string
         when the detokenizer found one (the caller must stop the sequence)."""
@@ -78,15 +84,15 @@ class RequestState:
             for lp in out.new_logprobs or []:
                 seq.logprobs.append(lp)
                 seq.cumulative_logprob += lp.logprob
-            if seq.detokenizer is not None:
+            if seq.detokenizer is not None and not self.text_at_end:
                 stop_str = seq.detokenizer.update(out.new_token_ids)
                 if stop_str is not None:
                     seq.finish_reason, seq.stop_reason = "stop", stop_str
         if out.finish_reason is not None and not seq.finished:
             seq.finish_reason, seq.stop_reason = out.finish_reason, out.stop_reason
-        if seq.detokenizer is not None:
-            if seq.finished:
-                seq.detokenizer.finish()
+        if seq.finished:
+            self._finish_text(seq)
+        elif seq.detokenizer is not None:
             seq.text += seq.detokenizer.get_delta()
         if self.finished:
             self.metrics.finished_time = now
@@ -96,10 +102,16 @@ class RequestState:
         for seq in self.sequences.values():
             if not seq.finished:
                 seq.finish_reason = reason
-                if seq.detokenizer is not None:
-                    seq.detokenizer.finish()
-                    seq.text += seq.detokenizer.get_delta()
+                self._finish_text(seq)
         self.metrics.finished_time = time.monotonic()
+
+    def _finish_text(self, seq: SequenceState) -> None:
+        if seq.detokenizer is None:
+            return
+        if self.text_at_end:
+            seq.detokenizer.update(seq.token_ids)
+        seq.detokenizer.finish()
+        seq.text += seq.detokenizer.get_delta()
 
     def make_output(self) -> RequestOutput:
         with_logprobs = self.params.logprobs is not None

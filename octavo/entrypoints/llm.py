@@ -1,6 +1,7 @@
 """LLM: the offline Python API (batch generation and chat)."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from pathlib import Path
 from typing import Any, Optional, Sequence, Union
@@ -11,7 +12,7 @@ from octavo.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfi
 from octavo.engine.llm_engine import LLMEngine
 from octavo.engine.tokenizer import Tokenizer
 from octavo.outputs import RequestOutput
-from octavo.sampling_params import SamplingParams
+from octavo.sampling_params import RequestOutputKind, SamplingParams
 
 PromptType = Union[str, list[int]]
 Messages = list[dict[str, Any]]
@@ -95,6 +96,9 @@ class LLM:
         list of token ids is one prompt."""
         prompt_list = _as_prompt_list(prompts)
         params_list = _broadcast(sampling_params or SamplingParams(), len(prompt_list), "sampling_params")
+        # Only final outputs are returned: the engine need not build the others.
+        final_only = {id(p): dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params_list}
+        params_list = [final_only[id(p)] for p in params_list]
         priorities = list(priority) if priority is not None else [0] * len(prompt_list)
         if len(priorities) != len(prompt_list):
             raise ValueError("priority must have one entry per prompt")

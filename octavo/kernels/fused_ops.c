@@ -185,12 +185,47 @@ int octavo_rotary_write_kv(void *qkv, int64_t rows, int64_t heads, int64_t kv_he
     return 0;
 }
 
+#ifdef HAVE_AVX512_BF16
+/* One bf16 row in a single pass: each lane keeps its first maximum (only a
+ * strictly greater value replaces it), then the smallest index among the
+ * lanes holding the peak wins. -1 when the row holds a NaN: the exact path
+ * below then finds the first one. */
+static int64_t argmax_row_bf16(const uint16_t *row, int64_t vocab) {
+    __m512 best = _mm512_set1_ps(-INFINITY);
+    __m512i best_at = _mm512_setzero_si512();
+    __m512i at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    __mmask16 nans = 0;
+    for (int64_t c = 0; c < vocab; c += 16) {
+        const __mmask16 m = vocab - c >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (vocab - c)) - 1u);
+        const __m512 v =
+            _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, row + c)), 16));
+        const __mmask16 greater = _mm512_mask_cmp_ps_mask(m, v, best, _CMP_GT_OQ);
+        nans |= _mm512_mask_cmp_ps_mask(m, v, v, _CMP_UNORD_Q);
+        best = _mm512_mask_mov_ps(best, greater, v);
+        best_at = _mm512_mask_mov_epi32(best_at, greater, at);
+        at = _mm512_add_epi32(at, _mm512_set1_epi32(16));
+    }
+    if (nans) return -1;
+    const __mmask16 holders = _mm512_cmp_ps_mask(best, _mm512_set1_ps(_mm512_reduce_max_ps(best)), _CMP_EQ_OQ);
+    return _mm512_mask_reduce_min_epi32(holders, best_at);
+}
+#endif
+
 /* Index of each row's first maximum (a NaN counts as the maximum, as in
  * torch.max). logits [rows, vocab]; out [rows] int64. */
 void octavo_argmax(const void *logits, int64_t rows, int64_t vocab, int64_t *out, int dtype) {
 #pragma omp parallel for schedule(static) if (rows * vocab >= 4 * PARALLEL_MIN)
     for (int64_t r = 0; r < rows; r++) {
         const char *src = row_at(logits, r, vocab, dtype);
+#ifdef HAVE_AVX512_BF16
+        if (dtype == BF16 && vocab < INT32_MAX) {
+            const int64_t found = argmax_row_bf16((const uint16_t *)src, vocab);
+            if (found >= 0) {
+                out[r] = found;
+                continue;
+            }
+        }
+#endif
         const int64_t es = element_size(dtype);
         float a[CHUNK];
         float peak = -INFINITY;

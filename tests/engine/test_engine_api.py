@@ -1,6 +1,7 @@
 """The Python API: bad input is a ValueError and the engine keeps serving; aborts free blocks."""
 from __future__ import annotations
 
+import dataclasses
 import shutil
 
 import pytest
@@ -145,3 +146,47 @@ def test_chat_uses_template(model_dir):
     assert out.prompt_token_ids == expected
     assert len(out.outputs[0].token_ids) == 4
     assert out.outputs[0].text == tok.decode(out.outputs[0].token_ids)
+
+
+def _drive(engine, prompts, params):
+    """Every output each step yields, per request id, until all are done."""
+    seen: dict[str, list] = {}
+    for i, p in enumerate(prompts):
+        engine.add_request(f"kind-{params.output_kind.value}-{i}", p, params)
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            seen.setdefault(out.request_id, []).append(out)
+    return seen
+
+
+@pytest.mark.parametrize("stop", [[], ["e"]])
+def test_final_only_yields_one_output_with_the_same_result(model_dir, stop):
+    """final_only: no output until a request ends, then the same tokens and
+    text as cumulative (decoded once at the end without stop strings, token by
+    token with them, which may cut the text early)."""
+    llm = LLM(model_dir("llama"), dtype="float32")
+    prompts = random_prompts([5, 12, 30], seed=7)
+    base = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, n=2, stop=stop)
+    cumulative = _drive(llm.engine, prompts, base)
+    final = _drive(llm.engine, prompts, dataclasses.replace(base, output_kind="final_only"))
+    assert all(len(outs) > 1 for outs in cumulative.values())
+    assert all(len(outs) == 1 and outs[0].finished for outs in final.values())
+    for (_, c), (_, f) in zip(sorted(cumulative.items()), sorted(final.items())):
+        for a, b in zip(c[-1].outputs, f[0].outputs):
+            assert (a.token_ids, a.text, a.finish_reason, a.stop_reason) == (
+                b.token_ids, b.text, b.finish_reason, b.stop_reason)
+    assert_no_leak(llm)
+
+
+def test_final_only_abort_still_reports_the_text_so_far(llm):
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, output_kind="final_only")
+    engine.add_request("final-abort", [9, 10, 11], params)
+    for _ in range(4):
+        assert engine.step() == []
+    engine.abort_request(["final-abort"])
+    (out,) = engine.step()
+    seq = out.outputs[0]
+    assert out.finished and seq.finish_reason == "abort" and seq.token_ids
+    assert seq.text == llm.get_tokenizer().decode(seq.token_ids)
+    assert_no_leak(llm)

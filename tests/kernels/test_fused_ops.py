@@ -121,20 +121,28 @@ def test_rotary_rejects_bad_input(ops):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 64])
-def test_argmax_first_maximum(ops, dtype, rows):
-    logits = _randn(rows, 32000, dtype=dtype, seed=10)
-    # Ties: the first index wins, as in torch.
-    logits[:, 123] = logits[:, 31000] = logits.max() + 1
+@pytest.mark.parametrize("vocab", [32000, 1001])
+def test_argmax_first_maximum(ops, dtype, rows, vocab):
+    logits = _randn(rows, vocab, dtype=dtype, seed=10)
+    # Ties: the first index wins, as in torch, also between vector lanes.
+    logits[:, 123] = logits[:, vocab - 1000] = logits.max() + 1
     logits[0, :] = 0
+    if rows > 1:
+        logits[1, :] = float("-inf")
+        logits[2, vocab - 1] = logits.max() + 2  # the last, lone element of a partial vector
+        logits[3, :] = logits[3, :] - 100  # every value negative: masked tail lanes must not win
     assert torch.equal(ops.argmax(logits), logits.float().max(dim=-1).indices)
 
 
-def test_argmax_nan_wins_like_torch(ops):
-    logits = torch.zeros(2, 1000)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_argmax_nan_wins_like_torch(ops, dtype):
+    logits = torch.zeros(3, 1000)
     logits[0, 10] = 5.0
     logits[0, 500] = float("nan")
     logits[1, 7] = float("-inf")
-    assert ops.argmax(logits).tolist() == logits.max(dim=-1).indices.tolist() == [500, 0]
+    logits[2, 999] = float("nan")
+    logits = logits.to(dtype)
+    assert ops.argmax(logits).tolist() == logits.max(dim=-1).indices.tolist() == [500, 0, 999]
 
 
 def test_inputs_are_checked(ops):
