@@ -13,7 +13,11 @@ decode-shaped). Then:
 - large-batch decode tokens/s vs the compute roofline: bf16 GFLOP/s /
   (2 * matmul parameters) per token (attention FLOPs left out: small at these
   context lengths).
-Decode rates subtract prefill: rate = B * (N - 1) / (t(N tokens) - t(1 token)).
+Batch-1 decode subtracts prefill: rate = (N - 1) / (t(N tokens) - t(1 token)).
+Batch-B decode is timed in the engine over steps where all B sequences decode
+(every prompt prefilled first; OctavoPeer.steady_decode_rate): timing whole
+generate calls would also count the ragged end, when requests prefilled in
+different steps finish in waves with the batch shrinking.
 """
 from __future__ import annotations
 
@@ -119,7 +123,8 @@ def main() -> None:
     add_common_args(parser)
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, help="batch-1 decode length (default 128, --quick 32)")
-    parser.add_argument("--large-new-tokens", type=int, default=32, help="decode length at large batch")
+    parser.add_argument("--large-new-tokens", type=int, default=32,
+                        help="decode steps timed at large batch (after every prompt is prefilled)")
     parser.add_argument("--large-batches", type=int_list, help="batch sizes tried for peak decode "
                         "(default 64,128,256, --quick 128)")
     parser.add_argument("--quick", action="store_true", help="smaller buffers, fewer tokens and batch sizes")
@@ -160,14 +165,15 @@ def main() -> None:
     b1 = decode_rate(peer.generate, ids, 1, args.prompt_len, args.new_tokens, args.repeats)
     context = args.prompt_len + args.new_tokens // 2
     per_token = shape.bytes_per_token(weight_bytes, context, kv_bytes=weight_bytes)
-    # The engine is warm by now, and each large-batch run is long: no extra warm-up run.
     if args.llamacpp:
         from benchmarks.peers.llamacpp import LlamaCppPeer
 
         lc = LlamaCppPeer(args.model, n_ctx=args.prompt_len + args.new_tokens + 16, threads=args.threads)
         lc_b1 = decode_rate(lc.generate, ids, 1, args.prompt_len, args.new_tokens, args.repeats)
         del lc
-    big = {b: decode_rate(peer.generate, ids, b, args.prompt_len, args.large_new_tokens, 1, warm=False)
+    rng = random.Random(0)
+    big = {b: peer.steady_decode_rate([[rng.choice(ids) for _ in range(args.prompt_len)] for _ in range(b)],
+                                      args.large_new_tokens)
            for b in large_batches}
     best_b = max(big, key=big.get)
     flops_per_token = 2 * shape.matmul_params
