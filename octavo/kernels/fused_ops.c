@@ -110,7 +110,12 @@ ALWAYS_INLINE void silu_mul_row(const char *gate, char *dst, int64_t inter, cons
                 const __m512 g = load16_bf16(gate + c * 2), u = load16_bf16(up + c * 2);
                 const __m512 e = exp16_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
                 const __mmask16 positive = _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_GE_OQ);
-                const __m512 sigmoid = _mm512_div_ps(_mm512_mask_blend_ps(positive, e, one), _mm512_add_ps(one, e));
+                /* 1 / (1 + e) by vrcp14ps and one Newton step (float precision): a
+                 * 512-bit divide has a fraction of the throughput and bounded this loop. */
+                const __m512 denominator = _mm512_add_ps(one, e);
+                __m512 inverse = _mm512_rcp14_ps(denominator);
+                inverse = _mm512_mul_ps(inverse, _mm512_fnmadd_ps(denominator, inverse, _mm512_set1_ps(2.0f)));
+                const __m512 sigmoid = _mm512_mul_ps(_mm512_mask_blend_ps(positive, e, one), inverse);
                 store16_bf16(dst + c * 2, _mm512_mul_ps(round16_bf16(_mm512_mul_ps(g, sigmoid)), u));
             }
         }
@@ -156,6 +161,24 @@ ALWAYS_INLINE void rotate_head(char *head, const float *cos_row, const float *si
     store_row(y, dtype, head_dim, head);
 }
 
+#ifdef HAVE_AVX512_BF16
+/* rotate_head for bf16 heads whose half is a multiple of 16 lanes, with native bf16 rounding. */
+static void rotate_head_bf16(char *head, const float *cos_row, const float *sin_row, int64_t head_dim) {
+    const int64_t half = head_dim / 2;
+    char *upper = head + half * 2;
+    for (int64_t i = 0; i < half; i += 16) {
+        const __m512 x1 = load16_bf16(head + i * 2), x2 = load16_bf16(upper + i * 2);
+        const __m512 c1 = _mm512_loadu_ps(cos_row + i), s1 = _mm512_loadu_ps(sin_row + i);
+        const __m512 c2 = _mm512_loadu_ps(cos_row + half + i), s2 = _mm512_loadu_ps(sin_row + half + i);
+        /* rotate_half(x) = (-x2, x1); rounding -(x2 * s) equals rounding (-x2) * s. */
+        const __m512 y1 = _mm512_sub_ps(round16_bf16(_mm512_mul_ps(x1, c1)), round16_bf16(_mm512_mul_ps(x2, s1)));
+        const __m512 y2 = _mm512_add_ps(round16_bf16(_mm512_mul_ps(x2, c2)), round16_bf16(_mm512_mul_ps(x1, s2)));
+        store16_bf16(head + i * 2, y1);
+        store16_bf16(upper + i * 2, y2);
+    }
+}
+#endif
+
 /* Rotary embedding and the K/V cache write of a fused q/k/v projection's
  * output. qkv [rows, (heads + 2 kv_heads) * head_dim]: q and k are rotated
  * in place; then k and v go to their cache slots. cos, sin [rows, head_dim]
@@ -176,8 +199,13 @@ int octavo_rotary_write_kv(void *qkv, int64_t rows, int64_t heads, int64_t kv_he
         float c[512], s[512];
         DTYPE_SWITCH(dtype, load_row(row_at(cos, r, head_dim, dt), dt, head_dim, c);
                             load_row(row_at(sin, r, head_dim, dt), dt, head_dim, s));
-        DTYPE_SWITCH(dtype, for (int64_t h = 0; h < rotated_heads; h++)
-                                rotate_head(row + h * head_dim * es, c, s, head_dim, dt));
+#ifdef HAVE_AVX512_BF16
+        if (dtype == BF16 && head_dim % 32 == 0) {
+            for (int64_t h = 0; h < rotated_heads; h++) rotate_head_bf16(row + h * head_dim * es, c, s, head_dim);
+        } else
+#endif
+            DTYPE_SWITCH(dtype, for (int64_t h = 0; h < rotated_heads; h++)
+                                    rotate_head(row + h * head_dim * es, c, s, head_dim, dt));
         const char *k = row + heads * head_dim * es;
         memcpy((char *)k_cache + slots[r] * kv_bytes, k, (size_t)kv_bytes);
         memcpy((char *)v_cache + slots[r] * kv_bytes, k + kv_bytes, (size_t)kv_bytes);
