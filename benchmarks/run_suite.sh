@@ -35,6 +35,8 @@ if [ "$MODE" = quick ]; then
         --hf-batch-sizes 16,32 --llamacpp-max-prompts 8 "${T[@]}" --json "$R/throughput-llama-100m.json"
     step linear-kernels-llama-100m python -m benchmarks.linear_kernels --model $M/llama-100m --rows 1,32,256 \
         --threads "$THREADS" --json "$R/linear-kernels-llama-100m.json"
+    step attention-kernel-llama-100m python -m benchmarks.attention_kernel --model $M/llama-100m \
+        --threads "$THREADS" --json "$R/attention-kernel-llama-100m.json"
     step roofline-llama-100m python -m benchmarks.roofline --model $M/llama-100m --quick --llamacpp "${T[@]}" \
         --json "$R/roofline-llama-100m.json"
     step kv-memory-llama-100m python -m benchmarks.kv_memory --model $M/llama-100m --num-prompts 64 "${T[@]}" \
@@ -59,10 +61,12 @@ step throughput-octavo-mini python -m benchmarks.throughput --model $M/octavo-mi
     --llamacpp-max-prompts 32 --repeats 3 "${T[@]}" --json "$R/throughput-octavo-mini.json"
 step linear-kernels-llama-100m python -m benchmarks.linear_kernels --model $M/llama-100m \
     --rows 1,4,16,32,64,128,256,2048 --threads "$THREADS" --json "$R/linear-kernels-llama-100m.json"
+step attention-kernel-llama-100m python -m benchmarks.attention_kernel --model $M/llama-100m \
+    --threads "$THREADS" --json "$R/attention-kernel-llama-100m.json"
 step roofline-llama-100m python -m benchmarks.roofline --model $M/llama-100m --llamacpp "${T[@]}" \
     --json "$R/roofline-llama-100m.json"
 step roofline-qwen2.5-0.5b python -m benchmarks.roofline --model $M/qwen2.5-0.5b --new-tokens 64 --llamacpp \
-    --large-batches 64,128 "${T[@]}" --json "$R/roofline-qwen2.5-0.5b.json"
+    --large-batches 64,128,256 "${T[@]}" --json "$R/roofline-qwen2.5-0.5b.json"
 step kv-memory-llama-100m python -m benchmarks.kv_memory --model $M/llama-100m --num-prompts 256 "${T[@]}" \
     --json "$R/kv-memory-llama-100m.json"
 step prefix-llama-100m python -m benchmarks.prefix --model $M/llama-100m --num-prompts 64 \
