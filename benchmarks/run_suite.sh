@@ -37,6 +37,8 @@ if [ "$MODE" = quick ]; then
         --threads "$THREADS" --json "$R/linear-kernels-llama-100m.json"
     step attention-kernel-llama-100m python -m benchmarks.attention_kernel --model $M/llama-100m \
         --threads "$THREADS" --json "$R/attention-kernel-llama-100m.json"
+    step step-breakdown-llama-100m python -m benchmarks.step_breakdown --model $M/llama-100m --batch 256 \
+        --threads "$THREADS" --json "$R/step-breakdown-llama-100m.json"
     step roofline-llama-100m python -m benchmarks.roofline --model $M/llama-100m --quick --llamacpp "${T[@]}" \
         --json "$R/roofline-llama-100m.json"
     step kv-memory-llama-100m python -m benchmarks.kv_memory --model $M/llama-100m --num-prompts 64 "${T[@]}" \
@@ -63,6 +65,8 @@ step linear-kernels-llama-100m python -m benchmarks.linear_kernels --model $M/ll
     --rows 1,4,16,32,64,128,256,2048 --threads "$THREADS" --json "$R/linear-kernels-llama-100m.json"
 step attention-kernel-llama-100m python -m benchmarks.attention_kernel --model $M/llama-100m \
     --threads "$THREADS" --json "$R/attention-kernel-llama-100m.json"
+step step-breakdown-llama-100m python -m benchmarks.step_breakdown --model $M/llama-100m --batch 256 \
+    --threads "$THREADS" --json "$R/step-breakdown-llama-100m.json"
 step roofline-llama-100m python -m benchmarks.roofline --model $M/llama-100m --llamacpp "${T[@]}" \
     --json "$R/roofline-llama-100m.json"
 step roofline-qwen2.5-0.5b python -m benchmarks.roofline --model $M/qwen2.5-0.5b --new-tokens 64 --llamacpp \

@@ -48,32 +48,44 @@ class OctavoPeer:
                 raise RuntimeError(f"request {out.request_id}: {got} tokens generated, {want} requested")
         return outputs
 
-    def steady_decode_rate(self, prompts: list[list[int]], steps: int) -> float:
-        """Decode tokens/s with every prompt decoding in every timed step: all
-        are prefilled first, then ``steps`` engine steps are timed (one new
-        token per sequence each), then the requests are aborted. No prefill
-        and no ragged end (requests finishing in waves) in the timing."""
+    def start_decoding(self, prompts: list[list[int]], steps: int) -> list[str]:
+        """Add the prompts (room for ``steps`` more tokens each, greedy, no
+        outputs before the end) and step the engine until every one is
+        prefilled and decoding. Returns their request ids."""
         from octavo import SamplingParams
 
         engine = self.llm.engine
         # Room for the tokens the first-prefilled prompts decode while the rest prefill.
         params = SamplingParams(temperature=0, max_tokens=steps + 64, ignore_eos=True, output_kind="final_only")
-        ids = [f"steady-{i}" for i in range(len(prompts))]
+        ids = [f"decode-{i}" for i in range(len(prompts))]
         for request_id, prompt in zip(ids, prompts):
             engine.add_request(request_id, prompt, params)
         scheduler = engine.scheduler
         while scheduler.num_waiting or not all(r.num_output_tokens for r in scheduler.running):
-            engine.step()  # until every prompt is prefilled and has its first token
+            engine.step()
         if scheduler.num_running != len(prompts):
             raise RuntimeError(f"{scheduler.num_running} of {len(prompts)} running: the KV cache is too small")
+        return ids
+
+    def stop_decoding(self, ids: list[str]) -> None:
+        engine = self.llm.engine
+        engine.abort_request(ids)
+        while engine.has_unfinished_requests():
+            engine.step()
+
+    def steady_decode_rate(self, prompts: list[list[int]], steps: int) -> float:
+        """Decode tokens/s with every prompt decoding in every timed step: all
+        are prefilled first, then ``steps`` engine steps are timed (one new
+        token per sequence each), then the requests are aborted. No prefill
+        and no ragged end (requests finishing in waves) in the timing."""
+        engine = self.llm.engine
+        ids = self.start_decoding(prompts, steps)
         start_tokens, start = engine.get_stats().generation_tokens, time.perf_counter()
         for _ in range(steps):
             engine.step()
         elapsed = time.perf_counter() - start
         tokens = engine.get_stats().generation_tokens - start_tokens
-        engine.abort_request(ids)
-        while engine.has_unfinished_requests():
-            engine.step()
+        self.stop_decoding(ids)
         if tokens != steps * len(prompts):
             raise RuntimeError(f"{tokens} tokens in {steps} steps of {len(prompts)} sequences: not all decoded")
         return tokens / elapsed

@@ -1,0 +1,106 @@
+"""Where a decode step's time goes at batch B: wall time per step split into
+the engine's parts, measured by timing each part's calls during steady decode
+(every prompt prefilled first, as in benchmarks/roofline.py).
+
+    python -m benchmarks.step_breakdown --model benchmarks/models/llama-100m --batch 256
+
+The parts do not overlap: "sampler" includes its greedy argmax, and "the rest" is
+the step minus all parts listed (Python between the kernels: module calls,
+embedding, views, output bookkeeping). Each timed call adds ~1 us of wrapper.
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from benchmarks.options import DEFAULT_MODEL
+from benchmarks.report import load_avg, print_table, write_json
+
+
+def _timed(owner: Any, name: str, part: str, totals: dict[str, float], calls: dict[str, int]) -> Callable[[], None]:
+    """Wrap owner.name so its wall time adds to totals[part]; returns the undo."""
+    original = getattr(owner, name)
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            totals[part] += time.perf_counter() - start
+            calls[part] += 1
+
+    setattr(owner, name, wrapper)
+    return lambda: setattr(owner, name, original)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL)
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--prompt-len", type=int, default=32)
+    parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from benchmarks.peers.octavo_peer import OctavoPeer
+    from octavo.core.scheduler import Scheduler
+    from octavo.kernels.fused_ops import FusedOps
+    from octavo.kernels.paged_decode import PagedDecodeKernel
+    from octavo.model.layers.linear import Linear
+    from octavo.model.models.decoder import DecoderForCausalLM
+    from octavo.worker import model_runner
+
+    peer = OctavoPeer(args.model, "bfloat16", max_num_seqs=max(args.batch, 256), enable_prefix_caching=False,
+                      kv_cache_memory_bytes=2 * 2**30)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(100, 30000) for _ in range(args.prompt_len)] for _ in range(args.batch)]
+    peer.steady_decode_rate(prompts, 4)  # warm-up
+
+    totals: dict[str, float] = defaultdict(float)
+    calls: dict[str, int] = defaultdict(int)
+    parts = [
+        (Linear, "forward", "matmuls in the layers"), (DecoderForCausalLM, "compute_logits", "lm_head"),
+        (PagedDecodeKernel, "__call__", "decode attention"), (FusedOps, "rms_norm", "RMSNorm (+ residual)"),
+        (FusedOps, "silu_mul", "SiLU x up"), (FusedOps, "rotary_write_kv", "rotary + K/V write"),
+        (model_runner.ModelRunner, "_sample", "sampler"), (model_runner, "prepare_inputs", "input preparation"),
+        (Scheduler, "schedule", "scheduling"), (Scheduler, "update_from_output", "scheduler update"),
+    ]
+    ids = peer.start_decoding(prompts, args.steps)
+    undo = [_timed(owner, name, part, totals, calls) for owner, name, part in parts]
+    load_start = load_avg()
+    try:
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            peer.llm.engine.step()
+        elapsed = time.perf_counter() - start
+    finally:
+        for u in undo:
+            u()
+    peer.stop_decoding(ids)
+    totals["matmuls in the layers"] -= totals["lm_head"]  # the lm_head is a Linear too
+    calls["matmuls in the layers"] -= calls["lm_head"]
+    step_ms = elapsed / args.steps * 1e3
+    rows = [{"part": part, "ms_per_step": totals[part] / args.steps * 1e3, "share": totals[part] / elapsed,
+             "calls_per_step": calls[part] / args.steps} for _, _, part in parts]
+    rest = elapsed - sum(totals.values())
+    rows.append({"part": "the rest", "ms_per_step": rest / args.steps * 1e3, "share": rest / elapsed,
+                 "calls_per_step": ""})
+    print_table(rows, ["part", "ms_per_step", "share", "calls_per_step"],
+                title=f"decode step of {args.model.name} at batch {args.batch} (contexts {args.prompt_len}-"
+                      f"{args.prompt_len + args.steps}): {step_ms:.1f} ms, {args.batch / step_ms * 1e3:.0f} tok/s "
+                      f"({args.threads} threads, {args.steps} steps, wrappers on)")
+    print(f"load {load_start} -> {load_avg()}")
+    write_json(args.json, {"benchmark": "step_breakdown", "args": {k: str(v) for k, v in vars(args).items()},
+                           "step_ms": step_ms, "parts": rows})
+
+
+if __name__ == "__main__":
+    main()
