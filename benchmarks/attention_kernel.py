@@ -85,7 +85,7 @@ def main() -> None:
                       f"full-buffer sum of as many bytes {kv_bytes / sum_s / 1e9:.1f} GB/s "
                       f"({args.threads} threads, median of {args.repeats})")
     print(f"load {load_start} -> {load_avg()}")
-    write_json(args.json, {"benchmark": "attention_kernel", "args": {k: str(v) for k, v in vars(args).items()},
+    write_json(args.json, {"benchmark": "attention_kernel", "args": vars(args),
                            "kv_bytes": kv_bytes, "results": rows})
 
 

@@ -98,7 +98,7 @@ def main() -> None:
                       f"{args.prompt_len + args.steps}): {step_ms:.1f} ms, {args.batch / step_ms * 1e3:.0f} tok/s "
                       f"({args.threads} threads, {args.steps} steps, wrappers on)")
     print(f"load {load_start} -> {load_avg()}")
-    write_json(args.json, {"benchmark": "step_breakdown", "args": {k: str(v) for k, v in vars(args).items()},
+    write_json(args.json, {"benchmark": "step_breakdown", "args": vars(args),
                            "step_ms": step_ms, "parts": rows})
 
 
