@@ -1,9 +1,11 @@
 /* Decode attention read straight from the paged KV cache (CPU).
  *
- * One query token per sequence. Each sequence is one work item that walks its
- * block table, so K/V are read once in place: no gather copy, no padding to
- * the longest context in the batch, no mask tensor. The query heads sharing a
- * KV head (GQA) are handled together, so each K/V row is loaded once per group.
+ * One query token per sequence. A work item is a sequence (at small batch: a
+ * sequence's share of the KV heads, so that every thread has work) and walks
+ * its block table, so K/V are read once in place: no gather copy, no padding
+ * to the longest context in the batch, no mask tensor. The query heads
+ * sharing a KV head (GQA) are handled together, so each K/V row is loaded
+ * once per group.
  *
  * Memory: a block holds all KV heads' rows for its tokens, so a sequence's
  * K/V is a few contiguous spans at scattered places in the pool. A thread
@@ -32,6 +34,7 @@
  * window > 0 keeps only the last `window` positions (sliding window).
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -41,14 +44,27 @@
 /* Return codes (the Python side turns them into exceptions). */
 #define FAIL_MEMORY -1
 #define FAIL_EMPTY_CONTEXT -2
-/* Sequences per scheduling chunk: a thread reads ahead within its chunk. */
-#define CHUNK_SEQS 8
+/* Most work items per scheduling chunk: a thread reads ahead within its chunk. */
+#define CHUNK_ITEMS 8
 /* How far the prefetches run ahead of the compute (see read_ahead). */
 #define READ_AHEAD_BYTES 32768
 
-/* The K and V rows a thread reads, in its order: sequence after sequence of
- * its chunk, each one's K spans (a span: its positions in one block, whole
- * rows with every KV head), then its V spans. The compute calls
+/* A work item is one sequence and a range of its KV heads: all of them when
+ * there are sequences enough to keep every thread busy (rows are then read
+ * whole), fewer at small batch so that the threads share a long context. */
+typedef struct {
+    int64_t parts;    /* items per sequence */
+    int64_t per_part; /* KV heads per item (the last may have fewer) */
+} item_split;
+
+ALWAYS_INLINE void item_heads(const item_split *split, int64_t item, int64_t num_kv_heads, int64_t *kv0, int64_t *kv1) {
+    *kv0 = item % split->parts * split->per_part;
+    *kv1 = *kv0 + split->per_part < num_kv_heads ? *kv0 + split->per_part : num_kv_heads;
+}
+
+/* The K and V rows a thread reads, in its order: item after item of its
+ * chunk, each one's K spans (a span: its positions in one block; of each row
+ * the item's KV heads, contiguous), then its V spans. The compute calls
  * read_ahead_advance() with what it is about to consume, so the prefetches
  * stay READ_AHEAD_BYTES ahead of it. Into L2 (prefetcht1): with the spans
  * prefetched whole the distance mattered little (16-128 KiB within noise);
@@ -57,24 +73,34 @@
 typedef struct {
     const char *cache[2]; /* K, V */
     const int64_t *block_tables, *context_lens;
-    int64_t table_width, block_size, row_bytes, window;
-    int64_t s, end, pass, t; /* the next span to prefetch: sequence, K or V, position */
+    int64_t table_width, block_size, row_bytes, head_bytes, num_kv_heads, window;
+    item_split split;
+    int64_t item, end, pass, t; /* the next span to prefetch: work item, K or V, position */
 } read_ahead;
 
 static void read_ahead_advance(read_ahead *ra, int64_t bytes) {
-    while (bytes > 0 && ra->s < ra->end) {
-        const int64_t len = ra->context_lens[ra->s];
+    while (bytes > 0 && ra->item < ra->end) {
+        const int64_t s = ra->item / ra->split.parts, len = ra->context_lens[s];
+        int64_t kv0, kv1;
+        item_heads(&ra->split, ra->item, ra->num_kv_heads, &kv0, &kv1);
         const int64_t begin = (ra->window > 0 && len > ra->window) ? len - ra->window : 0;
         const int64_t pos = begin + ra->t, first = pos % ra->block_size;
         const int64_t count = (ra->block_size - first < len - pos) ? ra->block_size - first : len - pos;
-        const int64_t block = ra->block_tables[ra->s * ra->table_width + pos / ra->block_size];
+        const int64_t block = ra->block_tables[s * ra->table_width + pos / ra->block_size];
         const char *span = ra->cache[ra->pass] + (block * ra->block_size + first) * ra->row_bytes;
-        for (int64_t off = 0; off < count * ra->row_bytes; off += 64) __builtin_prefetch(span + off, 0, 2);
-        bytes -= count * ra->row_bytes;
+        const int64_t cols = (kv1 - kv0) * ra->head_bytes;
+        if (cols == ra->row_bytes) {
+            for (int64_t off = 0; off < count * ra->row_bytes; off += 64) __builtin_prefetch(span + off, 0, 2);
+        } else {
+            for (int64_t r = 0; r < count; r++)
+                for (int64_t off = 0; off < cols; off += 64)
+                    __builtin_prefetch(span + r * ra->row_bytes + kv0 * ra->head_bytes + off, 0, 2);
+        }
+        bytes -= count * cols;
         ra->t += count;
         if (begin + ra->t >= len) {
             ra->t = 0;
-            ra->s += ra->pass;
+            ra->item += ra->pass;
             ra->pass ^= 1;
         }
     }
@@ -162,6 +188,7 @@ static void attend_generic(const float *qf, const char *k_base, const char *v_ba
 typedef struct {
     const int64_t *table;
     int64_t begin, n, block_size, row_bytes;
+    int64_t kv0, kv1; /* the KV heads this item covers */
 } seq_view;
 
 /* Position t's span: its first row and how many rows follow in the block. */
@@ -192,12 +219,12 @@ static inline __m512 sum16(const __m512 v[16]) {
  * reduced together (sum16), far cheaper than one horizontal sum each. The
  * running maximum of each head's scores is kept lane-wise in peaks[head][16]. */
 ALWAYS_INLINE void span_scores_avx512(const uint16_t *qb, float scale, const char *span, int64_t count, int64_t t,
-                                      int64_t n, int64_t num_kv_heads, int64_t group, int64_t head_dim,
+                                      int64_t n, int64_t kv0, int64_t kv1, int64_t group, int64_t head_dim,
                                       int64_t row_bytes, float *scores, float *peaks) {
     const int64_t chunks = head_dim / 32;
     for (int64_t i0 = 0; i0 < count; i0 += 16) {
         const int64_t m = count - i0 < 16 ? count - i0 : 16;
-        for (int64_t kv = 0; kv < num_kv_heads; kv++) {
+        for (int64_t kv = kv0; kv < kv1; kv++) {
             for (int64_t h = 0; h < group; h++) {
                 const uint16_t *qh = qb + (kv * group + h) * head_dim;
                 __m512 sums[16];
@@ -227,9 +254,10 @@ ALWAYS_INLINE void span_scores_avx512(const uint16_t *qb, float scale, const cha
  * group's accumulators sit in registers for the span when they fit. */
 #define MAX_REG_ACC 24 /* zmm accumulators kept in registers (of 32) */
 ALWAYS_INLINE void span_values(const float *scores, const char *span, int64_t count, int64_t t, int64_t n,
-                               int64_t num_kv_heads, int64_t group, int64_t head_dim, int64_t row_bytes, float *acc) {
+                               int64_t kv0, int64_t kv1, int64_t group, int64_t head_dim, int64_t row_bytes,
+                               float *acc) {
     const int64_t lanes = head_dim / 16;
-    for (int64_t kv = 0; kv < num_kv_heads; kv++) {
+    for (int64_t kv = kv0; kv < kv1; kv++) {
         const float *p = scores + kv * group * n + t;
         float *a = acc + kv * group * head_dim;
         const char *row = span + kv * head_dim * 2;
@@ -256,9 +284,6 @@ ALWAYS_INLINE void span_values(const float *scores, const char *span, int64_t co
     }
 }
 
-/* One sequence: scores, softmax, then the values into acc[num_heads][head_dim].
- * Inlined by attend_bf16 with constant group and head_dim for the common
- * shapes, so the loops unroll and the accumulators stay in registers. */
 /* Scores -> exp(score - max) in place; inv[head] = 1 / their sum. The
  * normalisation is applied to the outputs, not to every weight. */
 static void exponentiate_rows(float *scores, const float *peaks, int64_t heads, int64_t n, float *inv) {
@@ -276,40 +301,43 @@ static void exponentiate_rows(float *scores, const float *peaks, int64_t heads, 
     }
 }
 
-/* One sequence: scores, their exponentials, then the values into
- * acc[num_heads][head_dim]. `peaks` holds num_heads * 16 floats, `inv`
+/* One item: scores, their exponentials, then the values into
+ * acc[head][head_dim] for the item's heads (buffers are indexed by the head's
+ * number in the sequence). `peaks` holds num_heads * 16 floats, `inv`
  * num_heads. Inlined by attend_bf16 with constant group and head_dim for the
  * common shapes, so the loops unroll and the accumulators stay in registers. */
 ALWAYS_INLINE void sequence_bf16(const uint16_t *qb, float scale, const char *k_cache, const char *v_cache,
-                                 const seq_view *sv, read_ahead *ra, int64_t num_kv_heads, int64_t group,
-                                 int64_t head_dim, float *scores, float *peaks, float *inv, float *acc) {
-    const int64_t n = sv->n, heads = num_kv_heads * group;
+                                 const seq_view *sv, read_ahead *ra, int64_t group, int64_t head_dim, float *scores,
+                                 float *peaks, float *inv, float *acc) {
+    const int64_t n = sv->n, h0 = sv->kv0 * group, heads = (sv->kv1 - sv->kv0) * group;
+    const int64_t item_bytes = (sv->kv1 - sv->kv0) * head_dim * 2;
     int64_t count;
-    for (int64_t h = 0; h < heads; h++) _mm512_storeu_ps(peaks + h * 16, _mm512_set1_ps(-INFINITY));
+    for (int64_t h = h0; h < h0 + heads; h++) _mm512_storeu_ps(peaks + h * 16, _mm512_set1_ps(-INFINITY));
     for (int64_t t = 0; t < n; t += count) {
         const char *span = span_at(sv, k_cache, t, &count);
-        read_ahead_advance(ra, count * sv->row_bytes);
-        span_scores_avx512(qb, scale, span, count, t, n, num_kv_heads, group, head_dim, sv->row_bytes, scores, peaks);
+        read_ahead_advance(ra, count * item_bytes);
+        span_scores_avx512(qb, scale, span, count, t, n, sv->kv0, sv->kv1, group, head_dim, sv->row_bytes, scores,
+                           peaks);
     }
-    exponentiate_rows(scores, peaks, heads, n, inv);
-    memset(acc, 0, sizeof(float) * (size_t)(heads * head_dim));
+    exponentiate_rows(scores + h0 * n, peaks + h0 * 16, heads, n, inv + h0);
+    memset(acc + h0 * head_dim, 0, sizeof(float) * (size_t)(heads * head_dim));
     for (int64_t t = 0; t < n; t += count) {
         const char *span = span_at(sv, v_cache, t, &count);
-        read_ahead_advance(ra, count * sv->row_bytes);
-        span_values(scores, span, count, t, n, num_kv_heads, group, head_dim, sv->row_bytes, acc);
+        read_ahead_advance(ra, count * item_bytes);
+        span_values(scores, span, count, t, n, sv->kv0, sv->kv1, group, head_dim, sv->row_bytes, acc);
     }
-    for (int64_t h = 0; h < heads; h++)
+    for (int64_t h = h0; h < h0 + heads; h++)
         for (int64_t d = 0; d < head_dim; d += 16)
             _mm512_storeu_ps(acc + h * head_dim + d, _mm512_mul_ps(_mm512_loadu_ps(acc + h * head_dim + d),
                                                                    _mm512_set1_ps(inv[h])));
 }
 
 static void attend_bf16(const uint16_t *qb, float scale, const char *k_cache, const char *v_cache, const seq_view *sv,
-                        read_ahead *ra, int64_t num_kv_heads, int64_t group, int64_t head_dim, float *scores,
-                        float *peaks, float *inv, float *acc) {
+                        read_ahead *ra, int64_t group, int64_t head_dim, float *scores, float *peaks, float *inv,
+                        float *acc) {
 #define OCTAVO_SHAPE(G, D)                                                                                        \
     if (group == G && head_dim == D) {                                                                            \
-        sequence_bf16(qb, scale, k_cache, v_cache, sv, ra, num_kv_heads, G, D, scores, peaks, inv, acc); \
+        sequence_bf16(qb, scale, k_cache, v_cache, sv, ra, G, D, scores, peaks, inv, acc); \
         return;                                                                                                   \
     }
     OCTAVO_SHAPE(1, 64) OCTAVO_SHAPE(2, 64) OCTAVO_SHAPE(3, 64) OCTAVO_SHAPE(4, 64)
@@ -317,7 +345,7 @@ static void attend_bf16(const uint16_t *qb, float scale, const char *k_cache, co
     OCTAVO_SHAPE(1, 128) OCTAVO_SHAPE(2, 128) OCTAVO_SHAPE(3, 128) OCTAVO_SHAPE(4, 128)
     OCTAVO_SHAPE(5, 128) OCTAVO_SHAPE(6, 128) OCTAVO_SHAPE(7, 128) OCTAVO_SHAPE(8, 128)
 #undef OCTAVO_SHAPE
-    sequence_bf16(qb, scale, k_cache, v_cache, sv, ra, num_kv_heads, group, head_dim, scores, peaks, inv, acc);
+    sequence_bf16(qb, scale, k_cache, v_cache, sv, ra, group, head_dim, scores, peaks, inv, acc);
 }
 #endif
 
@@ -343,6 +371,19 @@ int octavo_paged_decode(const void *q, void *out, int q_dtype,
 #else
     const int fast_bf16 = 0;
 #endif
+    /* Enough items for ~4 per thread: few sequences are split by KV heads. */
+    const int64_t threads = omp_get_max_threads();
+    item_split split = {1, num_kv_heads};
+    if (num_seqs < 4 * threads) {
+        int64_t parts = (4 * threads + num_seqs - 1) / num_seqs;
+        parts = parts < num_kv_heads ? parts : num_kv_heads;
+        split.per_part = (num_kv_heads + parts - 1) / parts;
+        split.parts = (num_kv_heads + split.per_part - 1) / split.per_part;
+    }
+    const int64_t num_items = num_seqs * split.parts;
+    int64_t chunk_items = num_items / (4 * threads);
+    chunk_items = chunk_items < 1 ? 1 : (chunk_items > CHUNK_ITEMS ? CHUNK_ITEMS : chunk_items);
+    const int64_t num_chunks = (num_items + chunk_items - 1) / chunk_items;
     int failed = 0;
 
 #pragma omp parallel
@@ -358,32 +399,33 @@ int octavo_paged_decode(const void *q, void *out, int q_dtype,
         }
         float *acc = work, *scores = acc + num_heads * head_dim, *row = scores + num_heads * longest;
         float *qf = row + head_dim, *peaks = qf + group * head_dim, *inv = peaks + num_heads * 16;
-        const int64_t chunks = (num_seqs + CHUNK_SEQS - 1) / CHUNK_SEQS;
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t chunk = 0; chunk < chunks; chunk++) {
+        for (int64_t chunk = 0; chunk < num_chunks; chunk++) {
             if (work == NULL) continue;
-            const int64_t first_seq = chunk * CHUNK_SEQS;
-            const int64_t last_seq = first_seq + CHUNK_SEQS < num_seqs ? first_seq + CHUNK_SEQS : num_seqs;
+            const int64_t first_item = chunk * chunk_items;
+            const int64_t end_item = first_item + chunk_items < num_items ? first_item + chunk_items : num_items;
             read_ahead ra = {{k_cache, v_cache}, block_tables, context_lens, table_width, block_size, row_bytes,
-                             window, first_seq, last_seq, 0, 0};
+                             head_dim * kv_elem, num_kv_heads, window, split, first_item, end_item, 0, 0};
             read_ahead_advance(&ra, READ_AHEAD_BYTES);
-            for (int64_t s = first_seq; s < last_seq; s++) {
-                const int64_t end = context_lens[s];
+            for (int64_t item = first_item; item < end_item; item++) {
+                const int64_t s = item / split.parts, end = context_lens[s];
                 const int64_t begin = (window > 0 && end > window) ? end - window : 0;
                 const int64_t n = end - begin;
                 const int64_t *table = block_tables + s * table_width;
                 const char *q_seq = (const char *)q + s * num_heads * head_dim * q_elem;
+                int64_t kv0, kv1;
+                item_heads(&split, item, num_kv_heads, &kv0, &kv1);
 #ifdef HAVE_AVX512_BF16
                 if (fast_bf16) {
-                    const seq_view sv = {table, begin, n, block_size, row_bytes};
-                    attend_bf16((const uint16_t *)q_seq, scale, k_cache, v_cache, &sv, &ra, num_kv_heads, group,
-                                head_dim, scores, peaks, inv, acc);
+                    const seq_view sv = {table, begin, n, block_size, row_bytes, kv0, kv1};
+                    attend_bf16((const uint16_t *)q_seq, scale, k_cache, v_cache, &sv, &ra, group, head_dim, scores,
+                                peaks, inv, acc);
                 } else
 #endif
                 {
                     (void)fast_bf16, (void)peaks, (void)inv;
-                    read_ahead_advance(&ra, 2 * n * row_bytes);
-                    for (int64_t g = 0; g < num_kv_heads; g++) {
+                    read_ahead_advance(&ra, 2 * n * (kv1 - kv0) * head_dim * kv_elem);
+                    for (int64_t g = kv0; g < kv1; g++) {
                         for (int64_t h = 0; h < group; h++) {
                             load_row(q_seq + (g * group + h) * head_dim * q_elem, q_dtype, head_dim, qf + h * head_dim);
                             for (int64_t d = 0; d < head_dim; d++) qf[h * head_dim + d] *= scale;
@@ -394,7 +436,7 @@ int octavo_paged_decode(const void *q, void *out, int q_dtype,
                                        head_dim, block_size, row_bytes, row, scores, acc + g * group * head_dim);
                     }
                 }
-                for (int64_t h = 0; h < num_heads; h++)
+                for (int64_t h = kv0 * group; h < kv1 * group; h++)
                     store_row(acc + h * head_dim, q_dtype, head_dim, (char *)out + (s * num_heads + h) * head_dim * q_elem);
             }
         }

@@ -82,6 +82,22 @@ def test_many_sequences_across_work_chunks(kernel, shape, dtype):
     assert diff < TOL[dtype], f"max abs diff {diff}"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lens", [[300], [200, 90], [33, 64, 5]])
+def test_few_sequences_are_split_by_kv_heads(kernel, dtype, lens):
+    """Fewer sequences than ~4 per thread: each is split into items of fewer KV
+    heads (so the threads share a long context); every head still comes out right."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        q, kc, vc, tables, ctx = _case(12, 4, 64, 16, dtype, lens, seed=5)
+        out = kernel(q, kc, vc, tables, ctx, None, 0.125)
+    finally:
+        torch.set_num_threads(before)
+    diff = (out.float() - _reference(q, kc, vc, tables, ctx, None)).abs().max().item()
+    assert diff < TOL[dtype], f"max abs diff {diff}"
+
+
 def test_an_empty_context_is_a_value_error(kernel):
     q, kc, vc, tables, ctx = _case(12, 4, 64, 16, torch.bfloat16, [3, 5])
     ctx[1] = 0
