@@ -65,44 +65,54 @@ ALWAYS_INLINE void item_heads(const item_split *split, int64_t item, int64_t num
 /* The K and V rows a thread reads, in its order: item after item of its
  * chunk, each one's K spans (a span: its positions in one block; of each row
  * the item's KV heads, contiguous), then its V spans. The compute calls
- * read_ahead_advance() with what it is about to consume, so the prefetches
- * stay READ_AHEAD_BYTES ahead of it. Into L2 (prefetcht1): with the spans
- * prefetched whole the distance mattered little (16-128 KiB within noise);
- * prefetching only each page's first lines, to start the hardware streamer,
- * was 1.5x slower. */
+ * read_ahead_advance() with what it is about to consume, per KV head and 16
+ * rows, so the prefetches stay READ_AHEAD_BYTES ahead of it, a few rows at a
+ * time (whole spans per call were ~6% slower at context 300). Into L2
+ * (prefetcht1): the distance mattered little (8-128 KiB within noise); into
+ * L1 it was 10% slower, and prefetching only each page's first lines, to
+ * start the hardware streamer, 1.5x slower. */
 typedef struct {
     const char *cache[2]; /* K, V */
     const int64_t *block_tables, *context_lens;
     int64_t table_width, block_size, row_bytes, head_bytes, num_kv_heads, window;
     item_split split;
-    int64_t item, end, pass, t; /* the next span to prefetch: work item, K or V, position */
+    int64_t item, end, pass, t; /* the next span to open: work item, K or V, position */
+    const char *row;            /* the next row to prefetch (its first byte of the item's heads) */
+    int64_t rows_left, cols;    /* rows left in the open span, bytes of each */
+    int64_t credit;             /* bytes granted and not yet prefetched */
 } read_ahead;
 
+/* Open the span at the cursor: its rows, and where the item's columns start. */
+static void read_ahead_open_span(read_ahead *ra) {
+    const int64_t s = ra->item / ra->split.parts, len = ra->context_lens[s];
+    int64_t kv0, kv1;
+    item_heads(&ra->split, ra->item, ra->num_kv_heads, &kv0, &kv1);
+    const int64_t begin = (ra->window > 0 && len > ra->window) ? len - ra->window : 0;
+    const int64_t pos = begin + ra->t, first = pos % ra->block_size;
+    const int64_t count = (ra->block_size - first < len - pos) ? ra->block_size - first : len - pos;
+    const int64_t block = ra->block_tables[s * ra->table_width + pos / ra->block_size];
+    ra->row = ra->cache[ra->pass] + (block * ra->block_size + first) * ra->row_bytes + kv0 * ra->head_bytes;
+    ra->rows_left = count;
+    ra->cols = (kv1 - kv0) * ra->head_bytes;
+    ra->t += count;
+    if (begin + ra->t >= len) { /* the next span is the item's V, or the next item's K */
+        ra->t = 0;
+        ra->item += ra->pass;
+        ra->pass ^= 1;
+    }
+}
+
 static void read_ahead_advance(read_ahead *ra, int64_t bytes) {
-    while (bytes > 0 && ra->item < ra->end) {
-        const int64_t s = ra->item / ra->split.parts, len = ra->context_lens[s];
-        int64_t kv0, kv1;
-        item_heads(&ra->split, ra->item, ra->num_kv_heads, &kv0, &kv1);
-        const int64_t begin = (ra->window > 0 && len > ra->window) ? len - ra->window : 0;
-        const int64_t pos = begin + ra->t, first = pos % ra->block_size;
-        const int64_t count = (ra->block_size - first < len - pos) ? ra->block_size - first : len - pos;
-        const int64_t block = ra->block_tables[s * ra->table_width + pos / ra->block_size];
-        const char *span = ra->cache[ra->pass] + (block * ra->block_size + first) * ra->row_bytes;
-        const int64_t cols = (kv1 - kv0) * ra->head_bytes;
-        if (cols == ra->row_bytes) {
-            for (int64_t off = 0; off < count * ra->row_bytes; off += 64) __builtin_prefetch(span + off, 0, 2);
-        } else {
-            for (int64_t r = 0; r < count; r++)
-                for (int64_t off = 0; off < cols; off += 64)
-                    __builtin_prefetch(span + r * ra->row_bytes + kv0 * ra->head_bytes + off, 0, 2);
+    ra->credit += bytes;
+    while (ra->credit > 0) {
+        if (ra->rows_left == 0) {
+            if (ra->item >= ra->end) return;
+            read_ahead_open_span(ra);
         }
-        bytes -= count * cols;
-        ra->t += count;
-        if (begin + ra->t >= len) {
-            ra->t = 0;
-            ra->item += ra->pass;
-            ra->pass ^= 1;
-        }
+        for (int64_t off = 0; off < ra->cols; off += 64) __builtin_prefetch(ra->row + off, 0, 2);
+        ra->row += ra->row_bytes;
+        ra->rows_left--;
+        ra->credit -= ra->cols;
     }
 }
 
@@ -220,11 +230,12 @@ static inline __m512 sum16(const __m512 v[16]) {
  * running maximum of each head's scores is kept lane-wise in peaks[head][16]. */
 ALWAYS_INLINE void span_scores_avx512(const uint16_t *qb, float scale, const char *span, int64_t count, int64_t t,
                                       int64_t n, int64_t kv0, int64_t kv1, int64_t group, int64_t head_dim,
-                                      int64_t row_bytes, float *scores, float *peaks) {
+                                      int64_t row_bytes, float *scores, float *peaks, read_ahead *ra) {
     const int64_t chunks = head_dim / 32;
     for (int64_t i0 = 0; i0 < count; i0 += 16) {
         const int64_t m = count - i0 < 16 ? count - i0 : 16;
         for (int64_t kv = kv0; kv < kv1; kv++) {
+            read_ahead_advance(ra, m * head_dim * 2);
             for (int64_t h = 0; h < group; h++) {
                 const uint16_t *qh = qb + (kv * group + h) * head_dim;
                 __m512 sums[16];
@@ -255,9 +266,10 @@ ALWAYS_INLINE void span_scores_avx512(const uint16_t *qb, float scale, const cha
 #define MAX_REG_ACC 24 /* zmm accumulators kept in registers (of 32) */
 ALWAYS_INLINE void span_values(const float *scores, const char *span, int64_t count, int64_t t, int64_t n,
                                int64_t kv0, int64_t kv1, int64_t group, int64_t head_dim, int64_t row_bytes,
-                               float *acc) {
+                               float *acc, read_ahead *ra) {
     const int64_t lanes = head_dim / 16;
     for (int64_t kv = kv0; kv < kv1; kv++) {
+        read_ahead_advance(ra, count * head_dim * 2);
         const float *p = scores + kv * group * n + t;
         float *a = acc + kv * group * head_dim;
         const char *row = span + kv * head_dim * 2;
@@ -310,21 +322,18 @@ ALWAYS_INLINE void sequence_bf16(const uint16_t *qb, float scale, const char *k_
                                  const seq_view *sv, read_ahead *ra, int64_t group, int64_t head_dim, float *scores,
                                  float *peaks, float *inv, float *acc) {
     const int64_t n = sv->n, h0 = sv->kv0 * group, heads = (sv->kv1 - sv->kv0) * group;
-    const int64_t item_bytes = (sv->kv1 - sv->kv0) * head_dim * 2;
     int64_t count;
     for (int64_t h = h0; h < h0 + heads; h++) _mm512_storeu_ps(peaks + h * 16, _mm512_set1_ps(-INFINITY));
     for (int64_t t = 0; t < n; t += count) {
         const char *span = span_at(sv, k_cache, t, &count);
-        read_ahead_advance(ra, count * item_bytes);
         span_scores_avx512(qb, scale, span, count, t, n, sv->kv0, sv->kv1, group, head_dim, sv->row_bytes, scores,
-                           peaks);
+                           peaks, ra);
     }
     exponentiate_rows(scores + h0 * n, peaks + h0 * 16, heads, n, inv + h0);
     memset(acc + h0 * head_dim, 0, sizeof(float) * (size_t)(heads * head_dim));
     for (int64_t t = 0; t < n; t += count) {
         const char *span = span_at(sv, v_cache, t, &count);
-        read_ahead_advance(ra, count * item_bytes);
-        span_values(scores, span, count, t, n, sv->kv0, sv->kv1, group, head_dim, sv->row_bytes, acc);
+        span_values(scores, span, count, t, n, sv->kv0, sv->kv1, group, head_dim, sv->row_bytes, acc, ra);
     }
     for (int64_t h = h0; h < h0 + heads; h++)
         for (int64_t d = 0; d < head_dim; d += 16)
@@ -405,7 +414,8 @@ int octavo_paged_decode(const void *q, void *out, int q_dtype,
             const int64_t first_item = chunk * chunk_items;
             const int64_t end_item = first_item + chunk_items < num_items ? first_item + chunk_items : num_items;
             read_ahead ra = {{k_cache, v_cache}, block_tables, context_lens, table_width, block_size, row_bytes,
-                             head_dim * kv_elem, num_kv_heads, window, split, first_item, end_item, 0, 0};
+                             head_dim * kv_elem, num_kv_heads, window, split, first_item, end_item, 0, 0,
+                             NULL, 0, 0, 0};
             read_ahead_advance(&ra, READ_AHEAD_BYTES);
             for (int64_t item = first_item; item < end_item; item++) {
                 const int64_t s = item / split.parts, end = context_lens[s];
