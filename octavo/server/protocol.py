@@ -4,11 +4,49 @@ from __future__ import annotations
 import time
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from octavo.server.errors import FieldError
+
+_INT64 = 2**63 - 1
 
 
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+
+class _Body(_Request):
+    """A whole request body. Its raw JSON is checked once, before any field,
+    for what no field type catches but what breaks later stages: lone UTF-16
+    surrogates (JSON allows "\\ud800"; the tokenizer, msgspec and UTF-8
+    output all refuse them) and integers outside int64 (msgpack and torch
+    overflow). One walk covers every field, present and future, nested
+    schemas and dict keys included, and names the path of the bad value."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_raw(cls, data: Any) -> Any:
+        stack: list[tuple[list[str | int], Any]] = [([], data)]
+        while stack:  # iterative: the body's depth is the client's choice
+            path, value = stack.pop()
+            if isinstance(value, str):
+                _check_text(path, value)
+            elif isinstance(value, int) and not isinstance(value, bool) and not -_INT64 - 1 <= value <= _INT64:
+                raise FieldError(path, f"integer out of range (64-bit signed): {value}")
+            elif isinstance(value, dict):
+                for key, item in value.items():
+                    _check_text([*path, "<key>"], key)
+                    stack.append(([*path, key], item))
+            elif isinstance(value, list):
+                stack.extend(([*path, i], item) for i, item in enumerate(value))
+        return data
+
+
+def _check_text(path: list[str | int], text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise FieldError(path, f"invalid Unicode: a lone surrogate at character {exc.start}") from None
 
 
 class StreamOptions(_Request):
@@ -36,7 +74,7 @@ class StructuredOutputs(_Request):
     choice: Optional[list[str]] = None
 
 
-class SamplingFields(_Request):
+class SamplingFields(_Body):
     """Fields both endpoints share, including the vLLM extensions."""
 
     model: Optional[str] = None
@@ -98,9 +136,11 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Optional[int] = None
     add_generation_prompt: bool = True
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    # vLLM extension; refused unless the server trusts request templates.
+    chat_template: Optional[str] = None
 
 
-class TokenizeRequest(_Request):
+class TokenizeRequest(_Body):
     model: Optional[str] = None
     prompt: Optional[str] = None
     messages: Optional[list[ChatMessage]] = None
@@ -108,7 +148,7 @@ class TokenizeRequest(_Request):
     add_generation_prompt: bool = True
 
 
-class DetokenizeRequest(_Request):
+class DetokenizeRequest(_Body):
     model: Optional[str] = None
     tokens: list[int]
 
