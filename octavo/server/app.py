@@ -123,5 +123,6 @@ def _add_routes(app: FastAPI) -> None:
         bad = [t for t in body.tokens if not (0 <= t < vocab)]
         if bad:
             raise bad_request(f"tokens contains ids outside the vocabulary [0, {vocab}): {bad[:5]}", "tokens")
-        return JSONResponse({"prompt": state.tokenizer.decode(body.tokens, skip_special_tokens=False)})
+        text = await asyncio.to_thread(state.tokenizer.decode, body.tokens, False)  # megabytes of ids take a while
+        return JSONResponse({"prompt": text})
 

@@ -79,8 +79,6 @@ class RequestLimits:
                 f"{self.max_regex_chars}", "structured_outputs"
             )
         _count("structured_outputs", so.choice, self.max_choices, "choices")
-        if so.choice is not None:
-            _words("structured_outputs", so.choice, self.max_choices, self.max_word_chars)
 
     def _check_schema(self, param: str, schema: Any) -> None:
         if isinstance(schema, str):
@@ -94,8 +92,8 @@ class RequestLimits:
         if isinstance(schema, str):
             try:
                 self._shallow(param, json.loads(schema))
-            except RecursionError:
-                self._too_deep(param, "over 900")
+            except RecursionError:  # deeper than the parser recurses, far over any limit
+                self._too_deep(param, "hundreds of")
             except ValueError:
                 pass  # StructuredOutputParams names the malformed text
 

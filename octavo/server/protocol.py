@@ -26,23 +26,36 @@ class _Body(_Request):
     @model_validator(mode="before")
     @classmethod
     def _check_raw(cls, data: Any) -> Any:
-        stack: list[tuple[list[str | int], Any]] = [([], data)]
+        # Runs on the event loop over bodies of up to --max-body-size: scalars
+        # are checked inline and a path is built only for containers and errors
+        # (2M token ids: 0.1 s; one tuple per value made it 6 s).
+        stack: list[tuple[tuple[str | int, ...], Any]] = [((), data)]
         while stack:  # iterative: the body's depth is the client's choice
-            path, value = stack.pop()
-            if isinstance(value, str):
-                _check_text(path, value)
-            elif isinstance(value, int) and not isinstance(value, bool) and not -_INT64 - 1 <= value <= _INT64:
-                raise FieldError(path, f"integer out of range (64-bit signed): {value}")
-            elif isinstance(value, dict):
-                for key, item in value.items():
-                    _check_text([*path, "<key>"], key)
-                    stack.append(([*path, key], item))
-            elif isinstance(value, list):
-                stack.extend(([*path, i], item) for i, item in enumerate(value))
+            path, container = stack.pop()
+            if isinstance(container, dict):
+                for key in container:
+                    if isinstance(key, str) and not key.isascii():
+                        # The path names the key escaped: the error body must itself be valid UTF-8.
+                        _check_text((*path, key.encode("utf-8", "backslashreplace").decode()), key)
+                items: Any = container.items()
+            elif isinstance(container, list):
+                items = enumerate(container)
+            else:
+                continue
+            for key, value in items:
+                kind = type(value)
+                if kind is str:
+                    if not value.isascii():
+                        _check_text((*path, key), value)
+                elif kind is int:
+                    if value > _INT64 or value < -_INT64 - 1:
+                        raise FieldError((*path, key), f"integer out of range (64-bit signed): {value}")
+                elif kind is dict or kind is list:
+                    stack.append(((*path, key), value))
         return data
 
 
-def _check_text(path: list[str | int], text: str) -> None:
+def _check_text(path: tuple[str | int, ...], text: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:

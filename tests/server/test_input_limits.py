@@ -157,3 +157,17 @@ def test_models_root_is_the_served_name_not_a_path(http, model_path):
     card = r.json()["data"][0]
     assert card["root"] == card["id"] == MODEL
     assert str(model_path) not in r.text and model_path.name not in r.text
+
+
+def test_a_bad_key_is_named_escaped_and_a_deep_body_is_refused(http):
+    err = _post(http, CMPL, _cmpl(logit_bias={"1": 1, "a" + S: 2})).json()["error"]
+    assert err["param"] == "logit_bias" and "logit_bias.a\\ud800" in err["message"], err
+    err = _post(http, CMPL, {**_cmpl(), S: 1}).json()["error"]
+    assert err["param"] == "\\ud800", err
+    schema = {"type": "json_schema", "json_schema": {"name": "x", "schema": _nested(900)}}
+    err = _post(http, CHAT, _chat(response_format=schema)).json()["error"]
+    assert err["param"] == "response_format" and "900" in err["message"], err
+    # Deeper than json.loads recurses: the body cannot be parsed, still a 400.
+    r = http.post(CMPL, content=b'{"prompt": "hi", "x": ' + b"[" * 5000 + b"]" * 5000 + b"}",
+                  headers={"Content-Type": "application/json"})
+    assert r.status_code == 400, r.text
