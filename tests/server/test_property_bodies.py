@@ -51,8 +51,20 @@ def _body(fields: dict, required: str) -> st.SearchStrategy[dict]:
     return st.fixed_dictionaries(fixed, optional=optional)
 
 
+_TOKENIZE = {"prompt": st.text(min_size=1, max_size=30), "messages": st.lists(_message, min_size=1, max_size=2),
+             "add_special_tokens": st.booleans(), "add_generation_prompt": st.booleans()}
+_DETOKENIZE = {"tokens": _ids}
+
+
 @pytest.fixture(scope="module")
-def http(server):
+def log_start(server) -> int:
+    """Where this module's part of the shared server's log begins."""
+    server._log.flush()
+    return server.log_path.stat().st_size
+
+
+@pytest.fixture(scope="module")
+def http(server, log_start):
     with server.http() as client:
         yield client
 
@@ -83,6 +95,23 @@ def test_chat_bodies(http, body):
     _check(http, "/v1/chat/completions", body)
 
 
-def test_engine_idle_and_serving_after_the_fuzzing(server, http):
+@_SETTINGS
+@given(body=_body(_TOKENIZE, "prompt"))
+def test_tokenize_bodies(http, body):
+    _check(http, "/tokenize", body)
+
+
+@_SETTINGS
+@given(body=_body(_DETOKENIZE, "tokens"))
+def test_detokenize_bodies(http, body):
+    _check(http, "/detokenize", body)
+
+
+def test_engine_idle_serving_and_no_traceback_after_the_fuzzing(server, http, log_start):
     server.wait_idle()
     assert http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+    server._log.flush()
+    with open(server.log_path, "rb") as f:
+        f.seek(log_start)
+        log = f.read().decode(errors="replace")
+    assert "Traceback" not in log and "internal error" not in log, log[-3000:]
