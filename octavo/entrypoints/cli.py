@@ -6,10 +6,12 @@ import logging
 import os
 import re
 import sys
+from dataclasses import fields
 from typing import Optional, Sequence
 
 from octavo.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from octavo.server.config import DEFAULT_PUBLIC_ROUTES, ServerConfig
+from octavo.server.limits import RequestLimits
 
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?)?b?\s*$", re.IGNORECASE)
@@ -92,7 +94,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--served-model-name", default=None, help="the model name clients send (default: folder name)")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--api-key", default=None, help="require this bearer key (default: $OCTAVO_API_KEY)")
+    serve.add_argument("--api-key", action="append", default=None,
+                       help="require this bearer key; repeat for several (default: $OCTAVO_API_KEY)")
     serve.add_argument(
         "--public-routes",
         default=",".join(DEFAULT_PUBLIC_ROUTES),
@@ -102,6 +105,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to drain on SIGTERM")
     serve.add_argument("--max-body-size", type=parse_bytes, default=8 * 2**20, help="larger bodies get 413")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.add_argument("--api-key-file", default=None,
+                       help="file of bearer keys, one a line (# comments); keeps keys out of the process list")
+    serve.add_argument("--metrics-api-key", action="append", default=None,
+                       help="/metrics needs this key (repeatable) instead of being public or using --api-key")
+    serve.add_argument("--trust-request-chat-template", action="store_true",
+                       help="accept chat_template (and chat_template_kwargs.chat_template) from requests")
+    for f in fields(RequestLimits):  # one option per request limit, named after its field
+        serve.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default,
+                           help=f"{f.metadata['help']} (default: %(default)s)")
 
     gen = sub.add_parser("generate", help="generate offline (no server)")
     _add_engine_args(gen)
@@ -119,18 +131,38 @@ def build_parser() -> argparse.ArgumentParser:
 def _serve(args: argparse.Namespace) -> None:
     from octavo.server.launcher import serve
 
-    api_key = args.api_key if args.api_key is not None else os.environ.get("OCTAVO_API_KEY") or None
     server_config = ServerConfig(
         host=args.host,
         port=args.port,
-        api_key=api_key,
+        api_keys=_api_keys(args),
         public_routes=tuple(r.strip() for r in args.public_routes.split(",") if r.strip()),
         max_waiting_requests=args.max_waiting_requests,
         shutdown_timeout_s=args.shutdown_timeout,
         max_body_bytes=args.max_body_size,
         log_level=args.log_level,
+        limits=RequestLimits(**{f.name: getattr(args, f.name) for f in fields(RequestLimits)}),
+        trust_request_chat_template=args.trust_request_chat_template,
+        metrics_api_keys=tuple(args.metrics_api_key or ()),
     )
     serve(_engine_config(args), server_config)
+
+
+def _api_keys(args: argparse.Namespace) -> tuple[str, ...]:
+    """--api-key and --api-key-file together; $OCTAVO_API_KEY when neither is given."""
+    keys = list(args.api_key or ())
+    if args.api_key_file is not None:
+        try:
+            with open(args.api_key_file) as f:
+                lines = [line.strip() for line in f]
+        except OSError as exc:
+            raise ValueError(f"--api-key-file: cannot read {args.api_key_file}: {exc.strerror}") from None
+        file_keys = [line for line in lines if line and not line.startswith("#")]
+        if not file_keys:
+            raise ValueError(f"--api-key-file: no keys in {args.api_key_file}")
+        keys += file_keys
+    if not keys and os.environ.get("OCTAVO_API_KEY"):
+        keys.append(os.environ["OCTAVO_API_KEY"])
+    return tuple(keys)
 
 
 def _generate(args: argparse.Namespace) -> None:

@@ -1,6 +1,7 @@
 """The FastAPI app: routes, middlewares, and the engine's lifetime (lifespan)."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 from typing import AsyncIterator
@@ -18,7 +19,7 @@ from octavo.server.completions import create_completion
 from octavo.server.config import ServerConfig
 from octavo.server.errors import bad_request, error_body, install_error_handlers
 from octavo.server.metrics import ServerMetrics
-from octavo.server.middleware import APIKeyMiddleware, BodyLimitMiddleware
+from octavo.server.middleware import APIKeyMiddleware, BodyLimitMiddleware, RequestIdMiddleware
 from octavo.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from octavo.server.state import ServerState
 
@@ -44,10 +45,18 @@ def build_app(engine_config: EngineConfig, server_config: ServerConfig) -> FastA
     app = FastAPI(title="Octavo", version=octavo.__version__, lifespan=lifespan)
     install_error_handlers(app)
     _add_routes(app)
-    # Added last = outermost: oversized bodies are refused before anything else.
-    if server_config.api_key is not None:
-        app.add_middleware(APIKeyMiddleware, api_key=server_config.api_key, public_routes=server_config.public_routes)
+    # Added last = outermost: oversized bodies are refused before anything
+    # else, and every response, refusals included, carries a request id.
+    route_keys = {"/metrics": server_config.metrics_api_keys} if server_config.metrics_api_keys else {}
+    if server_config.api_keys or route_keys:
+        app.add_middleware(
+            APIKeyMiddleware,
+            api_keys=server_config.api_keys,
+            public_routes=server_config.public_routes,
+            route_keys=route_keys,
+        )
     app.add_middleware(BodyLimitMiddleware, max_bytes=server_config.max_body_bytes)
+    app.add_middleware(RequestIdMiddleware)
     return app
 
 
@@ -72,7 +81,7 @@ def _add_routes(app: FastAPI) -> None:
             "object": "model",
             "created": int(_STARTED),
             "owned_by": "octavo",
-            "root": state.client.config.model.model,
+            "root": state.model_name,  # not the model's path: clients need not know the server's disks
             "max_model_len": state.max_model_len,
         }
         return JSONResponse({"object": "list", "data": [card]})
@@ -100,9 +109,10 @@ def _add_routes(app: FastAPI) -> None:
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("set exactly one of prompt or messages", "prompt")
         if body.messages is not None:
-            ids = render_messages(body.messages, state, body.add_generation_prompt, None)
+            state.config.limits.check_messages(body.messages)
+            ids = await asyncio.to_thread(render_messages, body.messages, state, body.add_generation_prompt, None)
         else:
-            ids = state.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            ids = await asyncio.to_thread(state.tokenizer.encode, body.prompt, body.add_special_tokens)
         return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len})
 
     @app.post("/detokenize")
@@ -113,5 +123,6 @@ def _add_routes(app: FastAPI) -> None:
         bad = [t for t in body.tokens if not (0 <= t < vocab)]
         if bad:
             raise bad_request(f"tokens contains ids outside the vocabulary [0, {vocab}): {bad[:5]}", "tokens")
-        return JSONResponse({"prompt": state.tokenizer.decode(body.tokens, skip_special_tokens=False)})
+        text = await asyncio.to_thread(state.tokenizer.decode, body.tokens, False)  # megabytes of ids take a while
+        return JSONResponse({"prompt": text})
 

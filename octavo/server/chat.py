@@ -1,6 +1,7 @@
 """POST /v1/chat/completions."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 import uuid
@@ -31,7 +32,10 @@ from octavo.server.streams import ChoiceCursor, primed, sse, sse_response, until
 async def create_chat_completion(req: ChatCompletionRequest, raw: Request, state: ServerState) -> Response:
     state.check_model(req.model)
     state.check_engine()
-    prompt_ids, params = _prepare(req, state)
+    state.config.limits.check(req)
+    # Template rendering and tokenization take time in proportion to the
+    # request: in a thread, so the event loop keeps serving everyone else.
+    prompt_ids, params = await asyncio.to_thread(_prepare, req, state)
     state.admit(1)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     stream = state.generate(prompt_ids, params, req.priority, _api_names(req))
@@ -58,14 +62,34 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, state
 
 
 def render_messages(
-    messages: list[ChatMessage], state: ServerState, add_generation_prompt: bool, kwargs: Optional[dict[str, Any]]
+    messages: list[ChatMessage],
+    state: ServerState,
+    add_generation_prompt: bool,
+    kwargs: Optional[dict[str, Any]],
+    chat_template: Optional[str] = None,
 ) -> list[int]:
-    """Chat template -> token ids (also used by /tokenize)."""
+    """Chat template -> token ids (also used by /tokenize). Blocking: call it in a thread."""
     if not messages:
         raise bad_request("messages must not be empty", "messages")
     plain = [_plain_message(i, m) for i, m in enumerate(messages)]
+    kwargs = dict(kwargs or {})
+    # A template may come as its own field (vLLM) or inside chat_template_kwargs.
+    for param, template in (("chat_template_kwargs", kwargs.get("chat_template")), ("chat_template", chat_template)):
+        if template is not None and not state.config.trust_request_chat_template:
+            raise bad_request(
+                f"{param}: this server does not accept chat templates in requests "
+                "(the operator can allow them with --trust-request-chat-template)",
+                param,
+            )
+    if chat_template is not None:
+        kwargs["chat_template"] = chat_template
     try:
-        text = state.tokenizer.apply_chat_template(plain, add_generation_prompt=add_generation_prompt, **(kwargs or {}))
+        text = state.tokenizer.apply_chat_template(
+            plain,
+            add_generation_prompt=add_generation_prompt,
+            timeout_s=state.config.limits.max_template_seconds,
+            **kwargs,
+        )
     except (ValueError, TypeError) as exc:
         raise bad_request(f"could not apply the chat template: {exc}", "messages") from None
     # The template writes BOS and role markers itself.
@@ -90,7 +114,7 @@ def _plain_message(i: int, m: ChatMessage) -> dict[str, Any]:
 def _prepare(req: ChatCompletionRequest, state: ServerState) -> tuple[list[int], Any]:
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
-    ids = render_messages(req.messages, state, req.add_generation_prompt, req.chat_template_kwargs)
+    ids = render_messages(req.messages, state, req.add_generation_prompt, req.chat_template_kwargs, req.chat_template)
     if req.truncate_prompt_tokens is not None and req.truncate_prompt_tokens > 0:
         ids = ids[-req.truncate_prompt_tokens :]
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens

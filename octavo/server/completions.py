@@ -1,6 +1,7 @@
 """POST /v1/completions (legacy text completions)."""
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
 import uuid
@@ -32,7 +33,9 @@ class _Prompt:
 async def create_completion(req: CompletionRequest, raw: Request, state: ServerState) -> Response:
     state.check_model(req.model)
     state.check_engine()
-    prompts = _prepare(req, state)
+    state.config.limits.check(req)
+    # Tokenizing a long prompt takes seconds: in a thread, off the event loop.
+    prompts = await asyncio.to_thread(_prepare, req, state)
     state.admit(len(prompts))
     request_id = f"cmpl-{uuid.uuid4().hex}"
     names = request_api_names(req, {})

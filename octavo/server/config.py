@@ -1,8 +1,10 @@
 """HTTP server settings (the engine's own settings live in octavo.config)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
+
+from octavo.server.limits import RequestLimits
 
 DEFAULT_PUBLIC_ROUTES = ("/health", "/metrics")
 
@@ -11,9 +13,9 @@ DEFAULT_PUBLIC_ROUTES = ("/health", "/metrics")
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
-    # None: no authentication. Else every route except ``public_routes``
-    # needs "Authorization: Bearer <api_key>".
-    api_key: Optional[str] = None
+    # Empty: no authentication. Else every route except ``public_routes``
+    # needs "Authorization: Bearer <one of api_keys>".
+    api_keys: tuple[str, ...] = ()
     public_routes: tuple[str, ...] = DEFAULT_PUBLIC_ROUTES
     # Requests admitted but not yet producing tokens beyond which new ones get 503.
     max_waiting_requests: Optional[int] = None
@@ -21,6 +23,13 @@ class ServerConfig:
     max_body_bytes: int = 8 * 1024 * 1024
     engine_start_timeout_s: float = 600.0
     log_level: str = "info"
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    # Jinja from the client runs in a sandbox with a deadline, but is still
+    # code of the client's choosing: off unless the operator opts in.
+    trust_request_chat_template: bool = False
+    # Non-empty: /metrics needs one of these keys (and no other), whatever
+    # public_routes and api_keys say.
+    metrics_api_keys: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not (0 <= self.port <= 65535):
@@ -31,5 +40,6 @@ class ServerConfig:
             raise ValueError(f"shutdown_timeout_s must be >= 0, got {self.shutdown_timeout_s}")
         if self.max_body_bytes < 1:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
-        if self.api_key == "":
-            raise ValueError("api_key must not be empty")
+        for name in ("api_keys", "metrics_api_keys"):
+            if any(not k or k != k.strip() for k in getattr(self, name)):
+                raise ValueError(f"{name}: a key must not be empty or start or end with whitespace")

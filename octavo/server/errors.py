@@ -1,9 +1,16 @@
-"""Errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+"""Errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}}.
+
+A 500 never shows the client what failed (exception classes and messages can
+carry paths, prompts of other requests or internals worth probing): the body
+says "internal error" with the request id, and the log has the detail and the
+traceback under the same id.
+"""
 from __future__ import annotations
 
+import contextvars
 import json
 import logging
-from typing import Optional
+from typing import Optional, Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -20,6 +27,9 @@ _TYPES = {
     413: "invalid_request_error",
     503: "service_unavailable_error",
 }
+
+# Set per request by RequestIdMiddleware; read where errors are logged and answered.
+REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("octavo_request_id", default="-")
 
 
 class APIError(Exception):
@@ -39,8 +49,36 @@ class APIError(Exception):
         self.headers = headers
 
 
+class FieldError(ValueError):
+    """A request validator's error that knows the path of the bad value
+    (pydantic would otherwise place errors of a whole-body check at the body)."""
+
+    def __init__(self, path: Sequence[str | int], message: str) -> None:
+        super().__init__(message)
+        self.path = [str(p) for p in path]
+        self.message = message
+
+
 def bad_request(message: str, param: Optional[str] = None) -> APIError:
     return APIError(400, message, param=param)
+
+
+class InternalError(APIError):
+    """A 500 whose detail is in the log only."""
+
+
+def internal_error(detail: str, code: Optional[str] = None, exc_info: bool = False) -> InternalError:
+    """Log ``detail`` under the request id; the client sees only the id and
+    the ``code`` (a category such as "engine_dead", not a detail)."""
+    request_id = REQUEST_ID.get()
+    logger.error("internal error [request %s]: %s", request_id, detail, exc_info=exc_info)
+    return InternalError(500, f"internal error (request id {request_id})", code=code or "internal_error")
+
+
+def _public(err: APIError) -> APIError:
+    if err.status == 500 and not isinstance(err, InternalError):
+        return internal_error(err.message, err.code)
+    return err
 
 
 def error_body(status: int, message: str, param: Optional[str] = None, code: Optional[str] = None) -> dict:
@@ -55,11 +93,13 @@ def error_body(status: int, message: str, param: Optional[str] = None, code: Opt
 
 
 def error_response(err: APIError) -> JSONResponse:
+    err = _public(err)
     return JSONResponse(error_body(err.status, err.message, err.param, err.code), err.status, headers=err.headers)
 
 
 def sse_error(err: APIError) -> str:
     """The error event a stream ends with when it fails after it started."""
+    err = _public(err)
     return f"data: {json.dumps(error_body(err.status, err.message, err.param, err.code))}\n\n"
 
 
@@ -75,17 +115,16 @@ def install_error_handlers(app: FastAPI) -> None:
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         if first.get("type") == "json_invalid":
             return error_response(bad_request(f"malformed JSON body: {first.get('msg', '')}"))
+        cause = (first.get("ctx") or {}).get("error")
+        msg = first.get("msg", "invalid value")
+        if isinstance(cause, FieldError):
+            loc, msg = cause.path, cause.message
         # The top-level field is the param; the message keeps the full path.
         param = loc[0] if loc else None
         where = ".".join(loc)
-        message = f"{where}: {first.get('msg', 'invalid value')}" if where else first.get("msg", "invalid body")
+        message = f"{where}: {msg}" if where else msg
         return error_response(bad_request(message, param))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return error_response(APIError(exc.status_code, str(exc.detail), headers=exc.headers))
-
-    @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error")
-        return error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}"))

@@ -156,3 +156,24 @@ def offline_llm(model_path):
     from octavo import LLM
 
     return LLM(model_path, dtype="float32", num_blocks=512)
+
+
+@pytest.fixture(scope="session")
+def tuned_server(model_path, tmp_path_factory):
+    """A second server with the opt-in and tuned options: request chat
+    templates trusted, small request limits (set through the generated
+    --max-* flags), a body limit big enough for multi-megabyte prompts."""
+    srv = ServerProcess(
+        model_path,
+        tmp_path_factory.mktemp("logs") / "tuned.log",
+        "--num-blocks", "256",
+        "--served-model-name", "tiny",
+        "--max-body-size", "16MiB",
+        "--trust-request-chat-template",
+        "--max-template-seconds", "1.5",
+        "--max-n", "4",
+        "--max-schema-bytes", "2000",
+        api_key=None,
+    )
+    yield srv
+    srv.stop()
