@@ -106,8 +106,20 @@ class GrammarCompiler:
         self._cache_size = cache_size
 
     def compile(self, spec: StructuredOutputParams) -> Grammar:
-        """Raises ValueError naming the problem for an invalid schema, regex or choice."""
-        key = json.dumps(dataclasses.asdict(spec), sort_keys=True)
+        """Raises ValueError naming the problem for an invalid schema, regex or choice.
+
+        A schema nested deeper than Python's recursion limit allows (a few
+        hundred levels) raises RecursionError in the JSON and llguidance
+        layers; it is bad input like any other, so it becomes a ValueError."""
+        try:
+            return self._compile(spec)
+        except RecursionError:
+            raise ValueError("structured_outputs.json_schema is too deeply nested") from None
+
+    def _compile(self, spec: StructuredOutputParams) -> Grammar:
+        # json.dumps, not dataclasses.asdict: asdict deep-copies the schema in
+        # Python frames, three per level of nesting.
+        key = json.dumps([getattr(spec, f.name) for f in dataclasses.fields(spec)], sort_keys=True)
         grammar = self._cache.get(key)
         if grammar is not None:
             self._cache.move_to_end(key)
@@ -182,7 +194,15 @@ class GrammarBatch:
         logits[self.rows] = logits[self.rows].masked_fill(~self.allowed, float("-inf"))
         return logits
 
-    def advance(self, token_ids: list[int]) -> None:
-        """Feed each matcher the token sampled for its row (``token_ids`` is per batch row)."""
+    def advance(self, token_ids: list[int]) -> dict[int, str]:
+        """Feed each matcher the token sampled for its row (``token_ids`` is per
+        batch row). Returns the rows whose matcher raised, with the error: their
+        request fails alone, the other rows keep their tokens."""
+        failed: dict[int, str] = {}
         for row, matcher in zip(self.rows.tolist(), self.matchers):
-            matcher.accept(token_ids[row])
+            try:
+                matcher.accept(token_ids[row])
+            except Exception as exc:
+                logger.exception("grammar matcher of batch row %d failed", row)
+                failed[row] = f"structured output failed: {type(exc).__name__}: {exc}"
+        return failed
