@@ -40,6 +40,11 @@ if TYPE_CHECKING:  # the engine layer sits above this one: no runtime import
 logger = logging.getLogger(__name__)
 
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# Levels of JSON objects/arrays allowed in a schema. llguidance's JSON reader
+# stops at 128 (serde_json's limit), counting the few levels it wraps the
+# schema in; 120 stays clear of that. A nested object schema costs two
+# levels per property level ({"properties": {"a": {...}}}).
+MAX_SCHEMA_DEPTH = 120
 _BITS = 32  # llguidance packs the mask into int32 words, token t at bit t % 32 of word t // 32
 
 
@@ -106,17 +111,9 @@ class GrammarCompiler:
         self._cache_size = cache_size
 
     def compile(self, spec: StructuredOutputParams) -> Grammar:
-        """Raises ValueError naming the problem for an invalid schema, regex or choice.
-
-        A schema nested deeper than Python's recursion limit allows (a few
-        hundred levels) raises RecursionError in the JSON and llguidance
-        layers; it is bad input like any other, so it becomes a ValueError."""
-        try:
-            return self._compile(spec)
-        except RecursionError:
-            raise ValueError("structured_outputs.json_schema is too deeply nested") from None
-
-    def _compile(self, spec: StructuredOutputParams) -> Grammar:
+        """Raises ValueError naming the problem for an invalid schema, regex or choice."""
+        if spec.json_schema is not None:
+            _check_depth(spec.json_schema)
         # json.dumps, not dataclasses.asdict: asdict deep-copies the schema in
         # Python frames, three per level of nesting.
         key = json.dumps([getattr(spec, f.name) for f in dataclasses.fields(spec)], sort_keys=True)
@@ -135,6 +132,24 @@ class GrammarCompiler:
         if len(self._cache) > self._cache_size:
             self._cache.popitem(last=False)
         return grammar
+
+
+def _check_depth(schema: object) -> None:
+    """Refuse schemas nested deeper than MAX_SCHEMA_DEPTH objects/arrays.
+
+    Deeper ones fail anyway (in llguidance, with a cryptic message), and past a few hundred levels Python's own recursion
+    limit turns them into RecursionError, which would take the engine down.
+    Counted with an explicit stack, so any depth is safe to measure."""
+    stack = [(schema, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_SCHEMA_DEPTH:
+            raise ValueError(
+                f"structured_outputs.json_schema is too deeply nested: more than {MAX_SCHEMA_DEPTH} "
+                "levels of objects and arrays"
+            )
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
 
 
 def _grammar_source(spec: StructuredOutputParams) -> str:

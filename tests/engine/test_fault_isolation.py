@@ -101,10 +101,10 @@ def test_a_failing_request_fails_alone(llm, victim, sabotage, error):
 @pytest.mark.parametrize("depth", [300, 2000])
 def test_a_deeply_nested_schema_is_a_value_error(llm, depth):
     params = SamplingParams(max_tokens=8, structured_outputs=StructuredOutputParams(json_schema=deep_schema(depth)))
-    with pytest.raises(ValueError, match="too deeply nested|recursion limit"):
+    with pytest.raises(ValueError, match="too deeply nested"):
         llm.engine.add_request("deep", "Hello", params)
     assert not llm.engine.has_unfinished_requests()
-    with pytest.raises(ValueError, match="too deeply nested|recursion limit"):
+    with pytest.raises(ValueError, match="too deeply nested"):
         llm.generate(["Hello", "World"], [PARAMS, params], use_tqdm=False)
     assert_no_leak(llm)
     assert llm.generate(["Hello"], PARAMS, use_tqdm=False)[0].outputs[0].token_ids
