@@ -21,6 +21,13 @@ class ServerConfig:
     max_body_bytes: int = 8 * 1024 * 1024
     engine_start_timeout_s: float = 600.0
     log_level: str = "info"
+    # Engine supervision (octavo.engine.restart_policy): a dead engine is
+    # restarted up to this many times within the window; one more death
+    # there and the server exits non-zero. 0: exit at the first death.
+    engine_max_restarts: int = 3
+    engine_restart_window_s: float = 60.0
+    # Seconds from arrival after which a request is aborted (504); None: no limit.
+    request_timeout_s: Optional[float] = None
 
     def __post_init__(self) -> None:
         if not (0 <= self.port <= 65535):
@@ -33,3 +40,9 @@ class ServerConfig:
             raise ValueError(f"max_body_bytes must be >= 1, got {self.max_body_bytes}")
         if self.api_key == "":
             raise ValueError("api_key must not be empty")
+        if self.engine_max_restarts < 0:
+            raise ValueError(f"engine_max_restarts must be >= 0, got {self.engine_max_restarts}")
+        if self.engine_restart_window_s <= 0:
+            raise ValueError(f"engine_restart_window_s must be > 0, got {self.engine_restart_window_s}")
+        if self.request_timeout_s is not None and self.request_timeout_s <= 0:
+            raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
