@@ -26,6 +26,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Optional
 
+import zmq
+
 from octavo.config import EngineConfig
 from octavo.engine import messages as msg
 from octavo.engine.engine_process import EngineDeadError, EngineProcess
@@ -198,9 +200,7 @@ class AsyncEngineClient:
         while True:
             try:
                 m = await engine.recv()
-            except asyncio.CancelledError:
-                return
-            except Exception:  # the sockets closed under us
+            except (asyncio.CancelledError, zmq.ZMQError):  # retired: its sockets are closing
                 return
             if isinstance(m, msg.StepOutputs):
                 for delta in m.outputs:
@@ -233,10 +233,8 @@ class AsyncEngineClient:
         engine.alive = False
         self._engine = None
         delay = self._policy.on_failure(time.monotonic())
-        action = "giving up" if delay is None else f"restarting in {delay:.1f} s"
-        self.dead_reason = f"{reason}; {action}"
-        logger.error("%s (%d failures within %.0f s), failing %d in-flight requests",
-                     self.dead_reason, self._policy.recent_failures, self._policy.window_s, len(self._streams))
+        self.dead_reason = f"{reason}; {self._next_step(delay)}"
+        logger.error("%s; failing %d in-flight requests", self.dead_reason, len(self._streams))
         for stream in self._streams.values():
             stream.fail(EngineDeadError(f"{reason}; the engine is restarting, retry the request"
                                         if delay is not None else reason))
@@ -256,16 +254,20 @@ class AsyncEngineClient:
             try:
                 self._adopt(*await EngineProcess.launch(self.config, self._start_timeout_s))
             except EngineDeadError as exc:
-                logger.error("engine restart failed: %s", exc)
                 delay = self._policy.on_failure(time.monotonic())
-                self.dead_reason = f"engine restart failed; {'giving up' if delay is None else 'retrying'}"
+                self.dead_reason = f"engine restart failed; {self._next_step(delay)}"
+                logger.error("%s: %s", self.dead_reason, exc)
                 continue
             self.num_restarts += 1
             logger.warning("engine restarted (%d restarts so far)", self.num_restarts)
             return
-        self.dead_reason = f"{self.dead_reason} (engine gave up after {self._policy.recent_failures} failures)"
         if self._on_give_up is not None:
             self._on_give_up(self.dead_reason)
+
+    def _next_step(self, delay: Optional[float]) -> str:
+        if delay is not None:
+            return f"restarting in {delay:.1f} s"
+        return f"gave up after {self._policy.recent_failures} failures within {self._policy.window_s:.0f} s"
 
     async def shutdown(self, grace_s: float = 5.0) -> None:
         """Stop the engine process (in-flight requests are the caller's to drain first)."""
