@@ -36,13 +36,16 @@ import signal
 import time
 import logging
 import traceback
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import zmq
 
 from octavo.config import EngineConfig
 from octavo.engine import messages as msg
 from octavo.engine.stats import EngineStats
+
+if TYPE_CHECKING:  # torch: imported in the engine process only
+    from octavo.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +72,21 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> 
         inp.close(linger=0)
         out.close()
         ctx.term()
+
+
+def add_request(engine: LLMEngine, m: msg.AddRequest) -> Optional[msg.FromEngine]:
+    """Queue ``m``; when that fails, the message telling the front (None when
+    queued). A ValueError is input the front should have refused; anything
+    else is an engine fault, but confined to this request, which
+    ``LLMEngine.add_request`` leaves no trace of."""
+    try:
+        engine.add_request(m.request_id, m.prompt_token_ids, m.params, priority=m.priority, arrival_time=m.arrival_time)
+    except ValueError as exc:
+        return msg.RequestRejected(m.request_id, str(exc))
+    except Exception as exc:
+        logger.exception("request %s failed in add_request", m.request_id)
+        return msg.StepOutputs([msg.failed_delta(m.request_id, f"{type(exc).__name__}: {exc}")])
+    return None
 
 
 class _EngineLoop:
@@ -124,15 +142,9 @@ class _EngineLoop:
 
     def _handle(self, m: msg.ToEngine) -> None:
         if isinstance(m, msg.AddRequest):
-            try:
-                self.engine.add_request(
-                    m.request_id, m.prompt_token_ids, m.params, priority=m.priority, arrival_time=m.arrival_time
-                )
-            except ValueError as exc:
-                self._send(msg.RequestRejected(m.request_id, str(exc)))
-            except Exception as exc:  # add_request is all or nothing: nothing to clean up
-                logger.exception("request %s failed in add_request", m.request_id)
-                self._send(msg.StepOutputs([msg.failed_delta(m.request_id, f"{type(exc).__name__}: {exc}")]))
+            failure = add_request(self.engine, m)
+            if failure is not None:
+                self._send(failure)
         elif isinstance(m, msg.AbortRequests):
             self.engine.abort_request(m.request_ids)
             self._tracker.forget(m.request_ids)
