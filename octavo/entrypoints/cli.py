@@ -102,10 +102,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to drain on SIGTERM")
     serve.add_argument("--max-body-size", type=parse_bytes, default=8 * 2**20, help="larger bodies get 413")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    serve.add_argument("--engine-max-restarts", type=int, default=3,
-                       help="restart a dead engine up to this many times per window, then exit 1 (0: exit at once)")
-    serve.add_argument("--engine-restart-window", type=float, default=60.0, help="seconds (default: %(default)s)")
-    serve.add_argument("--request-timeout", type=float, default=None,
+    # Defaults from ServerConfig itself, so there is one source for them.
+    serve.add_argument("--engine-max-restarts", type=int, default=ServerConfig.engine_max_restarts,
+                       help="restart a dead engine up to this many times per window, then exit 1 "
+                            "(0: exit at once; default: %(default)s)")
+    serve.add_argument("--engine-restart-window", type=float, default=ServerConfig.engine_restart_window_s,
+                       help="seconds (default: %(default)s)")
+    serve.add_argument("--request-timeout", type=float, default=ServerConfig.request_timeout_s,
                        help="abort requests older than this many seconds (504); default: no limit")
 
     gen = sub.add_parser("generate", help="generate offline (no server)")

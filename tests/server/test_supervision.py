@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 
 import httpx
 import pytest
 
-from tests.server.conftest import ServerProcess
+from tests.server.conftest import REPO, ServerProcess
 from tests.server.helpers import LONG, SSEStream, wait_for
 
 EXIT_WITHIN_S = 60.0  # generous: the machine may be busy
@@ -73,3 +75,15 @@ def test_the_server_exits_after_too_many_deaths_in_the_window(model_path, logs):
         assert srv.proc.wait(EXIT_WITHIN_S) == 1
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize("flag, value, field", [
+    ("--engine-max-restarts", "-1", "engine_max_restarts"),
+    ("--engine-restart-window", "0", "engine_restart_window_s"),
+    ("--request-timeout", "0", "request_timeout_s"),
+])
+def test_bad_supervision_flags_are_refused_naming_the_field(model_path, flag, value, field):
+    cmd = [sys.executable, "-m", "octavo.entrypoints.cli", "serve", str(model_path), flag, value]
+    done = subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and field in done.stderr
