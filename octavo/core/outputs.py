@@ -63,6 +63,10 @@ class ModelRunnerOutput:
     # chunk starting at start_pos, entry i is for prompt position
     # start_pos + 1 + i: the logits of a position score the token after it.
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # Requests whose own sampling-side work raised (grammar mask or advance,
+    # penalties, logprobs): request id -> message. They sampled nothing; the
+    # scheduler ends them with an error, the rest of the step stands.
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -73,9 +77,10 @@ class EngineCoreOutput:
     new_token_ids: list[int]
     new_logprobs: Optional[list[TokenLogprobs]] = None
     prompt_logprobs: Optional[list[TokenLogprobs]] = None
-    finish_reason: Optional[str] = None  # "stop" | "length" | "abort"
+    finish_reason: Optional[str] = None  # "stop" | "length" | "abort" | "error"
     stop_reason: Optional[int | str] = None
     num_cached_tokens: int = 0
+    error: Optional[str] = None  # set with finish_reason "error"
 
     @property
     def finished(self) -> bool:

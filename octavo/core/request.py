@@ -16,6 +16,9 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    # Work for this one request raised (grammar, detokenizer, bookkeeping):
+    # it ends with an error while the rest of the batch goes on.
+    FINISHED_ERROR = "error"
 
     @property
     def finished(self) -> bool:
@@ -26,7 +29,12 @@ class RequestStatus(enum.Enum):
         return self.value if self.finished else None
 
 
-_FINISHED = {RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH, RequestStatus.FINISHED_ABORTED}
+_FINISHED = {
+    RequestStatus.FINISHED_STOPPED,
+    RequestStatus.FINISHED_LENGTH,
+    RequestStatus.FINISHED_ABORTED,
+    RequestStatus.FINISHED_ERROR,
+}
 
 
 @dataclass(eq=False)

@@ -27,6 +27,7 @@ pool allow. Choices worth knowing:
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Iterable, Optional
@@ -37,6 +38,8 @@ from octavo.core.outputs import EngineCoreOutput, ModelRunnerOutput, ScheduledRe
 from octavo.core.request import Request, RequestStatus
 from octavo.core.request_queue import RequestQueue, SortKey
 from octavo.core.step_results import append_sampled, take_prompt_logprobs
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -261,43 +264,67 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         """Apply one step's results: append sampled tokens, run the stop checks,
-        register computed blocks, fork waiting siblings, free finished requests."""
+        register computed blocks, fork waiting siblings, free finished requests.
+
+        A request whose own results cannot be applied (the runner reported it
+        failed, or its bookkeeping raised) ends with status FINISHED_ERROR and
+        an output carrying the error; the other requests are unaffected."""
         outputs = []
         for scheduled in scheduler_output.scheduled:
             request = scheduled.request
-            rid = request.request_id
             if request.status is not RequestStatus.RUNNING:
                 continue  # finished or aborted since it was scheduled
-            self.kv_cache_manager.cache_blocks(request)
-            prompt_logprobs = take_prompt_logprobs(
-                request, scheduled.start_pos, runner_output.prompt_logprobs.get(rid)
-            )
-            new_ids, new_logprobs, status = append_sampled(
-                request,
-                runner_output.sampled_token_ids.get(rid, ()),
-                runner_output.logprobs.get(rid),
-                self._max_len,
-            )
-            if not scheduled.sample and request.num_computed_tokens == request.num_tokens:
-                status = RequestStatus.FINISHED_LENGTH  # max_tokens=0: the prompt is scored
-            if request.num_computed_tokens >= request.num_prompt_tokens:
-                # Before a finished parent frees the blocks its siblings share.
-                self._fork_siblings(request)
-            if status is not None:
-                self._finish(request, status)
-            if new_ids or status is not None or prompt_logprobs:
-                outputs.append(
-                    EngineCoreOutput(
-                        request_id=rid,
-                        new_token_ids=new_ids,
-                        new_logprobs=new_logprobs,
-                        prompt_logprobs=prompt_logprobs,
-                        finish_reason=status.finish_reason if status is not None else None,
-                        stop_reason=request.stop_reason,
-                        num_cached_tokens=request.num_cached_tokens,
-                    )
-                )
+            error = runner_output.failed.get(request.request_id)
+            try:
+                out = self._update_one(scheduled, runner_output) if error is None else None
+            except Exception as exc:  # one request's fault must not stop the step
+                logger.exception("request %s failed while applying its step results", request.request_id)
+                error = f"{type(exc).__name__}: {exc}"
+            if error is not None:
+                out = self._fail(request, error)
+            if out is not None:
+                outputs.append(out)
         return outputs
+
+    def _update_one(self, scheduled: ScheduledRequest, runner_output: ModelRunnerOutput) -> Optional[EngineCoreOutput]:
+        request = scheduled.request
+        rid = request.request_id
+        self.kv_cache_manager.cache_blocks(request)
+        prompt_logprobs = take_prompt_logprobs(request, scheduled.start_pos, runner_output.prompt_logprobs.get(rid))
+        new_ids, new_logprobs, status = append_sampled(
+            request,
+            runner_output.sampled_token_ids.get(rid, ()),
+            runner_output.logprobs.get(rid),
+            self._max_len,
+        )
+        if not scheduled.sample and request.num_computed_tokens == request.num_tokens:
+            status = RequestStatus.FINISHED_LENGTH  # max_tokens=0: the prompt is scored
+        if request.num_computed_tokens >= request.num_prompt_tokens:
+            # Before a finished parent frees the blocks its siblings share.
+            self._fork_siblings(request)
+        if status is not None:
+            self._finish(request, status)
+        if not (new_ids or status is not None or prompt_logprobs):
+            return None
+        return EngineCoreOutput(
+            request_id=rid,
+            new_token_ids=new_ids,
+            new_logprobs=new_logprobs,
+            prompt_logprobs=prompt_logprobs,
+            finish_reason=status.finish_reason if status is not None else None,
+            stop_reason=request.stop_reason,
+            num_cached_tokens=request.num_cached_tokens,
+        )
+
+    def _fail(self, request: Request, error: str) -> EngineCoreOutput:
+        if not request.is_finished:
+            self._finish(request, RequestStatus.FINISHED_ERROR)
+        return EngineCoreOutput(
+            request_id=request.request_id,
+            new_token_ids=[],
+            finish_reason=RequestStatus.FINISHED_ERROR.finish_reason,
+            error=error,
+        )
 
     def _fork_siblings(self, parent: Request) -> None:
         for child in self._fork_waiters.pop(parent.request_id, ()):

@@ -1,34 +1,52 @@
-"""The front's handle on the engine process (see core_process.py for the design)."""
+"""The front's handle on the engine process (see core_process.py for the design).
+
+Three duties besides moving messages:
+
+- Supervision. When the engine process dies (it sent EngineFailed, or its
+  sentinel fired: OOM kill, segfault, ``kill -9``), every in-flight request
+  fails at once with ``EngineDeadError`` and a new process is started after
+  a back-off (``RestartPolicy``); meanwhile ``is_alive`` is False, which the
+  server turns into 503s and an unhealthy ``/health``. When the policy gives
+  up, ``on_give_up`` is called (the server exits non-zero then).
+- Bounded buffering. The reader applies each delta straight into the
+  request's cumulative ``RequestOutput`` and sets an event; the consumer wakes
+  to the latest state. A consumer that falls behind (a client reading its
+  stream slowly) therefore costs its own output so far and nothing more:
+  updates coalesce instead of queueing one object per step.
+- Deadlines. ``generate(..., deadline=t)`` arms one timer; when it fires the
+  request is aborted in the engine right away (its KV blocks return even if
+  the consumer is stuck writing to a slow socket) and the consumer gets
+  ``RequestTimeoutError``.
+"""
 from __future__ import annotations
 
 import asyncio
 import logging
-import multiprocessing
-import tempfile
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Callable, Optional
 
 import zmq
-import zmq.asyncio
 
 from octavo.config import EngineConfig
 from octavo.engine import messages as msg
-from octavo.engine.core_process import run_engine_core
+from octavo.engine.engine_process import EngineDeadError, EngineProcess
+from octavo.engine.restart_policy import RestartPolicy
 from octavo.engine.stats import EngineStats
 from octavo.outputs import RequestOutput
 from octavo.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-
-class EngineDeadError(RuntimeError):
-    """The engine process is gone; no request can complete."""
+__all__ = ["AsyncEngineClient", "EngineDeadError", "EngineRequestError", "RequestTimeoutError", "EngineInfo"]
 
 
 class EngineRequestError(RuntimeError):
     """The engine refused or failed one request (the engine itself is fine)."""
+
+
+class RequestTimeoutError(RuntimeError):
+    """The request passed its deadline and was aborted in the engine."""
 
 
 @dataclass
@@ -39,73 +57,66 @@ class EngineInfo:
     generation_defaults: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass(eq=False)
+class _Stream:
+    """One in-flight request as the front holds it."""
+
+    out: RequestOutput
+    engine: EngineProcess  # the incarnation it was sent to
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+    error: Optional[BaseException] = None
+    timer: Optional[asyncio.TimerHandle] = None
+
+    def fail(self, error: BaseException) -> None:
+        if self.error is None and not self.out.finished:
+            self.error = error
+            self.changed.set()
+
+
 class AsyncEngineClient:
     """Starts the engine process and multiplexes requests over its sockets.
 
     Use ``await AsyncEngineClient.start(config)``; then ``generate`` yields the
     cumulative ``RequestOutput`` of one request (the same object, updated in
-    place, each time it progresses). Leaving the iterator early (client gone,
-    task cancelled) aborts the request in the engine.
+    place) each time it has progressed; several steps of progress may arrive
+    as one. Leaving the iterator early (client gone, task cancelled) aborts
+    the request in the engine.
     """
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        start_timeout_s: float,
+        restart_policy: Optional[RestartPolicy],
+        on_give_up: Optional[Callable[[str], None]],
+    ) -> None:
         self.config = config
         self.info: Optional[EngineInfo] = None
         self.stats = EngineStats()
         self.dead_reason: Optional[str] = None
-        self._queues: dict[str, asyncio.Queue[msg.OutputDelta | BaseException]] = {}
-        self._tmp = tempfile.TemporaryDirectory(prefix="octavo-ipc-")
-        self._ctx = zmq.asyncio.Context()
-        in_addr = f"ipc://{Path(self._tmp.name) / 'in'}"
-        out_addr = f"ipc://{Path(self._tmp.name) / 'out'}"
-        # A plain (sync) socket for sending: PUSH with an unlimited HWM never
-        # blocks, so sends stay synchronous, which lets ``finally`` blocks and
-        # cancelled tasks abort without awaiting.
-        self._push = zmq.Context.instance().socket(zmq.PUSH)
-        self._push.setsockopt(zmq.SNDHWM, 0)
-        self._push.setsockopt(zmq.LINGER, 0)
-        self._push.bind(in_addr)
-        self._pull = self._ctx.socket(zmq.PULL)
-        self._pull.setsockopt(zmq.RCVHWM, 0)
-        self._pull.bind(out_addr)
-        spawn = multiprocessing.get_context("spawn")
-        self._proc = spawn.Process(
-            target=run_engine_core, args=(config, in_addr, out_addr), name="octavo-engine", daemon=True
-        )
+        self.num_restarts = 0
+        self._start_timeout_s = start_timeout_s
+        self._policy = restart_policy or RestartPolicy(max_restarts=0)
+        self._on_give_up = on_give_up
+        self._streams: dict[str, _Stream] = {}
+        self._engine: Optional[EngineProcess] = None
         self._reader: Optional[asyncio.Task[None]] = None
+        self._restarter: Optional[asyncio.Task[None]] = None
+        self._closing = False
 
     @classmethod
-    async def start(cls, config: EngineConfig, timeout_s: float = 600.0) -> AsyncEngineClient:
-        client = cls(config)
-        client._proc.start()
-        try:
-            await client._wait_ready(timeout_s)
-        except BaseException:
-            client._close_process(grace_s=0.0)
-            client._close_sockets()
-            raise
-        loop = asyncio.get_running_loop()
-        loop.add_reader(client._proc.sentinel, client._on_process_exit)
-        client._reader = asyncio.create_task(client._read_loop())
+    async def start(
+        cls,
+        config: EngineConfig,
+        timeout_s: float = 600.0,
+        restart_policy: Optional[RestartPolicy] = None,
+        on_give_up: Optional[Callable[[str], None]] = None,
+    ) -> AsyncEngineClient:
+        """The first start must succeed (a bad model is an error now, not a
+        restart loop); ``restart_policy`` (default: never) governs later deaths."""
+        client = cls(config, timeout_s, restart_policy, on_give_up)
+        client._adopt(*await EngineProcess.launch(config, timeout_s))
         return client
-
-    async def _wait_ready(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            # Messages first: a failing engine sends its reason, then exits.
-            if await self._pull.poll(200):
-                m = msg.from_engine_decoder.decode(await self._pull.recv())
-                if isinstance(m, msg.EngineFailed):
-                    raise EngineDeadError(f"engine failed to start:\n{m.message}")
-                if isinstance(m, msg.EngineReady):
-                    self.info = EngineInfo(m.model_name, m.max_model_len, m.vocab_size, m.generation_defaults)
-                    logger.info("engine process %d ready: model %s, context %d", m.pid, m.model_name, m.max_model_len)
-                    return
-                continue
-            if not self._proc.is_alive():
-                raise EngineDeadError(f"engine process exited during start-up (code {self._proc.exitcode})")
-            if time.monotonic() > deadline:
-                raise EngineDeadError(f"engine did not start within {timeout_s:.0f} s")
 
     @property
     def is_alive(self) -> bool:
@@ -113,7 +124,7 @@ class AsyncEngineClient:
 
     @property
     def num_in_flight(self) -> int:
-        return len(self._queues)
+        return len(self._streams)
 
     async def generate(
         self,
@@ -122,92 +133,153 @@ class AsyncEngineClient:
         params: SamplingParams,
         priority: int = 0,
         arrival_time: Optional[float] = None,
+        deadline: Optional[float] = None,
     ) -> AsyncIterator[RequestOutput]:
-        if self.dead_reason is not None:
-            raise EngineDeadError(self.dead_reason)
-        if request_id in self._queues:
+        """``deadline``: a ``time.monotonic()`` instant after which the request
+        is aborted and ``RequestTimeoutError`` raised."""
+        engine = self._engine
+        if self.dead_reason is not None or engine is None:
+            raise EngineDeadError(self.dead_reason or "the engine is not running")
+        if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in flight")
-        queue: asyncio.Queue[msg.OutputDelta | BaseException] = asyncio.Queue()
-        self._queues[request_id] = queue
-        out = RequestOutput(request_id, None, list(prompt_token_ids), [], finished=False)
-        finished = False
         try:
-            self._send(msg.AddRequest(request_id, list(prompt_token_ids), params, priority, arrival_time))
-            while not finished:
-                item = await queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                msg.apply_delta(out, item)
-                finished = out.finished
-                yield out
+            add = msg.encoder.encode(msg.AddRequest(request_id, list(prompt_token_ids), params, priority, arrival_time))
+        except RecursionError:
+            raise EngineRequestError("the request is too deeply nested to send to the engine") from None
+        stream = _Stream(RequestOutput(request_id, None, list(prompt_token_ids), [], finished=False), engine)
+        self._streams[request_id] = stream
+        if deadline is not None:
+            delay = max(0.0, deadline - time.monotonic())
+            stream.timer = asyncio.get_running_loop().call_later(delay, self._expire, request_id)
+        try:
+            engine.send_bytes(add)
+            while True:
+                await stream.changed.wait()
+                stream.changed.clear()
+                if stream.error is not None:
+                    raise stream.error
+                # As of now: the reader may finish ``out`` while the consumer
+                # holds it, and that final state must still be yielded.
+                finished = stream.out.finished
+                yield stream.out
+                if finished:
+                    return
         finally:
-            self._queues.pop(request_id, None)
-            if not finished and self.dead_reason is None:
-                self._send(msg.AbortRequests([request_id]))
+            self._forget(request_id, stream)
 
-    def _send(self, m: msg.ToEngine) -> None:
-        self._push.send(msg.encoder.encode(m), copy=False)
+    def _forget(self, request_id: str, stream: _Stream) -> None:
+        self._streams.pop(request_id, None)
+        if stream.timer is not None:
+            stream.timer.cancel()
+        # Only the incarnation that has the request can abort it (and a dead
+        # one must not be sent to: see engine_process.py).
+        if not stream.out.finished and stream.engine is self._engine and stream.engine.alive:
+            stream.engine.send(msg.AbortRequests([request_id]))
 
-    async def _read_loop(self) -> None:
+    def _expire(self, request_id: str) -> None:
+        stream = self._streams.get(request_id)
+        if stream is None or stream.out.finished:
+            return
+        if stream.engine is self._engine and stream.engine.alive:
+            stream.engine.send(msg.AbortRequests([request_id]))
+        stream.fail(RequestTimeoutError("the request timed out"))
+
+    # ---- engine lifecycle ----------------------------------------------
+
+    def _adopt(self, engine: EngineProcess, ready: msg.EngineReady) -> None:
+        self.info = EngineInfo(ready.model_name, ready.max_model_len, ready.vocab_size, ready.generation_defaults)
+        logger.info("engine process %d ready: model %s, context %d", ready.pid, ready.model_name, ready.max_model_len)
+        self._engine = engine
+        self.stats = EngineStats()
+        self.dead_reason = None
+        loop = asyncio.get_running_loop()
+        loop.add_reader(engine.sentinel, self._on_exit, engine)
+        self._reader = asyncio.create_task(self._read_loop(engine))
+
+    async def _read_loop(self, engine: EngineProcess) -> None:
         while True:
             try:
-                raw = await self._pull.recv()
-            except (zmq.ZMQError, asyncio.CancelledError):
+                m = await engine.recv()
+            except (asyncio.CancelledError, zmq.ZMQError):  # retired: its sockets are closing
                 return
-            m = msg.from_engine_decoder.decode(raw)
             if isinstance(m, msg.StepOutputs):
                 for delta in m.outputs:
-                    queue = self._queues.get(delta.request_id)
-                    if queue is not None:
-                        queue.put_nowait(delta)
+                    self._on_delta(delta)
             elif isinstance(m, msg.StatsUpdate):
                 self.stats = m.stats
             elif isinstance(m, msg.RequestRejected):
-                queue = self._queues.get(m.request_id)
-                if queue is not None:
-                    queue.put_nowait(EngineRequestError(m.message))
+                stream = self._streams.get(m.request_id)
+                if stream is not None:
+                    stream.fail(EngineRequestError(m.message))
             elif isinstance(m, msg.EngineFailed):
                 logger.error("engine process failed:\n%s", m.message)
-                self._mark_dead(f"engine failed: {m.message.strip().splitlines()[-1]}")
+                self._lose(engine, f"engine failed: {m.message.strip().splitlines()[-1]}")
 
-    def _on_process_exit(self) -> None:
-        asyncio.get_running_loop().remove_reader(self._proc.sentinel)
-        self._proc.join(timeout=0)
-        self._mark_dead(f"engine process exited (code {self._proc.exitcode})")
+    def _on_delta(self, delta: msg.OutputDelta) -> None:
+        stream = self._streams.get(delta.request_id)
+        if stream is None or stream.error is not None:
+            return  # gone, or already failed (a timeout's abort output)
+        msg.apply_delta(stream.out, delta)
+        stream.changed.set()
 
-    def _mark_dead(self, reason: str) -> None:
-        if self.dead_reason is not None:
+    def _on_exit(self, engine: EngineProcess) -> None:
+        self._lose(engine, f"engine process exited (code {engine.exitcode})")
+
+    def _lose(self, engine: EngineProcess, reason: str) -> None:
+        """The engine died: fail what it was serving and restart or give up."""
+        if engine is not self._engine or self._closing:
             return
-        self.dead_reason = reason
-        logger.error("%s; failing %d in-flight requests", reason, len(self._queues))
-        for queue in self._queues.values():
-            queue.put_nowait(EngineDeadError(reason))
+        asyncio.get_running_loop().remove_reader(engine.sentinel)
+        engine.alive = False
+        self._engine = None
+        delay = self._policy.on_failure(time.monotonic())
+        self.dead_reason = f"{reason}; {self._next_step(delay)}"
+        logger.error("%s; failing %d in-flight requests", self.dead_reason, len(self._streams))
+        for stream in self._streams.values():
+            stream.fail(EngineDeadError(f"{reason}; the engine is restarting, retry the request"
+                                        if delay is not None else reason))
+        self._restarter = asyncio.create_task(self._replace(engine, delay))
+
+    async def _retire(self, engine: EngineProcess, grace_s: float) -> None:
+        reader, self._reader = self._reader, None
+        if reader is not None:
+            reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
+        await engine.aclose(grace_s)
+
+    async def _replace(self, dead: EngineProcess, delay: Optional[float]) -> None:
+        await self._retire(dead, grace_s=0.0)
+        while delay is not None:
+            await asyncio.sleep(delay)
+            try:
+                self._adopt(*await EngineProcess.launch(self.config, self._start_timeout_s))
+            except EngineDeadError as exc:
+                delay = self._policy.on_failure(time.monotonic())
+                self.dead_reason = f"engine restart failed; {self._next_step(delay)}"
+                logger.error("%s: %s", self.dead_reason, exc)
+                continue
+            self.num_restarts += 1
+            logger.warning("engine restarted (%d restarts so far)", self.num_restarts)
+            return
+        if self._on_give_up is not None:
+            self._on_give_up(self.dead_reason)
+
+    def _next_step(self, delay: Optional[float]) -> str:
+        if delay is not None:
+            return f"restarting in {delay:.1f} s"
+        return f"gave up after {self._policy.recent_failures} failures within {self._policy.window_s:.0f} s"
 
     async def shutdown(self, grace_s: float = 5.0) -> None:
         """Stop the engine process (in-flight requests are the caller's to drain first)."""
-        if self._proc.is_alive() and self.dead_reason is None:
-            self._send(msg.Shutdown())
-        try:
-            asyncio.get_running_loop().remove_reader(self._proc.sentinel)
-        except (ValueError, OSError):
-            pass
+        self._closing = True
+        if self._restarter is not None:
+            self._restarter.cancel()
+        engine, self._engine = self._engine, None
         self.dead_reason = self.dead_reason or "engine shut down"
-        await asyncio.to_thread(self._close_process, grace_s)
-        if self._reader is not None:
-            self._reader.cancel()
-        self._close_sockets()
-
-    def _close_process(self, grace_s: float) -> None:
-        self._proc.join(timeout=grace_s)
-        if self._proc.is_alive():
-            self._proc.terminate()
-            self._proc.join(timeout=5.0)
-        if self._proc.is_alive():
-            self._proc.kill()
-            self._proc.join()
-
-    def _close_sockets(self) -> None:
-        self._push.close(linger=0)
-        self._pull.close(linger=0)
-        self._ctx.term()
-        self._tmp.cleanup()
+        if engine is None:
+            return
+        if engine.alive:
+            engine.send(msg.Shutdown())
+        asyncio.get_running_loop().remove_reader(engine.sentinel)
+        engine.alive = False
+        await self._retire(engine, grace_s)

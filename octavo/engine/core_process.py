@@ -16,9 +16,14 @@ The split follows vLLM V1:
   Outputs of one step go out as one message of deltas. Stats go out at most
   every ``STATS_INTERVAL_S`` while busy, and whenever the engine turns idle,
   so metrics read after the last request see the freed KV blocks.
-- Validation happens in the front; ``add_request`` errors still come back as
-  ``RequestRejected`` so that a front bug cannot kill the engine. Any other
-  exception is fatal: ``EngineFailed`` is sent and the process exits non-zero.
+- One request never takes the engine down. Validation happens in the front;
+  a ``ValueError`` from ``add_request`` still comes back as
+  ``RequestRejected`` (bad input the front missed), any other exception
+  there as a final output with ``error`` set (an engine fault confined to
+  that request). Inside ``step()`` the engine itself confines per-request
+  failures the same way. What still escapes ``step()`` is a failure of the
+  whole step (the forward): that is fatal, ``EngineFailed`` is sent and
+  the process exits non-zero, and the front restarts it.
   The front also watches the process sentinel, which covers crashes that
   send nothing (OOM killer, segfault).
 - SIGINT is ignored here: Ctrl-C reaches the whole process group, and the
@@ -29,14 +34,20 @@ from __future__ import annotations
 import os
 import signal
 import time
+import logging
 import traceback
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import zmq
 
 from octavo.config import EngineConfig
 from octavo.engine import messages as msg
 from octavo.engine.stats import EngineStats
+
+if TYPE_CHECKING:  # torch: imported in the engine process only
+    from octavo.engine.llm_engine import LLMEngine
+
+logger = logging.getLogger(__name__)
 
 STATS_INTERVAL_S = 0.1
 _IDLE_POLL_MS = 1000
@@ -61,6 +72,21 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> 
         inp.close(linger=0)
         out.close()
         ctx.term()
+
+
+def add_request(engine: LLMEngine, m: msg.AddRequest) -> Optional[msg.FromEngine]:
+    """Queue ``m``; when that fails, the message telling the front (None when
+    queued). A ValueError is input the front should have refused; anything
+    else is an engine fault, but confined to this request, which
+    ``LLMEngine.add_request`` leaves no trace of."""
+    try:
+        engine.add_request(m.request_id, m.prompt_token_ids, m.params, priority=m.priority, arrival_time=m.arrival_time)
+    except ValueError as exc:
+        return msg.RequestRejected(m.request_id, str(exc))
+    except Exception as exc:
+        logger.exception("request %s failed in add_request", m.request_id)
+        return msg.StepOutputs([msg.failed_delta(m.request_id, f"{type(exc).__name__}: {exc}")])
+    return None
 
 
 class _EngineLoop:
@@ -116,12 +142,9 @@ class _EngineLoop:
 
     def _handle(self, m: msg.ToEngine) -> None:
         if isinstance(m, msg.AddRequest):
-            try:
-                self.engine.add_request(
-                    m.request_id, m.prompt_token_ids, m.params, priority=m.priority, arrival_time=m.arrival_time
-                )
-            except ValueError as exc:
-                self._send(msg.RequestRejected(m.request_id, str(exc)))
+            failure = add_request(self.engine, m)
+            if failure is not None:
+                self._send(failure)
         elif isinstance(m, msg.AbortRequests):
             self.engine.abort_request(m.request_ids)
             self._tracker.forget(m.request_ids)

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 from octavo.config import EngineConfig
-from octavo.core.outputs import ModelRunnerOutput
+from octavo.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from octavo.core.request import Request, RequestStatus
 from octavo.core.scheduler import Scheduler
 from octavo.engine.detokenizer import IncrementalDetokenizer
@@ -20,6 +20,10 @@ from octavo.sampling_params import RequestOutputKind, SamplingParams
 from octavo.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
+
+
+class RequestFailedError(RuntimeError):
+    """Work for one request failed below the engine (runner or scheduler)."""
 
 
 class LLMEngine:
@@ -70,9 +74,30 @@ class LLMEngine:
         priority: int = 0,
         arrival_time: Optional[float] = None,
     ) -> None:
-        """Queue one request; raises ValueError for input the engine cannot serve."""
+        """Queue one request; raises ValueError for input the engine cannot serve.
+
+        All or nothing: whatever it raises, no part of the request stays queued."""
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already in use")
+        try:
+            self._add_request(request_id, prompt, params, priority, arrival_time)
+        except RecursionError:
+            # A structure nested past Python's recursion limit somewhere in the
+            # request (a JSON schema, usually): bad input, not an engine fault.
+            self._remove(request_id, RequestStatus.FINISHED_ABORTED)
+            raise ValueError("the request is too deeply nested (structured_outputs?)") from None
+        except BaseException:
+            self._remove(request_id, RequestStatus.FINISHED_ABORTED)  # no output: the caller gets the exception
+            raise
+
+    def _add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        priority: int,
+        arrival_time: Optional[float],
+    ) -> None:
         # A copy validates again (fields may have been set since construction)
         # and keeps later changes by the caller away from the running request.
         params = dataclasses.replace(params)
@@ -126,24 +151,24 @@ class LLMEngine:
                 else None
             )
             state.sequences[child_id] = SequenceState(index=i, detokenizer=detok)
-        for child in children:
-            self.scheduler.add_request(child)
-            self._child_to_parent[child.request_id] = request_id
         self._requests[request_id] = state
+        for child in children:
+            self._child_to_parent[child.request_id] = request_id
+            self.scheduler.add_request(child)
         self._prompt_tokens += len(prompt_ids)
 
     def abort_request(self, request_ids: Iterable[str]) -> None:
         """Cancel requests in any state; their blocks return to the pool now and
         each yields a final output with finish_reason "abort"."""
         for request_id in request_ids:
-            state = self._requests.pop(request_id, None)
+            state = self._remove(request_id, RequestStatus.FINISHED_ABORTED)
             if state is None:
                 continue
-            self.scheduler.abort_requests(state.child_ids)
-            for child_id in state.child_ids:
-                self._child_to_parent.pop(child_id, None)
-            state.finish_all("abort")
-            self._pending.append(state.make_output())
+            try:
+                state.finish_all("abort")
+                self._pending.append(state.make_output())
+            except Exception as exc:  # the final detokenization of this one request
+                self._pending.append(_error_output(state, exc))
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests) or bool(self._pending) or self.scheduler.has_unfinished_requests()
@@ -151,11 +176,68 @@ class LLMEngine:
     # ---- the step -------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """One scheduler step and one forward. An exception from here is an
+        engine failure (the forward itself); anything that goes wrong for one
+        request (its sampling, bookkeeping or detokenization) ends that request
+        with ``RequestOutput.error`` set and its blocks freed, and the other
+        requests carry on."""
         outputs, self._pending = self._pending, []
         sched_out = self.scheduler.schedule()
         runner_out = (
             self.runner.execute(sched_out) if not sched_out.is_empty else ModelRunnerOutput()
         )
+        self._note_first_scheduled(sched_out)
+        progressed: dict[str, RequestState] = {}
+        stopped: list[str] = []
+        for core_out in self.scheduler.update_from_output(sched_out, runner_out):
+            parent = self._child_to_parent.get(core_out.request_id)
+            if parent is None:
+                continue  # aborted or failed meanwhile
+            state = self._requests[parent]
+            try:
+                self._apply(state, core_out, stopped)
+            except Exception as exc:
+                outputs.append(self._fail(state, exc))
+                progressed.pop(parent, None)
+                continue
+            progressed[parent] = state
+        if stopped:
+            # Ids of requests failed meanwhile are gone from the scheduler: ignored.
+            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        for request_id, state in progressed.items():
+            try:
+                out = self._output_of(request_id, state)
+            except Exception as exc:
+                out = self._fail(state, exc)
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def _apply(self, state: RequestState, core_out: EngineCoreOutput, stopped: list[str]) -> None:
+        if core_out.error is not None:
+            raise RequestFailedError(core_out.error)
+        self._generation_tokens += len(core_out.new_token_ids)
+        if state.apply(core_out) is not None:
+            stopped.append(core_out.request_id)
+
+    def _output_of(self, request_id: str, state: RequestState) -> Optional[RequestOutput]:
+        # best_of > n ranks the candidates once all are done.
+        hold = state.params.best_of is not None and state.params.best_of > state.params.n
+        if state.finished:
+            self._remove(request_id, RequestStatus.FINISHED_STOPPED)  # the scheduler is done with it already
+        elif hold or state.params.output_kind is RequestOutputKind.FINAL_ONLY:
+            return None
+        return state.make_output()
+
+    def _fail(self, state: RequestState, exc: Exception) -> RequestOutput:
+        """End one request whose own work raised: free its sequences' blocks
+        (the scheduler's abort path) and report the error as its final output."""
+        if not isinstance(exc, RequestFailedError):
+            logger.exception("request %s failed", state.request_id)
+        self._remove(state.request_id, RequestStatus.FINISHED_ERROR)
+        return _error_output(state, exc)
+
+    def _note_first_scheduled(self, sched_out: SchedulerOutput) -> None:
         now = time.monotonic()
         for scheduled in sched_out.scheduled:
             parent = self._child_to_parent.get(scheduled.request.request_id)
@@ -163,28 +245,6 @@ class LLMEngine:
                 metrics = self._requests[parent].metrics
                 if metrics.first_scheduled_time is None:
                     metrics.first_scheduled_time = now
-        progressed: dict[str, RequestState] = {}
-        stopped: list[str] = []
-        for core_out in self.scheduler.update_from_output(sched_out, runner_out):
-            parent = self._child_to_parent.get(core_out.request_id)
-            if parent is None:
-                continue  # aborted meanwhile
-            state = self._requests[parent]
-            self._generation_tokens += len(core_out.new_token_ids)
-            if state.apply(core_out) is not None:
-                stopped.append(core_out.request_id)
-            progressed[parent] = state
-        if stopped:
-            self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
-        for request_id, state in progressed.items():
-            # best_of > n ranks the candidates once all are done.
-            hold = state.params.best_of is not None and state.params.best_of > state.params.n
-            if state.finished:
-                self._release(request_id)
-            elif hold or state.params.output_kind is RequestOutputKind.FINAL_ONLY:
-                continue
-            outputs.append(state.make_output())
-        return outputs
 
     def get_stats(self) -> EngineStats:
         kv = self.scheduler.kv_cache_manager
@@ -202,10 +262,15 @@ class LLMEngine:
 
     # ---- helpers --------------------------------------------------------
 
-    def _release(self, request_id: str) -> None:
-        state = self._requests.pop(request_id)
-        for child_id in state.child_ids:
-            self._child_to_parent.pop(child_id, None)
+    def _remove(self, request_id: str, status: RequestStatus) -> Optional[RequestState]:
+        """Forget a request; its sequences still in the scheduler end with
+        ``status`` and free their blocks."""
+        state = self._requests.pop(request_id, None)
+        if state is not None:
+            self.scheduler.finish_requests(state.child_ids, status)
+            for child_id in state.child_ids:
+                self._child_to_parent.pop(child_id, None)
+        return state
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[Optional[str], list[int]]:
         if isinstance(prompt, str):
@@ -259,3 +324,21 @@ class LLMEngine:
             eos_ids = [self.eos_token_id, *self._extra_eos_ids] if self.eos_token_id is not None else []
             self._grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, eos_token_ids=eos_ids)
         return self._grammar_compiler.compile(params.structured_outputs)
+
+
+def _error_output(state: RequestState, exc: BaseException) -> RequestOutput:
+    """The final output of a failed request: the error and nothing else (its
+    partial text may be what broke)."""
+    message = str(exc) if isinstance(exc, RequestFailedError) else f"{type(exc).__name__}: {exc}"
+    metrics = state.metrics
+    metrics.finished_time = time.monotonic()
+    return RequestOutput(
+        request_id=state.request_id,
+        prompt=state.prompt,
+        prompt_token_ids=state.prompt_token_ids,
+        outputs=[],
+        finished=True,
+        num_cached_tokens=state.num_cached_tokens,
+        metrics=metrics,
+        error=message,
+    )

@@ -156,6 +156,11 @@ def _choice_delta(c: CompletionOutput, sent: _Sent) -> ChoiceDelta:
     )
 
 
+def failed_delta(request_id: str, error: str) -> OutputDelta:
+    """The final message of a request the engine could not serve."""
+    return OutputDelta(request_id=request_id, choices=[], finished=True, error=error)
+
+
 def apply_delta(out: RequestOutput, delta: OutputDelta) -> None:
     """Front side: extend the cumulative ``out`` in place with ``delta``."""
     by_index = {c.index: c for c in out.outputs}

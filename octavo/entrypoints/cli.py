@@ -114,6 +114,14 @@ def build_parser() -> argparse.ArgumentParser:
     for f in fields(RequestLimits):  # one option per request limit, named after its field
         serve.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default,
                            help=f"{f.metadata['help']} (default: %(default)s)")
+    # Defaults from ServerConfig itself, so there is one source for them.
+    serve.add_argument("--engine-max-restarts", type=int, default=ServerConfig.engine_max_restarts,
+                       help="restart a dead engine up to this many times per window, then exit 1 "
+                            "(0: exit at once; default: %(default)s)")
+    serve.add_argument("--engine-restart-window", type=float, default=ServerConfig.engine_restart_window_s,
+                       help="seconds (default: %(default)s)")
+    serve.add_argument("--request-timeout", type=float, default=ServerConfig.request_timeout_s,
+                       help="abort requests older than this many seconds (504); default: no limit")
 
     gen = sub.add_parser("generate", help="generate offline (no server)")
     _add_engine_args(gen)
@@ -143,6 +151,9 @@ def _serve(args: argparse.Namespace) -> None:
         limits=RequestLimits(**{f.name: getattr(args, f.name) for f in fields(RequestLimits)}),
         trust_request_chat_template=args.trust_request_chat_template,
         metrics_api_keys=tuple(args.metrics_api_key or ()),
+        engine_max_restarts=args.engine_max_restarts,
+        engine_restart_window_s=args.engine_restart_window,
+        request_timeout_s=args.request_timeout,
     )
     serve(_engine_config(args), server_config)
 

@@ -108,7 +108,7 @@ class LLM:
                 request_id = str(next(self._ids))
                 self.engine.add_request(request_id, prompt, params, priority=prio)
                 request_ids.append(request_id)
-        except ValueError:
+        except BaseException:  # the prompts queued so far must not stay in the engine
             self.engine.abort_request(request_ids)
             self._drain()
             raise

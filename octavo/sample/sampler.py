@@ -19,7 +19,7 @@ the rows given to the sampler must be exactly the rows that sample.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
@@ -35,6 +35,8 @@ class SamplerOutput:
     # log-softmax of the raw logits (before temperature and filters); None when
     # no row asked for logprobs.
     logprobs: Optional[torch.Tensor] = None  # [B, V] float32
+    # Rows whose grammar could not advance past their token -> error message.
+    failed_rows: dict[int, str] = field(default_factory=dict)
 
 
 class Sampler:
@@ -69,9 +71,8 @@ class Sampler:
             probs = torch.softmax(warp_logits(logits, meta), dim=-1)
             sampled = _sample_exponential(probs, meta.generators)
             token_ids = torch.where(meta.temperature < GREEDY_TEMPERATURE, token_ids, sampled)
-        if meta.grammars is not None:
-            meta.grammars.advance(token_ids.tolist())
-        return SamplerOutput(token_ids, logprobs)
+        failed = meta.grammars.advance(token_ids.tolist()) if meta.grammars is not None else {}
+        return SamplerOutput(token_ids, logprobs, failed)
 
 
 def _nothing_to_process(meta: SamplingMetadata) -> bool:

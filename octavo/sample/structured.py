@@ -40,6 +40,11 @@ if TYPE_CHECKING:  # the engine layer sits above this one: no runtime import
 logger = logging.getLogger(__name__)
 
 _JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# Levels of JSON objects/arrays allowed in a schema. llguidance's JSON reader
+# stops at 128 (serde_json's limit), counting the few levels it wraps the
+# schema in; 120 stays clear of that. A nested object schema costs two
+# levels per property level ({"properties": {"a": {...}}}).
+MAX_SCHEMA_DEPTH = 120
 _BITS = 32  # llguidance packs the mask into int32 words, token t at bit t % 32 of word t // 32
 
 
@@ -107,7 +112,11 @@ class GrammarCompiler:
 
     def compile(self, spec: StructuredOutputParams) -> Grammar:
         """Raises ValueError naming the problem for an invalid schema, regex or choice."""
-        key = json.dumps(dataclasses.asdict(spec), sort_keys=True)
+        if spec.json_schema is not None:
+            _check_depth(spec.json_schema)
+        # json.dumps, not dataclasses.asdict: asdict deep-copies the schema in
+        # Python frames, three per level of nesting.
+        key = json.dumps([getattr(spec, f.name) for f in dataclasses.fields(spec)], sort_keys=True)
         grammar = self._cache.get(key)
         if grammar is not None:
             self._cache.move_to_end(key)
@@ -123,6 +132,24 @@ class GrammarCompiler:
         if len(self._cache) > self._cache_size:
             self._cache.popitem(last=False)
         return grammar
+
+
+def _check_depth(schema: object) -> None:
+    """Refuse schemas nested deeper than MAX_SCHEMA_DEPTH objects/arrays.
+
+    Deeper ones fail anyway (in llguidance, with a cryptic message), and past a few hundred levels Python's own recursion
+    limit turns them into RecursionError, which would take the engine down.
+    Counted with an explicit stack, so any depth is safe to measure."""
+    stack = [(schema, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_SCHEMA_DEPTH:
+            raise ValueError(
+                f"structured_outputs.json_schema is too deeply nested: more than {MAX_SCHEMA_DEPTH} "
+                "levels of objects and arrays"
+            )
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
 
 
 def _grammar_source(spec: StructuredOutputParams) -> str:
@@ -182,7 +209,15 @@ class GrammarBatch:
         logits[self.rows] = logits[self.rows].masked_fill(~self.allowed, float("-inf"))
         return logits
 
-    def advance(self, token_ids: list[int]) -> None:
-        """Feed each matcher the token sampled for its row (``token_ids`` is per batch row)."""
+    def advance(self, token_ids: list[int]) -> dict[int, str]:
+        """Feed each matcher the token sampled for its row (``token_ids`` is per
+        batch row). Returns the rows whose matcher raised, with the error: their
+        request fails alone, the other rows keep their tokens."""
+        failed: dict[int, str] = {}
         for row, matcher in zip(self.rows.tolist(), self.matchers):
-            matcher.accept(token_ids[row])
+            try:
+                matcher.accept(token_ids[row])
+            except Exception as exc:
+                logger.exception("grammar matcher of batch row %d failed", row)
+                failed[row] = f"structured output failed: {type(exc).__name__}: {exc}"
+        return failed

@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -13,6 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 import octavo
 from octavo.config import EngineConfig
 from octavo.engine.async_client import AsyncEngineClient
+from octavo.engine.restart_policy import RestartPolicy
 from octavo.engine.tokenizer import Tokenizer
 from octavo.server.chat import create_chat_completion, render_messages
 from octavo.server.completions import create_completion
@@ -26,15 +27,23 @@ from octavo.server.state import ServerState
 _STARTED = time.time()
 
 
-def build_app(engine_config: EngineConfig, server_config: ServerConfig) -> FastAPI:
+def build_app(
+    engine_config: EngineConfig,
+    server_config: ServerConfig,
+    on_engine_gave_up: Optional[Callable[[str], None]] = None,
+) -> FastAPI:
     """The engine process starts with the app (lifespan) and stops after
-    the HTTP server has drained."""
+    the HTTP server has drained. ``on_engine_gave_up`` is called when the
+    engine died more often than ``server_config`` allows restarts."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         # The tokenizer first: a bad folder fails in a second, not after the engine loaded.
         tokenizer = Tokenizer(engine_config.model.tokenizer or engine_config.model.model)
-        client = await AsyncEngineClient.start(engine_config, timeout_s=server_config.engine_start_timeout_s)
+        policy = RestartPolicy(server_config.engine_max_restarts, server_config.engine_restart_window_s)
+        client = await AsyncEngineClient.start(
+            engine_config, server_config.engine_start_timeout_s, policy, on_engine_gave_up
+        )
         try:
             metrics = ServerMetrics(client.info.model_name, lambda: client.stats)
             app.state.server = ServerState(client, tokenizer, server_config, metrics)

@@ -30,6 +30,13 @@ class ServerConfig:
     # Non-empty: /metrics needs one of these keys (and no other), whatever
     # public_routes and api_keys say.
     metrics_api_keys: tuple[str, ...] = ()
+    # Engine supervision (octavo.engine.restart_policy): a dead engine is
+    # restarted up to this many times within the window; one more death
+    # there and the server exits non-zero. 0: exit at the first death.
+    engine_max_restarts: int = 3
+    engine_restart_window_s: float = 60.0
+    # Seconds from arrival after which a request is aborted (504); None: no limit.
+    request_timeout_s: Optional[float] = None
 
     def __post_init__(self) -> None:
         if not (0 <= self.port <= 65535):
@@ -43,3 +50,9 @@ class ServerConfig:
         for name in ("api_keys", "metrics_api_keys"):
             if any(not k or k != k.strip() for k in getattr(self, name)):
                 raise ValueError(f"{name}: a key must not be empty or start or end with whitespace")
+        if self.engine_max_restarts < 0:
+            raise ValueError(f"engine_max_restarts must be >= 0, got {self.engine_max_restarts}")
+        if self.engine_restart_window_s <= 0:
+            raise ValueError(f"engine_restart_window_s must be > 0, got {self.engine_restart_window_s}")
+        if self.request_timeout_s is not None and self.request_timeout_s <= 0:
+            raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")

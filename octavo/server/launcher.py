@@ -49,7 +49,19 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> None:
     # clean stop for orchestrators) and Ctrl-C exits 130 without a traceback.
     signal.signal(signal.SIGTERM, _exit_with(0))
     signal.signal(signal.SIGINT, _exit_with(130))
-    app = build_app(engine_config, server_config)
+    exit_code = 0
+    server: Optional[_Server] = None
+
+    def engine_gave_up(reason: str) -> None:
+        # Stop serving (a graceful uvicorn exit; the in-flight requests have
+        # failed already) and exit 1, so an orchestrator restarts the server.
+        nonlocal exit_code
+        exit_code = 1
+        logger.error("exiting: %s", reason)
+        if server is not None:
+            server.should_exit = True
+
+    app = build_app(engine_config, server_config, engine_gave_up)
     config = uvicorn.Config(
         app,
         host=server_config.host,
@@ -58,4 +70,7 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> None:
         timeout_graceful_shutdown=server_config.shutdown_timeout_s,
         lifespan="on",
     )
-    _Server(config, app).run()
+    server = _Server(config, app)
+    server.run()
+    if exit_code:
+        raise SystemExit(exit_code)

@@ -7,7 +7,7 @@ import uuid
 from dataclasses import dataclass
 from typing import AsyncIterator, Optional
 
-from octavo.engine.async_client import AsyncEngineClient, EngineDeadError, EngineRequestError
+from octavo.engine.async_client import AsyncEngineClient, EngineDeadError, EngineRequestError, RequestTimeoutError
 from octavo.engine.tokenizer import Tokenizer
 from octavo.outputs import RequestOutput
 from octavo.sampling_params import SamplingParams
@@ -91,11 +91,13 @@ class ServerState:
         """One engine request with metrics; engine failures become APIErrors
         (``api_names`` as for ``build_sampling_params``)."""
         arrival = time.monotonic()
+        timeout = self.config.request_timeout_s
+        deadline = arrival + timeout if timeout is not None else None
         tracker = self.metrics.tracker(arrival)
         self.num_pending += 1
         pending, finished = True, False
         try:
-            stream = self.client.generate(uuid.uuid4().hex, prompt_ids, params, priority, arrival)
+            stream = self.client.generate(uuid.uuid4().hex, prompt_ids, params, priority, arrival, deadline)
             # aclosing: when our consumer stops, the engine request aborts now, not at garbage collection.
             async with contextlib.aclosing(stream):
                 async for out in stream:
@@ -111,7 +113,14 @@ class ServerState:
                         tracker.on_finish(out, now)
                     yield out
         except EngineDeadError as exc:
-            raise APIError(500, f"the engine failed while serving this request: {exc}", code="engine_dead") from None
+            # The engine died under this request and is being restarted (or the
+            # server is about to exit): a retry may well succeed.
+            raise APIError(503, f"the engine failed while serving this request: {exc}", code="engine_dead",
+                           headers={"Retry-After": "1"}) from None
+        except RequestTimeoutError:
+            # 504: the server gave up waiting on its own engine, the client did nothing wrong.
+            raise APIError(504, f"the request did not finish within {timeout} s (--request-timeout)",
+                           code="timeout") from None
         except EngineRequestError as exc:
             raise param_error(str(exc), api_names) from None
         finally:

@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Optional
 
 import torch
 
 from octavo.config import CacheConfig
 from octavo.model.config import ArchConfig
+from octavo.worker.memory import available_memory_bytes, check_pool_fits
 
 logger = logging.getLogger(__name__)
 
@@ -33,18 +33,6 @@ class CacheShape:
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * element
 
 
-def available_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        free, _total = torch.cuda.mem_get_info(device)
-        return free
-    # psutil is not a dependency; MemAvailable is what the kernel can give
-    # without swapping.
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
-            return int(line.split()[1]) * 1024
-    raise ValueError("cannot read MemAvailable from /proc/meminfo: set kv_cache_memory_bytes or num_blocks")
-
-
 def num_cache_blocks(
     config: CacheConfig, shape: CacheShape, device: torch.device, max_useful_tokens: Optional[int] = None
 ) -> int:
@@ -54,11 +42,16 @@ def num_cache_blocks(
     The fraction-of-memory default is capped at ``max_useful_tokens``
     (max_num_seqs * max_model_len, twice over for the prefix cache): more
     blocks could never hold live tokens, and allocating them costs seconds
-    of zero-filling and gigabytes of resident memory on CPU."""
+    of zero-filling and gigabytes of resident memory on CPU.
+
+    An explicit size must fit the memory available (``check_pool_fits``)."""
     if config.num_blocks is not None:
+        check_pool_fits(config.num_blocks * shape.bytes_per_block, device, "num_blocks (--num-blocks)")
         return config.num_blocks
     budget = config.kv_cache_memory_bytes
-    if budget is None:
+    if budget is not None:
+        check_pool_fits(budget, device, "kv_cache_memory_bytes (--kv-cache-memory)")
+    else:
         budget = int(available_memory_bytes(device) * config.memory_fraction)
         if max_useful_tokens is not None:
             cap_blocks = 2 * -(-max_useful_tokens // shape.block_size)

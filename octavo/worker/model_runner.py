@@ -18,7 +18,7 @@ from octavo.model.layers.linear import SMALL_ROWS, Linear, can_pack, pack_weight
 from octavo.model.loader import load_model, model_folder, resolve_dtype
 from octavo.sample.logprobs import token_logprobs
 from octavo.sample.metadata import SamplingMetadata
-from octavo.sample.sampler import Sampler
+from octavo.sample.sampler import Sampler, SamplerOutput
 from octavo.worker.input_batch import StepInputs, prepare_inputs
 from octavo.worker.kv_cache import CacheShape, allocate_kv_caches, copy_blocks, num_cache_blocks
 
@@ -37,6 +37,15 @@ class _LogitRows:
     def rows(self) -> list[int]:
         prompt_rows = [r for _, first, n in self.prompt for r in range(first, first + n)]
         return self.sample_rows + prompt_rows
+
+
+@dataclass
+class _Draw:
+    """One sampler pass over some of the step's requests."""
+
+    requests: list[Request]
+    result: SamplerOutput
+    max_num_logprobs: Optional[int]
 
 
 class ModelRunner:
@@ -124,17 +133,43 @@ class ModelRunner:
         return inputs, self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
 
     def _sample(self, scheduled: list[ScheduledRequest], logits: torch.Tensor, out: ModelRunnerOutput) -> None:
+        """Draw the batch's tokens in one pass. Should building its inputs or
+        the draw raise (one request's penalties, masks or grammar mask), draw
+        row by row instead, so that only the failing requests fail
+        (``out.failed``): a rare, slow path that keeps the common one free of
+        per-row guards. Retrying is safe: grammars advance only once the draw
+        has succeeded, and their advance guards each row itself."""
         requests = [s.request for s in scheduled]
+        try:
+            draws = [self._draw(requests, logits)]
+        except Exception:
+            logger.exception("sampling a batch of %d failed; sampling each request alone", len(requests))
+            draws = []
+            for i, request in enumerate(requests):
+                try:
+                    draws.append(self._draw([request], logits[i : i + 1]))
+                except Exception as exc:
+                    out.failed[request.request_id] = f"sampling failed: {type(exc).__name__}: {exc}"
+        for draw in draws:
+            self._record(draw, out)
+
+    def _draw(self, requests: list[Request], logits: torch.Tensor) -> _Draw:
         generators = [self._generator(r) for r in requests]
         meta = SamplingMetadata.from_requests(requests, generators, self.vocab_size, device=self.device)
-        result = self.sampler(logits, meta)
+        return _Draw(requests, self.sampler(logits, meta), meta.max_num_logprobs)
+
+    @staticmethod
+    def _record(draw: _Draw, out: ModelRunnerOutput) -> None:
+        requests, result = draw.requests, draw.result
+        for row, error in result.failed_rows.items():
+            out.failed[requests[row].request_id] = error
         tokens = result.token_ids.tolist()
-        out.sampled_token_ids = {r.request_id: [t] for r, t in zip(requests, tokens)}
+        out.sampled_token_ids.update({r.request_id: [t] for r, t in zip(requests, tokens)})
         wanted = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
         if wanted and result.logprobs is not None:
-            idx = torch.tensor(wanted, device=logits.device)
+            idx = torch.tensor(wanted, device=result.logprobs.device)
             entries = token_logprobs(
-                result.logprobs.index_select(0, idx), result.token_ids.index_select(0, idx), meta.max_num_logprobs
+                result.logprobs.index_select(0, idx), result.token_ids.index_select(0, idx), draw.max_num_logprobs
             )
             for i, entry in zip(wanted, entries):
                 entry.top = entry.top[: requests[i].sampling_params.logprobs]

@@ -103,3 +103,39 @@ def test_abort_between_schedule_and_update_and_unknown_ids():
     sched.abort_requests(["r", "never-existed"])
     Run(sched, runner).until_done()
     assert _all_free(sched)
+
+
+def test_a_request_whose_step_results_fail_ends_with_an_error_alone():
+    """The runner reports one request failed, and another's bookkeeping raises:
+    both end with "error" and free their blocks; the third finishes normally."""
+    sched, runner = make_scheduler(block_size=4)
+    reqs = [make_request(n, 6, max_tokens=8) for n in ("ok", "runner", "books")]
+    for r in reqs:
+        sched.add_request(r)
+    run = Run(sched, runner)
+    run.step()
+    execute = runner.execute
+
+    def failing_execute(out):
+        result = execute(out)
+        result.failed["runner"] = "sampling failed: boom"
+        return result
+
+    runner.execute = failing_execute
+    cache_blocks = sched.kv_cache_manager.cache_blocks
+
+    def failing_cache_blocks(request):
+        if request.request_id == "books":
+            raise RuntimeError("bookkeeping broke")
+        cache_blocks(request)
+
+    sched.kv_cache_manager.cache_blocks = failing_cache_blocks
+    run.step()
+    errors = {o.request_id: o.error for o in run.outputs if o.error is not None}
+    assert errors == {"runner": "sampling failed: boom", "books": "RuntimeError: bookkeeping broke"}
+    assert reqs[1].status is RequestStatus.FINISHED_ERROR and reqs[2].status is RequestStatus.FINISHED_ERROR
+    runner.execute = execute
+    run.until_done()
+    assert run.finish == {"runner": "error", "books": "error", "ok": "length"}
+    assert run.tokens["ok"] == reference_tokens(reqs[0].prompt_token_ids, 8, "ok")
+    assert _all_free(sched) and not sched.has_unfinished_requests()

@@ -7,7 +7,8 @@ import torch
 from octavo.config import CacheConfig
 from octavo.core.outputs import ScheduledRequest
 from octavo.worker.input_batch import prepare_inputs
-from octavo.worker.kv_cache import CacheShape, available_memory_bytes, copy_blocks, num_cache_blocks
+from octavo.worker.kv_cache import CacheShape, copy_blocks, num_cache_blocks
+from octavo.worker.memory import available_memory_bytes
 
 from .runner_utils import Blocks, make_request, make_runner, step
 

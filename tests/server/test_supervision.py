@@ -1,0 +1,89 @@
+"""A dead engine process is restarted with back-off; past the restart limit
+the server exits non-zero (docs/SERVING.md, Failure handling)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import httpx
+import pytest
+
+from tests.server.conftest import REPO, ServerProcess
+from tests.server.helpers import LONG, SSEStream, wait_for
+
+EXIT_WITHIN_S = 60.0  # generous: the machine may be busy
+
+
+@pytest.fixture
+def logs(tmp_path_factory):
+    return tmp_path_factory.mktemp("supervision")
+
+
+def kill_engine_under_a_stream(srv: ServerProcess) -> list[dict]:
+    """SIGKILL the engine while a stream is running; the stream's events."""
+    stream = SSEStream(srv, LONG)
+    stream.start()
+    wait_for(lambda: len(stream.lines) >= 2, what="the request to stream")
+    os.kill(srv.engine_pid(), signal.SIGKILL)
+    stream.join(60)
+    assert not stream.is_alive() and stream.status == 200 and stream.lines[-1] == "[DONE]"
+    return [json.loads(x) for x in stream.lines[:-1]]
+
+
+def test_a_killed_engine_is_restarted(model_path, logs):
+    srv = ServerProcess(model_path, logs / "restart.log", "--num-blocks", "128")
+    try:
+        first_engine = srv.engine_pid()
+        events = kill_engine_under_a_stream(srv)
+        error = events[-1]["error"]  # in-band, then [DONE]
+        assert error["code"] == "engine_dead" and "restarting" in error["message"]
+        health = httpx.get(srv.url + "/health")
+        assert health.status_code == 503 and health.json()["error"]["code"] == "engine_dead"
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi"}, headers=srv.headers)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
+
+        srv.wait_healthy(timeout_s=120)
+        assert srv.engine_pid() != first_engine
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 5}, headers=srv.headers,
+                       timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+        srv.wait_idle()
+    finally:
+        srv.stop()
+
+
+def test_no_restarts_allowed_exits_at_once(model_path, logs):
+    srv = ServerProcess(model_path, logs / "zero.log", "--engine-max-restarts", "0")
+    try:
+        os.kill(srv.engine_pid(), signal.SIGKILL)
+        assert srv.proc.wait(EXIT_WITHIN_S) == 1
+        assert "gave up" in srv.log()
+    finally:
+        srv.stop()
+
+
+def test_the_server_exits_after_too_many_deaths_in_the_window(model_path, logs):
+    srv = ServerProcess(model_path, logs / "limit.log", "--engine-max-restarts", "1", "--engine-restart-window", "600")
+    try:
+        kill_engine_under_a_stream(srv)
+        srv.wait_healthy(timeout_s=120)  # the one restart allowed
+        events = kill_engine_under_a_stream(srv)
+        assert events[-1]["error"]["code"] == "engine_dead"
+        assert srv.proc.wait(EXIT_WITHIN_S) == 1
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize("flag, value, field", [
+    ("--engine-max-restarts", "-1", "engine_max_restarts"),
+    ("--engine-restart-window", "0", "engine_restart_window_s"),
+    ("--request-timeout", "0", "request_timeout_s"),
+])
+def test_bad_supervision_flags_are_refused_naming_the_field(model_path, flag, value, field):
+    cmd = [sys.executable, "-m", "octavo.entrypoints.cli", "serve", str(model_path), flag, value]
+    done = subprocess.run(cmd, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and field in done.stderr
