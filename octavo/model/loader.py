@@ -61,14 +61,17 @@ def safetensors_files(folder: Path) -> list[Path]:
     )
 
 
-def _checkpoint_name_map(net: DecoderForCausalLM) -> dict[str, tuple[str, Union[int, str, None]]]:
+ShardId = Union[int, str, None]
+
+
+def _checkpoint_name_map(net: DecoderForCausalLM) -> dict[str, tuple[str, ShardId]]:
     """Checkpoint tensor name -> (parameter name, shard id) for every tensor
     the model needs: a fused module's parameter is expected once per part
     (``q_proj`` ... for ``qkv_proj``), as ``packed_modules_mapping`` says."""
     parts: dict[str, list[tuple[str, Union[int, str]]]] = {}
     for part, (fused, shard_id) in net.packed_modules_mapping.items():
         parts.setdefault(fused, []).append((part, shard_id))
-    names: dict[str, tuple[str, Union[int, str, None]]] = {}
+    names: dict[str, tuple[str, ShardId]] = {}
     # named_parameters lists a tied lm_head's weight once, as the embedding's.
     for param_name in dict(net.named_parameters()):
         module_path, _, leaf = param_name.rpartition(".")
@@ -118,14 +121,8 @@ def load_model(
     files = safetensors_files(folder)
     with default_dtype(torch_dtype), torch.device(device):
         net = DecoderForCausalLM(arch, arch.max_model_len(max_model_len), backends or ModelBackends())
-    params = dict(net.named_parameters())
     wanted = _checkpoint_name_map(net)
-
-    stored: list[str] = []
-    for file in files:
-        with safe_open(str(file), framework="pt", device=str(device)) as f:
-            stored += [n for n in f.keys() if not n.endswith(_IGNORED_SUFFIXES)
-                       and not (arch.tie_word_embeddings and n == "lm_head.weight")]
+    stored = _stored_names(files, arch)
     missing = sorted(set(wanted) - set(stored))
     unexpected = sorted(set(stored) - set(wanted))
     if missing or unexpected:
@@ -133,35 +130,58 @@ def load_model(
             f"checkpoint in {folder} does not match {arch.architecture}: "
             f"missing tensors {missing[:10]}, unexpected tensors {unexpected[:10]}"
         )
-
     with torch.no_grad():
-        for file in files:
-            with safe_open(str(file), framework="pt", device=str(device)) as f:
-                for name in f.keys():
-                    if name not in wanted:
-                        continue
-                    param_name, shard_id = wanted[name]
-                    param = params[param_name]
-                    loader = getattr(param, "weight_loader", _default_weight_loader)
-                    tensor = f.get_tensor(name)
-                    try:
-                        if shard_id is None:
-                            loader(param, tensor)
-                        else:
-                            loader(param, tensor, shard_id)
-                    except ValueError as exc:
-                        raise ValueError(
-                            f"checkpoint in {folder} has a tensor of the wrong shape: {name}: {exc}"
-                        ) from exc
-        kernels: Counter[str] = Counter()
-        for module in net.modules():
-            method = getattr(module, "linear_method", None)
-            if method is not None:
-                method.process_weights_after_loading(module)
-                kernels[method.kernel_name(module)] += 1
+        _load_tensors(net, files, wanted, device)
+        kernels = _process_weights_after_loading(net)
     net.eval()
     logger.info(
         "loaded %s from %s: %d tensors, dtype %s, device %s; linear layers by kernel: %s",
-        arch.architecture, folder, len(stored), torch_dtype, device, dict(kernels),
+        arch.architecture, folder, len(stored), torch_dtype, device, kernels,
     )
     return net, arch
+
+
+def _stored_names(files: list[Path], arch: ArchConfig) -> set[str]:
+    """The checkpoint's tensor names, less those recomputed or tied."""
+    names: set[str] = set()
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            names.update(n for n in f.keys() if not n.endswith(_IGNORED_SUFFIXES)
+                         and not (arch.tie_word_embeddings and n == "lm_head.weight"))
+    return names
+
+
+def _load_tensors(
+    net: torch.nn.Module, files: list[Path], wanted: dict[str, tuple[str, ShardId]], device: str | torch.device
+) -> None:
+    """Read each wanted tensor once and hand it to its parameter's loader."""
+    params = dict(net.named_parameters())
+    for file in files:
+        with safe_open(str(file), framework="pt", device=str(device)) as f:
+            for name in f.keys():
+                if name not in wanted:
+                    continue
+                param_name, shard_id = wanted[name]
+                param = params[param_name]
+                loader = getattr(param, "weight_loader", _default_weight_loader)
+                tensor = f.get_tensor(name)
+                try:
+                    if shard_id is None:
+                        loader(param, tensor)
+                    else:
+                        loader(param, tensor, shard_id)
+                except ValueError as exc:
+                    raise ValueError(
+                        f"checkpoint in {file.parent} has a tensor that does not fit: {name}: {exc}"
+                    ) from exc
+
+
+def _process_weights_after_loading(net: torch.nn.Module) -> dict[str, int]:
+    """Let every linear layer's method prepare its weights; the count of layers per kernel."""
+    kernels: Counter[str] = Counter()
+    for module in net.modules():
+        method = getattr(module, "linear_method", None)
+        if method is not None:
+            method.process_weights_after_loading(module)
+            kernels[method.kernel_name(module)] += 1
+    return dict(kernels)

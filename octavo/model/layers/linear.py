@@ -13,6 +13,7 @@ it is the layer's ``LinearMethod``'s business (octavo/quant/).
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from typing import Optional, Union
 
 import torch
@@ -44,7 +45,7 @@ def load_shard(target: torch.Tensor, loaded: torch.Tensor, dim: Optional[int], i
     target.copy_(loaded)
 
 
-class LinearBase(nn.Module):
+class LinearBase(nn.Module, ABC):
     """This rank's ``input_size`` x ``sum(output_sizes)`` product: the weight
     is created by ``linear_method``, the bias (``bias_split``: sharded along
     the outputs, else whole) here, and every parameter gets ``weight_loader``."""
@@ -70,8 +71,9 @@ class LinearBase(nn.Module):
         for param in self.parameters(recurse=False):
             param.weight_loader = self.weight_loader
 
+    @abstractmethod
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
-        raise NotImplementedError
+        """Copy this rank's part of the full checkpoint tensor ``loaded`` into ``param``."""
 
 
 class ColumnParallelLinear(LinearBase):
