@@ -6,10 +6,10 @@ from typing import Optional
 
 import torch
 
+from octavo.attention.registry import select_attention_backend
 from octavo.config import CacheConfig, ModelConfig, SchedulerConfig
 from octavo.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from octavo.core.request import Request
-from octavo.attention.registry import select_attention_backend
 from octavo.kernels.fused_ops import FusedOps, fused_ops
 from octavo.model.backends import ModelBackends
 from octavo.model.config import load_arch_config
@@ -21,6 +21,7 @@ from octavo.sample.metadata import SamplingMetadata
 from octavo.sample.sampler import Sampler
 from octavo.worker.input_batch import StepInputs, prepare_inputs
 from octavo.worker.kv_cache import CacheShape, allocate_kv_caches, copy_blocks, num_cache_blocks
+
 
 @dataclass
 class _LogitRows:
