@@ -54,8 +54,8 @@ def main() -> None:
     from octavo.core.scheduler import Scheduler
     from octavo.kernels.fused_ops import FusedOps
     from octavo.kernels.paged_decode import PagedDecodeKernel
-    from octavo.model.layers.linear import Linear
     from octavo.model.models.decoder import DecoderForCausalLM
+    from octavo.quant.unquantized import UnquantizedLinearMethod
     from octavo.worker import model_runner
 
     peer = OctavoPeer(args.model, "bfloat16", max_num_seqs=max(args.batch, 256), enable_prefix_caching=False,
@@ -67,7 +67,7 @@ def main() -> None:
     totals: dict[str, float] = defaultdict(float)
     calls: dict[str, int] = defaultdict(int)
     parts = [
-        (Linear, "forward", "matmuls in the layers"), (DecoderForCausalLM, "compute_logits", "lm_head"),
+        (UnquantizedLinearMethod, "apply", "matmuls in the layers"), (DecoderForCausalLM, "compute_logits", "lm_head"),
         (PagedDecodeKernel, "__call__", "decode attention"), (FusedOps, "rms_norm", "RMSNorm (+ residual)"),
         (FusedOps, "silu_mul", "SiLU x up"), (FusedOps, "rotary_write_kv", "rotary + K/V write"),
         (model_runner.ModelRunner, "_sample", "sampler"), (model_runner, "prepare_inputs", "input preparation"),
@@ -85,7 +85,7 @@ def main() -> None:
         for u in undo:
             u()
     peer.stop_decoding(ids)
-    totals["matmuls in the layers"] -= totals["lm_head"]  # the lm_head is a Linear too
+    totals["matmuls in the layers"] -= totals["lm_head"]  # the lm_head goes through the linear method too
     calls["matmuls in the layers"] -= calls["lm_head"]
     step_ms = elapsed / args.steps * 1e3
     rows = [{"part": part, "ms_per_step": totals[part] / args.steps * 1e3, "share": totals[part] / elapsed,

@@ -3,14 +3,17 @@ from __future__ import annotations
 
 import json
 import logging
+from collections import Counter
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional, Union
 
 import torch
 from safetensors import safe_open
 
+from octavo.model.backends import ModelBackends
 from octavo.model.config import ArchConfig, load_arch_config
-from octavo.model.layers.linear import FusedLinear
+from octavo.model.layers.linear import load_shard
 from octavo.model.models.decoder import DecoderForCausalLM
 
 logger = logging.getLogger(__name__)
@@ -58,19 +61,42 @@ def safetensors_files(folder: Path) -> list[Path]:
     )
 
 
-def _fused_parts(net: torch.nn.Module) -> dict[str, dict[str, torch.Size]]:
-    """Fused parameter name -> its checkpoint parts' names and shapes, in stacking order."""
-    stacks: dict[str, dict[str, torch.Size]] = {}
-    for module_name, module in net.named_modules():
-        if not isinstance(module, FusedLinear):
-            continue
-        parent = module_name.rsplit(".", 1)[0]
-        for param_name, param in module.named_parameters(recurse=False):
-            stacks[f"{module_name}.{param_name}"] = {
-                f"{parent}.{part}.{param_name}": torch.Size([size, *param.shape[1:]])
-                for part, size in zip(module.parts, module.sizes)
-            }
-    return stacks
+ShardId = Union[int, str, None]
+
+
+def _checkpoint_name_map(net: DecoderForCausalLM) -> dict[str, tuple[str, ShardId]]:
+    """Checkpoint tensor name -> (parameter name, shard id) for every tensor
+    the model needs: a fused module's parameter is expected once per part
+    (``q_proj`` ... for ``qkv_proj``), as ``packed_modules_mapping`` says."""
+    parts: dict[str, list[tuple[str, Union[int, str]]]] = {}
+    for part, (fused, shard_id) in net.packed_modules_mapping.items():
+        parts.setdefault(fused, []).append((part, shard_id))
+    names: dict[str, tuple[str, ShardId]] = {}
+    # named_parameters lists a tied lm_head's weight once, as the embedding's.
+    for param_name in dict(net.named_parameters()):
+        module_path, _, leaf = param_name.rpartition(".")
+        parent, _, module = module_path.rpartition(".")
+        if module in parts:
+            for part, shard_id in parts[module]:
+                names[f"{parent}.{part}.{leaf}"] = (param_name, shard_id)
+        else:
+            names[param_name] = (param_name, None)
+    return names
+
+
+@contextmanager
+def default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    """Layers create their parameters in torch's default dtype: ``dtype`` within the block."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _default_weight_loader(param: torch.nn.Parameter, loaded: torch.Tensor) -> None:
+    load_shard(param.data, loaded, None, 0, 1)
 
 
 def load_model(
@@ -78,57 +104,84 @@ def load_model(
     dtype: str = "auto",
     device: str | torch.device = "cpu",
     max_model_len: Optional[int] = None,
+    backends: Optional[ModelBackends] = None,
 ) -> tuple[DecoderForCausalLM, ArchConfig]:
-    """Build the model for ``model``'s config.json and fill it from its safetensors.
+    """Build the model for ``model``'s config.json with ``backends`` (default:
+    torch ops throughout) and fill it from its safetensors.
 
-    The module is built on the meta device, then every parameter is assigned the
-    loaded tensor itself (converted only when the dtype differs), so weights are
-    not allocated twice. Missing or unexpected tensors raise ValueError naming them.
+    Parameters are created empty on ``device`` for this rank's shard; each
+    checkpoint tensor is read once and its parameter's ``weight_loader``
+    copies this rank's part of it. Missing or unexpected tensors raise
+    ValueError naming them before any is read; then every linear layer's
+    method prepares its weights for its kernel.
     """
     folder = model_folder(model)
     arch = load_arch_config(folder)
     torch_dtype = resolve_dtype(dtype, arch.dtype)
     files = safetensors_files(folder)
-    with torch.device("meta"):
-        net = DecoderForCausalLM(arch, max_len=arch.max_model_len(max_model_len))
-    expected = {name: p.shape for name, p in net.state_dict().items()}
-    if arch.tie_word_embeddings:
-        del expected["lm_head.weight"]
-    stacks = _fused_parts(net)
-    for fused, parts in stacks.items():
-        del expected[fused]
-        expected.update(parts)
-
-    tensors: dict[str, torch.Tensor] = {}
-    unexpected: list[str] = []
-    for file in files:
-        with safe_open(str(file), framework="pt", device=str(device)) as f:
-            for name in f.keys():
-                if name.endswith(_IGNORED_SUFFIXES) or (arch.tie_word_embeddings and name == "lm_head.weight"):
-                    continue
-                if name not in expected:
-                    unexpected.append(name)
-                    continue
-                t = f.get_tensor(name)
-                tensors[name] = t if t.dtype == torch_dtype else t.to(torch_dtype)
-    missing = sorted(set(expected) - set(tensors))
+    with default_dtype(torch_dtype), torch.device(device):
+        net = DecoderForCausalLM(arch, arch.max_model_len(max_model_len), backends or ModelBackends())
+    wanted = _checkpoint_name_map(net)
+    stored = _stored_names(files, arch)
+    missing = sorted(set(wanted) - set(stored))
+    unexpected = sorted(set(stored) - set(wanted))
     if missing or unexpected:
         raise ValueError(
             f"checkpoint in {folder} does not match {arch.architecture}: "
-            f"missing tensors {missing[:10]}, unexpected tensors {sorted(unexpected)[:10]}"
+            f"missing tensors {missing[:10]}, unexpected tensors {unexpected[:10]}"
         )
-    wrong = [f"{n}: {tuple(t.shape)} != {tuple(expected[n])}" for n, t in tensors.items() if t.shape != expected[n]]
-    if wrong:
-        raise ValueError(f"checkpoint in {folder} has tensors of the wrong shape: {wrong[:10]}")
-
-    for fused, parts in stacks.items():
-        tensors[fused] = torch.cat([tensors.pop(part) for part in parts])
-    net.load_state_dict(tensors, strict=False, assign=True)
-    net.tie_weights()
-    net.requires_grad_(False)
+    with torch.no_grad():
+        _load_tensors(net, files, wanted, device)
+        kernels = _process_weights_after_loading(net)
     net.eval()
     logger.info(
-        "loaded %s from %s: %d tensors, dtype %s, device %s",
-        arch.architecture, folder, len(tensors), torch_dtype, device,
+        "loaded %s from %s: %d tensors, dtype %s, device %s; linear layers by kernel: %s",
+        arch.architecture, folder, len(stored), torch_dtype, device, kernels,
     )
     return net, arch
+
+
+def _stored_names(files: list[Path], arch: ArchConfig) -> set[str]:
+    """The checkpoint's tensor names, less those recomputed or tied."""
+    names: set[str] = set()
+    for file in files:
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            names.update(n for n in f.keys() if not n.endswith(_IGNORED_SUFFIXES)
+                         and not (arch.tie_word_embeddings and n == "lm_head.weight"))
+    return names
+
+
+def _load_tensors(
+    net: torch.nn.Module, files: list[Path], wanted: dict[str, tuple[str, ShardId]], device: str | torch.device
+) -> None:
+    """Read each wanted tensor once and hand it to its parameter's loader."""
+    params = dict(net.named_parameters())
+    for file in files:
+        with safe_open(str(file), framework="pt", device=str(device)) as f:
+            for name in f.keys():
+                if name not in wanted:
+                    continue
+                param_name, shard_id = wanted[name]
+                param = params[param_name]
+                loader = getattr(param, "weight_loader", _default_weight_loader)
+                tensor = f.get_tensor(name)
+                try:
+                    if shard_id is None:
+                        loader(param, tensor)
+                    else:
+                        loader(param, tensor, shard_id)
+                except ValueError as exc:
+                    raise ValueError(
+                        f"checkpoint in {file.parent} has a tensor that does not fit: {name}: {exc}"
+                    ) from exc
+
+
+def _process_weights_after_loading(net: torch.nn.Module) -> dict[str, int]:
+    """Let every linear layer's method prepare its weights; the count of layers per kernel."""
+    kernels: Counter[str] = Counter()
+    for module in net.modules():
+        method = getattr(module, "linear_method", None)
+        if method is not None:
+            method.process_weights_after_loading(module)
+            kernels[method.kernel_name(module)] += 1
+    return dict(kernels)

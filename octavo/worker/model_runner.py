@@ -1,28 +1,26 @@
 """ModelRunner: one SchedulerOutput in, sampled tokens (and logprobs) out."""
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
+from octavo.attention.registry import select_attention_backend
 from octavo.config import CacheConfig, ModelConfig, SchedulerConfig
 from octavo.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from octavo.core.request import Request
-from octavo.kernels.amx_linear import amx_linear_kernel
 from octavo.kernels.fused_ops import FusedOps, fused_ops
-from octavo.kernels.paged_decode import PagedDecodeKernel, paged_decode_kernel
+from octavo.model.backends import ModelBackends
+from octavo.model.config import load_arch_config
 from octavo.model.generation_config import load_generation_defaults
-from octavo.model.layers.linear import SMALL_ROWS, Linear, can_pack, pack_weights
 from octavo.model.loader import load_model, model_folder, resolve_dtype
+from octavo.quant.unquantized import UnquantizedLinearMethod
 from octavo.sample.logprobs import token_logprobs
 from octavo.sample.metadata import SamplingMetadata
 from octavo.sample.sampler import Sampler, SamplerOutput
 from octavo.worker.input_batch import StepInputs, prepare_inputs
 from octavo.worker.kv_cache import CacheShape, allocate_kv_caches, copy_blocks, num_cache_blocks
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -57,27 +55,33 @@ class ModelRunner:
     ) -> None:
         folder = model_folder(model_config.model)
         self.device = torch.device(model_config.device)
-        self.model, self.arch = load_model(folder, model_config.dtype, self.device, model_config.max_model_len)
+        arch = load_arch_config(folder)
+        self.dtype = resolve_dtype(model_config.dtype, arch.dtype)
+        cache_dtype = resolve_dtype(cache_config.cache_dtype, str(self.dtype).removeprefix("torch."))
+        ops = fused_ops() if model_config.fused_ops and FusedOps.supports(self.device, self.dtype) else None
+        self.backends = ModelBackends(
+            linear_method=UnquantizedLinearMethod.for_backend(model_config.linear_backend, self.device, self.dtype),
+            attention=select_attention_backend(
+                model_config.attention_backend, self.device, self.dtype, cache_dtype, set(arch.layer_windows)
+            ),
+            fused_ops=ops,
+        )
+        self.model, self.arch = load_model(
+            folder, model_config.dtype, self.device, model_config.max_model_len, self.backends
+        )
         self.max_model_len = self.arch.max_model_len(model_config.max_model_len)
-        self.dtype = self.model.lm_head.weight.dtype
         self.vocab_size = self.arch.vocab_size
         self.generation_defaults = load_generation_defaults(folder)
         self.eos_token_ids = list(self.generation_defaults.eos_token_ids or self.arch.eos_token_ids)
 
         self.block_size = cache_config.block_size
-        cache_dtype = resolve_dtype(cache_config.cache_dtype, str(self.dtype).removeprefix("torch."))
         shape = CacheShape.of(self.arch, self.block_size, cache_dtype)
         self.num_blocks = num_cache_blocks(
             cache_config, shape, self.device, scheduler_config.max_num_seqs * self.max_model_len
         )
         self.kv_caches = allocate_kv_caches(shape, self.num_blocks, self.device)
-        self.decode_kernel = _decode_kernel(model_config.attention_backend, self.device, self.dtype, cache_dtype)
-        _pack_linear_weights(self.model, model_config.linear_backend, self.device, self.dtype)
-        ops = fused_ops() if model_config.fused_ops and FusedOps.supports(self.device, self.dtype) else None
-        self.model.use_fused_ops(ops)
 
         self.sampler = Sampler(argmax=ops.argmax if ops is not None else None)
-        self._windows = self.model.attention_windows
         self._generators: dict[str, torch.Generator] = {}
         torch.manual_seed(model_config.seed)  # unseeded requests draw from the global RNG
 
@@ -127,9 +131,7 @@ class ModelRunner:
         copy_blocks(self.kv_caches, scheduler_output.block_copies)
         if scheduler_output.is_empty:
             return None
-        inputs = prepare_inputs(
-            scheduler_output.scheduled, self.block_size, self._windows, self.device, self.decode_kernel
-        )
+        inputs = prepare_inputs(scheduler_output.scheduled, self.block_size, self.backends.attention, self.device)
         return inputs, self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
 
     def _sample(self, scheduled: list[ScheduledRequest], logits: torch.Tensor, out: ModelRunnerOutput) -> None:
@@ -184,39 +186,6 @@ class ModelRunner:
             gen = self._generators[request.request_id] = torch.Generator(device=self.device)
             gen.manual_seed(seed)
         return gen
-
-
-def _decode_kernel(
-    backend: str, device: torch.device, dtype: torch.dtype, cache_dtype: torch.dtype
-) -> Optional[PagedDecodeKernel]:
-    if backend == "torch":
-        return None
-    fits = PagedDecodeKernel.supports(device, dtype, cache_dtype)
-    if backend == "native" and not fits:
-        raise ValueError(
-            f"attention_backend 'native' runs on CPU with float32/bfloat16/float16; "
-            f"got device {device.type}, dtype {dtype}, cache dtype {cache_dtype}"
-        )
-    return paged_decode_kernel(required=backend == "native") if fits else None
-
-
-def _pack_linear_weights(model: torch.nn.Module, backend: str, device: torch.device, dtype: torch.dtype) -> None:
-    if backend == "torch":
-        return
-    if not can_pack(device, dtype):
-        if backend != "auto":
-            raise ValueError(f"linear_backend {backend!r} runs bfloat16 weights on a CPU with oneDNN bf16 support; "
-                             f"got dtype {dtype} on {device.type}")
-        return
-    amx = amx_linear_kernel(required=backend == "native") if backend in ("auto", "native") else None
-    packed = pack_weights(model, amx)
-    if amx is None:
-        return
-    served = sum(isinstance(m, Linear) and m.small_rows is not None for m in model.modules())
-    if backend == "native" and served == 0:
-        raise ValueError("linear_backend 'native': the AMX kernel reads none of this model's packed weights "
-                         "(in-features not a multiple of 32, or a oneDNN layout it does not know)")
-    logger.info("AMX kernel serves %d of %d packed linear layers for up to %d rows", served, packed, SMALL_ROWS)
 
 
 def _plan_logit_rows(inputs: StepInputs) -> _LogitRows:

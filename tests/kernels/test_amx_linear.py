@@ -1,5 +1,5 @@
 """The AMX linear kernel against a float32 reference, on oneDNN's own packed
-bytes; and the Linear layer's choice of path."""
+bytes (the layers' choice of path: tests/quant/test_unquantized.py)."""
 from __future__ import annotations
 
 import pytest
@@ -7,7 +7,7 @@ import torch
 from torch.nn import functional as F
 
 from octavo.kernels.amx_linear import AmxLinearKernel, amx_linear_kernel, blocked_layout
-from octavo.model.layers.linear import SMALL_ROWS, Linear, can_pack, pack_weights
+from octavo.quant.unquantized import can_pack
 
 pytestmark = pytest.mark.skipif(
     not can_pack(torch.device("cpu"), torch.bfloat16) or amx_linear_kernel() is None,
@@ -90,24 +90,3 @@ def test_bad_inputs_are_refused(amx):
         layer(_randn(1, 32, seed=9), torch.zeros(64))
     assert not amx.fits(_randn(64, 40, seed=10))  # K = 40: not whole 32-blocks
     assert amx.share_onednn(_onednn(_randn(64, 40, seed=10)), _randn(64, 40, seed=10)) is None
-
-
-@pytest.mark.parametrize("rows", [1, SMALL_ROWS, SMALL_ROWS + 1, 300])
-def test_linear_sends_few_rows_to_the_kernel(amx, rows):
-    torch.manual_seed(rows)
-    layer = Linear(96, 200, bias=True).bfloat16()
-    weight, bias = layer.weight.detach().clone(), layer.bias.detach().clone()
-    pack_weights(layer, amx)
-    assert layer.small_rows is not None and layer.weight.device.type == "meta"
-    x = _randn(rows, 96, seed=11)
-    out = layer(x)
-    _assert_rounded_from(out, F.linear(x.float(), weight.float(), bias.float()))
-    onednn = torch.ops.mkldnn._linear_pointwise(x, layer.packed, layer.bias, "none", [], "")
-    kernel = layer.small_rows(x, layer.bias)
-    assert torch.equal(out, kernel if rows <= SMALL_ROWS else onednn)
-
-
-def test_a_layer_the_kernel_cannot_read_stays_on_oneDNN(amx):
-    layer = Linear(40, 64, bias=False).bfloat16()  # K = 40: not whole 32-blocks
-    pack_weights(layer, amx)
-    assert layer.packed is not None and layer.small_rows is None

@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch.nn import functional as F
 
+from octavo.attention.base import write_kv
 from octavo.kernels.fused_ops import FusedOps, fused_ops
 from octavo.model.layers.norm import RMSNorm
-from octavo.model.layers.paged_attention import write_kv
 from octavo.model.layers.rotary import RotaryEmbedding
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

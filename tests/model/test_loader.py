@@ -8,7 +8,6 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from octavo.model.layers.linear import FusedLinear
 from octavo.model.loader import load_model, resolve_dtype
 from tests.model_factory import make_tiny_model
 
@@ -36,14 +35,13 @@ def _unfused_state_dict(model):
     """The model's tensors under the checkpoint's names: fused projections
     (q/k/v, gate/up) split back into their parts."""
     out = dict(model.state_dict())
-    for module_name, module in model.named_modules():
-        if isinstance(module, FusedLinear):
-            parent = module_name.rsplit(".", 1)[0]
-            for param_name, param in module.named_parameters(recurse=False):
-                del out[f"{module_name}.{param_name}"]
-                for part, piece in zip(module.parts, param.split(module.sizes)):
-                    out[f"{parent}.{part}.{param_name}"] = piece
-    return out
+    for part, (fused, shard_id) in model.packed_modules_mapping.items():
+        for name in [n for n in out if f".{fused}." in n]:
+            module_name = name.rsplit(".", 1)[0]
+            index = shard_id if isinstance(shard_id, int) else "qkv".index(shard_id)
+            pieces = out[name].split(model.get_submodule(module_name).output_sizes)
+            out[name.replace(f".{fused}.", f".{part}.")] = pieces[index]
+    return {n: t for n, t in out.items() if not any(f".{f}." in n for f, _ in model.packed_modules_mapping.values())}
 
 
 def test_tied_embeddings_share_one_tensor(variant):

@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from octavo.config import CacheConfig
+from octavo.attention.torch_sdpa import TorchSdpaBackend
 from octavo.core.outputs import ScheduledRequest
 from octavo.worker.input_batch import prepare_inputs
 from octavo.worker.kv_cache import CacheShape, copy_blocks, num_cache_blocks
@@ -48,7 +49,7 @@ def test_prepare_inputs_layout():
         ScheduledRequest(a, 4, a.prompt_token_ids[4:20], [7, 2], True),  # positions 4..19
         ScheduledRequest(b, 4, [b.prompt_token_ids[4]], [3], True),
     ]
-    inputs = prepare_inputs(scheduled, 16, {None, 4}, CPU)
+    inputs = prepare_inputs(scheduled, 16, TorchSdpaBackend({None, 4}), CPU)
     assert [s.request.request_id for s in inputs.order] == ["b", "a"]  # decodes first
     assert inputs.q_starts == [0, 1]
     assert inputs.input_ids.tolist() == [4] + list(range(14, 30))
@@ -71,7 +72,7 @@ def test_prepare_inputs_layout():
 def test_prepare_inputs_rejects_a_short_block_table():
     req = make_request("a", list(range(20)))
     with pytest.raises(ValueError, match="blocks cannot hold"):
-        prepare_inputs([ScheduledRequest(req, 0, req.prompt_token_ids, [0], True)], 16, {None}, CPU)
+        prepare_inputs([ScheduledRequest(req, 0, req.prompt_token_ids, [0], True)], 16, TorchSdpaBackend({None}), CPU)
 
 
 def test_runner_attributes(variant):
@@ -118,7 +119,7 @@ def test_decodes_of_different_lengths_are_grouped_longest_first():
     scheduled = [
         ScheduledRequest(r, r.num_prompt_tokens - 1, [r.prompt_token_ids[-1]], list(range(13)), True) for r in reqs
     ]
-    inputs = prepare_inputs(scheduled, 16, {None}, CPU)
+    inputs = prepare_inputs(scheduled, 16, TorchSdpaBackend({None}), CPU)
     assert [s.request.request_id for s in inputs.order] == ["c", "d", "b", "a"]
     groups = inputs.attn.decode_groups
     # c and d pad to 13 blocks together; b (3 blocks) and a (1 block) would more

@@ -1,86 +1,178 @@
-"""The model's linear layer: torch's, with bf16 weights prepacked for oneDNN on
-CPU, and few-row products through Octavo's AMX kernel on those same bytes.
+"""Linear layers split Megatron-style across the tensor-parallel ranks, each
+parameter loading its own shard from the full checkpoint tensor.
 
-torch's bf16 CPU matmul reorders the weight into oneDNN's blocked layout on
-every call. Packing each weight once at load time (``pack_weights``) skips
-that: 1.3-2.2x faster products at every batch size on this project's CPUs,
-the same results up to the summation order. For up to ``SMALL_ROWS`` rows
-(decode at small batch: a pure weight read) the AMX kernel reads the packed
-weight ~1.1-1.25x faster than oneDNN does (BENCHMARKS.md has the figures).
+Column-parallel layers split the output features (every rank computes a
+slice of the outputs: q/k/v heads, gate/up columns); row-parallel ones split
+the input features (every rank computes a partial sum, all-reduced). An
+attention or MLP block is a column-parallel layer followed by a row-parallel
+one, so each needs one all-reduce and nothing in between. At tp_size 1 every
+split is the whole tensor and no collective runs.
+
+What the weight is (bf16, quantized, prepacked) and which kernel multiplies
+it is the layer's ``LinearMethod``'s business (octavo/quant/).
 """
 from __future__ import annotations
 
-from typing import Optional
+from abc import ABC, abstractmethod
+from typing import Optional, Union
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
-from octavo.kernels.amx_linear import AmxLinearKernel, AmxWeight
-
-# Batch size oneDNN picks the packed layout for; it serves 1 to 1000+ rows alike.
-_PACK_HINT = 128
-# Rows up to which the AMX kernel beats oneDNN on the same weights
-# (benchmarks/linear_kernels.py: 1.25x at 1-16 rows, even at 128).
-SMALL_ROWS = 64
+from octavo.distributed.communication import tensor_model_parallel_all_reduce
+from octavo.distributed.parallel_state import get_parallel_state
+from octavo.quant.base import LinearMethod, set_weight_attrs
+from octavo.quant.unquantized import UnquantizedLinearMethod
 
 
-class Linear(nn.Linear):
-    packed: Optional[torch.Tensor] = None  # oneDNN's prepacked copy of the weight
-    small_rows: Optional[AmxWeight] = None  # the AMX kernel over those bytes
+def divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator:
+        raise ValueError(f"{what} ({numerator}) is not divisible by tensor_parallel_size {denominator}")
+    return numerator // denominator
+
+
+def load_shard(target: torch.Tensor, loaded: torch.Tensor, dim: Optional[int], index: int, num_shards: int) -> None:
+    """Copy piece ``index`` of ``loaded`` cut into ``num_shards`` equal pieces
+    along ``dim`` (each the size of ``target``) into ``target``; dim None: the
+    whole tensor. ValueError when ``loaded`` is not the full tensor's shape."""
+    expected = list(target.shape)
+    if dim is not None:
+        expected[dim] *= num_shards
+    if list(loaded.shape) != expected:
+        raise ValueError(f"shape {tuple(loaded.shape)} does not match the expected {tuple(expected)}")
+    if dim is not None:
+        loaded = loaded.narrow(dim, index * target.shape[dim], target.shape[dim])
+    target.copy_(loaded)
+
+
+class LinearBase(nn.Module, ABC):
+    """This rank's ``input_size`` x ``sum(output_sizes)`` product: the weight
+    is created by ``linear_method``, the bias (``bias_split``: sharded along
+    the outputs, else whole) here, and every parameter gets ``weight_loader``."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: list[int],
+        bias: bool,
+        bias_split: bool,
+        linear_method: Optional[LinearMethod],
+    ) -> None:
+        super().__init__()
+        self.linear_method = linear_method or UnquantizedLinearMethod()
+        self.output_sizes = output_sizes
+        dtype = torch.get_default_dtype()
+        self.linear_method.create_weights(self, input_size, output_sizes, dtype)
+        if bias:
+            self.bias = nn.Parameter(torch.empty(sum(output_sizes), dtype=dtype), requires_grad=False)
+            set_weight_attrs(self.bias, output_dim=0 if bias_split else None, input_dim=None)
+        else:
+            self.register_parameter("bias", None)
+        for param in self.parameters(recurse=False):
+            param.weight_loader = self.weight_loader
+
+    @abstractmethod
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        """Copy this rank's part of the full checkpoint tensor ``loaded`` into ``param``."""
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split across ranks; no collective (the next
+    row-parallel layer consumes the split)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool,
+                 linear_method: Optional[LinearMethod] = None) -> None:
+        state = get_parallel_state()
+        self.tp_rank, self.tp_size = state.tp_rank, state.tp_size
+        super().__init__(input_size, self._rank_sizes(output_size), bias, True, linear_method)
+
+    def _rank_sizes(self, output_size: int) -> list[int]:
+        return [divide(output_size, self.tp_size, "output features")]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.small_rows is not None and x.numel() <= SMALL_ROWS * x.shape[-1]:
-            return self.small_rows(x, self.bias)
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
+        return self.linear_method.apply(self, x, self.bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        load_shard(param.data, loaded, param.output_dim, self.tp_rank, self.tp_size)
 
 
-class FusedLinear(Linear):
-    """Several projections of the same input as one matmul (q/k/v, gate/up).
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel products of one input as one matmul (gate/up):
+    each rank holds its slice of every part, parts in order. The checkpoint
+    stores the parts apart; ``shard_id`` is the part's index."""
 
-    Checkpoints store the parts under their own names (``q_proj``, ...); the
-    loader stacks them in ``parts`` order, ``sizes`` output rows each."""
+    def __init__(self, input_size: int, output_sizes: list[int], bias: bool,
+                 linear_method: Optional[LinearMethod] = None) -> None:
+        self.full_output_sizes = list(output_sizes)
+        super().__init__(input_size, sum(output_sizes), bias, linear_method)
 
-    def __init__(self, in_features: int, sizes: list[int], parts: tuple[str, ...], bias: bool) -> None:
-        super().__init__(in_features, sum(sizes), bias=bias)
-        if len(sizes) != len(parts):
-            raise ValueError(f"{len(parts)} parts {parts} but {len(sizes)} sizes")
-        self.sizes, self.parts = list(sizes), parts
+    def _rank_sizes(self, output_size: int) -> list[int]:
+        return [divide(size, self.tp_size, "output features") for size in self.full_output_sizes]
 
-    def forward_split(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return self.forward(x).split(self.sizes, dim=-1)
-
-
-def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
-    return (
-        device.type == "cpu"
-        and dtype == torch.bfloat16
-        and torch.backends.mkldnn.is_available()
-        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    )
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Union[int, str, None] = None) -> None:
+        if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
+            raise ValueError(f"shard_id must be a part index in [0, {len(self.output_sizes)}); got {shard_id!r}")
+        dim = param.output_dim
+        offset, size = sum(self.output_sizes[:shard_id]), self.output_sizes[shard_id]
+        load_shard(param.data.narrow(dim, offset, size), loaded, dim, self.tp_rank, self.tp_size)
 
 
-def pack_weights(model: nn.Module, amx: Optional[AmxLinearKernel] = None) -> int:
-    """Pack every bf16 Linear weight of ``model`` for oneDNN; returns how many.
-    With ``amx``, few-row products of each packed weight whose layout the
-    kernel reads go to it.
+class QKVParallelLinear(ColumnParallelLinear):
+    """q, k and v projections as one matmul, split by heads. With fewer KV
+    heads than ranks each KV head is replicated on tp_size / num_kv_heads
+    ranks (every rank needs the K/V of its query heads' group)."""
 
-    The plain weight is then dropped (kept as a meta tensor for its shape and
-    dtype) unless another module shares it, like a tied embedding."""
-    owners: dict[int, int] = {}
-    for module in model.modules():
-        for param in module.parameters(recurse=False):
-            owners[id(param)] = owners.get(id(param), 0) + 1
-    count = 0
-    for module in model.modules():
-        if isinstance(module, Linear) and module.weight.dtype == torch.bfloat16 and module.packed is None:
-            weight = module.weight.detach()
-            module.packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_HINT)
-            if amx is not None:
-                module.small_rows = amx.share_onednn(module.packed, weight)
-            if owners[id(module.weight)] == 1:
-                module.weight = nn.Parameter(weight.to("meta"), requires_grad=False)
-            count += 1
-    return count
+    def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
+                 linear_method: Optional[LinearMethod] = None) -> None:
+        tp_size = get_parallel_state().tp_size
+        self.head_dim = head_dim
+        self.num_heads = divide(num_heads, tp_size, "num_attention_heads")
+        if tp_size >= num_kv_heads:
+            if tp_size % num_kv_heads:
+                raise ValueError(f"tensor_parallel_size {tp_size} is not a multiple of num_key_value_heads "
+                                 f"{num_kv_heads} (each KV head must be replicated on the same number of ranks)")
+            self.num_kv_heads = 1
+        else:
+            self.num_kv_heads = divide(num_kv_heads, tp_size, "num_key_value_heads")
+        self.num_kv_shards = num_kv_heads // self.num_kv_heads
+        super().__init__(hidden_size, (self.num_heads + 2 * self.num_kv_heads) * head_dim, bias, linear_method)
+
+    def _rank_sizes(self, output_size: int) -> list[int]:
+        kv = self.num_kv_heads * self.head_dim
+        return [self.num_heads * self.head_dim, kv, kv]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Union[int, str, None] = None) -> None:
+        if shard_id not in ("q", "k", "v"):
+            raise ValueError(f"shard_id must be 'q', 'k' or 'v'; got {shard_id!r}")
+        dim = param.output_dim
+        q, kv = self.output_sizes[0], self.output_sizes[1]
+        if shard_id == "q":
+            offset, size, index, shards = 0, q, self.tp_rank, self.tp_size
+        else:
+            # Ranks tp_size / num_kv_shards apart in a row share one KV shard.
+            index = self.tp_rank * self.num_kv_shards // self.tp_size
+            offset, size, shards = q if shard_id == "k" else q + kv, kv, self.num_kv_shards
+        load_shard(param.data.narrow(dim, offset, size), loaded, dim, index, shards)
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split across ranks: each rank multiplies its slice of
+    the input (the previous column-parallel layer's output) and the partial
+    sums are all-reduced. The bias is added by rank 0 only, fused into its
+    product, so the sum holds it once."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool,
+                 linear_method: Optional[LinearMethod] = None) -> None:
+        state = get_parallel_state()
+        self.tp_rank, self.tp_size = state.tp_rank, state.tp_size
+        super().__init__(divide(input_size, self.tp_size, "input features"), [output_size], bias, False,
+                         linear_method)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.linear_method.apply(self, x, self.bias if self.tp_rank == 0 else None)
+        if self.tp_size > 1:
+            out = tensor_model_parallel_all_reduce(out)
+        return out
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        load_shard(param.data, loaded, param.input_dim, self.tp_rank, self.tp_size)

@@ -1,14 +1,15 @@
-"""The gated feed-forward block (SwiGLU and friends)."""
+"""The gated feed-forward block (SwiGLU and friends): gate/up column-parallel,
+down row-parallel, so a tensor-parallel MLP needs one all-reduce."""
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from octavo.kernels.fused_ops import FusedOps
-from octavo.model.layers.linear import FusedLinear, Linear
+from octavo.model.backends import ModelBackends
+from octavo.model.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
@@ -20,21 +21,21 @@ _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 
 
 class GatedMLP(nn.Module):
-    # The native kernels (set by ``use_fused_ops``); None: torch ops.
-    fused: Optional[FusedOps] = None
-
-    def __init__(self, hidden: int, intermediate: int, act: str, bias: bool) -> None:
+    def __init__(self, hidden: int, intermediate: int, act: str, bias: bool, backends: ModelBackends) -> None:
         super().__init__()
         if act not in _ACTIVATIONS:
             raise ValueError(f"hidden_act {act!r} is not supported; supported: {', '.join(_ACTIVATIONS)}")
-        self.gate_up_proj = FusedLinear(hidden, [intermediate, intermediate], ("gate_proj", "up_proj"), bias=bias)
-        self.down_proj = Linear(intermediate, hidden, bias=bias)
+        method = backends.linear_method
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate, intermediate], bias, method)
+        self.down_proj = RowParallelLinear(intermediate, hidden, bias, method)
         self.act = _ACTIVATIONS[act]
-        self.is_silu = act in ("silu", "swish")
+        # SiLU and the product read the fused projection's output in one pass.
+        # The native kernel reads the fused projection's output once for SiLU and the product.
+        self.ops = backends.fused_ops if act in ("silu", "swish") else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused is not None and self.is_silu:
-            # SiLU and the product read the fused projection's output in one pass.
-            return self.down_proj(self.fused.silu_mul(self.gate_up_proj(x)))
-        gate, up = self.gate_up_proj.forward_split(x)
+        gate_up = self.gate_up_proj(x)
+        if self.ops is not None:
+            return self.down_proj(self.ops.silu_mul(gate_up))
+        gate, up = gate_up.split(self.gate_up_proj.output_sizes, dim=-1)
         return self.down_proj(self.act(gate) * up)

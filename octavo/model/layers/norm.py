@@ -11,24 +11,23 @@ from octavo.kernels.fused_ops import FusedOps
 
 
 class RMSNorm(nn.Module):
-    # The native kernels (set by ``use_fused_ops``); None: torch ops.
-    fused: Optional[FusedOps] = None
-
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, ops: Optional[FusedOps] = None) -> None:
+        """``ops``: the native kernels; None: torch ops."""
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
         self.eps = eps
+        self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused is not None and x.is_contiguous():
-            return self.fused.rms_norm(x, self.weight, self.eps)
+        if self.ops is not None and x.is_contiguous():
+            return self.ops.rms_norm(x, self.weight, self.eps)
         return self._torch(x)
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual): the residual stream's add and
         the next norm in one pass. ``residual`` may be updated in place."""
-        if self.fused is not None and x.is_contiguous() and residual.is_contiguous():
-            return self.fused.rms_norm(x, self.weight, self.eps, residual), residual
+        if self.ops is not None and x.is_contiguous() and residual.is_contiguous():
+            return self.ops.rms_norm(x, self.weight, self.eps, residual), residual
         residual = x + residual
         return self._torch(residual), residual
 

@@ -15,8 +15,8 @@ from octavo.model.config import RopeConfig
 def inverse_frequencies(rope: RopeConfig, head_dim: int, max_len: int) -> tuple[torch.Tensor, float]:
     """(inv_freq [head_dim // 2] float32, attention factor scaling cos/sin).
 
-    Built on the CPU explicitly: the model may be constructed under a meta
-    device context for loading."""
+    Built on the CPU explicitly: the model is constructed under its device's
+    context for loading, and ``cos_sin`` moves them where the positions are."""
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
     inv_freq = 1.0 / (rope.theta**exponents)
     if rope.rope_type == "default":

@@ -1,8 +1,8 @@
 """The decoder-only transformer shared by Llama, Mistral, Qwen2 and Qwen3.
 
 Module names mirror Hugging Face checkpoints (``model.layers.0.self_attn.o_proj``
-...) so loading is a name match; fused projections (``qkv_proj``, ``gate_up_proj``)
-are stacked by the loader from the checkpoint's parts."""
+...) so loading is a name match; the fused projections (``qkv_proj``,
+``gate_up_proj``) take their parts' tensors through ``packed_modules_mapping``."""
 from __future__ import annotations
 
 from typing import Optional
@@ -10,23 +10,25 @@ from typing import Optional
 import torch
 from torch import nn
 
-from octavo.kernels.fused_ops import FusedOps
-from octavo.model.attention_metadata import AttentionMetadata
+from octavo.attention.base import AttentionMetadata
+from octavo.model.backends import ModelBackends
 from octavo.model.config import ArchConfig
 from octavo.model.layers.attention import Attention
-from octavo.model.layers.linear import Linear
 from octavo.model.layers.mlp import GatedMLP
 from octavo.model.layers.norm import RMSNorm
 from octavo.model.layers.rotary import RotaryEmbedding
+from octavo.model.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ArchConfig, layer_idx: int) -> None:
+    def __init__(self, arch: ArchConfig, layer_idx: int, backends: ModelBackends) -> None:
         super().__init__()
-        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.self_attn = Attention(arch, layer_idx)
-        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = GatedMLP(arch.hidden_size, arch.intermediate_size, arch.hidden_act, arch.switches.mlp_bias)
+        ops = backends.fused_ops
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
+        self.self_attn = Attention(arch, layer_idx, backends)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
+        self.mlp = GatedMLP(arch.hidden_size, arch.intermediate_size, arch.hidden_act, arch.switches.mlp_bias,
+                            backends)
 
     def forward(
         self,
@@ -36,7 +38,7 @@ class DecoderLayer(nn.Module):
         sin: torch.Tensor,
         kv_cache: torch.Tensor,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's output, the residual stream before it is added):
         each add is done by the next norm (``add_forward``), fused with it."""
         if residual is None:
@@ -49,29 +51,31 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, arch: ArchConfig) -> None:
+    def __init__(self, arch: ArchConfig, backends: ModelBackends) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(arch, i) for i in range(arch.num_layers))
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(arch, i, backends) for i in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, backends.fused_ops)
 
 
 class DecoderForCausalLM(nn.Module):
-    def __init__(self, arch: ArchConfig, max_len: int) -> None:
+    # Checkpoint module name -> (this model's fused module, the part's shard id).
+    packed_modules_mapping: dict[str, tuple[str, int | str]] = {
+        "q_proj": ("qkv_proj", "q"),
+        "k_proj": ("qkv_proj", "k"),
+        "v_proj": ("qkv_proj", "v"),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, arch: ArchConfig, max_len: int, backends: ModelBackends) -> None:
         super().__init__()
         self.arch = arch
-        self.model = DecoderModel(arch)
-        self.lm_head = Linear(arch.hidden_size, arch.vocab_size, bias=False)
-        # Not a buffer: the module may be built on the meta device for loading.
+        self.model = DecoderModel(arch, backends)
+        self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, backends.linear_method)
+        if arch.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
         self.rotary = RotaryEmbedding(arch.rope, arch.head_dim, max_len)
-
-    @property
-    def attention_windows(self) -> set[Optional[int]]:
-        return set(self.arch.layer_windows)
-
-    def tie_weights(self) -> None:
-        if self.arch.tie_word_embeddings:
-            self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(
         self,
@@ -91,10 +95,3 @@ class DecoderForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.model.norm(hidden))
-
-    def use_fused_ops(self, ops: Optional[FusedOps]) -> None:
-        """Run norms, SiLU-and-multiply and rotary with the native kernels
-        (``ops``), or with torch ops (None). Same values either way."""
-        for module in self.modules():
-            if isinstance(module, (RMSNorm, GatedMLP, Attention)):
-                module.fused = ops

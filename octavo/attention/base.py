@@ -1,0 +1,115 @@
+"""The attention seam: a backend turns the step's layout into its metadata
+once per step, then runs every layer's attention over the paged KV cache.
+
+The cache of one layer is one tensor ``[2, num_blocks, block_size, kv_heads,
+head_dim]`` (K then V), allocated by the worker; every backend reads and
+writes that layout. Metadata is an explicit object the model passes down to
+each layer, never global state, so two steps (or two models) never share it.
+The model calls ``write_kv`` and ``forward`` and never knows which backend runs.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar, Iterable, Optional
+
+import torch
+
+# window (None = full attention) -> mask; True marks keys a query attends to.
+MaskByWindow = dict[Optional[int], Optional[torch.Tensor]]
+
+
+@dataclass
+class StepLayout:
+    """How the worker laid out one step's tokens, flattened to
+    ``[total_tokens, ...]``: request i owns rows ``query_starts[i] ..
+    + query_lens[i]``, single-token rows (decodes) first, longest context first."""
+
+    block_size: int
+    num_decodes: int
+    query_starts: list[int]
+    query_lens: list[int]
+    context_lens: list[int]  # tokens in the cache after this step, per request
+    blocks_needed: list[int]  # blocks covering context_lens
+    block_table: torch.Tensor  # [requests, max blocks] int64, padded with block 0
+    slot_mapping: torch.Tensor  # [total_tokens] int64: block_id * block_size + offset
+    device: torch.device
+
+
+@dataclass
+class PrefillChunk:
+    """Rows ``q_start:q_end`` are positions ``context_len - (q_end - q_start)``
+    .. ``context_len - 1`` of one request."""
+
+    q_start: int
+    q_end: int
+    context_len: int
+    # No cached prefix: attend over the step's own K/V and skip the cache read.
+    fresh: bool
+    block_ids: Optional[torch.Tensor]  # [blocks covering context_len]; None when fresh
+    masks: MaskByWindow  # [q_len, context_len]; None = plain causal (fresh, full attention)
+
+
+@dataclass
+class AttentionMetadata:
+    """What every backend needs; backends extend it with their own fields."""
+
+    slot_mapping: torch.Tensor  # [total_tokens] int64
+    num_decodes: int  # rows 0 .. num_decodes-1 are single-token queries
+    prefills: list[PrefillChunk]
+
+
+class AttentionBackend(ABC):
+    """One object serves every layer of a model; ``windows`` are the sliding
+    windows its layers use (None = full attention), so masks are built once
+    per step per window, never per layer."""
+
+    name: ClassVar[str]
+    # What ``supports`` asks for, in words (for the error when it says no).
+    requirement: ClassVar[str] = "runs anywhere"
+
+    def __init__(self, windows: Iterable[Optional[int]]) -> None:
+        self.windows = frozenset(windows)
+
+    @staticmethod
+    def supports(device: torch.device, dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
+        """Whether the backend runs a model of ``dtype`` with a cache of ``cache_dtype`` on ``device``."""
+        return True
+
+    @classmethod
+    def create(cls, windows: Iterable[Optional[int]], required: bool) -> Optional[AttentionBackend]:
+        """An instance; None where it cannot be built on this machine (a
+        native kernel without a compiler) unless ``required``, then the
+        build error is raised."""
+        return cls(windows)
+
+    @abstractmethod
+    def build_metadata(self, layout: StepLayout) -> AttentionMetadata:
+        """Everything the layers' ``forward`` calls need for this step."""
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        window: Optional[int],
+    ) -> torch.Tensor:
+        """Causal attention of q [T, heads, D] over each request's cached
+        context, within the last ``window`` positions if set. k, v [T,
+        kv_heads, D] are this step's, already in ``kv_cache`` (``write_kv``
+        or a fused kernel put them there). Returns [T, heads, D]."""
+
+    def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+        """k, v [T, kv_heads, D] of this step into the cache."""
+        write_kv(kv_cache, k, v, meta.slot_mapping)
+
+
+def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """k, v [T, kv_heads, D] into their slots (cast when the cache dtype
+    differs from the model's; a no-op otherwise)."""
+    slots = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
+    slots[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
+    slots[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))

@@ -1,0 +1,38 @@
+"""Collectives over this rank's tensor-parallel group.
+
+No-ops at tp_size 1, so the single-process path pays one attribute read per
+call and never touches torch.distributed."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from octavo.distributed.parallel_state import ParallelState, get_parallel_state
+
+
+def _group(state: ParallelState) -> dist.ProcessGroup:
+    if state.tp_group is None:
+        raise RuntimeError(
+            f"tensor parallel size {state.tp_size} but no process group: call init_model_parallel first"
+        )
+    return state.tp_group
+
+
+def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
+    """The sum of ``x`` over the group's ranks (in place where it runs)."""
+    state = get_parallel_state()
+    if state.tp_size == 1:
+        return x
+    dist.all_reduce(x, group=_group(state))
+    return x
+
+
+def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Every rank's ``x`` concatenated along ``dim`` in rank order."""
+    state = get_parallel_state()
+    if state.tp_size == 1:
+        return x
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(state.tp_size)]
+    dist.all_gather(parts, x, group=_group(state))
+    return torch.cat(parts, dim=dim)

@@ -1,0 +1,51 @@
+"""The quantization seam: how a linear layer's weights are stored and multiplied.
+
+A parallel linear layer knows how its weight is split across ranks; a
+``LinearMethod`` knows what the weight *is* (bf16, int8 with scales, packed
+int4 ...) and which kernel multiplies it. The layer hands the method its
+per-rank shape, the checkpoint fills the parameters the method created
+(through the layer's ``weight_loader``), the method then repacks them once
+for its kernel, and every forward goes through ``apply``. One method object
+serves every layer it is given to: whatever it derives per layer is kept on
+that layer.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+
+def set_weight_attrs(param: nn.Parameter, **attrs: Any) -> None:
+    """Tag a parameter for the layers' weight loaders: ``output_dim`` /
+    ``input_dim`` name the dims that are split across ranks (None: not split)."""
+    for name, value in attrs.items():
+        setattr(param, name, value)
+
+
+class LinearMethod(ABC):
+    @abstractmethod
+    def create_weights(
+        self, layer: nn.Module, input_size: int, output_sizes: list[int], dtype: torch.dtype
+    ) -> None:
+        """Register ``layer``'s weight parameters for this rank's shard: an
+        ``input_size`` x ``sum(output_sizes)`` product, ``output_sizes`` being
+        the fused parts (q/k/v, gate/up) in order. Each parameter carries
+        ``output_dim`` and ``input_dim`` (``set_weight_attrs``) so the layer's
+        loader knows where to put a checkpoint's shard; the layer adds the
+        loader itself. Bias is the layer's, never quantized."""
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Called once per layer when every parameter holds its checkpoint
+        values: repack for the kernel, drop what the kernel does not read."""
+
+    @abstractmethod
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        """``x @ W^T + bias`` for ``x`` [..., input_size] with ``layer``'s
+        weight: [..., sum(output_sizes)] in ``x``'s dtype."""
+
+    @abstractmethod
+    def kernel_name(self, layer: nn.Module) -> str:
+        """Which kernel multiplies ``layer``'s weight (for the start-up log and tests)."""

@@ -1,0 +1,108 @@
+"""Unquantized weights: torch's F.linear, or bf16 weights prepacked for oneDNN
+on CPU with few-row products through Octavo's AMX kernel on those same bytes.
+
+torch's bf16 CPU matmul reorders the weight into oneDNN's blocked layout on
+every call. Packing each weight once after loading skips that: 1.3-2.2x
+faster products at every batch size on this project's CPUs, the same results
+up to the summation order. For up to ``SMALL_ROWS`` rows (decode at small
+batch: a pure weight read) the AMX kernel reads the packed weight ~1.1-1.25x
+faster than oneDNN does (BENCHMARKS.md has the figures).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from octavo.kernels.amx_linear import AmxLinearKernel, AmxWeight, amx_linear_kernel
+from octavo.quant.base import LinearMethod, set_weight_attrs
+
+# Batch size oneDNN picks the packed layout for; it serves 1 to 1000+ rows alike.
+_PACK_HINT = 128
+# Rows up to which the AMX kernel beats oneDNN on the same weights
+# (benchmarks/linear_kernels.py: 1.25x at 1-16 rows, even at 128).
+SMALL_ROWS = 64
+
+
+@dataclass
+class PackedWeight:
+    """A layer's weight as its kernels read it, made once after loading."""
+
+    onednn: torch.Tensor  # oneDNN's prepacked copy (opaque)
+    amx: Optional[AmxWeight]  # the AMX kernel over those same bytes, for few rows
+
+
+def can_pack(device: torch.device, dtype: torch.dtype) -> bool:
+    return (
+        device.type == "cpu"
+        and dtype == torch.bfloat16
+        and torch.backends.mkldnn.is_available()
+        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    )
+
+
+class UnquantizedLinearMethod(LinearMethod):
+    """``pack``: prepack bf16 weights for oneDNN after loading; ``amx``: the
+    kernel for few-row products (only with ``pack``). Neither: F.linear.
+    ``require_amx``: a weight the AMX kernel cannot read is an error
+    (``linear_backend native``), not a silent fall back to oneDNN."""
+
+    def __init__(self, pack: bool = False, amx: Optional[AmxLinearKernel] = None, require_amx: bool = False) -> None:
+        if amx is not None and not pack:
+            raise ValueError("the AMX kernel reads oneDNN's packed weights: amx needs pack")
+        self.pack, self.amx, self.require_amx = pack, amx, require_amx
+
+    @classmethod
+    def for_backend(cls, backend: str, device: torch.device, dtype: torch.dtype) -> UnquantizedLinearMethod:
+        """The method ``ModelConfig.linear_backend`` (validated there) names,
+        for weights of ``dtype`` on ``device``; ValueError when that backend
+        cannot run there."""
+        if backend == "torch":
+            return cls()
+        if not can_pack(device, dtype):
+            if backend != "auto":
+                raise ValueError(f"linear_backend {backend!r} runs bfloat16 weights on a CPU with oneDNN bf16 "
+                                 f"support; got dtype {dtype} on {device.type}")
+            return cls()
+        amx = amx_linear_kernel(required=backend == "native") if backend in ("auto", "native") else None
+        return cls(pack=True, amx=amx, require_amx=backend == "native")
+
+    def create_weights(
+        self, layer: nn.Module, input_size: int, output_sizes: list[int], dtype: torch.dtype
+    ) -> None:
+        weight = nn.Parameter(torch.empty(sum(output_sizes), input_size, dtype=dtype), requires_grad=False)
+        set_weight_attrs(weight, output_dim=0, input_dim=1)
+        layer.register_parameter("weight", weight)
+        layer.packed_weight = None
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Pack a bf16 weight, then drop the plain copy (a meta tensor keeps its
+        shape and dtype). A tied embedding keeps its own reference to it."""
+        if not self.pack or layer.weight.dtype != torch.bfloat16:
+            return
+        weight = layer.weight.detach()
+        onednn = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_HINT)
+        amx = None if self.amx is None else self.amx.share_onednn(onednn, weight)
+        if self.require_amx and amx is None:
+            raise ValueError(f"linear_backend 'native': the AMX kernel cannot read the packed weight "
+                             f"{tuple(weight.shape)} (in-features not a multiple of 32, or a oneDNN layout "
+                             "it does not know)")
+        layer.packed_weight = PackedWeight(onednn, amx)
+        layer.weight = nn.Parameter(weight.to("meta"), requires_grad=False)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        packed = layer.packed_weight
+        if packed is None:
+            return F.linear(x, layer.weight, bias)
+        if packed.amx is not None and x.numel() <= SMALL_ROWS * x.shape[-1]:
+            return packed.amx(x, bias)
+        return torch.ops.mkldnn._linear_pointwise(x, packed.onednn, bias, "none", [], "")
+
+    def kernel_name(self, layer: nn.Module) -> str:
+        packed = layer.packed_weight
+        if packed is None:
+            return "torch"
+        return "onednn" if packed.amx is None else f"amx (<= {SMALL_ROWS} rows) + onednn"

@@ -1,0 +1,97 @@
+"""Attention backends: the registry's choices and refusals, and both backends
+giving plain causal (and sliding-window) attention over a paged cache for a
+step that mixes decodes, a fresh prefill and a chunk after a cached prefix."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from octavo.attention.base import AttentionBackend
+from octavo.attention.native_cpu import NativeCpuBackend
+from octavo.attention.registry import ATTENTION_BACKENDS, select_attention_backend
+from octavo.attention.torch_sdpa import TorchSdpaBackend
+from octavo.core.outputs import ScheduledRequest
+from octavo.core.request import Request
+from octavo.sampling_params import SamplingParams
+from octavo.worker.input_batch import prepare_inputs
+
+CPU = torch.device("cpu")
+F32 = torch.float32
+BLOCK, HEADS, KV_HEADS, DIM, NUM_BLOCKS = 4, 4, 2, 8, 40
+
+
+def test_registry_names_both_backends():
+    assert ATTENTION_BACKENDS == {"native": NativeCpuBackend, "torch": TorchSdpaBackend}
+    assert isinstance(select_attention_backend("torch", CPU, F32, F32, {None}), TorchSdpaBackend)
+    native = select_attention_backend("native", CPU, torch.bfloat16, F32, {None, 8})
+    assert isinstance(native, NativeCpuBackend) and native.windows == {None, 8}
+
+
+def test_auto_prefers_native_and_falls_back_to_torch(monkeypatch):
+    assert isinstance(select_attention_backend("auto", CPU, F32, F32, {None}), NativeCpuBackend)
+    # No compiler: the kernel cannot be built.
+    monkeypatch.setattr(NativeCpuBackend, "create", classmethod(lambda cls, windows, required: None))
+    assert isinstance(select_attention_backend("auto", CPU, F32, F32, {None}), TorchSdpaBackend)
+
+
+def test_auto_skips_a_backend_that_does_not_fit(monkeypatch):
+    monkeypatch.setattr(NativeCpuBackend, "supports", staticmethod(lambda *_: False))
+    assert isinstance(select_attention_backend("auto", CPU, F32, F32, {None}), TorchSdpaBackend)
+
+
+def test_refusals_name_the_field():
+    with pytest.raises(ValueError, match="attention_backend must be one of auto, native, torch; got 'flash'"):
+        select_attention_backend("flash", CPU, F32, F32, {None})
+    with pytest.raises(ValueError, match="attention_backend 'native' runs on CPU"):
+        select_attention_backend("native", CPU, F32, torch.int8, {None})
+    with pytest.raises(TypeError):
+        AttentionBackend({None})  # type: ignore[abstract]
+
+
+def _step(backend: AttentionBackend):
+    """Decodes at contexts 23, 9 and 1, a fresh 6-token prompt and the last 5
+    tokens of a 13-token one (8 already cached); block ids shuffled."""
+    order = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(0)).tolist()
+
+    def sched(name: str, start: int, num_tokens: int) -> ScheduledRequest:
+        request = Request(name, list(range(start + num_tokens)), SamplingParams())
+        blocks = [order.pop() for _ in range(-(-(start + num_tokens) // BLOCK))]
+        return ScheduledRequest(request, start, request.prompt_token_ids[start:], blocks, True)
+
+    scheduled = [sched("d1", 8, 1), sched("p1", 0, 6), sched("d0", 22, 1), sched("p2", 8, 5), sched("d2", 0, 1)]
+    return prepare_inputs(scheduled, BLOCK, backend, CPU)
+
+
+def _reference(q, kv_cache, inputs, window):
+    """Dense attention per request over its cached positions, head by head."""
+    out = torch.empty_like(q)
+    flat = kv_cache.view(2, -1, KV_HEADS, DIM)
+    for s, first in zip(inputs.order, inputs.q_starts):
+        context = s.start_pos + s.num_tokens
+        slots = torch.tensor([s.block_ids[p // BLOCK] * BLOCK + p % BLOCK for p in range(context)])
+        keys, values = flat[0][slots], flat[1][slots]
+        for row in range(s.num_tokens):
+            pos = s.start_pos + row
+            lo = 0 if window is None else max(0, pos - window + 1)
+            for h in range(HEADS):
+                kv = h // (HEADS // KV_HEADS)
+                scores = keys[lo : pos + 1, kv] @ q[first + row, h] / DIM**0.5
+                out[first + row, h] = torch.softmax(scores, 0) @ values[lo : pos + 1, kv]
+    return out
+
+
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize("name", ["native", "torch"])
+def test_backends_attend_over_the_paged_cache(name, window):
+    backend = select_attention_backend(name, CPU, F32, F32, {None, 3})
+    inputs = _step(backend)
+    gen = torch.Generator().manual_seed(1)
+    tokens = inputs.input_ids.shape[0]
+    kv_cache = torch.randn(2, NUM_BLOCKS, BLOCK, KV_HEADS, DIM, generator=gen)  # the "cached" prefix
+    q = torch.randn(tokens, HEADS, DIM, generator=gen)
+    k, v = (torch.randn(tokens, KV_HEADS, DIM, generator=gen) for _ in range(2))
+    backend.write_kv(kv_cache, k, v, inputs.attn)
+    flat = kv_cache.view(2, -1, KV_HEADS, DIM)
+    assert torch.equal(flat[0][inputs.attn.slot_mapping], k) and torch.equal(flat[1][inputs.attn.slot_mapping], v)
+    out = backend.forward(q, k, v, kv_cache, inputs.attn, window)
+    torch.testing.assert_close(out, _reference(q, kv_cache, inputs, window), rtol=1e-5, atol=1e-5)
