@@ -1,6 +1,7 @@
 """ModelRunner: one SchedulerOutput in, sampled tokens (and logprobs) out."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -21,6 +22,8 @@ from octavo.sample.metadata import SamplingMetadata
 from octavo.sample.sampler import Sampler, SamplerOutput
 from octavo.worker.input_batch import StepInputs, prepare_inputs
 from octavo.worker.kv_cache import CacheShape, allocate_kv_caches, copy_blocks, num_cache_blocks
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
