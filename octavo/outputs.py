@@ -1,7 +1,7 @@
 """What the engine returns to its callers for each request."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 from octavo.core.outputs import TokenLogprobs

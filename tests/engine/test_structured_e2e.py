@@ -8,7 +8,6 @@ import re
 
 import jsonschema
 import pytest
-import torch
 
 from octavo import LLM, SamplingParams
 from octavo.sampling_params import StructuredOutputParams
