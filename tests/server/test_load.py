@@ -9,7 +9,6 @@ import json
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Optional
 
 import httpx
 import pytest
