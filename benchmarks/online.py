@@ -63,7 +63,9 @@ def wait_ready(base_url: str, proc: subprocess.Popen, timeout_s: float) -> None:
 
 
 @contextlib.contextmanager
-def running_server(cmd: list[str], base_url: str, log: Path, timeout_s: float, threads: int) -> Iterator[None]:
+def running_server(
+    cmd: list[str], base_url: str, log: Path, timeout_s: float, threads: int
+) -> Iterator[subprocess.Popen]:
     """Start ``cmd``, wait for /v1/models, and always stop it (its whole process group)."""
     log.parent.mkdir(parents=True, exist_ok=True)
     # torch sizes its thread pool from OMP_NUM_THREADS; llama-server gets -t.
@@ -72,7 +74,7 @@ def running_server(cmd: list[str], base_url: str, log: Path, timeout_s: float, t
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         try:
             wait_ready(base_url, proc, timeout_s)
-            yield
+            yield proc
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGTERM)

@@ -27,7 +27,7 @@ from typing import Optional
 
 import httpx
 
-_WORDS = (
+WORDS = (
     "the of and to in is that for it as was with be by on not he this are or his from at which but have an they you "
     "were her she there one all we their has been if more when will would who so no time can out up about into "
     "model token cache block request server engine batch memory attention layer value key query stream latency"
@@ -57,7 +57,7 @@ def make_prompts(args: argparse.Namespace) -> list[str]:
             lines = [line.strip() for line in f if line.strip()]
         return [lines[i % len(lines)] for i in range(args.num_prompts)]
     rng = random.Random(args.seed)
-    return [" ".join(rng.choice(_WORDS) for _ in range(args.input_len)) for _ in range(args.num_prompts)]
+    return [" ".join(rng.choice(WORDS) for _ in range(args.input_len)) for _ in range(args.num_prompts)]
 
 
 def request_body(args: argparse.Namespace, prompt: str) -> dict:
@@ -154,7 +154,8 @@ async def run(args: argparse.Namespace) -> tuple[list[Result], float]:
         return results, time.perf_counter() - start
 
 
-def _summary(values: list[float]) -> dict[str, float]:
+def latency_summary(values: list[float]) -> dict[str, float]:
+    """Mean and p50/p90/p99 of `values` (empty: {})."""
     if not values:
         return {}
     q = statistics.quantiles(values, n=100, method="inclusive") if len(values) > 1 else [values[0]] * 99
@@ -173,10 +174,10 @@ def report(results: list[Result], duration: float) -> dict:
         "request_throughput": len(ok) / duration,
         "output_token_throughput": out_tokens / duration,
         "total_token_throughput": (out_tokens + sum(r.prompt_tokens for r in ok)) / duration,
-        "ttft_s": _summary([r.ttft for r in ok]),
-        "tpot_s": _summary([r.tpot for r in ok if r.tpot is not None]),
-        "itl_s": _summary([x for r in ok for x in r.itl]),
-        "e2e_s": _summary([r.e2e for r in ok]),
+        "ttft_s": latency_summary([r.ttft for r in ok]),
+        "tpot_s": latency_summary([r.tpot for r in ok if r.tpot is not None]),
+        "itl_s": latency_summary([x for r in ok for x in r.itl]),
+        "e2e_s": latency_summary([r.e2e for r in ok]),
     }
 
 

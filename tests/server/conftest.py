@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -27,6 +28,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _limit_address_space(limit_bytes: int) -> None:
+    """In the child before exec; the engine process inherits it. A request
+    that makes the server allocate without bound then fails with MemoryError
+    there instead of driving the shared test machine into the OOM killer."""
+    resource.setrlimit(resource.RLIMIT_AS, (limit_bytes, limit_bytes))
+
+
 class ServerProcess:
     """One `python -m octavo.entrypoints.cli serve ...` child process."""
 
@@ -38,6 +46,7 @@ class ServerProcess:
         api_key: Optional[str] = API_KEY,
         key_from_env: bool = False,
         wait: bool = True,
+        memory_limit: Optional[int] = None,
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -52,7 +61,10 @@ class ServerProcess:
             cmd += ["--api-key", api_key]
         self.log_path = log_path
         self._log = open(log_path, "wb")
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen(
+            cmd, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+            preexec_fn=None if memory_limit is None else lambda: _limit_address_space(memory_limit),
+        )
         if wait:
             self.wait_healthy()
 
