@@ -1,10 +1,18 @@
 """What the engine returns to its callers for each request."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
-from octavo.core.outputs import TokenLogprobs
+
+@dataclass
+class TokenLogprobs:
+    """Log-probabilities at one position, from the model's raw log-softmax."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 = the most likely token
+    top: list[tuple[int, float]] = field(default_factory=list)  # best first
 
 
 @dataclass

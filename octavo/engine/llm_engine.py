@@ -14,9 +14,9 @@ from octavo.core.scheduler import Scheduler
 from octavo.engine.detokenizer import IncrementalDetokenizer
 from octavo.engine.request_state import RequestState, SequenceState
 from octavo.engine.stats import EngineStats
-from octavo.engine.tokenizer import Tokenizer
 from octavo.outputs import RequestMetrics, RequestOutput
 from octavo.sampling_params import RequestOutputKind, SamplingParams
+from octavo.tokenizer import Tokenizer
 from octavo.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)

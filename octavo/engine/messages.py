@@ -13,9 +13,8 @@ from typing import Any, Optional, Union
 
 import msgspec
 
-from octavo.core.outputs import TokenLogprobs
 from octavo.engine.stats import EngineStats
-from octavo.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from octavo.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
 from octavo.sampling_params import SamplingParams
 
 

@@ -6,9 +6,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from octavo.core.outputs import EngineCoreOutput, TokenLogprobs
+from octavo.core.outputs import EngineCoreOutput
 from octavo.engine.detokenizer import IncrementalDetokenizer
-from octavo.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from octavo.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
 from octavo.sampling_params import RequestOutputKind, SamplingParams
 
 

@@ -177,7 +177,8 @@ def _api_keys(args: argparse.Namespace) -> tuple[str, ...]:
 
 
 def _generate(args: argparse.Namespace) -> None:
-    from octavo import LLM, SamplingParams
+    from octavo.entrypoints.llm import LLM
+    from octavo.sampling_params import SamplingParams
 
     llm = LLM(
         _model_path(args.model),

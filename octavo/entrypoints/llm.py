@@ -10,9 +10,9 @@ from tqdm import tqdm
 
 from octavo.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from octavo.engine.llm_engine import LLMEngine
-from octavo.engine.tokenizer import Tokenizer
 from octavo.outputs import RequestOutput
 from octavo.sampling_params import RequestOutputKind, SamplingParams
+from octavo.tokenizer import Tokenizer
 
 PromptType = Union[str, list[int]]
 Messages = list[dict[str, Any]]

@@ -10,8 +10,7 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
-from octavo.core.outputs import TokenLogprobs
-from octavo.outputs import CompletionOutput
+from octavo.outputs import CompletionOutput, TokenLogprobs
 from octavo.server.errors import APIError, sse_error
 
 T = TypeVar("T")

@@ -5,10 +5,9 @@ import copy
 
 import pytest
 
-from octavo.core.outputs import TokenLogprobs
 from octavo.engine import messages as msg
 from octavo.engine.stats import EngineStats
-from octavo.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from octavo.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
 from octavo.sampling_params import SamplingParams, StructuredOutputParams
 
 
