@@ -14,6 +14,8 @@ from octavo.core.scheduler import Scheduler
 from octavo.engine.detokenizer import IncrementalDetokenizer
 from octavo.engine.request_state import RequestState, SequenceState
 from octavo.engine.stats import EngineStats
+from octavo.model.config import load_arch_config
+from octavo.model.generation_config import load_generation_defaults
 from octavo.outputs import RequestMetrics, RequestOutput
 from octavo.sampling_params import RequestOutputKind, SamplingParams
 from octavo.tokenizer import Tokenizer
@@ -40,14 +42,15 @@ class LLMEngine:
         self.vocab_size = self.runner.vocab_size
         self.max_model_len = self.runner.max_model_len
         self.model_name = config.model.served_model_name or model_dir.resolve().name
-        # Sampling defaults from generation_config.json, for requests that
-        # leave a field unset (the server applies them).
+        # generation_config.json is read here, from the model folder, not by
+        # the workers: its sampling defaults fill the fields a request leaves
+        # unset (the server and `octavo generate` apply them), its stop
+        # tokens end sequences (config.json's when it names none).
+        defaults = load_generation_defaults(model_dir)
         self.generation_defaults = {
-            k: v
-            for k, v in dataclasses.asdict(self.runner.generation_defaults).items()
-            if v is not None and k != "eos_token_ids"
+            k: v for k, v in dataclasses.asdict(defaults).items() if v is not None and k != "eos_token_ids"
         }
-        eos_ids = list(self.runner.eos_token_ids)
+        eos_ids = list(defaults.eos_token_ids or load_arch_config(model_dir).eos_token_ids)
         if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos_ids:
             eos_ids.insert(0, self.tokenizer.eos_token_id)
         self.eos_token_id: Optional[int] = eos_ids[0] if eos_ids else None
