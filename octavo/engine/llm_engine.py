@@ -169,7 +169,9 @@ class LLMEngine:
                 continue
             try:
                 state.finish_all("abort")
-                self._pending.append(state.make_output())
+                out = state.make_output()
+                if out is not None:
+                    self._pending.append(out)
             except Exception as exc:  # the final detokenization of this one request
                 self._pending.append(_error_output(state, exc))
 
