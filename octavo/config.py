@@ -1,23 +1,44 @@
-"""Engine configuration as validated dataclasses (torch-free)."""
+"""Engine configuration as validated dataclasses (torch-free).
+
+These fields are the one source of the engine's option names, defaults and
+help: the command line generates ``--field-name`` options from them and
+``LLM(model, **kwargs)`` takes the same names (``octavo/entrypoints/engine_args.py``).
+A field's ``metadata`` holds its help text, and optionally ``choices``,
+``unit`` ("bytes": the option takes sizes like 2GiB) and ``aliases`` (older
+option spellings that keep working)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
+
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+_DTYPE_ALIASES = ("float", "half")
+ATTENTION_BACKENDS = ("auto", "native", "torch")
+LINEAR_BACKENDS = ("auto", "native", "onednn", "torch")
+
+
+def option(default: Any, help: str, **extra: Any) -> Any:
+    """A config field with its command-line help (and choices, unit, aliases)."""
+    return field(default=default, metadata={"help": help, **extra})
 
 
 @dataclass
 class CacheConfig:
     """The paged KV cache. Its size comes from ``kv_cache_memory_bytes`` when
-    set, else from ``gpu_memory_utilization`` of free device memory (on CPU:
-    of available system memory), else from ``num_blocks`` when forced."""
+    set, else from ``memory_fraction`` of free device memory (on CPU: of
+    available system memory), else from ``num_blocks`` when forced."""
 
-    block_size: int = 16
-    kv_cache_memory_bytes: Optional[int] = None
-    memory_fraction: float = 0.3
-    num_blocks: Optional[int] = None  # overrides the memory budget (tests)
-    enable_prefix_caching: bool = True
-    swap_space_bytes: int = 0
-    cache_dtype: str = "auto"
+    block_size: int = option(16, "tokens per KV cache block")
+    kv_cache_memory_bytes: Optional[int] = option(
+        None, "KV cache size, e.g. 2GiB (default: memory_fraction of the free memory)",
+        unit="bytes", aliases=("--kv-cache-memory",),
+    )
+    memory_fraction: float = option(0.3, "share of the memory free after loading the weights given to the KV cache")
+    num_blocks: Optional[int] = option(None, "force the KV cache block count (testing); overrides the memory budget")
+    enable_prefix_caching: bool = option(
+        True, "reuse the KV blocks of shared prompt prefixes", aliases=("--prefix-caching",)
+    )
+    cache_dtype: str = option("auto", "KV cache element type (auto: the model's dtype)", choices=DTYPES)
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size < 1:
@@ -28,15 +49,15 @@ class CacheConfig:
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")
         if self.num_blocks is not None and self.num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {self.num_blocks}")
+        if self.cache_dtype not in DTYPES + _DTYPE_ALIASES:
+            raise ValueError(f"cache_dtype must be one of {', '.join(DTYPES)}; got {self.cache_dtype!r}")
 
 
 @dataclass
 class SchedulerConfig:
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    enable_chunked_prefill: bool = True
-    # Bounded waiting queue: the server answers 503/429 beyond it.
-    max_waiting_requests: Optional[int] = None
+    max_num_seqs: int = option(256, "most sequences in one step")
+    max_num_batched_tokens: int = option(2048, "most tokens (prompt chunks and decodes) in one step")
+    enable_chunked_prefill: bool = option(True, "split long prompts across steps, mixed with decodes")
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -49,39 +70,41 @@ class SchedulerConfig:
 
 @dataclass
 class ModelConfig:
-    model: str
-    tokenizer: Optional[str] = None
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    max_model_len: Optional[int] = None  # None: the checkpoint's limit
-    seed: int = 0
-    device: str = "cpu"
-    served_model_name: Optional[str] = None
-    # Decode attention: "native" = the C kernel that reads K/V blocks in place
-    # (built on first use; CPU), "torch" = gather + SDPA, "auto" = native when
-    # it builds and fits the device and dtypes, else torch.
-    attention_backend: str = "auto"
-    # bf16 matmuls on CPU: "onednn" = weights prepacked once for oneDNN;
-    # "native" = the same, plus products of few rows (small-batch decode)
-    # through the AMX kernel reading those packed bytes; "torch" = plain
-    # F.linear; "auto" = native where the CPU has AMX, else onednn, else torch.
-    linear_backend: str = "auto"
-    # Native fused kernels for RMSNorm + residual add, SiLU-and-multiply,
-    # rotary + K/V cache write and the greedy argmax (CPU; same values as the
-    # torch ops). Off, or no C compiler: torch ops.
-    fused_ops: bool = True
+    model: str = field(metadata={"help": "model folder (default: the built-in model)"})
+    tokenizer: Optional[str] = option(None, "tokenizer folder (default: the model folder)")
+    dtype: str = option("auto", "weight and activation type (auto: the checkpoint's)", choices=DTYPES)
+    max_model_len: Optional[int] = option(None, "context length (default: the checkpoint's limit)")
+    seed: int = option(0, "seed of the global sampling RNG (requests without their own seed)")
+    device: str = option("cpu", "cpu or cuda")
+    served_model_name: Optional[str] = option(None, "the model name clients send (default: the folder name)")
+    # "native" is the C kernel that reads K/V blocks in place (built on first
+    # use; CPU); "auto" takes it when it builds and fits the device and dtypes.
+    attention_backend: str = option(
+        "auto", "decode attention: native C kernel over the KV blocks, or torch gather + SDPA",
+        choices=ATTENTION_BACKENDS,
+    )
+    # "native" = onednn plus products of few rows (small-batch decode) through
+    # the AMX kernel reading the same packed bytes; "auto" = native where the
+    # CPU has AMX, else onednn, else torch.
+    linear_backend: str = option(
+        "auto", "bf16 matmuls: weights prepacked for oneDNN (onednn), plus the AMX kernel for few-row "
+        "products (native), or torch's plain matmul (torch)",
+        choices=LINEAR_BACKENDS,
+    )
+    # Same values as the torch ops; with no C compiler the torch ops run anyway.
+    fused_ops: bool = option(True, "native fused kernels for RMSNorm + residual, SiLU * up, rotary + K/V "
+                                   "write and the greedy argmax (CPU); off: torch ops")
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("auto", "float32", "float", "bfloat16", "float16", "half"):
+        if self.dtype not in DTYPES + _DTYPE_ALIASES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {self.dtype!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
-                f"dtype must be one of auto, float32, bfloat16, float16; got {self.dtype!r}"
+                f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}; got {self.attention_backend!r}"
             )
-        if self.attention_backend not in ("auto", "native", "torch"):
+        if self.linear_backend not in LINEAR_BACKENDS:
             raise ValueError(
-                f"attention_backend must be one of auto, native, torch; got {self.attention_backend!r}"
-            )
-        if self.linear_backend not in ("auto", "native", "onednn", "torch"):
-            raise ValueError(
-                f"linear_backend must be one of auto, native, onednn, torch; got {self.linear_backend!r}"
+                f"linear_backend must be one of {', '.join(LINEAR_BACKENDS)}; got {self.linear_backend!r}"
             )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")

@@ -30,8 +30,11 @@ GREEDY_TEMPERATURE = 1e-5
 
 
 class RequestOutputKind(str, Enum):
-    CUMULATIVE = "cumulative"
-    FINAL_ONLY = "final_only"
+    """What each RequestOutput of a request holds (see octavo/outputs.py)."""
+
+    CUMULATIVE = "cumulative"  # everything so far, every step
+    DELTA = "delta"  # only what is new since the previous output
+    FINAL_ONLY = "final_only"  # one output, when the request ends
 
 
 class _Encoder(Protocol):

@@ -12,14 +12,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from octavo import LLM, SamplingParams
 from octavo.assets import (
     DEFAULT_DRAFT_MODEL_PATH,
     DEFAULT_MODEL_PATH,
     HELDOUT_SAMPLE_PATH,
     MODEL_CARD_PATH,
 )
-from octavo import LLM, SamplingParams
-from octavo.engine.tokenizer import Tokenizer
+from octavo.tokenizer import Tokenizer
 
 # 1.1x the perplexities measured on heldout_sample.txt when the models were trained.
 TARGET_PPL_BOUND = 131.86

@@ -62,7 +62,7 @@ INVALID = [
     ({"structured_outputs": "json"}, "structured_outputs"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
     ({"structured_outputs": {"bogus": 1}}, "structured_outputs"),
-    ({"output_kind": "delta"}, "output_kind"),
+    ({"output_kind": "streaming"}, "output_kind"),
     ({"output_kind": None}, "output_kind"),
 ]
 

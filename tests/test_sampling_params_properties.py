@@ -30,7 +30,7 @@ _VALID = {  # plausible values, so that many examples pass validation and reach 
     "truncate_prompt_tokens": st.integers(1, 10**6), "presence_penalty": st.floats(-2, 2),
     "structured_outputs": st.sampled_from([{"regex": "a+"}, {"choice": ["x"]}, {"json_object": True}]),
     "repetition_penalty": st.floats(0.1, 2), "frequency_penalty": st.floats(-2, 2), "prompt_logprobs": st.integers(0, 20),
-    "output_kind": st.sampled_from(["cumulative", "final_only"]), "_bad_words_token_ids": st.lists(_ids, max_size=2),
+    "output_kind": st.sampled_from(["cumulative", "delta", "final_only"]), "_bad_words_token_ids": st.lists(_ids, max_size=2),
     **{name: st.booleans() for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "detokenize")},
 }
 _kwargs = st.fixed_dictionaries(

@@ -5,16 +5,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from octavo.core.request import Request
-
-
-@dataclass
-class TokenLogprobs:
-    """Log-probabilities at one position, from the model's raw log-softmax."""
-
-    token_id: int
-    logprob: float
-    rank: int  # 1 = the most likely token
-    top: list[tuple[int, float]] = field(default_factory=list)  # best first
+from octavo.outputs import TokenLogprobs
 
 
 @dataclass

@@ -8,11 +8,12 @@ Three duties besides moving messages:
   a back-off (``RestartPolicy``); meanwhile ``is_alive`` is False, which the
   server turns into 503s and an unhealthy ``/health``. When the policy gives
   up, ``on_give_up`` is called (the server exits non-zero then).
-- Bounded buffering. The reader applies each delta straight into the
-  request's cumulative ``RequestOutput`` and sets an event; the consumer wakes
-  to the latest state. A consumer that falls behind (a client reading its
-  stream slowly) therefore costs its own output so far and nothing more:
-  updates coalesce instead of queueing one object per step.
+- Bounded buffering. The engine sends deltas; the reader adds each to the
+  request's ``OutputAccumulator`` and sets an event; the consumer wakes and
+  takes everything added since it last looked, as one delta. A consumer
+  that falls behind (a client reading its stream slowly) therefore costs
+  its own unread output and nothing more: updates coalesce instead of
+  queueing one object per step.
 - Deadlines. ``generate(..., deadline=t)`` arms one timer; when it fires the
   request is aborted in the engine right away (its KV blocks return even if
   the consumer is stuck writing to a slow socket) and the consumer gets
@@ -21,6 +22,7 @@ Three duties besides moving messages:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -33,8 +35,8 @@ from octavo.engine import messages as msg
 from octavo.engine.engine_process import EngineDeadError, EngineProcess
 from octavo.engine.restart_policy import RestartPolicy
 from octavo.engine.stats import EngineStats
-from octavo.outputs import RequestOutput
-from octavo.sampling_params import SamplingParams
+from octavo.outputs import OutputAccumulator, RequestOutput
+from octavo.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -61,14 +63,14 @@ class EngineInfo:
 class _Stream:
     """One in-flight request as the front holds it."""
 
-    out: RequestOutput
+    acc: OutputAccumulator
     engine: EngineProcess  # the incarnation it was sent to
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     error: Optional[BaseException] = None
     timer: Optional[asyncio.TimerHandle] = None
 
     def fail(self, error: BaseException) -> None:
-        if self.error is None and not self.out.finished:
+        if self.error is None and not self.acc.finished:
             self.error = error
             self.changed.set()
 
@@ -76,11 +78,13 @@ class _Stream:
 class AsyncEngineClient:
     """Starts the engine process and multiplexes requests over its sockets.
 
-    Use ``await AsyncEngineClient.start(config)``; then ``generate`` yields the
-    cumulative ``RequestOutput`` of one request (the same object, updated in
-    place) each time it has progressed; several steps of progress may arrive
-    as one. Leaving the iterator early (client gone, task cancelled) aborts
-    the request in the engine.
+    Use ``await AsyncEngineClient.start(config)``; then ``generate`` yields
+    one request's progress as delta ``RequestOutput`` objects (each holds the
+    tokens, logprobs and text new since the previous one; several steps of
+    progress may arrive as one); ``OutputAccumulator`` folds them into the
+    whole output. FINAL_ONLY params yield one output at the end. Leaving the
+    iterator early (client gone, task cancelled) aborts the request in the
+    engine.
     """
 
     def __init__(
@@ -143,10 +147,13 @@ class AsyncEngineClient:
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in flight")
         try:
+            if params.output_kind is RequestOutputKind.CUMULATIVE:
+                # Cumulative outputs over the wire would cost quadratic time in the output length.
+                params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
             add = msg.encoder.encode(msg.AddRequest(request_id, list(prompt_token_ids), params, priority, arrival_time))
         except RecursionError:
             raise EngineRequestError("the request is too deeply nested to send to the engine") from None
-        stream = _Stream(RequestOutput(request_id, None, list(prompt_token_ids), [], finished=False), engine)
+        stream = _Stream(OutputAccumulator(list(prompt_token_ids)), engine)
         self._streams[request_id] = stream
         if deadline is not None:
             delay = max(0.0, deadline - time.monotonic())
@@ -158,11 +165,9 @@ class AsyncEngineClient:
                 stream.changed.clear()
                 if stream.error is not None:
                     raise stream.error
-                # As of now: the reader may finish ``out`` while the consumer
-                # holds it, and that final state must still be yielded.
-                finished = stream.out.finished
-                yield stream.out
-                if finished:
+                out = stream.acc.take()
+                yield out
+                if out.finished:
                     return
         finally:
             self._forget(request_id, stream)
@@ -173,12 +178,12 @@ class AsyncEngineClient:
             stream.timer.cancel()
         # Only the incarnation that has the request can abort it (and a dead
         # one must not be sent to: see engine_process.py).
-        if not stream.out.finished and stream.engine is self._engine and stream.engine.alive:
+        if not stream.acc.finished and stream.engine is self._engine and stream.engine.alive:
             stream.engine.send(msg.AbortRequests([request_id]))
 
     def _expire(self, request_id: str) -> None:
         stream = self._streams.get(request_id)
-        if stream is None or stream.out.finished:
+        if stream is None or stream.acc.finished:
             return
         if stream.engine is self._engine and stream.engine.alive:
             stream.engine.send(msg.AbortRequests([request_id]))
@@ -219,7 +224,7 @@ class AsyncEngineClient:
         stream = self._streams.get(delta.request_id)
         if stream is None or stream.error is not None:
             return  # gone, or already failed (a timeout's abort output)
-        msg.apply_delta(stream.out, delta)
+        stream.acc.add(msg.from_message(delta))
         stream.changed.set()
 
     def _on_exit(self, engine: EngineProcess) -> None:

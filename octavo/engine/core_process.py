@@ -95,7 +95,6 @@ class _EngineLoop:
 
         self._inp, self._out, self._parent = inp, out, parent
         self.engine = LLMEngine(config)
-        self._tracker = msg.DeltaTracker()
         self._last_stats: Optional[EngineStats] = None
         self._last_stats_time = 0.0
         self._stop = False
@@ -122,7 +121,7 @@ class _EngineLoop:
             if self.engine.has_unfinished_requests():
                 outputs = self.engine.step()
                 if outputs:
-                    self._send(msg.StepOutputs([self._tracker.delta(o) for o in outputs]))
+                    self._send(msg.StepOutputs([msg.to_message(o) for o in outputs]))
                 self._maybe_send_stats(force=False)
 
     def _wait_for_input(self) -> bool:
@@ -147,7 +146,6 @@ class _EngineLoop:
                 self._send(failure)
         elif isinstance(m, msg.AbortRequests):
             self.engine.abort_request(m.request_ids)
-            self._tracker.forget(m.request_ids)
         elif isinstance(m, msg.Shutdown):
             self._stop = True
 

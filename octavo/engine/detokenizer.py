@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from typing import Optional
 
-from octavo.engine.tokenizer import Tokenizer
 from octavo.sampling_params import SamplingParams
+from octavo.tokenizer import Tokenizer
 
 _PROMPT_CONTEXT = 5  # prompt tokens decoded along with the first output token
 _INCOMPLETE = "\ufffd"

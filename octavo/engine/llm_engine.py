@@ -14,9 +14,11 @@ from octavo.core.scheduler import Scheduler
 from octavo.engine.detokenizer import IncrementalDetokenizer
 from octavo.engine.request_state import RequestState, SequenceState
 from octavo.engine.stats import EngineStats
-from octavo.engine.tokenizer import Tokenizer
+from octavo.model.config import load_arch_config
+from octavo.model.generation_config import load_generation_defaults
 from octavo.outputs import RequestMetrics, RequestOutput
 from octavo.sampling_params import RequestOutputKind, SamplingParams
+from octavo.tokenizer import Tokenizer
 from octavo.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -40,14 +42,15 @@ class LLMEngine:
         self.vocab_size = self.runner.vocab_size
         self.max_model_len = self.runner.max_model_len
         self.model_name = config.model.served_model_name or model_dir.resolve().name
-        # Sampling defaults from generation_config.json, for requests that
-        # leave a field unset (the server applies them).
+        # generation_config.json is read here, from the model folder, not by
+        # the workers: its sampling defaults fill the fields a request leaves
+        # unset (the server and `octavo generate` apply them), its stop
+        # tokens end sequences (config.json's when it names none).
+        defaults = load_generation_defaults(model_dir)
         self.generation_defaults = {
-            k: v
-            for k, v in dataclasses.asdict(self.runner.generation_defaults).items()
-            if v is not None and k != "eos_token_ids"
+            k: v for k, v in dataclasses.asdict(defaults).items() if v is not None and k != "eos_token_ids"
         }
-        eos_ids = list(self.runner.eos_token_ids)
+        eos_ids = list(defaults.eos_token_ids or load_arch_config(model_dir).eos_token_ids)
         if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos_ids:
             eos_ids.insert(0, self.tokenizer.eos_token_id)
         self.eos_token_id: Optional[int] = eos_ids[0] if eos_ids else None
@@ -166,7 +169,9 @@ class LLMEngine:
                 continue
             try:
                 state.finish_all("abort")
-                self._pending.append(state.make_output())
+                out = state.make_output()
+                if out is not None:
+                    self._pending.append(out)
             except Exception as exc:  # the final detokenization of this one request
                 self._pending.append(_error_output(state, exc))
 

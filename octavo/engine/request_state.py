@@ -6,15 +6,17 @@ import time
 from dataclasses import dataclass, field
 from typing import Optional
 
-from octavo.core.outputs import EngineCoreOutput, TokenLogprobs
+from octavo.core.outputs import EngineCoreOutput
 from octavo.engine.detokenizer import IncrementalDetokenizer
-from octavo.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from octavo.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
 from octavo.sampling_params import RequestOutputKind, SamplingParams
 
 
 @dataclass
 class SequenceState:
-    """One generated sequence (a child request in the scheduler)."""
+    """One generated sequence (a child request in the scheduler). Tokens,
+    logprobs and text are appended to; an output either copies them all
+    (cumulative, final) or slices off what came after the previous delta."""
 
     index: int
     detokenizer: Optional[IncrementalDetokenizer]
@@ -24,6 +26,10 @@ class SequenceState:
     cumulative_logprob: float = 0.0
     finish_reason: Optional[str] = None
     stop_reason: Optional[int | str] = None
+    # How much the deltas sent so far covered.
+    _sent_tokens: int = 0
+    _sent_chars: int = 0
+    _sent_finish: bool = False
 
     @property
     def finished(self) -> bool:
@@ -40,6 +46,24 @@ class SequenceState:
             stop_reason=self.stop_reason,
         )
 
+    def take_delta(self, with_logprobs: bool) -> Optional[CompletionOutput]:
+        """What is new since the previous delta (None: nothing is)."""
+        start, self._sent_tokens = self._sent_tokens, len(self.token_ids)
+        text, self._sent_chars = self.text[self._sent_chars :], len(self.text)
+        ends_now = self.finished and not self._sent_finish
+        self._sent_finish = self.finished
+        if start == len(self.token_ids) and not text and not ends_now:
+            return None
+        return CompletionOutput(
+            index=self.index,
+            text=text,
+            token_ids=self.token_ids[start:],
+            cumulative_logprob=self.cumulative_logprob,
+            logprobs=self.logprobs[start:] if with_logprobs else None,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+        )
+
 
 @dataclass
 class RequestState:
@@ -52,6 +76,7 @@ class RequestState:
     metrics: RequestMetrics
     prompt_logprobs: Optional[list[Optional[TokenLogprobs]]] = None
     num_cached_tokens: int = 0
+    _sent_prompt_logprobs: int = 0  # entries already in a delta
 
     @property
     def finished(self) -> bool:
@@ -113,25 +138,38 @@ class RequestState:
         seq.detokenizer.finish()
         seq.text += seq.detokenizer.get_delta()
 
-    def make_output(self) -> RequestOutput:
+    def make_output(self) -> Optional[RequestOutput]:
+        """The output of this step as ``params.output_kind`` asks: with DELTA,
+        only the sequences that progressed and the new part of each (None when
+        nothing is new); otherwise each sequence whole."""
         with_logprobs = self.params.logprobs is not None
+        delta = self.params.output_kind is RequestOutputKind.DELTA
         seqs = sorted(self.sequences.values(), key=lambda s: s.index)
         n = self.params.n
-        if self.params.best_of is not None and self.params.best_of > n:
+        ranked = self.params.best_of is not None and self.params.best_of > n
+        if ranked:
             # best_of > n: the n most likely sequences, reported once all are done.
             seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[:n]
-            outputs = [s.as_output(with_logprobs) for s in seqs]
-            for i, o in enumerate(outputs):
-                o.index = i
+        if delta:
+            outputs = [o for o in (s.take_delta(with_logprobs) for s in seqs) if o is not None]
         else:
             outputs = [s.as_output(with_logprobs) for s in seqs]
+        if ranked:
+            for i, o in enumerate(outputs):
+                o.index = i
+        prompt_logprobs = self.prompt_logprobs
+        if delta and prompt_logprobs is not None:
+            prompt_logprobs = prompt_logprobs[self._sent_prompt_logprobs :] or None
+            self._sent_prompt_logprobs = len(self.prompt_logprobs)
+        if delta and not outputs and prompt_logprobs is None and not self.finished:
+            return None
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
             outputs=outputs,
             finished=self.finished,
-            prompt_logprobs=self.prompt_logprobs,
+            prompt_logprobs=prompt_logprobs,
             num_cached_tokens=self.num_cached_tokens,
             metrics=self.metrics,
         )

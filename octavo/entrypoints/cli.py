@@ -4,85 +4,13 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import re
 import sys
 from dataclasses import fields
 from typing import Optional, Sequence
 
-from octavo.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from octavo.entrypoints.engine_args import add_engine_args, engine_config_from_args, engine_options, parse_bytes
 from octavo.server.config import DEFAULT_PUBLIC_ROUTES, ServerConfig
 from octavo.server.limits import RequestLimits
-
-_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?)?b?\s*$", re.IGNORECASE)
-
-
-def parse_bytes(text: str) -> int:
-    """'2GiB' -> 2147483648, '512M' -> 512000000, '1000' -> 1000."""
-    match = _SIZE.match(text)
-    if not match:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 2GiB, 512MiB, 1G, 1000000)")
-    value = float(match.group(1)) * _UNITS[(match.group(2) or "").lower()]
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"size must be at least 1 byte, got {text!r}")
-    return int(value)
-
-
-def _add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", default=None, help="model folder (default: the built-in model)")
-    p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the model folder)")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "native", "torch"],
-                   help="decode attention: native C kernel over the KV blocks, or torch gather + SDPA")
-    p.add_argument("--linear-backend", default="auto", choices=["auto", "native", "onednn", "torch"],
-                   help="bf16 matmuls: weights prepacked for oneDNN (onednn), plus the AMX kernel for "
-                        "few-row products (native), or torch's plain matmul (torch)")
-    p.add_argument("--no-fused-ops", action="store_true",
-                   help="torch ops instead of the native fused norm/SiLU/rotary/argmax kernels")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--kv-cache-memory", type=parse_bytes, default=None, help="KV cache size, e.g. 2GiB")
-    p.add_argument("--num-blocks", type=int, default=None, help="force the KV cache block count (testing)")
-    p.add_argument("--no-prefix-caching", action="store_true")
-
-
-def _engine_config(args: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        model=ModelConfig(
-            model=str(_model_path(args.model)),
-            tokenizer=args.tokenizer,
-            dtype=args.dtype,
-            max_model_len=args.max_model_len,
-            seed=args.seed,
-            device=args.device,
-            attention_backend=args.attention_backend,
-            linear_backend=args.linear_backend,
-            fused_ops=not args.no_fused_ops,
-            served_model_name=getattr(args, "served_model_name", None),
-        ),
-        cache=CacheConfig(
-            block_size=args.block_size,
-            kv_cache_memory_bytes=args.kv_cache_memory,
-            num_blocks=args.num_blocks,
-            enable_prefix_caching=not args.no_prefix_caching,
-        ),
-        scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens),
-    )
-
-
-def _model_path(model: Optional[str]) -> str:
-    if model is None:
-        from octavo.assets import DEFAULT_MODEL_PATH
-
-        model = str(DEFAULT_MODEL_PATH)
-    # Checked here so a typo is one line of error, not an engine start-up traceback.
-    if not os.path.isdir(model):
-        raise ValueError(f"model folder not found: {model}")
-    return model
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -90,8 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
-    _add_engine_args(serve)
-    serve.add_argument("--served-model-name", default=None, help="the model name clients send (default: folder name)")
+    add_engine_args(serve)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", action="append", default=None,
@@ -124,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="abort requests older than this many seconds (504); default: no limit")
 
     gen = sub.add_parser("generate", help="generate offline (no server)")
-    _add_engine_args(gen)
+    add_engine_args(gen)
     gen.add_argument("--prompt", action="append", required=True, help="repeat for several prompts")
     gen.add_argument("--max-tokens", type=int, default=64)
     # Unset sampling options take the model's generation_config.json values,
@@ -155,7 +82,7 @@ def _serve(args: argparse.Namespace) -> None:
         engine_restart_window_s=args.engine_restart_window,
         request_timeout_s=args.request_timeout,
     )
-    serve(_engine_config(args), server_config)
+    serve(engine_config_from_args(args), server_config)
 
 
 def _api_keys(args: argparse.Namespace) -> tuple[str, ...]:
@@ -177,22 +104,10 @@ def _api_keys(args: argparse.Namespace) -> tuple[str, ...]:
 
 
 def _generate(args: argparse.Namespace) -> None:
-    from octavo import LLM, SamplingParams
+    from octavo.entrypoints.llm import LLM
+    from octavo.sampling_params import SamplingParams
 
-    llm = LLM(
-        _model_path(args.model),
-        tokenizer=args.tokenizer,
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        block_size=args.block_size,
-        kv_cache_memory_bytes=args.kv_cache_memory,
-        num_blocks=args.num_blocks,
-        enable_prefix_caching=not args.no_prefix_caching,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        seed=args.seed,
-        device=args.device,
-    )
+    llm = LLM(args.model, **engine_options(args))
     defaults = llm.engine.generation_defaults
 
     def pick(name: str, fallback: float) -> float:

@@ -8,20 +8,14 @@ from typing import Any, Optional, Sequence, Union
 
 from tqdm import tqdm
 
-from octavo.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from octavo.engine.llm_engine import LLMEngine
-from octavo.engine.tokenizer import Tokenizer
+from octavo.entrypoints.engine_args import engine_config
 from octavo.outputs import RequestOutput
 from octavo.sampling_params import RequestOutputKind, SamplingParams
+from octavo.tokenizer import Tokenizer
 
 PromptType = Union[str, list[int]]
 Messages = list[dict[str, Any]]
-
-
-def default_model_path() -> Path:
-    from octavo.assets import DEFAULT_MODEL_PATH
-
-    return Path(DEFAULT_MODEL_PATH)
 
 
 class LLM:
@@ -31,54 +25,13 @@ class LLM:
     built-in default model shipped with Octavo.
     """
 
-    def __init__(
-        self,
-        model: Optional[str | Path] = None,
-        *,
-        tokenizer: Optional[str] = None,
-        dtype: str = "auto",
-        max_model_len: Optional[int] = None,
-        block_size: int = 16,
-        kv_cache_memory_bytes: Optional[int] = None,
-        memory_fraction: float = 0.3,
-        num_blocks: Optional[int] = None,
-        enable_prefix_caching: bool = True,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 2048,
-        enable_chunked_prefill: bool = True,
-        seed: int = 0,
-        device: str = "cpu",
-        attention_backend: str = "auto",
-        linear_backend: str = "auto",
-        fused_ops: bool = True,
-    ) -> None:
-        model_path = str(model) if model is not None else str(default_model_path())
-        config = EngineConfig(
-            model=ModelConfig(
-                model=model_path,
-                tokenizer=tokenizer,
-                dtype=dtype,
-                max_model_len=max_model_len,
-                seed=seed,
-                device=device,
-                attention_backend=attention_backend,
-                linear_backend=linear_backend,
-                fused_ops=fused_ops,
-            ),
-            cache=CacheConfig(
-                block_size=block_size,
-                kv_cache_memory_bytes=kv_cache_memory_bytes,
-                memory_fraction=memory_fraction,
-                num_blocks=num_blocks,
-                enable_prefix_caching=enable_prefix_caching,
-            ),
-            scheduler=SchedulerConfig(
-                max_num_seqs=max_num_seqs,
-                max_num_batched_tokens=max_num_batched_tokens,
-                enable_chunked_prefill=enable_chunked_prefill,
-            ),
-        )
-        self.engine = LLMEngine(config)
+    def __init__(self, model: Optional[str | Path] = None, **options: Any) -> None:
+        """``options`` are the engine config fields by name (``dtype``,
+        ``max_model_len``, ``num_blocks``, ``enable_prefix_caching``,
+        ``attention_backend``, ...: see ``octavo/config.py``), the same names
+        as the command line's ``--dtype``, ``--max-model-len``, ...; an
+        unknown name is a ValueError naming it."""
+        self.engine = LLMEngine(engine_config(model, **options))
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> Tokenizer:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from octavo.core.outputs import TokenLogprobs
+from octavo.outputs import TokenLogprobs
 
 
 def token_logprobs(logprobs: torch.Tensor, token_ids: torch.Tensor, num_top: int) -> list[TokenLogprobs]:

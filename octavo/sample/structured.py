@@ -35,7 +35,7 @@ from octavo.core.request import Request
 from octavo.sampling_params import StructuredOutputParams
 
 if TYPE_CHECKING:  # the engine layer sits above this one: no runtime import
-    from octavo.engine.tokenizer import Tokenizer
+    from octavo.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 

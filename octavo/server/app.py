@@ -14,7 +14,6 @@ import octavo
 from octavo.config import EngineConfig
 from octavo.engine.async_client import AsyncEngineClient
 from octavo.engine.restart_policy import RestartPolicy
-from octavo.engine.tokenizer import Tokenizer
 from octavo.server.chat import create_chat_completion, render_messages
 from octavo.server.completions import create_completion
 from octavo.server.config import ServerConfig
@@ -23,6 +22,7 @@ from octavo.server.metrics import ServerMetrics
 from octavo.server.middleware import APIKeyMiddleware, BodyLimitMiddleware, RequestIdMiddleware
 from octavo.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from octavo.server.state import ServerState
+from octavo.tokenizer import Tokenizer
 
 _STARTED = time.time()
 

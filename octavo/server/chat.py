@@ -25,7 +25,7 @@ from octavo.server.protocol import (
     Usage,
 )
 from octavo.server.state import ServerState
-from octavo.server.streams import ChoiceCursor, primed, sse, sse_response, until_disconnected
+from octavo.server.streams import collect, primed, sse, sse_response, until_disconnected
 
 
 
@@ -42,7 +42,7 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, state
     if req.stream:
         stream = await primed(raw, stream)
         return sse_response(_stream(req, state, request_id, len(prompt_ids), stream))
-    out = await until_disconnected(raw, _last(stream))
+    out = await until_disconnected(raw, collect(stream, prompt_ids))
     choices = []
     for c in out.outputs:
         lp = None
@@ -57,7 +57,7 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, state
                 stop_reason=c.stop_reason,
             )
         )
-    body = ChatCompletionResponse(id=request_id, model=state.model_name, choices=choices, usage=_usage(len(prompt_ids), out))
+    body = ChatCompletionResponse(id=request_id, model=state.model_name, choices=choices, usage=_usage(len(prompt_ids), sum(len(c.token_ids) for c in out.outputs)))
     return Response(body.model_dump_json(), media_type="application/json")
 
 
@@ -138,15 +138,6 @@ def _api_names(req: ChatCompletionRequest) -> dict[str, str]:
     return request_api_names(req, renames)
 
 
-async def _last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
-    out = None
-    async with contextlib.aclosing(stream):  # type: ignore[type-var]
-        async for out in stream:
-            pass
-    assert out is not None  # generate always ends with a finished output or raises
-    return out
-
-
 async def _stream(
     req: ChatCompletionRequest,
     state: ServerState,
@@ -162,29 +153,25 @@ async def _stream(
     # OpenAI opens each choice with a role-only delta.
     for i in range(req.n):
         yield chunk([ChatChunkChoice(index=i, delta=ChatMessageOut(role="assistant", content=""))])
-    cursors = [ChoiceCursor() for _ in range(req.n)]
-    out: Optional[RequestOutput] = None
+    completion_tokens = 0
     async with contextlib.aclosing(stream):  # type: ignore[type-var]
-        async for out in stream:
+        async for out in stream:  # deltas: each choice's new part
             for c in out.outputs:
-                delta = cursors[c.index].advance(c)
-                if delta is None:
-                    continue
+                completion_tokens += len(c.token_ids)
                 lp = None
-                if req.logprobs and delta.logprobs is not None:
-                    lp = chat_logprobs(state.tokenizer, delta.token_ids, delta.logprobs, req.top_logprobs or 0)
+                if req.logprobs and c.logprobs is not None:
+                    lp = chat_logprobs(state.tokenizer, c.token_ids, c.logprobs, req.top_logprobs or 0)
                 choice = ChatChunkChoice(
                     index=c.index,
-                    delta=ChatMessageOut(content=delta.text),
+                    delta=ChatMessageOut(content=c.text),
                     logprobs=lp,
-                    finish_reason=delta.finish_reason,
-                    stop_reason=delta.stop_reason,
+                    finish_reason=c.finish_reason,
+                    stop_reason=c.stop_reason,
                 )
                 yield chunk([choice])
-    if out is not None and req.stream_options is not None and req.stream_options.include_usage:
-        yield chunk([], _usage(num_prompt_tokens, out))
+    if req.stream_options is not None and req.stream_options.include_usage:
+        yield chunk([], _usage(num_prompt_tokens, completion_tokens))
 
 
-def _usage(num_prompt_tokens: int, out: RequestOutput) -> Usage:
-    completion = sum(len(c.token_ids) for c in out.outputs)
+def _usage(num_prompt_tokens: int, completion: int) -> Usage:
     return Usage(prompt_tokens=num_prompt_tokens, completion_tokens=completion, total_tokens=num_prompt_tokens + completion)

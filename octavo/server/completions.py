@@ -5,20 +5,20 @@ import asyncio
 import contextlib
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import AsyncIterator, Optional
 
 from fastapi import Request
 from fastapi.responses import Response
 
-from octavo.outputs import RequestOutput
+from octavo.outputs import OutputAccumulator, RequestOutput, TokenLogprobs
 from octavo.sampling_params import SamplingParams
 from octavo.server.errors import bad_request
 from octavo.server.logprobs import LegacyLogprobs, aligned_prompt_logprobs
 from octavo.server.params import build_sampling_params, request_api_names
 from octavo.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, Usage
 from octavo.server.state import ServerState
-from octavo.server.streams import ChoiceCursor, merge, primed, sse, sse_response, until_disconnected
+from octavo.server.streams import merge, primed, sse, sse_response, until_disconnected
 
 _MAX_LEGACY_LOGPROBS = 5
 
@@ -43,15 +43,17 @@ async def create_completion(req: CompletionRequest, raw: Request, state: ServerS
     if req.stream:
         merged = await primed(raw, merge(streams))
         return sse_response(_stream(req, state, request_id, prompts, merged))
-    finals = await until_disconnected(raw, _collect(streams))
+    finals = await until_disconnected(raw, _collect(streams, prompts))
     choices = []
     for i, (prompt, out) in enumerate(zip(prompts, finals)):
         for c in out.outputs:
-            choice = _ChoiceStream(req, state, prompt).chunk(out, c.text, c.token_ids, c.logprobs)
+            choice = _ChoiceStream(req, state, prompt).chunk(out.prompt_logprobs, c.text, c.token_ids, c.logprobs)
             choice.index = i * req.n + c.index
             choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
             choices.append(choice)
-    body = CompletionResponse(id=request_id, model=state.model_name, choices=choices, usage=_usage(prompts, finals))
+    completion_tokens = sum(len(c.token_ids) for out in finals for c in out.outputs)
+    body = CompletionResponse(id=request_id, model=state.model_name, choices=choices,
+                              usage=_usage(prompts, completion_tokens))
     return Response(body.model_dump_json(), media_type="application/json")
 
 
@@ -111,7 +113,6 @@ class _ChoiceStream:
     req: CompletionRequest
     state: ServerState
     prompt: _Prompt
-    cursor: ChoiceCursor = field(default_factory=ChoiceCursor)
     started: bool = False
     logprobs: Optional[LegacyLogprobs] = None
 
@@ -119,13 +120,20 @@ class _ChoiceStream:
         if self.req.logprobs is not None:
             self.logprobs = LegacyLogprobs(self.state.tokenizer, self.req.logprobs, self.req.skip_special_tokens)
 
-    def chunk(self, out: RequestOutput, text: str, token_ids: list[int], entries: Optional[list]) -> CompletionChoice:
+    def chunk(
+        self,
+        prompt_logprobs: Optional[list[Optional[TokenLogprobs]]],
+        text: str,
+        token_ids: list[int],
+        entries: Optional[list],
+    ) -> CompletionChoice:
+        """``prompt_logprobs``: all of them (echo); the rest: new since the last chunk."""
         ids: list[int] = []
         lps: list = []
         if not self.started and self.req.echo:
             text = self.prompt.text + text
             ids = list(self.prompt.ids)
-            lps = aligned_prompt_logprobs(self.prompt.ids, out.prompt_logprobs)
+            lps = aligned_prompt_logprobs(self.prompt.ids, prompt_logprobs)
         self.started = True
         lp = None
         if self.logprobs is not None:
@@ -135,12 +143,12 @@ class _ChoiceStream:
         return CompletionChoice(index=0, text=text, logprobs=lp)
 
 
-async def _collect(streams: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
-    finals: list[Optional[RequestOutput]] = [None] * len(streams)
+async def _collect(streams: list[AsyncIterator[RequestOutput]], prompts: list[_Prompt]) -> list[RequestOutput]:
+    accumulators = [OutputAccumulator(p.ids, p.text) for p in prompts]
     async with contextlib.aclosing(merge(streams)) as merged:
         async for i, out in merged:
-            finals[i] = out
-    return finals  # type: ignore[return-value]
+            accumulators[i].add(out)
+    return [a.take() for a in accumulators]
 
 
 async def _stream(
@@ -152,25 +160,24 @@ async def _stream(
 ) -> AsyncIterator[str]:
     created = int(time.time())
     choices: dict[tuple[int, int], _ChoiceStream] = {}
-    finals: list[Optional[RequestOutput]] = [None] * len(prompts)
+    # Prompt logprobs arrive in pieces (one per prefill chunk); an echo sends them all.
+    prompt_logprobs: list[list[Optional[TokenLogprobs]]] = [[] for _ in prompts]
+    completion_tokens = 0
     async with contextlib.aclosing(merged):  # type: ignore[type-var]
-        async for i, out in merged:
-            finals[i] = out
+        async for i, out in merged:  # deltas: each choice's new part
+            prompt_logprobs[i].extend(out.prompt_logprobs or ())
             for c in out.outputs:
+                completion_tokens += len(c.token_ids)
                 cs = choices.setdefault((i, c.index), _ChoiceStream(req, state, prompts[i]))
-                delta = cs.cursor.advance(c)
-                if delta is None:
-                    continue
-                choice = cs.chunk(out, delta.text, delta.token_ids, delta.logprobs)
-                choice.finish_reason, choice.stop_reason = delta.finish_reason, delta.stop_reason
+                choice = cs.chunk(prompt_logprobs[i], c.text, c.token_ids, c.logprobs)
+                choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
                 choice.index = i * req.n + c.index
                 yield sse(CompletionResponse(id=request_id, created=created, model=state.model_name, choices=[choice]))
     if req.stream_options is not None and req.stream_options.include_usage:
-        usage = _usage(prompts, finals)  # type: ignore[arg-type]
+        usage = _usage(prompts, completion_tokens)
         yield sse(CompletionResponse(id=request_id, created=created, model=state.model_name, choices=[], usage=usage))
 
 
-def _usage(prompts: list[_Prompt], finals: list[RequestOutput]) -> Usage:
+def _usage(prompts: list[_Prompt], completion_tokens: int) -> Usage:
     prompt_tokens = sum(len(p.ids) for p in prompts)
-    completion_tokens = sum(len(c.token_ids) for out in finals for c in out.outputs)
     return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens)

@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from octavo.core.outputs import TokenLogprobs
-from octavo.engine.tokenizer import Tokenizer
+from octavo.outputs import TokenLogprobs
 from octavo.server.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
+from octavo.tokenizer import Tokenizer
 
 
 def token_text(tokenizer: Tokenizer, token_id: int) -> str:

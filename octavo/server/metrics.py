@@ -88,13 +88,15 @@ class RequestTracker:
         self._m = metrics
         self._arrival = arrival
         self._last: Optional[float] = None
-        self._num_tokens = 0
+        self._finish_reason: Optional[str] = None  # of the first sequence
 
     def on_output(self, out: RequestOutput, now: float) -> None:
-        num_tokens = sum(len(c.token_ids) for c in out.outputs)
-        if num_tokens == self._num_tokens:
+        """``out``: a delta (what is new since the previous output)."""
+        for c in out.outputs:
+            if c.index == 0 and c.finish_reason is not None:
+                self._finish_reason = c.finish_reason
+        if not any(c.token_ids for c in out.outputs):
             return
-        self._num_tokens = num_tokens
         if self._last is None:
             self._m.ttft.observe(now - self._arrival)
         else:
@@ -103,7 +105,7 @@ class RequestTracker:
 
     def on_finish(self, out: Optional[RequestOutput], now: float) -> None:
         """``out`` is None when the request ended early (client gone, error): it counts as aborted."""
-        reason = out.outputs[0].finish_reason if out is not None and out.outputs else None
+        reason = self._finish_reason if out is not None else None
         self._m.success.labels(self._m.model_name, reason or "abort").inc()
         self._m.e2e.observe(now - self._arrival)
         metrics = out.metrics if out is not None else None

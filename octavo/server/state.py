@@ -8,13 +8,13 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Optional
 
 from octavo.engine.async_client import AsyncEngineClient, EngineDeadError, EngineRequestError, RequestTimeoutError
-from octavo.engine.tokenizer import Tokenizer
 from octavo.outputs import RequestOutput
 from octavo.sampling_params import SamplingParams
 from octavo.server.config import ServerConfig
 from octavo.server.errors import APIError, bad_request
 from octavo.server.metrics import ServerMetrics
 from octavo.server.params import param_error
+from octavo.tokenizer import Tokenizer
 
 
 @dataclass

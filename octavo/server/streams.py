@@ -3,15 +3,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from dataclasses import dataclass
-from typing import AsyncIterator, Awaitable, Optional, TypeVar
+from typing import AsyncIterator, Awaitable, TypeVar
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
-from octavo.core.outputs import TokenLogprobs
-from octavo.outputs import CompletionOutput
+from octavo.outputs import OutputAccumulator, RequestOutput
 from octavo.server.errors import APIError, sse_error
 
 T = TypeVar("T")
@@ -111,32 +109,10 @@ def sse_response(events: AsyncIterator[str]) -> StreamingResponse:
     return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
-@dataclass
-class ChoiceDelta:
-    text: str
-    token_ids: list[int]
-    logprobs: Optional[list[TokenLogprobs]]
-    finish_reason: Optional[str]
-    stop_reason: Optional[int | str]
-
-
-@dataclass
-class ChoiceCursor:
-    """How much of one cumulative CompletionOutput a stream has sent."""
-
-    text_len: int = 0
-    num_tokens: int = 0
-    done: bool = False
-
-    def advance(self, c: CompletionOutput) -> Optional[ChoiceDelta]:
-        if self.done:
-            return None
-        text = c.text[self.text_len :]
-        token_ids = c.token_ids[self.num_tokens :]
-        logprobs = c.logprobs[self.num_tokens :] if c.logprobs is not None else None
-        if not text and not token_ids and not c.finished:
-            return None
-        self.text_len = len(c.text)
-        self.num_tokens = len(c.token_ids)
-        self.done = c.finished
-        return ChoiceDelta(text, token_ids, logprobs, c.finish_reason, c.stop_reason)
+async def collect(stream: AsyncIterator[RequestOutput], prompt_ids: list[int]) -> RequestOutput:
+    """The whole output of one request, from its deltas."""
+    acc = OutputAccumulator(prompt_ids)
+    async with contextlib.aclosing(stream):  # type: ignore[type-var]
+        async for out in stream:
+            acc.add(out)
+    return acc.take()

@@ -3,9 +3,9 @@ from __future__ import annotations
 import pytest
 from core_harness import Run, make_request, make_scheduler, reference_tokens
 
-from octavo.core.outputs import TokenLogprobs
 from octavo.core.request import RequestStatus
 from octavo.core.step_results import append_sampled
+from octavo.outputs import TokenLogprobs
 
 EOS = 3
 

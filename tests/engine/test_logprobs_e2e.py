@@ -7,9 +7,8 @@ import pytest
 import torch
 
 from octavo import LLM, SamplingParams
-from octavo.core.outputs import TokenLogprobs
-from tests.engine.conftest import random_prompts
-from tests.engine.conftest import assert_no_leak
+from octavo.outputs import TokenLogprobs
+from tests.engine.conftest import assert_no_leak, random_prompts
 from tests.model_factory import load_hf_model
 from tests.worker.runner_utils import hf_logits
 

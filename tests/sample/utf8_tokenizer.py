@@ -13,7 +13,7 @@ from pathlib import Path
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from octavo.engine.tokenizer import Tokenizer
+from octavo.tokenizer import Tokenizer
 
 SPECIAL_TOKENS = ["<s>", "</s>", "<pad>", "<|im_end|>"]
 EOS_ID = 1

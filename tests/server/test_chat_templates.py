@@ -5,8 +5,8 @@ from __future__ import annotations
 import openai
 import pytest
 
-from octavo.engine import chat_template
-from octavo.engine.tokenizer import Tokenizer
+from octavo import chat_template
+from octavo.tokenizer import Tokenizer
 
 HI = [{"role": "user", "content": "hi"}]
 TEMPLATE = "PREFIX{% for m in messages %}[{{ m['content'] }}]{% endfor %}"

@@ -45,10 +45,11 @@ def test_bad_arguments_exit_with_a_message(tmp_path, capsys):
 
 def test_no_model_means_the_built_in_one(tmp_path, monkeypatch):
     import octavo.assets
-    from octavo.entrypoints.cli import _engine_config, build_parser
+    from octavo.entrypoints.cli import build_parser
+    from octavo.entrypoints.engine_args import engine_config_from_args
 
     monkeypatch.setattr(octavo.assets, "DEFAULT_MODEL_PATH", tmp_path)
     args = build_parser().parse_args(["serve", "--kv-cache-memory", "2GiB", "--no-prefix-caching"])
-    config = _engine_config(args)
+    config = engine_config_from_args(args)
     assert config.model.model == str(tmp_path)
     assert config.cache.kv_cache_memory_bytes == 2 * 2**30 and not config.cache.enable_prefix_caching

@@ -1,14 +1,11 @@
-"""The engine <-> front wire format: deltas rebuild exactly the engine's cumulative outputs."""
+"""The engine <-> front wire format: deltas through msgpack fold back into the whole output."""
 from __future__ import annotations
-
-import copy
 
 import pytest
 
-from octavo.core.outputs import TokenLogprobs
 from octavo.engine import messages as msg
 from octavo.engine.stats import EngineStats
-from octavo.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from octavo.outputs import CompletionOutput, OutputAccumulator, RequestMetrics, RequestOutput, TokenLogprobs
 from octavo.sampling_params import SamplingParams, StructuredOutputParams
 
 
@@ -16,65 +13,75 @@ def _lp(t: int) -> TokenLogprobs:
     return TokenLogprobs(token_id=t, logprob=-0.1 * t, rank=1, top=[(t, -0.1 * t), (t + 1, -2.0)])
 
 
-def _engine_outputs() -> list[RequestOutput]:
-    """Snapshots of one n=2 request as an engine would report them step by step."""
-    texts = [["He", "Hell", "Hello", "Hello", "Hello!"], ["a", "ab", "a?", "a?c", "a?cd"]]  # "ab" -> "a?": text revised
-    snaps = []
+def _deltas() -> list[RequestOutput]:
+    """One n=2 request as an engine reports it with RequestOutputKind.DELTA:
+    each step only the sequences that progressed, with their new part."""
+    texts = [["He", "ll", "o", "", "!"], ["a", "b", "", "c", "d"]]
+    steps = []
     for step in range(5):
         choices = []
         for i in range(2):
-            ids = list(range(10 * i, 10 * i + step + 1))
+            if i == 0 and step == 3:
+                continue  # no progress for this sequence at this step
             choices.append(
                 CompletionOutput(
                     index=i,
                     text=texts[i][step],
-                    token_ids=ids,
+                    token_ids=[10 * i + step],
                     cumulative_logprob=-float(step),
-                    logprobs=[_lp(t) for t in ids],
+                    logprobs=[_lp(10 * i + step)],
                     finish_reason=("stop" if i == 0 else "length") if step == 4 else None,
                     stop_reason="!" if (i == 0 and step == 4) else None,
                 )
             )
-        snaps.append(
+        steps.append(
             RequestOutput(
                 request_id="r1",
                 prompt=None,
                 prompt_token_ids=[1, 2, 3],
                 outputs=choices,
                 finished=step == 4,
-                prompt_logprobs=[None, _lp(2), _lp(3)],
+                prompt_logprobs=[None, _lp(2)] if step == 0 else [_lp(3)] if step == 1 else None,
                 num_cached_tokens=2,
                 metrics=RequestMetrics(arrival_time=1.0, first_scheduled_time=1.5 if step else None),
             )
         )
-    return snaps
+    return steps
 
 
-def test_deltas_rebuild_cumulative_outputs_through_msgpack():
-    tracker = msg.DeltaTracker()
-    rebuilt = RequestOutput("r1", None, [1, 2, 3], [], finished=False)
-    for snap in _engine_outputs():
-        wire = msg.encoder.encode(msg.StepOutputs([tracker.delta(copy.deepcopy(snap))]))
+def test_deltas_fold_back_into_the_whole_output_through_msgpack():
+    acc = OutputAccumulator([1, 2, 3], "prompt")
+    for delta in _deltas():
+        wire = msg.encoder.encode(msg.StepOutputs([msg.to_message(delta)]))
         decoded = msg.from_engine_decoder.decode(wire)
         assert isinstance(decoded, msg.StepOutputs)
-        msg.apply_delta(rebuilt, decoded.outputs[0])
-        assert rebuilt.outputs == snap.outputs
-        assert rebuilt.prompt_logprobs == snap.prompt_logprobs
-        assert rebuilt.finished == snap.finished
-        assert rebuilt.metrics == snap.metrics
-    assert tracker._sent == {}  # finished requests are forgotten
+        assert decoded.outputs[0].outputs == delta.outputs  # sent as is: the new part only
+        acc.add(msg.from_message(decoded.outputs[0]))
+    whole = acc.take()
+    assert (whole.request_id, whole.prompt, whole.prompt_token_ids) == ("r1", "prompt", [1, 2, 3])
+    assert [c.text for c in whole.outputs] == ["Hello!", "abcd"]
+    assert [c.token_ids for c in whole.outputs] == [[0, 1, 2, 4], [10, 11, 12, 13, 14]]
+    assert [lp.token_id for lp in whole.outputs[1].logprobs] == [10, 11, 12, 13, 14]
+    assert [(c.finish_reason, c.stop_reason) for c in whole.outputs] == [("stop", "!"), ("length", None)]
+    assert whole.prompt_logprobs == [None, _lp(2), _lp(3)]
+    assert whole.finished and whole.metrics == RequestMetrics(arrival_time=1.0, first_scheduled_time=1.5)
 
 
-def test_deltas_send_only_new_tokens():
-    tracker = msg.DeltaTracker()
-    snaps = _engine_outputs()
-    tracker.delta(snaps[0])
-    d = tracker.delta(snaps[1])
-    assert [c.token_ids for c in d.choices] == [[1], [11]]
-    assert [c.text for c in d.choices] == ["ll", "b"]
-    assert d.prompt_logprobs is None  # sent with the first delta already
-    d = tracker.delta(snaps[2])
-    assert (d.choices[1].text_start, d.choices[1].text) == (0, "a?")  # revision resends the text
+def test_take_returns_what_came_since_the_last_take():
+    acc = OutputAccumulator([1, 2, 3])
+    deltas = _deltas()
+    acc.add(deltas[0])
+    first = acc.take()
+    assert [c.text for c in first.outputs] == ["He", "a"] and not first.finished
+    for d in deltas[1:4]:
+        acc.add(d)
+    merged = acc.take()  # a reader that fell behind: three steps as one
+    assert [c.token_ids for c in merged.outputs] == [[1, 2], [11, 12, 13]]
+    assert [c.text for c in merged.outputs] == ["llo", "bc"]
+    assert merged.prompt_logprobs == [_lp(3)]
+    acc.add(deltas[4])
+    last = acc.take()
+    assert last.finished and [c.token_ids for c in last.outputs] == [[4], [14]]
 
 
 def test_requests_and_stats_round_trip():
@@ -91,7 +98,7 @@ def test_requests_and_stats_round_trip():
 
 
 def test_parse_bytes():
-    from octavo.entrypoints.cli import parse_bytes
+    from octavo.entrypoints.engine_args import parse_bytes
 
     assert parse_bytes("2GiB") == 2 * 2**30
     assert parse_bytes("512MiB") == 512 * 2**20

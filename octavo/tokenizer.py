@@ -8,7 +8,7 @@ from typing import Any, Optional
 import jinja2
 from tokenizers import Tokenizer as _HFTokenizer
 
-from octavo.engine.chat_template import compile_template, render
+from octavo.chat_template import compile_template, render
 
 _DEFAULT_CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"

@@ -1,0 +1,120 @@
+"""One path from user options to an EngineConfig.
+
+The command line (``octavo serve``, ``octavo generate``) and ``LLM(model,
+**kwargs)`` take the same names: the fields of EngineConfig's sections
+(``ModelConfig``, ``CacheConfig``, ...), ``--field-name`` on the command line.
+Options are generated from the dataclasses, so a new config field is
+reachable from both at once, with its default and help from one place.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import typing
+from pathlib import Path
+from typing import Any, Optional
+
+from octavo.config import EngineConfig
+
+_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?)?b?\s*$", re.IGNORECASE)
+
+
+@dataclasses.dataclass(frozen=True)
+class ConfigField:
+    """One engine option: the section of EngineConfig it lives in and its field."""
+
+    section: str  # the EngineConfig attribute: "model", "cache", ...
+    field: dataclasses.Field
+    type: type  # int for Optional[int], and so on
+
+    @property
+    def name(self) -> str:
+        return self.field.name
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+def config_fields() -> list[ConfigField]:
+    """Every field of every section of EngineConfig, in declaration order."""
+    result = []
+    sections = typing.get_type_hints(EngineConfig)
+    for section in dataclasses.fields(EngineConfig):
+        cls = sections[section.name]
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            result.append(ConfigField(section.name, f, _base_type(hints[f.name])))
+    return result
+
+
+def _base_type(hint: Any) -> type:
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if typing.get_origin(hint) is typing.Union and len(args) == 1 else hint
+
+
+def engine_config(model: Optional[str | Path] = None, **options: Any) -> EngineConfig:
+    """The EngineConfig for ``model`` (None: the built-in model) and options
+    named like the config fields; an unknown name is a ValueError naming it."""
+    by_section: dict[str, dict[str, Any]] = {}
+    known = {f.name: f for f in config_fields()}
+    for name, value in options.items():
+        if name not in known:
+            raise ValueError(f"unknown engine option {name!r} (the options are the fields of octavo.config)")
+        by_section.setdefault(known[name].section, {})[name] = value
+    by_section.setdefault("model", {})["model"] = resolve_model_path(model)
+    sections = typing.get_type_hints(EngineConfig)
+    return EngineConfig(**{name: sections[name](**values) for name, values in by_section.items()})
+
+
+def resolve_model_path(model: Optional[str | Path]) -> str:
+    if model is None:
+        from octavo.assets import DEFAULT_MODEL_PATH
+
+        model = DEFAULT_MODEL_PATH
+    # Checked here so a typo is one line of error, not an engine start-up traceback.
+    if not os.path.isdir(model):
+        raise ValueError(f"model folder not found: {model}")
+    return str(model)
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """MODEL (positional) and one ``--field-name`` option per other config field.
+    Options left out stay out of the namespace: the dataclass default applies."""
+    for cf in config_fields():
+        meta = cf.field.metadata
+        if cf.name == "model":
+            parser.add_argument("model", nargs="?", default=None, help=meta["help"])
+            continue
+        names = [cf.flag, *meta.get("aliases", ())]
+        default = "" if cf.field.default is None else f" (default: {cf.field.default})"
+        kwargs: dict[str, Any] = {"dest": cf.name, "default": argparse.SUPPRESS, "help": meta.get("help", "") + default}
+        if cf.type is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction  # --x and --no-x
+        else:
+            kwargs["type"] = parse_bytes if meta.get("unit") == "bytes" else cf.type
+            kwargs["choices"] = meta.get("choices")
+        parser.add_argument(*names, **kwargs)
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The engine options given on the command line, less MODEL: ``LLM(args.model, **these)``."""
+    return {cf.name: getattr(args, cf.name) for cf in config_fields() if cf.name != "model" and hasattr(args, cf.name)}
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return engine_config(args.model, **engine_options(args))
+
+
+def parse_bytes(text: str) -> int:
+    """'2GiB' -> 2147483648, '512M' -> 512000000, '1000' -> 1000."""
+    match = _SIZE.match(text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (examples: 2GiB, 512MiB, 1G, 1000000)")
+    value = float(match.group(1)) * _UNITS[(match.group(2) or "").lower()]
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"size must be at least 1 byte, got {text!r}")
+    return int(value)

@@ -1,0 +1,121 @@
+"""One configuration path: the command line, LLM(...) and the server build the
+same EngineConfig from the same names (the fields of octavo/config.py)."""
+from __future__ import annotations
+
+import pytest
+
+from octavo.config import EngineConfig, ModelConfig
+from octavo.entrypoints.cli import build_parser, main
+from octavo.entrypoints.engine_args import config_fields, engine_config, engine_config_from_args
+
+# A value other than the default for each field, written as on the command line.
+_NON_DEFAULT = {
+    "tokenizer": ("tok-folder", "tok-folder"),
+    "dtype": ("bfloat16", "bfloat16"),
+    "max_model_len": ("77", 77),
+    "seed": ("5", 5),
+    "device": ("cuda", "cuda"),
+    "served_model_name": ("my-model", "my-model"),
+    "attention_backend": ("torch", "torch"),
+    "linear_backend": ("onednn", "onednn"),
+    "block_size": ("32", 32),
+    "kv_cache_memory_bytes": ("3MiB", 3 * 2**20),
+    "memory_fraction": ("0.5", 0.5),
+    "num_blocks": ("9", 9),
+    "cache_dtype": ("float32", "float32"),
+    "max_num_seqs": ("3", 3),
+    "max_num_batched_tokens": ("99", 99),
+}
+
+
+def _fields() -> list:
+    return [cf for cf in config_fields() if cf.name != "model"]
+
+
+def test_field_names_are_unique_across_sections():
+    names = [cf.name for cf in config_fields()]
+    assert len(names) == len(set(names))
+
+
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_every_config_field_is_a_cli_option_and_an_llm_keyword(command, tmp_path):
+    """Each field set from the command line (as --field-name) and as a keyword
+    gives the same EngineConfig, with the value in that field."""
+    extra = ["--prompt", "x"] if command == "generate" else []
+    for cf in _fields():
+        if cf.type is bool:
+            cli_args, value = [f"--no-{cf.flag[2:]}"], not cf.field.default
+        else:
+            assert cf.name in _NON_DEFAULT, f"add a test value for the new field {cf.name}"
+            text, value = _NON_DEFAULT[cf.name]
+            cli_args = [cf.flag, text]
+        args = build_parser().parse_args([command, str(tmp_path), *cli_args, *extra])
+        from_cli = engine_config_from_args(args)
+        from_kwargs = engine_config(tmp_path, **{cf.name: value})
+        assert from_cli == from_kwargs, cf.name
+        assert getattr(getattr(from_cli, cf.section), cf.name) == value, cf.name
+        assert from_cli != engine_config(tmp_path), f"{cf.flag} changed nothing"
+
+
+def test_options_left_out_take_the_dataclass_defaults(tmp_path):
+    args = build_parser().parse_args(["serve", str(tmp_path)])
+    assert engine_config_from_args(args) == EngineConfig(model=ModelConfig(model=str(tmp_path)))
+
+
+def test_older_spellings_still_work(tmp_path):
+    args = build_parser().parse_args(
+        ["serve", str(tmp_path), "--kv-cache-memory", "2GiB", "--no-prefix-caching", "--no-fused-ops"]
+    )
+    config = engine_config_from_args(args)
+    assert config.cache.kv_cache_memory_bytes == 2 * 2**30
+    assert not config.cache.enable_prefix_caching and not config.model.fused_ops
+
+
+def test_unknown_or_invalid_keywords_name_the_field(tmp_path):
+    with pytest.raises(ValueError, match="'swap_space_bytes'"):
+        engine_config(tmp_path, swap_space_bytes=0)  # removed: no swap tier uses it
+    with pytest.raises(ValueError, match="block_size"):
+        engine_config(tmp_path, block_size=0)
+
+
+def test_the_llm_api_refuses_an_unknown_keyword(tmp_path):
+    from octavo.entrypoints.llm import LLM
+
+    with pytest.raises(ValueError, match="'max_waiting_requests'"):
+        LLM(tmp_path, max_waiting_requests=4)  # a server option, not an engine one
+
+
+def test_generate_options_reach_the_engine(tmp_path, monkeypatch, capsys):
+    """`octavo generate --attention-backend torch ...` builds its engine with them
+    (they used to be accepted and dropped)."""
+    import octavo.entrypoints.llm as llm_module
+    from tests.model_factory import make_tiny_model
+
+    engines = []
+
+    class Recording(llm_module.LLMEngine):
+        def __init__(self, config: EngineConfig) -> None:
+            super().__init__(config)
+            engines.append(self)
+
+    monkeypatch.setattr(llm_module, "LLMEngine", Recording)
+    folder = make_tiny_model(tmp_path, "llama")
+    main(["generate", str(folder), "--dtype", "float32", "--num-blocks", "32", "--attention-backend", "torch",
+          "--linear-backend", "torch", "--no-fused-ops", "--max-num-seqs", "3", "--prompt", "Hi", "--max-tokens", "2"])
+    assert "### Hi" in capsys.readouterr().out
+    (engine,) = engines
+    assert engine.config == engine_config(
+        folder, dtype="float32", num_blocks=32, attention_backend="torch", linear_backend="torch",
+        fused_ops=False, max_num_seqs=3,
+    )
+    assert engine.runner.backends.attention.name == "torch"
+    assert engine.runner.backends.fused_ops is None
+    assert engine.scheduler.config.max_num_seqs == 3
+
+
+def test_serve_help_lists_every_engine_option(capsys):
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    text = capsys.readouterr().out
+    for cf in _fields():
+        assert cf.flag in text, cf.flag

@@ -1,0 +1,160 @@
+"""The layering of ../shared/DESIGN.md, checked on the source: every import
+between octavo's folders is one the design allows, and the allowed graph has
+no cycle, so no import can run upward.
+
+The design's table lists the layers top to bottom by role; the imports that
+role implies are written out here, one line per layer, because a plain rank
+order is not the import order (models call into ``attention/`` and
+``distributed/``, which the table lists above ``model/``; ``octavo serve``
+starts the HTTP front, listed above the CLI)."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "octavo"
+ROOT = "<root>"  # tokenizer.py, config.py, sampling_params.py, outputs.py, ...: used by every layer
+
+ALLOWED: dict[str, set[str]] = {
+    # Fronts talk to engines only: the engine's async client (ZMQ) or HTTP.
+    "server": {"engine", ROOT},
+    "gateway": {ROOT},
+    "autoscale": {ROOT},
+    # The CLI and LLM(...) build one EngineConfig; `octavo serve` starts the server.
+    "entrypoints": {"engine", "server", "assets", ROOT},
+    # Scheduler + executor; grammars compile and generation_config.json is read here.
+    "engine": {"core", "executor", "sample", "model", ROOT},
+    "core": {"kv_offload", ROOT},
+    "executor": {"worker", "distributed", "core.outputs", ROOT},
+    # The step contract (core/outputs.py) is the only part of core a rank reads.
+    "worker": {"core.outputs", "model", "attention", "quant", "sample", "spec_decode", "kv_offload",
+               "distributed", "kernels", ROOT},
+    "spec_decode": {"model", "sample", "attention", "quant", "distributed", "kernels", ROOT},
+    "model": {"attention", "quant", "distributed", "kernels", ROOT},
+    "attention": {"distributed", "kernels", ROOT},
+    "quant": {"distributed", "kernels", ROOT},
+    "sample": {"kernels", ROOT},
+    "kv_offload": {"distributed", "kernels", ROOT},
+    "distributed": {ROOT},
+    "kernels": set(),
+    "assets": set(),
+    ROOT: {ROOT},
+}
+
+# Edges that exist today and that the Executor seam (branch s15-exec) removes:
+# the engine reaches the model runner through an executor, and the sampler
+# reads the worker's persistent batch instead of the scheduler's Request.
+# Delete each line once its edge is gone (the test below says when).
+KNOWN_UPWARD = {
+    ("octavo.engine.llm_engine", "octavo.worker"),
+    ("octavo.sample", "octavo.core.request"),
+    ("octavo.worker", "octavo.core.request"),
+}
+
+
+def _layer(module: str) -> str:
+    """octavo.engine.llm_engine -> engine; octavo.config -> ROOT."""
+    parts = module.split(".")
+    if len(parts) == 1 or (PACKAGE / f"{parts[1]}.py").is_file():
+        return ROOT
+    return parts[1]
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(PACKAGE.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """Every octavo module ``path`` imports, at any depth (TYPE_CHECKING too:
+    a type-only import is still a dependency of the design)."""
+    module = _module_name(path)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+        elif isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+    return {m for m in found if m == "octavo" or m.startswith("octavo.")}
+
+
+def _edges() -> list[tuple[str, str]]:
+    edges = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        src = _module_name(path)
+        if src == "octavo":
+            continue  # the package __init__ re-exports the public API (LLM lazily)
+        for dst in sorted(_imports(path)):
+            if dst != "octavo" and _layer(dst) != _layer(src):
+                edges.append((src, dst))
+    return edges
+
+
+def _allowed(src: str, dst: str) -> bool:
+    target = dst.split(".", 1)[1] if _layer(dst) != ROOT else ROOT
+    return any(target == a or target.startswith(a + ".") for a in ALLOWED[_layer(src)])
+
+
+def _matches(known: tuple[str, str], src: str, dst: str) -> bool:
+    s, d = known
+    return (src == s or src.startswith(s + ".")) and (dst == d or dst.startswith(d + "."))
+
+
+def _known(src: str, dst: str) -> bool:
+    return any(_matches(k, src, dst) for k in KNOWN_UPWARD)
+
+
+def test_every_folder_has_a_place_in_the_design():
+    folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").is_file()}
+    assert folders <= set(ALLOWED), f"add {sorted(folders - set(ALLOWED))} to ALLOWED (and to DESIGN.md)"
+
+
+def test_no_import_runs_upward():
+    bad = [f"{src} -> {dst}" for src, dst in _edges() if not _allowed(src, dst) and not _known(src, dst)]
+    assert not bad, "imports against the layering of DESIGN.md:\n" + "\n".join(bad)
+
+
+def test_known_upward_edges_still_exist():
+    """An exception whose edge is gone must go too, or it would hide a new one."""
+    edges = _edges()
+    stale = [k for k in KNOWN_UPWARD if not any(_matches(k, s, d) for s, d in edges)]
+    assert not stale, f"remove from KNOWN_UPWARD: {stale}"
+
+
+def test_the_allowed_graph_has_no_cycle():
+    """With no cycle, the layers have an order in which every allowed import points down."""
+    graph = {layer: {a.split(".")[0] for a in deps} - {layer} for layer, deps in ALLOWED.items()}
+    done: set[str] = set()
+
+    def visit(layer: str, path: tuple[str, ...]) -> None:
+        if layer in path:
+            pytest.fail("cycle: " + " -> ".join(path[path.index(layer):] + (layer,)))
+        if layer in done:
+            return
+        for dep in graph.get(layer, ()):
+            visit(dep, path + (layer,))
+        done.add(layer)
+
+    for layer in graph:
+        visit(layer, ())
+
+
+def test_the_checker_itself():
+    """TYPE_CHECKING imports count; the rules tell the step contract from the rest of core."""
+    assert "octavo.tokenizer" in _imports(PACKAGE / "sample" / "structured.py")  # type-only there
+    assert _allowed("octavo.sample.structured", "octavo.tokenizer")
+    assert not _allowed("octavo.sample.structured", "octavo.engine.detokenizer")
+    assert not _allowed("octavo.server.streams", "octavo.core.outputs")
+    assert _allowed("octavo.worker.model_runner", "octavo.core.outputs")
+    assert not _allowed("octavo.worker.model_runner", "octavo.core.scheduler")
