@@ -26,8 +26,11 @@ The split follows vLLM V1:
   the process exits non-zero, and the front restarts it.
   The front also watches the process sentinel, which covers crashes that
   send nothing (OOM killer, segfault).
-- SIGINT is ignored here: Ctrl-C reaches the whole process group, and the
-  front must be able to drain in-flight requests before it sends Shutdown.
+- SIGINT and SIGTERM are ignored here: Ctrl-C reaches the whole process
+  group, and so does the SIGTERM of systemd (control-group kill), `timeout`
+  or a shell's job control; the front must be able to drain in-flight
+  requests before it sends Shutdown. The engine still exits by itself when
+  its parent is gone, and SIGKILL still kills it.
 """
 from __future__ import annotations
 
@@ -56,6 +59,7 @@ _IDLE_POLL_MS = 1000
 def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> None:
     """Process entry point (must be importable for ``spawn``)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     parent = os.getppid()
     ctx = zmq.Context()
     inp = ctx.socket(zmq.PULL)

@@ -110,9 +110,6 @@ class EngineProcess:
 
     def _stop(self, grace_s: float) -> None:
         self.proc.join(timeout=grace_s)
-        if self.proc.is_alive():
-            self.proc.terminate()
-            self.proc.join(timeout=5.0)
-        if self.proc.is_alive():
+        if self.proc.is_alive():  # SIGKILL: the engine ignores SIGTERM (see core_process)
             self.proc.kill()
             self.proc.join()

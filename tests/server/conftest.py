@@ -47,6 +47,7 @@ class ServerProcess:
         key_from_env: bool = False,
         wait: bool = True,
         memory_limit: Optional[int] = None,
+        new_session: bool = False,
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -64,6 +65,7 @@ class ServerProcess:
         self.proc = subprocess.Popen(
             cmd, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT,
             preexec_fn=None if memory_limit is None else lambda: _limit_address_space(memory_limit),
+            start_new_session=new_session,  # its own process group, for signals sent to the group
         )
         if wait:
             self.wait_healthy()

@@ -3,6 +3,7 @@ engine process: test_supervision.py)."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 from pathlib import Path
 
@@ -18,7 +19,7 @@ def small_server(model_path, tmp_path_factory):
     """One running sequence at a time, at most one request pending; the key comes from $OCTAVO_API_KEY."""
     logs = tmp_path_factory.mktemp("lifecycle")
     args = ("--max-num-seqs", "1", "--max-waiting-requests", "1", "--shutdown-timeout", "20")
-    srv = ServerProcess(model_path, logs / "small.log", *args, key_from_env=True)
+    srv = ServerProcess(model_path, logs / "small.log", *args, key_from_env=True, new_session=True)
     yield srv
     srv.stop()
 
@@ -36,9 +37,12 @@ def test_overload_503_then_graceful_sigterm(small_server):
     assert r.status_code == 503 and r.headers["retry-after"] == "1"
     assert r.json()["error"]["code"] == "overloaded"
 
-    # SIGTERM while both are in flight: they finish, new connections are refused, the process exits 0.
+    # SIGTERM to the whole process group (as systemd, `timeout` or a shell's
+    # job control send it) while both are in flight: the engine ignores it
+    # and keeps serving the drain, they finish, new connections are refused,
+    # the process exits 0.
     engine = Path(f"/proc/{srv.engine_pid()}")
-    srv.proc.send_signal(signal.SIGTERM)
+    os.killpg(srv.proc.pid, signal.SIGTERM)
     wait_for(lambda: _refused(srv.url), what="the listener to close")
     running.join(60)
     queued.join(60)
@@ -47,6 +51,7 @@ def test_overload_503_then_graceful_sigterm(small_server):
     assert queued.lines[-1] == "[DONE]" and queued.error is None
     assert srv.proc.wait(30) == 0
     wait_for(lambda: not engine.exists(), what="the engine process to exit")
+    assert "engine process exited" not in srv.log()
 
 
 def _refused(url: str) -> bool:
