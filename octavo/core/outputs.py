@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from octavo.core.request import Request
 
@@ -85,3 +85,14 @@ class EngineCoreOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the engine needs to know about the loaded model (from the driver rank)."""
+
+    vocab_size: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...]
+    # generation_config.json's sampling defaults, fields left unset omitted.
+    generation_defaults: dict[str, Any]

@@ -15,9 +15,9 @@ from octavo.engine.detokenizer import IncrementalDetokenizer
 from octavo.engine.request_state import RequestState, SequenceState
 from octavo.engine.stats import EngineStats
 from octavo.engine.tokenizer import Tokenizer
+from octavo.executor.registry import create_executor
 from octavo.outputs import RequestMetrics, RequestOutput
 from octavo.sampling_params import RequestOutputKind, SamplingParams
-from octavo.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -27,8 +27,10 @@ class RequestFailedError(RuntimeError):
 
 
 class LLMEngine:
-    """Owns the tokenizer, the scheduler and the model runner. Not thread-safe:
-    one caller drives ``add_request`` / ``abort_request`` / ``step``."""
+    """Owns the tokenizer, the scheduler and the executor (which runs the
+    model, in this process or in one worker process per rank). Not
+    thread-safe: one caller drives ``add_request`` / ``abort_request`` /
+    ``step``; ``shutdown`` stops the workers."""
 
     def __init__(self, config: EngineConfig) -> None:
         model_dir = Path(config.model.model)
@@ -36,27 +38,28 @@ class LLMEngine:
             raise ValueError(f"model folder not found: {config.model.model}")
         self.config = config
         self.tokenizer = Tokenizer(config.model.tokenizer or config.model.model)
-        self.runner = ModelRunner(config.model, config.cache, config.scheduler)
-        self.vocab_size = self.runner.vocab_size
-        self.max_model_len = self.runner.max_model_len
-        self.model_name = config.model.served_model_name or model_dir.resolve().name
-        # Sampling defaults from generation_config.json, for requests that
-        # leave a field unset (the server applies them).
-        self.generation_defaults = {
-            k: v
-            for k, v in dataclasses.asdict(self.runner.generation_defaults).items()
-            if v is not None and k != "eos_token_ids"
-        }
-        eos_ids = list(self.runner.eos_token_ids)
-        if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos_ids:
-            eos_ids.insert(0, self.tokenizer.eos_token_id)
-        self.eos_token_id: Optional[int] = eos_ids[0] if eos_ids else None
-        # Checkpoints with several end tokens (e.g. end-of-turn and end-of-text)
-        # stop on any of them; the extra ones act as stop tokens.
-        self._extra_eos_ids = eos_ids[1:]
-        self.scheduler = Scheduler(
-            config.scheduler, config.cache, self.runner.num_blocks, self.max_model_len
-        )
+        self.executor = create_executor(config)
+        try:
+            info = self.executor.model_info
+            self.vocab_size = info.vocab_size
+            self.max_model_len = info.max_model_len
+            self.model_name = config.model.served_model_name or model_dir.resolve().name
+            # Sampling defaults from generation_config.json, for requests that
+            # leave a field unset (the server applies them).
+            self.generation_defaults = dict(info.generation_defaults)
+            eos_ids = list(info.eos_token_ids)
+            if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos_ids:
+                eos_ids.insert(0, self.tokenizer.eos_token_id)
+            self.eos_token_id: Optional[int] = eos_ids[0] if eos_ids else None
+            # Checkpoints with several end tokens (e.g. end-of-turn and end-of-text)
+            # stop on any of them; the extra ones act as stop tokens.
+            self._extra_eos_ids = eos_ids[1:]
+            self.scheduler = Scheduler(
+                config.scheduler, config.cache, self.executor.determine_num_kv_blocks(), self.max_model_len
+            )
+        except BaseException:
+            self.executor.shutdown()
+            raise
         self._requests: dict[str, RequestState] = {}
         self._child_to_parent: dict[str, str] = {}
         self._pending: list[RequestOutput] = []  # outputs produced outside step()
@@ -184,7 +187,7 @@ class LLMEngine:
         outputs, self._pending = self._pending, []
         sched_out = self.scheduler.schedule()
         runner_out = (
-            self.runner.execute(sched_out) if not sched_out.is_empty else ModelRunnerOutput()
+            self.executor.execute_model(sched_out) if not sched_out.is_empty else ModelRunnerOutput()
         )
         self._note_first_scheduled(sched_out)
         progressed: dict[str, RequestState] = {}
@@ -259,6 +262,10 @@ class LLMEngine:
             prompt_tokens=self._prompt_tokens,
             generation_tokens=self._generation_tokens,
         )
+
+    def shutdown(self) -> None:
+        """Stop the executor's workers (no-op in process); safe to call twice."""
+        self.executor.shutdown()
 
     # ---- helpers --------------------------------------------------------
 

@@ -1,0 +1,33 @@
+"""One rank's worker: its device, its ModelRunner (weights shard, KV cache
+shard, per-request state) and, on the driver rank, the sampler's results."""
+from __future__ import annotations
+
+import dataclasses
+
+from octavo.config import EngineConfig
+from octavo.core.outputs import ModelInfo, ModelRunnerOutput, SchedulerOutput
+from octavo.worker.model_runner import ModelRunner
+
+
+class Worker:
+    """Built in the process of its rank, after that process's parallel state
+    is set (``init_model_parallel``): the layers read their rank when built."""
+
+    def __init__(self, config: EngineConfig, rank: int = 0) -> None:
+        self.rank = rank
+        self.runner = ModelRunner(config.model, config.cache, config.scheduler)
+
+    def model_info(self) -> ModelInfo:
+        runner = self.runner
+        defaults = {
+            k: v
+            for k, v in dataclasses.asdict(runner.generation_defaults).items()
+            if v is not None and k != "eos_token_ids"
+        }
+        return ModelInfo(runner.vocab_size, runner.max_model_len, tuple(runner.eos_token_ids), defaults)
+
+    def num_kv_blocks(self) -> int:
+        return self.runner.num_blocks
+
+    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        return self.runner.execute(scheduler_output)
