@@ -64,6 +64,7 @@ class LLMEngine:
         self._child_to_parent: dict[str, str] = {}
         self._pending: list[RequestOutput] = []  # outputs produced outside step()
         self._grammar_compiler = None
+        self._grammar_ids: set[str] = set()  # sequences with a grammar matcher
         self._prompt_tokens = 0
         self._generation_tokens = 0
 
@@ -147,6 +148,7 @@ class LLMEngine:
             )
             if grammars is not None:
                 children[-1].grammar = grammars.new_matcher()
+                self._grammar_ids.add(child_id)
             state.child_ids.append(child_id)
             detok = (
                 IncrementalDetokenizer(self.tokenizer, prompt_ids, params)
@@ -186,9 +188,11 @@ class LLMEngine:
         requests carry on."""
         outputs, self._pending = self._pending, []
         sched_out = self.scheduler.schedule()
+        grammar_failed = self._attach_grammar(sched_out) if self._grammar_ids else {}
         runner_out = (
             self.executor.execute_model(sched_out) if not sched_out.is_empty else ModelRunnerOutput()
         )
+        runner_out.failed.update(grammar_failed)
         self._note_first_scheduled(sched_out)
         progressed: dict[str, RequestState] = {}
         stopped: list[str] = []
@@ -240,10 +244,38 @@ class LLMEngine:
         self._remove(state.request_id, RequestStatus.FINISHED_ERROR)
         return _error_output(state, exc)
 
+    def _attach_grammar(self, sched_out: SchedulerOutput) -> dict[str, str]:
+        """Pack what the grammars of the requests sampling this step allow
+        into the step (the matchers stay here; the scheduler advances them
+        with the sampled tokens). A matcher that raises fails its request
+        alone: its row goes unmasked and its token is discarded. Returns
+        those requests' errors."""
+        from octavo.sample.structured import grammar_bitmask
+
+        ids = [s.request_id for s in sched_out.scheduled if s.sample and s.request_id in self._grammar_ids]
+        if not ids:
+            return {}
+        matchers = [self.scheduler.get_request(rid).grammar for rid in ids]
+        try:
+            sched_out.grammar = grammar_bitmask(ids, matchers, self.vocab_size)
+            return {}
+        except Exception:
+            logger.exception("grammar masks of %d requests failed; computing each alone", len(ids))
+        failed: dict[str, str] = {}
+        for rid, matcher in zip(ids, matchers):
+            try:
+                grammar_bitmask([rid], [matcher], self.vocab_size)
+            except Exception as exc:
+                failed[rid] = f"structured output failed: {type(exc).__name__}: {exc}"
+        good = [(rid, m) for rid, m in zip(ids, matchers) if rid not in failed]
+        if good:
+            sched_out.grammar = grammar_bitmask([r for r, _ in good], [m for _, m in good], self.vocab_size)
+        return failed
+
     def _note_first_scheduled(self, sched_out: SchedulerOutput) -> None:
         now = time.monotonic()
         for scheduled in sched_out.scheduled:
-            parent = self._child_to_parent.get(scheduled.request.request_id)
+            parent = self._child_to_parent.get(scheduled.request_id)
             if parent is not None:
                 metrics = self._requests[parent].metrics
                 if metrics.first_scheduled_time is None:
@@ -277,6 +309,7 @@ class LLMEngine:
             self.scheduler.finish_requests(state.child_ids, status)
             for child_id in state.child_ids:
                 self._child_to_parent.pop(child_id, None)
+                self._grammar_ids.discard(child_id)
         return state
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[Optional[str], list[int]]:

@@ -112,4 +112,4 @@ def _bad_word_bans(output: list[int], sequences: list[list[int]]) -> Iterator[in
 def _below_min_tokens(req: Request) -> bool:
     if req.num_output_tokens >= req.sampling_params.min_tokens:
         return False
-    return req.grammar is None or not req.grammar.is_terminated()
+    return not req.grammar_terminated

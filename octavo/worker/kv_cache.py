@@ -23,8 +23,10 @@ class CacheShape:
     dtype: torch.dtype
 
     @classmethod
-    def of(cls, arch: ArchConfig, block_size: int, dtype: torch.dtype) -> CacheShape:
-        return cls(arch.num_layers, block_size, arch.num_kv_heads, arch.head_dim, dtype)
+    def of(cls, arch: ArchConfig, block_size: int, dtype: torch.dtype, num_kv_heads: int) -> CacheShape:
+        """This rank's shard: ``num_kv_heads`` is the rank's share of the KV
+        heads (all of them at tensor-parallel size 1), as its layers hold them."""
+        return cls(arch.num_layers, block_size, num_kv_heads, arch.head_dim, dtype)
 
     @property
     def bytes_per_block(self) -> int:

@@ -93,5 +93,7 @@ class DecoderForCausalLM(nn.Module):
             h, residual = layer(h, residual, cos, sin, kv_cache, meta)
         return h if residual is None else h + residual
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
+        """Logits of ``hidden``'s rows; None on a tensor-parallel rank other
+        than the driver (the vocabulary shards are gathered on the driver only)."""
         return self.lm_head(self.model.norm(hidden))
