@@ -8,7 +8,7 @@ from typing import Any, Optional, Sequence, Union
 
 from tqdm import tqdm
 
-from octavo.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from octavo.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from octavo.engine.llm_engine import LLMEngine
 from octavo.engine.tokenizer import Tokenizer
 from octavo.outputs import RequestOutput
@@ -51,6 +51,10 @@ class LLM:
         attention_backend: str = "auto",
         linear_backend: str = "auto",
         fused_ops: bool = True,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        distributed_executor_backend: Optional[str] = None,
+        threads_per_worker: Optional[int] = None,
     ) -> None:
         model_path = str(model) if model is not None else str(default_model_path())
         config = EngineConfig(
@@ -77,9 +81,20 @@ class LLM:
                 max_num_batched_tokens=max_num_batched_tokens,
                 enable_chunked_prefill=enable_chunked_prefill,
             ),
+            parallel=ParallelConfig(
+                tensor_parallel_size=tensor_parallel_size,
+                pipeline_parallel_size=pipeline_parallel_size,
+                distributed_executor_backend=distributed_executor_backend,
+                threads_per_worker=threads_per_worker,
+            ),
         )
         self.engine = LLMEngine(config)
         self._ids = itertools.count()
+
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes, if it has any (they also stop
+        when this process exits)."""
+        self.engine.shutdown()
 
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
