@@ -9,7 +9,7 @@ import sys
 from dataclasses import fields
 from typing import Optional, Sequence
 
-from octavo.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from octavo.config import EXECUTOR_BACKENDS, CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 from octavo.server.config import DEFAULT_PUBLIC_ROUTES, ServerConfig
 from octavo.server.limits import RequestLimits
 
@@ -48,6 +48,12 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory", type=parse_bytes, default=None, help="KV cache size, e.g. 2GiB")
     p.add_argument("--num-blocks", type=int, default=None, help="force the KV cache block count (testing)")
     p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="ranks that split every layer")
+    p.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help="stages that split the layers")
+    p.add_argument("--distributed-executor-backend", default=None, choices=list(EXECUTOR_BACKENDS),
+                   help="uni: in process; mp: a process per rank (default above one rank); ray")
+    p.add_argument("--threads-per-worker", type=int, default=None,
+                   help="intra-op threads per rank (default: the cores split evenly)")
 
 
 def _engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -71,6 +77,12 @@ def _engine_config(args: argparse.Namespace) -> EngineConfig:
             enable_prefix_caching=not args.no_prefix_caching,
         ),
         scheduler=SchedulerConfig(max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens),
+        parallel=ParallelConfig(
+            tensor_parallel_size=args.tensor_parallel_size,
+            pipeline_parallel_size=args.pipeline_parallel_size,
+            distributed_executor_backend=args.distributed_executor_backend,
+            threads_per_worker=args.threads_per_worker,
+        ),
     )
 
 

@@ -112,7 +112,16 @@ class MultiprocExecutor(Executor):
     def _broadcast(self, message: tuple, ranks: Optional[list[int]] = None) -> None:
         payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)  # once, for every rank
         for rank in range(len(self._to_rank)) if ranks is None else ranks:
-            self._to_rank[rank].send(payload, copy=False)
+            sock = self._to_rank[rank]
+            # A PUSH socket whose peer is gone blocks on send: never block
+            # without checking that the ranks live.
+            while True:
+                try:
+                    sock.send(payload, zmq.NOBLOCK, copy=False)
+                    break
+                except zmq.Again:
+                    self.check_health()
+                    sock.poll(_POLL_MS, zmq.POLLOUT)
 
     def _collect(self, ranks: set[int], kind: str, timeout_s: Optional[float] = None) -> dict[int, Any]:
         """Wait for one ``kind`` reply from each of ``ranks``; raise on any
