@@ -56,3 +56,23 @@ def tensor_model_parallel_gather(x: torch.Tensor, dim: int = -1) -> Optional[tor
     parts = [torch.empty_like(x) for _ in range(state.tp_size)]
     dist.gather(x, parts, dst=first, group=group)
     return torch.cat(parts, dim=dim)
+
+
+def pipeline_send(tensors: list[torch.Tensor]) -> None:
+    """Hand ``tensors`` to the same tensor-parallel rank of the next stage."""
+    state = get_parallel_state()
+    dst = dist.get_rank() + state.tp_size
+    for t in tensors:
+        dist.send(t.contiguous(), dst=dst)
+
+
+def pipeline_recv(count: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """``count`` tensors of ``shape`` from the same tensor-parallel rank of the previous stage."""
+    state = get_parallel_state()
+    src = dist.get_rank() - state.tp_size
+    out = []
+    for _ in range(count):
+        t = torch.empty(shape, dtype=dtype, device=device)
+        dist.recv(t, src=src)
+        out.append(t)
+    return out

@@ -4,8 +4,12 @@ Ranks join one torch.distributed world (gloo on CPU, NCCL on CUDA) for the
 model's collectives; the engine is not a rank. Each step is pickled ONCE and
 the same bytes are pushed to every rank over ZMQ ``ipc://`` sockets (a PUSH
 socket per rank: no subscription handshake to lose the first message to, and
-still one serialization). Rank 0, the driver, samples and sends the step's
-result back; the others reply only when they fail.
+still one serialization). The driver (tensor rank 0 of the last pipeline
+stage, which has the logits) samples and sends the step's result back; the
+others reply only when they fail.
+
+Pipeline stages run one step at a time here: the stages take turns rather
+than overlap (no batch queue of in-flight steps yet).
 
 Failure: while it waits, the executor checks every 200 ms that each rank's
 process lives; a rank that died (killed, OOM) raises ``ExecutorError`` naming
@@ -47,6 +51,7 @@ class MultiprocExecutor(Executor):
     def __init__(self, config: EngineConfig) -> None:
         super().__init__(config)
         world = config.parallel.world_size
+        self._driver = world - config.parallel.tensor_parallel_size
         self._dir = tempfile.TemporaryDirectory(prefix="octavo-ranks-")
         self._ctx = zmq.Context()
         self._results = self._ctx.socket(zmq.PULL)
@@ -81,7 +86,7 @@ class MultiprocExecutor(Executor):
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         self._broadcast(("step", scheduler_output))
-        return self._collect({0}, "ok")[0]
+        return self._collect({self._driver}, "ok")[self._driver]
 
     def collective_rpc(self, method: str, args: tuple = (), ranks: Optional[list[int]] = None) -> list[Any]:
         """``ranks``: only those (default: all); results in their order."""

@@ -9,8 +9,9 @@ serves messages, each a pickled tuple:
 
 - ``("init", InitArgs)``: pin threads and cores, join torch.distributed,
   set the parallel state, build the Worker; reply ``ready``.
-- ``("step", SchedulerOutput)``: run it; the driver (rank 0) replies with the
-  ModelRunnerOutput, the other ranks reply only if they fail.
+- ``("step", SchedulerOutput)``: run it; the driver (tensor rank 0 of the
+  last pipeline stage) replies with the ModelRunnerOutput, the other ranks
+  reply only if they fail.
 - ``("rpc", method, args)``: every rank replies with ``Worker.method(*args)``.
 - ``("shutdown",)``: leave.
 
@@ -106,7 +107,7 @@ def serve(rank: int, step_addr: str, result_addr: str) -> None:
             try:
                 if kind == "step":
                     result = worker.execute_model(message[1])
-                    if rank == 0:
+                    if worker.is_driver:
                         reply("ok", result)
                 elif kind == "init":
                     worker = _init(rank, message[1])

@@ -8,7 +8,6 @@ from typing import Optional
 import torch
 
 from octavo.config import CacheConfig
-from octavo.model.config import ArchConfig
 from octavo.worker.memory import available_memory_bytes, check_pool_fits
 
 logger = logging.getLogger(__name__)
@@ -16,17 +15,14 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class CacheShape:
+    """One rank's shard: its pipeline stage's layers, its tensor-parallel
+    share of the KV heads."""
+
     num_layers: int
     block_size: int
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
-
-    @classmethod
-    def of(cls, arch: ArchConfig, block_size: int, dtype: torch.dtype, num_kv_heads: int) -> CacheShape:
-        """This rank's shard: ``num_kv_heads`` is the rank's share of the KV
-        heads (all of them at tensor-parallel size 1), as its layers hold them."""
-        return cls(arch.num_layers, block_size, num_kv_heads, arch.head_dim, dtype)
 
     @property
     def bytes_per_block(self) -> int:

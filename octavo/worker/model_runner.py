@@ -78,9 +78,10 @@ class ModelRunner:
         self.eos_token_ids = list(self.generation_defaults.eos_token_ids or self.arch.eos_token_ids)
 
         self.block_size = cache_config.block_size
-        # Under tensor parallelism each rank caches its own KV heads only.
-        rank_kv_heads = self.model.model.layers[0].self_attn.num_kv_heads
-        shape = CacheShape.of(self.arch, self.block_size, cache_dtype, rank_kv_heads)
+        # Each rank caches its own layers (pipeline) and KV heads (tensor) only.
+        layers = self.model.local_layers
+        shape = CacheShape(len(layers), self.block_size, layers[0].self_attn.num_kv_heads, self.arch.head_dim,
+                           cache_dtype)
         self.num_blocks = num_cache_blocks(
             cache_config, shape, self.device, scheduler_config.max_num_seqs * self.max_model_len
         )
@@ -98,6 +99,8 @@ class ModelRunner:
             if step is None:
                 return ModelRunnerOutput()
             inputs, hidden = step
+            if hidden is None:
+                return ModelRunnerOutput()  # a pipeline stage before the last
             plan = _plan_logit_rows(inputs)
             row_ids = plan.rows()
             if not row_ids:
@@ -125,6 +128,8 @@ class ModelRunner:
             if step is None:
                 return {}
             inputs, hidden = step
+            if hidden is None:
+                return {}  # a pipeline stage before the last
             logits = self.model.compute_logits(hidden)
             if logits is None:
                 return {}  # not the driver rank
@@ -134,7 +139,7 @@ class ModelRunner:
             for s, first in zip(inputs.order, inputs.q_starts)
         }
 
-    def _forward(self, scheduler_output: SchedulerOutput) -> Optional[tuple[StepInputs, torch.Tensor]]:
+    def _forward(self, scheduler_output: SchedulerOutput) -> Optional[tuple[StepInputs, Optional[torch.Tensor]]]:
         """Apply the step to the batch state (drop finished requests, add new
         ones, extend the others), apply block copies, run the model. None when
         nothing is scheduled."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from octavo.config import EngineConfig
+from octavo.distributed.parallel_state import get_parallel_state
 from octavo.core.outputs import ModelInfo, ModelRunnerOutput, SchedulerOutput
 from octavo.worker.model_runner import ModelRunner
 
@@ -15,6 +16,10 @@ class Worker:
 
     def __init__(self, config: EngineConfig, rank: int = 0) -> None:
         self.rank = rank
+        state = get_parallel_state()
+        # The rank that samples: tensor rank 0 of the last pipeline stage
+        # (the one with the logits).
+        self.is_driver = state.tp_rank == 0 and state.pp_rank == state.pp_size - 1
         self.runner = ModelRunner(config.model, config.cache, config.scheduler)
 
     def model_info(self) -> ModelInfo:

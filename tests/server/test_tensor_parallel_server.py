@@ -1,4 +1,4 @@
-"""`octavo serve --tensor-parallel-size 2`: the openai client gets the tokens
+"""`octavo serve --tensor-parallel-size 2` (and `--pipeline-parallel-size 2`): the openai client gets the tokens
 of the single-process engine; a killed rank takes the engine down with an
 error naming it, and the server's supervision brings up a new one."""
 from __future__ import annotations
@@ -57,5 +57,22 @@ def test_tp2_server_matches_tp1_and_survives_a_killed_rank(model_path, tmp_path)
         r = client.completions.create(model=client.models.list().data[0].id, prompt=PROMPTS[0], max_tokens=16,
                                       temperature=0.0, extra_body={"ignore_eos": True})
         assert r.choices[0].text == want[0]
+    finally:
+        srv.stop()
+
+
+def test_pp2_server_matches_tp1(model_path, tmp_path):
+    reference = LLM(model_path, dtype="float32", num_blocks=64)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    want = [o.outputs[0].text for o in reference.generate(PROMPTS, params, use_tqdm=False)]
+    srv = ServerProcess(model_path, tmp_path / "pp2.log", "--num-blocks", "64", "--pipeline-parallel-size", "2",
+                        "--threads-per-worker", "1")
+    try:
+        client = srv.openai()
+        model = client.models.list().data[0].id
+        for prompt, text in zip(PROMPTS, want):
+            r = client.completions.create(model=model, prompt=prompt, max_tokens=16, temperature=0.0,
+                                          extra_body={"ignore_eos": True})
+            assert r.choices[0].text == text
     finally:
         srv.stop()
