@@ -91,6 +91,12 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.scheduled
 
+    @property
+    def needs_workers(self) -> bool:
+        """Anything for the workers to do: run tokens, copy blocks or drop
+        the state of requests that left (else it would stay there)."""
+        return bool(self.scheduled or self.block_copies or self.finished_request_ids)
+
 
 @dataclass
 class ModelRunnerOutput:

@@ -298,9 +298,12 @@ class Scheduler:
             runner_output.logprobs.get(rid),
             self._max_len,
         )
-        if not scheduled.sample and request.num_computed_tokens == request.num_tokens:
-            status = RequestStatus.FINISHED_LENGTH  # max_tokens=0: the prompt is scored
-        if request.num_computed_tokens >= request.num_prompt_tokens:
+        # The chunk's end, not num_computed_tokens: with pipeline stages the
+        # request's next chunk may already be scheduled (and counted there).
+        end = scheduled.start_pos + scheduled.num_tokens
+        if request.sampling_params.max_tokens == 0 and end == request.num_tokens:
+            status = RequestStatus.FINISHED_LENGTH  # the prompt is scored
+        if end >= request.num_prompt_tokens:
             # Before a finished parent frees the blocks its siblings share.
             self._fork_siblings(request)
         if status is not None:

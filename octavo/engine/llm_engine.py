@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections import deque
 import time
 from pathlib import Path
 from typing import Iterable, Optional
@@ -63,6 +64,9 @@ class LLMEngine:
         self._requests: dict[str, RequestState] = {}
         self._child_to_parent: dict[str, str] = {}
         self._pending: list[RequestOutput] = []  # outputs produced outside step()
+        # Steps submitted to the executor, oldest first, with whether they
+        # went to the workers and the requests whose grammar mask failed.
+        self._in_flight: deque[tuple[SchedulerOutput, bool, dict[str, str]]] = deque()
         self._grammar_compiler = None
         self._grammar_ids: set[str] = set()  # sequences with a grammar matcher
         self._prompt_tokens = 0
@@ -176,7 +180,10 @@ class LLMEngine:
                 self._pending.append(_error_output(state, exc))
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests) or bool(self._pending) or self.scheduler.has_unfinished_requests()
+        return (
+            bool(self._requests) or bool(self._pending) or bool(self._in_flight)
+            or self.scheduler.has_unfinished_requests()
+        )
 
     # ---- the step -------------------------------------------------------
 
@@ -187,13 +194,10 @@ class LLMEngine:
         with ``RequestOutput.error`` set and its blocks freed, and the other
         requests carry on."""
         outputs, self._pending = self._pending, []
-        sched_out = self.scheduler.schedule()
-        grammar_failed = self._attach_grammar(sched_out) if self._grammar_ids else {}
-        runner_out = (
-            self.executor.execute_model(sched_out) if not sched_out.is_empty else ModelRunnerOutput()
-        )
+        self._fill_pipeline()
+        sched_out, submitted, grammar_failed = self._in_flight.popleft()
+        runner_out = self.executor.collect() if submitted else ModelRunnerOutput()
         runner_out.failed.update(grammar_failed)
-        self._note_first_scheduled(sched_out)
         progressed: dict[str, RequestState] = {}
         stopped: list[str] = []
         for core_out in self.scheduler.update_from_output(sched_out, runner_out):
@@ -243,6 +247,25 @@ class LLMEngine:
             logger.exception("request %s failed", state.request_id)
         self._remove(state.request_id, RequestStatus.FINISHED_ERROR)
         return _error_output(state, exc)
+
+    def _fill_pipeline(self) -> None:
+        """Schedule and submit steps until the executor holds as many as it
+        can run at once (one, without pipeline stages) or nothing more can be
+        scheduled: a request whose step is in flight has no token to compute
+        until its result is back, so later steps hold other requests or
+        further prompt chunks."""
+        while len(self._in_flight) < self.executor.max_concurrent_batches:
+            sched_out = self.scheduler.schedule()
+            if self._in_flight and not sched_out.needs_workers:
+                return  # nothing new: wait for the oldest step
+            grammar_failed = self._attach_grammar(sched_out) if self._grammar_ids else {}
+            submitted = sched_out.needs_workers
+            if submitted:
+                self.executor.submit(sched_out)
+            self._note_first_scheduled(sched_out)
+            self._in_flight.append((sched_out, submitted, grammar_failed))
+            if sched_out.is_empty:
+                return
 
     def _attach_grammar(self, sched_out: SchedulerOutput) -> dict[str, str]:
         """Pack what the grammars of the requests sampling this step allow

@@ -10,6 +10,7 @@ places one worker per rank as a Ray actor.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections import deque
 from typing import Any, Optional
 
 from octavo.config import EngineConfig
@@ -31,6 +32,23 @@ class Executor(ABC):
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.model_info: Optional[ModelInfo] = None  # set once the workers are up
+        self._done: deque[ModelRunnerOutput] = deque()
+
+    @property
+    def max_concurrent_batches(self) -> int:
+        """Steps that may be in flight at once (``submit``ted, not yet
+        ``collect``ed): the pipeline's stages, so that each works on its own
+        step; 1 without pipelining."""
+        return 1
+
+    def submit(self, scheduler_output: SchedulerOutput) -> None:
+        """Start a step without waiting for it; ``collect`` returns results in
+        submission order. By default the step runs here and now."""
+        self._done.append(self.execute_model(scheduler_output))
+
+    def collect(self) -> ModelRunnerOutput:
+        """The output of the oldest submitted step, waiting for it if need be."""
+        return self._done.popleft()
 
     @abstractmethod
     def determine_num_kv_blocks(self) -> int:

@@ -8,8 +8,11 @@ still one serialization). The driver (tensor rank 0 of the last pipeline
 stage, which has the logits) samples and sends the step's result back; the
 others reply only when they fail.
 
-Pipeline stages run one step at a time here: the stages take turns rather
-than overlap (no batch queue of in-flight steps yet).
+Pipeline parallelism: up to ``pipeline_parallel_size`` steps are in flight
+(``submit`` without waiting, ``collect`` in order), so that while the last
+stage works on step N the first already works on step N + 1; every stage
+sees the steps in the same order, which keeps each rank's KV writes and
+per-request state in step order.
 
 Failure: while it waits, the executor checks every 200 ms that each rank's
 process lives; a rank that died (killed, OOM) raises ``ExecutorError`` naming
@@ -84,8 +87,18 @@ class MultiprocExecutor(Executor):
     def determine_num_kv_blocks(self) -> int:
         return min(self.collective_rpc("num_kv_blocks"))
 
+    @property
+    def max_concurrent_batches(self) -> int:
+        return self.config.parallel.pipeline_parallel_size
+
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        self.submit(scheduler_output)
+        return self.collect()
+
+    def submit(self, scheduler_output: SchedulerOutput) -> None:
         self._broadcast(("step", scheduler_output))
+
+    def collect(self) -> ModelRunnerOutput:
         return self._collect({self._driver}, "ok")[self._driver]
 
     def collective_rpc(self, method: str, args: tuple = (), ranks: Optional[list[int]] = None) -> list[Any]:
