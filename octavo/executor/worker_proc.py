@@ -53,7 +53,9 @@ class WorkerFailure:
     traceback: str
 
 
-def _init(rank: int, args: InitArgs) -> Any:
+def init_rank_worker(rank: int, args: InitArgs) -> Any:
+    """This process becomes ``rank``: its threads and cores, its place in
+    torch.distributed and the parallel groups, its Worker (returned)."""
     import torch
     import torch.distributed as dist
 
@@ -110,7 +112,7 @@ def serve(rank: int, step_addr: str, result_addr: str) -> None:
                     if worker.is_driver:
                         reply("ok", result)
                 elif kind == "init":
-                    worker = _init(rank, message[1])
+                    worker = init_rank_worker(rank, message[1])
                     reply("ready", None)
                 else:  # rpc
                     reply("ok", getattr(worker, message[1])(*message[2]))
