@@ -55,7 +55,10 @@ class ModelRunner:
         model_config: ModelConfig,
         cache_config: CacheConfig,
         scheduler_config: SchedulerConfig,
+        memory_share: float = 1.0,
     ) -> None:
+        """``memory_share``: this rank's part of the KV cache memory budget
+        (see ``num_cache_blocks``)."""
         folder = model_folder(model_config.model)
         self.device = torch.device(model_config.device)
         arch = load_arch_config(folder)
@@ -83,7 +86,7 @@ class ModelRunner:
         shape = CacheShape(len(layers), self.block_size, layers[0].self_attn.num_kv_heads, self.arch.head_dim,
                            cache_dtype)
         self.num_blocks = num_cache_blocks(
-            cache_config, shape, self.device, scheduler_config.max_num_seqs * self.max_model_len
+            cache_config, shape, self.device, scheduler_config.max_num_seqs * self.max_model_len, memory_share
         )
         self.kv_caches = allocate_kv_caches(shape, self.num_blocks, self.device)
 

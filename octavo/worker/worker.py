@@ -20,7 +20,11 @@ class Worker:
         # The rank that samples: tensor rank 0 of the last pipeline stage
         # (the one with the logits).
         self.is_driver = state.tp_rank == 0 and state.pp_rank == state.pp_size - 1
-        self.runner = ModelRunner(config.model, config.cache, config.scheduler)
+        # CPU ranks share the machine's memory, so the KV budget (a fraction
+        # of it, or --kv-cache-memory) is split between them; a GPU rank has
+        # its own device's memory.
+        share = 1.0 if config.model.device.startswith("cuda") else 1.0 / config.parallel.world_size
+        self.runner = ModelRunner(config.model, config.cache, config.scheduler, share)
 
     def model_info(self) -> ModelInfo:
         runner = self.runner

@@ -113,6 +113,14 @@ def test_memory_fraction_default_is_capped_by_useful_tokens():
     assert explicit == 100
 
 
+def test_ranks_sharing_one_memory_split_its_budget():
+    whole = CacheConfig(block_size=16, kv_cache_memory_bytes=SHAPE.bytes_per_block * 100)
+    assert num_cache_blocks(whole, SHAPE, CPU, memory_share=0.5) == 50
+    fraction = CacheConfig(block_size=16, memory_fraction=0.01)
+    alone, halved = (num_cache_blocks(fraction, SHAPE, CPU, memory_share=s) for s in (1.0, 0.5))
+    assert abs(halved - alone / 2) <= 0.01 * alone + 1  # available memory moves a little between the reads
+
+
 def test_decodes_of_different_lengths_are_grouped_longest_first():
     # Contexts of 3, 40, 200 and 190 tokens (block_size 16: 1, 3, 13 and 12 blocks).
     reqs = [make_request(name, list(range(n))) for name, n in [("a", 3), ("b", 40), ("c", 200), ("d", 190)]]
