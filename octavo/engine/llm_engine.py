@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections import deque
 import time
+from collections import deque
 from pathlib import Path
 from typing import Iterable, Optional
 
@@ -188,11 +188,12 @@ class LLMEngine:
     # ---- the step -------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One scheduler step and one forward. An exception from here is an
-        engine failure (the forward itself); anything that goes wrong for one
-        request (its sampling, bookkeeping or detokenization) ends that request
-        with ``RequestOutput.error`` set and its blocks freed, and the other
-        requests carry on."""
+        """One scheduler step's results (with pipeline stages, the oldest of
+        the steps in flight, after topping them up). An exception from here
+        is an engine failure (the forward itself, or a rank gone); anything
+        that goes wrong for one request (its sampling, bookkeeping or
+        detokenization) ends that request with ``RequestOutput.error`` set
+        and its blocks freed, and the other requests carry on."""
         outputs, self._pending = self._pending, []
         self._fill_pipeline()
         sched_out, submitted, grammar_failed = self._in_flight.popleft()
