@@ -66,9 +66,10 @@ class Executor(ABC):
         a rank is gone; any other exception is a failure of the forward."""
 
     @abstractmethod
-    def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
-        """Call ``Worker.<method>(*args)`` on every rank; the results in rank
-        order. For setup and inspection, not for the per-step path."""
+    def collective_rpc(self, method: str, args: tuple = (), ranks: Optional[list[int]] = None) -> list[Any]:
+        """Call ``Worker.<method>(*args)`` on ``ranks`` (default: every rank);
+        the results in that order. For setup and inspection, not for the
+        per-step path."""
 
     @abstractmethod
     def shutdown(self) -> None:

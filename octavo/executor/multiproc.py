@@ -102,7 +102,6 @@ class MultiprocExecutor(Executor):
         return self._collect({self._driver}, "ok")[self._driver]
 
     def collective_rpc(self, method: str, args: tuple = (), ranks: Optional[list[int]] = None) -> list[Any]:
-        """``ranks``: only those (default: all); results in their order."""
         ranks = list(range(len(self._procs))) if ranks is None else ranks
         self._broadcast(("rpc", method, tuple(args)), ranks)
         results = self._collect(set(ranks), "ok")

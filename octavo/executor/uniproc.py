@@ -1,7 +1,7 @@
 """The in-process executor: the engine's own process is the only rank."""
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from octavo.config import EngineConfig
 from octavo.core.outputs import ModelRunnerOutput, SchedulerOutput
@@ -29,7 +29,7 @@ class UniProcExecutor(Executor):
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.worker.execute_model(scheduler_output)
 
-    def collective_rpc(self, method: str, args: tuple = ()) -> list[Any]:
+    def collective_rpc(self, method: str, args: tuple = (), ranks: Optional[list[int]] = None) -> list[Any]:
         return [getattr(self.worker, method)(*args)]
 
     def shutdown(self) -> None:
