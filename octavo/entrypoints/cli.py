@@ -204,6 +204,10 @@ def _generate(args: argparse.Namespace) -> None:
         max_num_batched_tokens=args.max_num_batched_tokens,
         seed=args.seed,
         device=args.device,
+        tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        distributed_executor_backend=args.distributed_executor_backend,
+        threads_per_worker=args.threads_per_worker,
     )
     defaults = llm.engine.generation_defaults
 
