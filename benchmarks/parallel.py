@@ -9,7 +9,10 @@ batch-1 decode tokens/s (one request, after its prefill) and offline output
 tokens/s (``--num-prompts`` random prompts, ``--output-len`` tokens each,
 ignore_eos). Then the cost of the collectives a TP=2 decode step pays, timed
 alone on two gloo ranks: each step runs 2 all-reduces per layer, one for the
-embedding and a gather of the logits on the driver.
+embedding and a gather of the logits on the driver. ``--executor-overhead``
+instead times steady greedy decode steps at batch 1 and 64 with the
+in-process executor and with the multi-process one at world size 1 (what a
+step costs to cross to a rank process and back).
 """
 from __future__ import annotations
 
@@ -91,6 +94,36 @@ def collective_costs(model: Path, dtype: torch.dtype) -> dict[tuple[str, int], f
     return dict(out) | {("layers", 0): arch.num_layers}
 
 
+def _median_step_ms(llm: LLM, batch: int, runs: int = 4) -> float:
+    """Best of ``runs``: the median step of 48-token greedy decodes of ``batch`` requests."""
+    engine, best = llm.engine, float("inf")
+    for run in range(runs):
+        for i in range(batch):
+            params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+            engine.add_request(f"s{run}-{batch}-{i}", [1, 50 + i, 60, 70], params)
+        engine.step()
+        times = []
+        while engine.has_unfinished_requests():
+            start = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - start)
+        best = min(best, sorted(times[:-1])[len(times[:-1]) // 2] * 1e3)
+    return best
+
+
+def executor_overhead(model: Path, dtype: str) -> list[dict[str, Any]]:
+    torch.set_num_threads(1)
+    rows = []
+    for backend in ("uni", "mp"):
+        llm = LLM(model, dtype=dtype, distributed_executor_backend=backend, threads_per_worker=1)
+        try:
+            rows.append({"executor": backend, **{f"batch {b} ms/step": _median_step_ms(llm, b) for b in (1, 64)},
+                         "load": load_avg()})
+        finally:
+            llm.shutdown()
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, default=default_model_path())
@@ -100,7 +133,13 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--decode-len", type=int, default=128)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--executor-overhead", action="store_true")
     args = parser.parse_args()
+    if args.executor_overhead:
+        rows = executor_overhead(args.model, args.dtype)
+        print_table(rows, ["executor", "batch 1 ms/step", "batch 64 ms/step", "load"], f"{args.model}, world size 1")
+        write_json(args.json, {"executor_overhead": rows})
+        return
     vocab = load_arch_config(args.model).vocab_size
     rows = []
     for name, kwargs, threads in ROWS:
