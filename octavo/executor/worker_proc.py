@@ -70,10 +70,12 @@ def init_rank_worker(rank: int, args: InitArgs) -> Any:
     config = args.config
     backend = "gloo"
     if config.model.device.startswith("cuda"):
-        # One GPU per rank, in rank order; NCCL between them.
+        # One GPU per rank, NCCL between them: the ranks of one machine take
+        # its GPUs in order (a Ray actor sees only its own GPU, index 0).
         backend = "nccl"
-        torch.cuda.set_device(rank)
-        config = dataclasses.replace(config, model=dataclasses.replace(config.model, device=f"cuda:{rank}"))
+        local = rank % torch.cuda.device_count()
+        torch.cuda.set_device(local)
+        config = dataclasses.replace(config, model=dataclasses.replace(config.model, device=f"cuda:{local}"))
     dist.init_process_group(
         backend, init_method=args.dist_init_method, rank=rank, world_size=parallel.world_size,
         timeout=timedelta(minutes=10),
