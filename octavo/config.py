@@ -110,8 +110,61 @@ class ModelConfig:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
 
 
+EXECUTOR_BACKENDS = ("uni", "mp", "ray")
+
+
+@dataclass
+class ParallelConfig:
+    """How the model is split over processes. ``tensor_parallel_size`` ranks
+    split every layer (heads, MLP columns, vocabulary rows);
+    ``pipeline_parallel_size`` stages split the layer stack. World size is
+    their product; rank = pp_rank * tensor_parallel_size + tp_rank."""
+
+    tensor_parallel_size: int = option(1, "ranks that split every layer (heads, MLP columns, vocabulary)",
+                                       aliases=("-tp",))
+    pipeline_parallel_size: int = option(1, "stages that split the layer stack", aliases=("-pp",))
+    distributed_executor_backend: Optional[str] = option(
+        None, "uni: the model in the engine's process (one rank only); mp: a worker process per rank on this "
+        "machine; ray: a Ray actor per rank (several machines). Default: uni for one rank, else mp",
+        choices=EXECUTOR_BACKENDS,
+    )
+    threads_per_worker: Optional[int] = option(
+        None, "intra-op threads of each rank (default: the cores this process may use, split evenly)"
+    )
+
+    def __post_init__(self) -> None:
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        backend = self.distributed_executor_backend
+        if backend is not None and backend not in EXECUTOR_BACKENDS:
+            raise ValueError(
+                f"distributed_executor_backend must be one of {', '.join(EXECUTOR_BACKENDS)}; got {backend!r}"
+            )
+        if backend == "uni" and self.world_size > 1:
+            raise ValueError(
+                f"distributed_executor_backend 'uni' runs one rank, but tensor_parallel_size x "
+                f"pipeline_parallel_size = {self.world_size}: use 'mp' or 'ray'"
+            )
+        if self.threads_per_worker is not None and self.threads_per_worker < 1:
+            raise ValueError(f"threads_per_worker must be >= 1, got {self.threads_per_worker}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def executor_backend(self) -> str:
+        """The backend in use: the one chosen, else the default for the world size."""
+        if self.distributed_executor_backend is not None:
+            return self.distributed_executor_backend
+        return "uni" if self.world_size == 1 else "mp"
+
+
 @dataclass
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)

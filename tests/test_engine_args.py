@@ -25,6 +25,10 @@ _NON_DEFAULT = {
     "cache_dtype": ("float32", "float32"),
     "max_num_seqs": ("3", 3),
     "max_num_batched_tokens": ("99", 99),
+    "tensor_parallel_size": ("2", 2),
+    "pipeline_parallel_size": ("2", 2),
+    "distributed_executor_backend": ("ray", "ray"),
+    "threads_per_worker": ("3", 3),
 }
 
 
@@ -108,8 +112,9 @@ def test_generate_options_reach_the_engine(tmp_path, monkeypatch, capsys):
         folder, dtype="float32", num_blocks=32, attention_backend="torch", linear_backend="torch",
         fused_ops=False, max_num_seqs=3,
     )
-    assert engine.runner.backends.attention.name == "torch"
-    assert engine.runner.backends.fused_ops is None
+    runner = engine.executor.worker.runner  # the default in-process executor
+    assert runner.backends.attention.name == "torch"
+    assert runner.backends.fused_ops is None
     assert engine.scheduler.config.max_num_seqs == 3
 
 

@@ -28,31 +28,22 @@ ALLOWED: dict[str, set[str]] = {
     "engine": {"core", "executor", "sample", "model", ROOT},
     "core": {"kv_offload", ROOT},
     "executor": {"worker", "distributed", "core.outputs", ROOT},
-    # The step contract (core/outputs.py) is the only part of core a rank reads.
-    "worker": {"core.outputs", "model", "attention", "quant", "sample", "spec_decode", "kv_offload",
+    # The step contract (core/outputs.py, and core/step_state.py: the rank's half
+    # of the request state the step deltas update) is the only part of core a rank reads.
+    "worker": {"core.outputs", "core.step_state", "model", "attention", "quant", "sample", "spec_decode", "kv_offload",
                "distributed", "kernels", ROOT},
     "spec_decode": {"model", "sample", "attention", "quant", "distributed", "kernels", ROOT},
     "model": {"attention", "quant", "distributed", "kernels", ROOT},
     "attention": {"distributed", "kernels", ROOT},
     "quant": {"distributed", "kernels", ROOT},
-    "sample": {"kernels", ROOT},
+    # The sampler reads the rank's request state; the grammar bitmask travels in the step contract.
+    "sample": {"core.outputs", "core.step_state", "kernels", ROOT},
     "kv_offload": {"distributed", "kernels", ROOT},
     "distributed": {ROOT},
     "kernels": set(),
     "assets": set(),
     ROOT: {ROOT},
 }
-
-# Edges that exist today and that the Executor seam (branch s15-exec) removes:
-# the engine reaches the model runner through an executor, and the sampler
-# reads the worker's persistent batch instead of the scheduler's Request.
-# Delete each line once its edge is gone (the test below says when).
-KNOWN_UPWARD = {
-    ("octavo.engine.llm_engine", "octavo.worker"),
-    ("octavo.sample", "octavo.core.request"),
-    ("octavo.worker", "octavo.core.request"),
-}
-
 
 def _layer(module: str) -> str:
     """octavo.engine.llm_engine -> engine; octavo.config -> ROOT."""
@@ -106,30 +97,14 @@ def _allowed(src: str, dst: str) -> bool:
     return any(target == a or target.startswith(a + ".") for a in ALLOWED[_layer(src)])
 
 
-def _matches(known: tuple[str, str], src: str, dst: str) -> bool:
-    s, d = known
-    return (src == s or src.startswith(s + ".")) and (dst == d or dst.startswith(d + "."))
-
-
-def _known(src: str, dst: str) -> bool:
-    return any(_matches(k, src, dst) for k in KNOWN_UPWARD)
-
-
 def test_every_folder_has_a_place_in_the_design():
     folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").is_file()}
     assert folders <= set(ALLOWED), f"add {sorted(folders - set(ALLOWED))} to ALLOWED (and to DESIGN.md)"
 
 
 def test_no_import_runs_upward():
-    bad = [f"{src} -> {dst}" for src, dst in _edges() if not _allowed(src, dst) and not _known(src, dst)]
+    bad = [f"{src} -> {dst}" for src, dst in _edges() if not _allowed(src, dst)]
     assert not bad, "imports against the layering of DESIGN.md:\n" + "\n".join(bad)
-
-
-def test_known_upward_edges_still_exist():
-    """An exception whose edge is gone must go too, or it would hide a new one."""
-    edges = _edges()
-    stale = [k for k in KNOWN_UPWARD if not any(_matches(k, s, d) for s, d in edges)]
-    assert not stale, f"remove from KNOWN_UPWARD: {stale}"
 
 
 def test_the_allowed_graph_has_no_cycle():

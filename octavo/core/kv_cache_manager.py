@@ -46,6 +46,10 @@ class KVCacheManager:
     def get_block_ids(self, request: Request) -> list[int]:
         return list(self._tables.get(request.request_id, ()))
 
+    def block_table(self, request: Request) -> list[int]:
+        """The request's live table, not a copy: read it, never change it."""
+        return self._tables.get(request.request_id, [])
+
     def _can_hit(self, request: Request) -> bool:
         # Prompt logprobs need the logits of every prompt position, so nothing
         # of the prompt may be skipped.

@@ -4,36 +4,75 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
-from octavo.core.request import Request
 from octavo.outputs import TokenLogprobs
+from octavo.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the workers have not seen (new, a fork sibling, or resumed
+    after preemption), sent once: the workers keep it until its id is in
+    ``finished_request_ids``."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    # Outputs so far: empty unless a preempted request resumes (it recomputes them).
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: Optional[int]
 
 
 @dataclass
 class ScheduledRequest:
-    """One request's share of a step: compute ``token_ids`` at positions
-    ``start_pos .. start_pos + len(token_ids) - 1`` and, when ``sample`` is set,
-    sample the next token from the last position's logits."""
+    """One request's share of a step, as a delta on what the workers hold:
+    compute the tokens at positions ``start_pos .. start_pos + num_tokens - 1``
+    and, when ``sample`` is set, sample the next token from the last
+    position's logits. ``new_token_ids`` extend the worker's token list (the
+    tokens sampled since it last saw the request). The block table from
+    index ``blocks_from`` on is ``block_ids``: the blocks this step writes and
+    any after them (copy-on-write may have replaced the block a step writes
+    into, so that one is always sent; blocks before it never change).
+    ``new`` is set on the request's first step on the workers."""
 
-    request: Request
+    request_id: str
     start_pos: int
-    token_ids: list[int]
-    block_ids: list[int]  # the request's whole block table, in order
+    num_tokens: int
+    new_token_ids: list[int]
+    blocks_from: int
+    block_ids: list[int]
     sample: bool
+    new: Optional[NewRequestData] = None
 
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
+
+@dataclass
+class GrammarBitmask:
+    """Structured output, computed on the scheduler side where the grammar
+    matchers live: for each listed request that samples this step, the tokens
+    its grammar allows, packed 32 per int32 word (token t at bit t % 32 of
+    word t // 32), row i for ``request_ids[i]``. ``terminated`` lists the
+    requests whose grammar is complete (only EOS may follow)."""
+
+    request_ids: list[str]
+    num_words: int
+    bitmask: bytes  # len(request_ids) x num_words int32, native byte order
+    terminated: set[str] = field(default_factory=set)
 
 
 @dataclass
 class SchedulerOutput:
+    """One step, the whole of what crosses from the scheduler to the workers:
+    plain data (ids, token ids, parameters), never scheduler objects, so that
+    it can be serialized once and broadcast to every rank."""
+
     scheduled: list[ScheduledRequest]
     # Copy-on-write: copy K/V of block src into block dst before the forward.
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     # Requests that left since the last step (finished, aborted, preempted);
-    # the runner drops any per-request state it keeps for them.
+    # the workers drop their state (a preempted one keeps its random generator
+    # and comes back as ``new`` data).
     finished_request_ids: set[str] = field(default_factory=set)
     preempted_request_ids: set[str] = field(default_factory=set)
+    grammar: Optional[GrammarBitmask] = None
 
     @property
     def total_num_tokens(self) -> int:
@@ -42,6 +81,12 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+    @property
+    def needs_workers(self) -> bool:
+        """Anything for the workers to do: run tokens, copy blocks or drop
+        the state of requests that left (else it would stay there)."""
+        return bool(self.scheduled or self.block_copies or self.finished_request_ids)
 
 
 @dataclass
@@ -54,8 +99,8 @@ class ModelRunnerOutput:
     # chunk starting at start_pos, entry i is for prompt position
     # start_pos + 1 + i: the logits of a position score the token after it.
     prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
-    # Requests whose own sampling-side work raised (grammar mask or advance,
-    # penalties, logprobs): request id -> message. They sampled nothing; the
+    # Requests whose own sampling-side work raised (penalties, masks,
+    # logprobs): request id -> message. They sampled nothing; the
     # scheduler ends them with an error, the rest of the step stands.
     failed: dict[str, str] = field(default_factory=dict)
 
@@ -76,3 +121,11 @@ class EngineCoreOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the engine needs to know about the loaded model (from the driver rank)."""
+
+    vocab_size: int
+    max_model_len: int

@@ -97,5 +97,10 @@ class Request:
         self.all_token_ids.append(token_id)
 
     @property
+    def grammar_terminated(self) -> bool:
+        """True once the request's grammar is complete: only EOS may follow."""
+        return self.grammar is not None and self.grammar.is_terminated()
+
+    @property
     def is_finished(self) -> bool:
         return self.status.finished

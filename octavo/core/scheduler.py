@@ -38,6 +38,7 @@ from octavo.core.outputs import EngineCoreOutput, ModelRunnerOutput, ScheduledRe
 from octavo.core.request import Request, RequestStatus
 from octavo.core.request_queue import RequestQueue, SortKey
 from octavo.core.step_results import append_sampled, take_prompt_logprobs
+from octavo.core.step_state import SentRequests
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +81,7 @@ class Scheduler:
         self.running = RequestQueue(self._sort_key)
         self._fork_waiters: dict[str, list[Request]] = {}  # parent id -> held siblings
         self._finished_ids: set[str] = set()
+        self._sent = SentRequests(cache_config.block_size)  # what the workers hold of each request
         self.num_preemptions = 0
 
     def _sort_key(self, request: Request) -> SortKey:
@@ -229,11 +231,8 @@ class Scheduler:
     def _add_scheduled(self, request: Request, n: int, step: _Step) -> None:
         start = request.num_computed_tokens
         end = start + n
-        step.scheduled[request.request_id] = ScheduledRequest(
-            request=request,
-            start_pos=start,
-            token_ids=request.all_token_ids[start:end],
-            block_ids=self.kv_cache_manager.get_block_ids(request),
+        step.scheduled[request.request_id] = self._sent.delta(
+            request, start, n, self.kv_cache_manager.block_table(request),
             sample=end == request.num_tokens and request.sampling_params.max_tokens != 0,
         )
         request.num_computed_tokens = end
@@ -241,6 +240,7 @@ class Scheduler:
 
     def _preempt(self, request: Request, step: _Step) -> None:
         self.kv_cache_manager.free(request)
+        self._sent.forget(request.request_id)
         self.running.remove(request)
         self._fork_waiters.pop(request.request_id, None)
         request.status = RequestStatus.PREEMPTED
@@ -271,12 +271,12 @@ class Scheduler:
         an output carrying the error; the other requests are unaffected."""
         outputs = []
         for scheduled in scheduler_output.scheduled:
-            request = scheduled.request
-            if request.status is not RequestStatus.RUNNING:
+            request = self._requests.get(scheduled.request_id)
+            if request is None or request.status is not RequestStatus.RUNNING:
                 continue  # finished or aborted since it was scheduled
             error = runner_output.failed.get(request.request_id)
             try:
-                out = self._update_one(scheduled, runner_output) if error is None else None
+                out = self._update_one(request, scheduled, runner_output) if error is None else None
             except Exception as exc:  # one request's fault must not stop the step
                 logger.exception("request %s failed while applying its step results", request.request_id)
                 error = f"{type(exc).__name__}: {exc}"
@@ -286,8 +286,9 @@ class Scheduler:
                 outputs.append(out)
         return outputs
 
-    def _update_one(self, scheduled: ScheduledRequest, runner_output: ModelRunnerOutput) -> Optional[EngineCoreOutput]:
-        request = scheduled.request
+    def _update_one(
+        self, request: Request, scheduled: ScheduledRequest, runner_output: ModelRunnerOutput
+    ) -> Optional[EngineCoreOutput]:
         rid = request.request_id
         self.kv_cache_manager.cache_blocks(request)
         prompt_logprobs = take_prompt_logprobs(request, scheduled.start_pos, runner_output.prompt_logprobs.get(rid))
@@ -297,9 +298,12 @@ class Scheduler:
             runner_output.logprobs.get(rid),
             self._max_len,
         )
-        if not scheduled.sample and request.num_computed_tokens == request.num_tokens:
-            status = RequestStatus.FINISHED_LENGTH  # max_tokens=0: the prompt is scored
-        if request.num_computed_tokens >= request.num_prompt_tokens:
+        # The chunk's end, not num_computed_tokens: with pipeline stages the
+        # request's next chunk may already be scheduled (and counted there).
+        end = scheduled.start_pos + scheduled.num_tokens
+        if request.sampling_params.max_tokens == 0 and end == request.num_tokens:
+            status = RequestStatus.FINISHED_LENGTH  # the prompt is scored
+        if end >= request.num_prompt_tokens:
             # Before a finished parent frees the blocks its siblings share.
             self._fork_siblings(request)
         if status is not None:
@@ -346,6 +350,7 @@ class Scheduler:
         queue.remove(request)
         request.status = status
         self.kv_cache_manager.free(request)
+        self._sent.forget(rid)
         self._fork_waiters.pop(rid, None)
         siblings = self._fork_waiters.get(request.fork_of) if request.fork_of else None
         if siblings is not None and request in siblings:

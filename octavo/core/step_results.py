@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Iterable, Optional
 
-from octavo.core.outputs import TokenLogprobs
 from octavo.core.request import Request, RequestStatus
+from octavo.outputs import TokenLogprobs
 
 
 def check_stop(request: Request, max_len: int) -> Optional[RequestStatus]:
@@ -34,11 +34,15 @@ def append_sampled(
     max_len: int,
 ) -> tuple[list[int], Optional[list[TokenLogprobs]], Optional[RequestStatus]]:
     """Append sampled tokens up to the first that finishes the request (later
-    ones, e.g. from speculative decoding, are dropped). Returns the appended
-    tokens, their logprobs and the finish status."""
+    ones, e.g. from speculative decoding, are dropped), advancing the
+    request's grammar by each. Returns the appended tokens, their logprobs
+    and the finish status."""
     new_ids: list[int] = []
     status = None
     for token_id in token_ids:
+        if request.grammar is not None:
+            # The worker masked with the grammar's state before this token.
+            request.grammar.accept(token_id)
         request.append_output_token(token_id)
         new_ids.append(token_id)
         status = check_stop(request, max_len)

@@ -4,6 +4,8 @@ No-ops at tp_size 1, so the single-process path pays one attribute read per
 call and never touches torch.distributed."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.distributed as dist
 
@@ -36,3 +38,41 @@ def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Te
     parts = [torch.empty_like(x) for _ in range(state.tp_size)]
     dist.all_gather(parts, x, group=_group(state))
     return torch.cat(parts, dim=dim)
+
+
+def tensor_model_parallel_gather(x: torch.Tensor, dim: int = -1) -> Optional[torch.Tensor]:
+    """Every rank's ``x`` concatenated along ``dim`` in rank order, on the
+    group's first rank (the driver); None on the others, which need not hold
+    the whole (a vocabulary of logits per row, say) at all."""
+    state = get_parallel_state()
+    if state.tp_size == 1:
+        return x
+    group = _group(state)
+    x = x.contiguous()
+    first = dist.get_global_rank(group, 0)
+    if state.tp_rank != 0:
+        dist.gather(x, None, dst=first, group=group)
+        return None
+    parts = [torch.empty_like(x) for _ in range(state.tp_size)]
+    dist.gather(x, parts, dst=first, group=group)
+    return torch.cat(parts, dim=dim)
+
+
+def pipeline_send(tensors: list[torch.Tensor]) -> None:
+    """Hand ``tensors`` to the same tensor-parallel rank of the next stage."""
+    state = get_parallel_state()
+    dst = dist.get_rank() + state.tp_size
+    for t in tensors:
+        dist.send(t.contiguous(), dst=dst)
+
+
+def pipeline_recv(count: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> list[torch.Tensor]:
+    """``count`` tensors of ``shape`` from the same tensor-parallel rank of the previous stage."""
+    state = get_parallel_state()
+    src = dist.get_rank() - state.tp_size
+    out = []
+    for _ in range(count):
+        t = torch.empty(shape, dtype=dtype, device=device)
+        dist.recv(t, src=src)
+        out.append(t)
+    return out

@@ -92,3 +92,15 @@ def init_model_parallel(tp_size: int, pp_size: int = 1) -> ParallelState:
     state = ParallelState(rank % tp_size, tp_size, rank // tp_size, pp_size, tp_group, pp_group)
     set_parallel_state(state)
     return state
+
+
+def stage_layers(num_layers: int, state: ParallelState) -> range:
+    """The decoder layers of this rank's pipeline stage: an even split, the
+    first ``num_layers % pp_size`` stages one layer more."""
+    if state.pp_size > num_layers:
+        raise ValueError(
+            f"pipeline_parallel_size {state.pp_size} is larger than the model's {num_layers} layers"
+        )
+    base, extra = divmod(num_layers, state.pp_size)
+    start = state.pp_rank * base + min(state.pp_rank, extra)
+    return range(start, start + base + (state.pp_rank < extra))

@@ -4,6 +4,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections import deque
 from pathlib import Path
 from typing import Iterable, Optional
 
@@ -14,12 +15,12 @@ from octavo.core.scheduler import Scheduler
 from octavo.engine.detokenizer import IncrementalDetokenizer
 from octavo.engine.request_state import RequestState, SequenceState
 from octavo.engine.stats import EngineStats
+from octavo.executor.registry import create_executor
 from octavo.model.config import load_arch_config
 from octavo.model.generation_config import load_generation_defaults
 from octavo.outputs import RequestMetrics, RequestOutput
 from octavo.sampling_params import RequestOutputKind, SamplingParams
 from octavo.tokenizer import Tokenizer
-from octavo.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -29,8 +30,10 @@ class RequestFailedError(RuntimeError):
 
 
 class LLMEngine:
-    """Owns the tokenizer, the scheduler and the model runner. Not thread-safe:
-    one caller drives ``add_request`` / ``abort_request`` / ``step``."""
+    """Owns the tokenizer, the scheduler and the executor (which runs the
+    model, in this process or in one worker process per rank). Not
+    thread-safe: one caller drives ``add_request`` / ``abort_request`` /
+    ``step``; ``shutdown`` stops the workers."""
 
     def __init__(self, config: EngineConfig) -> None:
         model_dir = Path(config.model.model)
@@ -38,32 +41,41 @@ class LLMEngine:
             raise ValueError(f"model folder not found: {config.model.model}")
         self.config = config
         self.tokenizer = Tokenizer(config.model.tokenizer or config.model.model)
-        self.runner = ModelRunner(config.model, config.cache, config.scheduler)
-        self.vocab_size = self.runner.vocab_size
-        self.max_model_len = self.runner.max_model_len
-        self.model_name = config.model.served_model_name or model_dir.resolve().name
-        # generation_config.json is read here, from the model folder, not by
-        # the workers: its sampling defaults fill the fields a request leaves
-        # unset (the server and `octavo generate` apply them), its stop
-        # tokens end sequences (config.json's when it names none).
-        defaults = load_generation_defaults(model_dir)
-        self.generation_defaults = {
-            k: v for k, v in dataclasses.asdict(defaults).items() if v is not None and k != "eos_token_ids"
-        }
-        eos_ids = list(defaults.eos_token_ids or load_arch_config(model_dir).eos_token_ids)
-        if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos_ids:
-            eos_ids.insert(0, self.tokenizer.eos_token_id)
-        self.eos_token_id: Optional[int] = eos_ids[0] if eos_ids else None
-        # Checkpoints with several end tokens (e.g. end-of-turn and end-of-text)
-        # stop on any of them; the extra ones act as stop tokens.
-        self._extra_eos_ids = eos_ids[1:]
-        self.scheduler = Scheduler(
-            config.scheduler, config.cache, self.runner.num_blocks, self.max_model_len
-        )
+        self.executor = create_executor(config)
+        try:
+            info = self.executor.model_info
+            self.vocab_size = info.vocab_size
+            self.max_model_len = info.max_model_len
+            self.model_name = config.model.served_model_name or model_dir.resolve().name
+            # generation_config.json is read here, from the model folder, not by
+            # the workers: its sampling defaults fill the fields a request leaves
+            # unset (the server and `octavo generate` apply them), its stop
+            # tokens end sequences (config.json's when it names none).
+            defaults = load_generation_defaults(model_dir)
+            self.generation_defaults = {
+                k: v for k, v in dataclasses.asdict(defaults).items() if v is not None and k != "eos_token_ids"
+            }
+            eos_ids = list(defaults.eos_token_ids or load_arch_config(model_dir).eos_token_ids)
+            if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos_ids:
+                eos_ids.insert(0, self.tokenizer.eos_token_id)
+            self.eos_token_id: Optional[int] = eos_ids[0] if eos_ids else None
+            # Checkpoints with several end tokens (e.g. end-of-turn and end-of-text)
+            # stop on any of them; the extra ones act as stop tokens.
+            self._extra_eos_ids = eos_ids[1:]
+            self.scheduler = Scheduler(
+                config.scheduler, config.cache, self.executor.determine_num_kv_blocks(), self.max_model_len
+            )
+        except BaseException:
+            self.executor.shutdown()
+            raise
         self._requests: dict[str, RequestState] = {}
         self._child_to_parent: dict[str, str] = {}
         self._pending: list[RequestOutput] = []  # outputs produced outside step()
+        # Steps submitted to the executor, oldest first, with whether they
+        # went to the workers and the requests whose grammar mask failed.
+        self._in_flight: deque[tuple[SchedulerOutput, bool, dict[str, str]]] = deque()
         self._grammar_compiler = None
+        self._grammar_ids: set[str] = set()  # sequences with a grammar matcher
         self._prompt_tokens = 0
         self._generation_tokens = 0
 
@@ -147,6 +159,7 @@ class LLMEngine:
             )
             if grammars is not None:
                 children[-1].grammar = grammars.new_matcher()
+                self._grammar_ids.add(child_id)
             state.child_ids.append(child_id)
             detok = (
                 IncrementalDetokenizer(self.tokenizer, prompt_ids, params)
@@ -176,22 +189,25 @@ class LLMEngine:
                 self._pending.append(_error_output(state, exc))
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests) or bool(self._pending) or self.scheduler.has_unfinished_requests()
+        return (
+            bool(self._requests) or bool(self._pending) or bool(self._in_flight)
+            or self.scheduler.has_unfinished_requests()
+        )
 
     # ---- the step -------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
-        """One scheduler step and one forward. An exception from here is an
-        engine failure (the forward itself); anything that goes wrong for one
-        request (its sampling, bookkeeping or detokenization) ends that request
-        with ``RequestOutput.error`` set and its blocks freed, and the other
-        requests carry on."""
+        """One scheduler step's results (with pipeline stages, the oldest of
+        the steps in flight, after topping them up). An exception from here
+        is an engine failure (the forward itself, or a rank gone); anything
+        that goes wrong for one request (its sampling, bookkeeping or
+        detokenization) ends that request with ``RequestOutput.error`` set
+        and its blocks freed, and the other requests carry on."""
         outputs, self._pending = self._pending, []
-        sched_out = self.scheduler.schedule()
-        runner_out = (
-            self.runner.execute(sched_out) if not sched_out.is_empty else ModelRunnerOutput()
-        )
-        self._note_first_scheduled(sched_out)
+        self._fill_pipeline()
+        sched_out, submitted, grammar_failed = self._in_flight.popleft()
+        runner_out = self.executor.collect() if submitted else ModelRunnerOutput()
+        runner_out.failed.update(grammar_failed)
         progressed: dict[str, RequestState] = {}
         stopped: list[str] = []
         for core_out in self.scheduler.update_from_output(sched_out, runner_out):
@@ -242,10 +258,57 @@ class LLMEngine:
         self._remove(state.request_id, RequestStatus.FINISHED_ERROR)
         return _error_output(state, exc)
 
+    def _fill_pipeline(self) -> None:
+        """Schedule and submit steps until the executor holds as many as it
+        can run at once (one, without pipeline stages) or nothing more can be
+        scheduled: a request whose step is in flight has no token to compute
+        until its result is back, so later steps hold other requests or
+        further prompt chunks."""
+        while len(self._in_flight) < self.executor.max_concurrent_batches:
+            sched_out = self.scheduler.schedule()
+            if self._in_flight and not sched_out.needs_workers:
+                return  # nothing new: wait for the oldest step
+            grammar_failed = self._attach_grammar(sched_out) if self._grammar_ids else {}
+            submitted = sched_out.needs_workers
+            if submitted:
+                self.executor.submit(sched_out)
+            self._note_first_scheduled(sched_out)
+            self._in_flight.append((sched_out, submitted, grammar_failed))
+            if sched_out.is_empty:
+                return
+
+    def _attach_grammar(self, sched_out: SchedulerOutput) -> dict[str, str]:
+        """Pack what the grammars of the requests sampling this step allow
+        into the step (the matchers stay here; the scheduler advances them
+        with the sampled tokens). A matcher that raises fails its request
+        alone: its row goes unmasked and its token is discarded. Returns
+        those requests' errors."""
+        from octavo.sample.structured import grammar_bitmask
+
+        ids = [s.request_id for s in sched_out.scheduled if s.sample and s.request_id in self._grammar_ids]
+        if not ids:
+            return {}
+        matchers = [self.scheduler.get_request(rid).grammar for rid in ids]
+        try:
+            sched_out.grammar = grammar_bitmask(ids, matchers, self.vocab_size)
+            return {}
+        except Exception:
+            logger.exception("grammar masks of %d requests failed; computing each alone", len(ids))
+        failed: dict[str, str] = {}
+        for rid, matcher in zip(ids, matchers):
+            try:
+                grammar_bitmask([rid], [matcher], self.vocab_size)
+            except Exception as exc:
+                failed[rid] = f"structured output failed: {type(exc).__name__}: {exc}"
+        good = [(rid, m) for rid, m in zip(ids, matchers) if rid not in failed]
+        if good:
+            sched_out.grammar = grammar_bitmask([r for r, _ in good], [m for _, m in good], self.vocab_size)
+        return failed
+
     def _note_first_scheduled(self, sched_out: SchedulerOutput) -> None:
         now = time.monotonic()
         for scheduled in sched_out.scheduled:
-            parent = self._child_to_parent.get(scheduled.request.request_id)
+            parent = self._child_to_parent.get(scheduled.request_id)
             if parent is not None:
                 metrics = self._requests[parent].metrics
                 if metrics.first_scheduled_time is None:
@@ -265,6 +328,10 @@ class LLMEngine:
             generation_tokens=self._generation_tokens,
         )
 
+    def shutdown(self) -> None:
+        """Stop the executor's workers (no-op in process); safe to call twice."""
+        self.executor.shutdown()
+
     # ---- helpers --------------------------------------------------------
 
     def _remove(self, request_id: str, status: RequestStatus) -> Optional[RequestState]:
@@ -275,6 +342,7 @@ class LLMEngine:
             self.scheduler.finish_requests(state.child_ids, status)
             for child_id in state.child_ids:
                 self._child_to_parent.pop(child_id, None)
+                self._grammar_ids.discard(child_id)
         return state
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[Optional[str], list[int]]:

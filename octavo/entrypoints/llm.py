@@ -34,6 +34,11 @@ class LLM:
         self.engine = LLMEngine(engine_config(model, **options))
         self._ids = itertools.count()
 
+    def shutdown(self) -> None:
+        """Stop the engine's worker processes, if it has any (they also stop
+        when this process exits)."""
+        self.engine.shutdown()
+
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 

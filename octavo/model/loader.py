@@ -124,7 +124,9 @@ def load_model(
     wanted = _checkpoint_name_map(net)
     stored = _stored_names(files, arch)
     missing = sorted(set(wanted) - set(stored))
-    unexpected = sorted(set(stored) - set(wanted))
+    # Layers of other pipeline stages are in the checkpoint but not here.
+    here = net.model.layer_range
+    unexpected = sorted(n for n in set(stored) - set(wanted) if _layer_index(n) in (None, *here))
     if missing or unexpected:
         raise ValueError(
             f"checkpoint in {folder} does not match {arch.architecture}: "
@@ -139,6 +141,15 @@ def load_model(
         arch.architecture, folder, len(stored), torch_dtype, device, kernels,
     )
     return net, arch
+
+
+def _layer_index(name: str) -> Optional[int]:
+    """N for a tensor of ``model.layers.N``, else None."""
+    prefix = "model.layers."
+    if not name.startswith(prefix):
+        return None
+    index = name[len(prefix):].split(".", 1)[0]
+    return int(index) if index.isdigit() else None
 
 
 def _stored_names(files: list[Path], arch: ArchConfig) -> set[str]:

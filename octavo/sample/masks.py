@@ -18,7 +18,7 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
-from octavo.core.request import Request
+from octavo.core.step_state import CachedRequestState
 
 _NEG_INF = float("-inf")
 
@@ -33,7 +33,7 @@ class TokenMasks:
 
     @classmethod
     def from_requests(
-        cls, requests: Sequence[Request], vocab_size: int, device: torch.device
+        cls, requests: Sequence[CachedRequestState], vocab_size: int, device: torch.device
     ) -> Optional[TokenMasks]:
         """None when no request biases or bans anything this step."""
         bias_rows: list[int] = []
@@ -109,7 +109,7 @@ def _bad_word_bans(output: list[int], sequences: list[list[int]]) -> Iterator[in
             yield seq[-1]
 
 
-def _below_min_tokens(req: Request) -> bool:
+def _below_min_tokens(req: CachedRequestState) -> bool:
     if req.num_output_tokens >= req.sampling_params.min_tokens:
         return False
-    return req.grammar is None or not req.grammar.is_terminated()
+    return not req.grammar_terminated

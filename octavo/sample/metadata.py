@@ -6,7 +6,8 @@ from typing import Optional, Sequence
 
 import torch
 
-from octavo.core.request import Request
+from octavo.core.outputs import GrammarBitmask
+from octavo.core.step_state import CachedRequestState
 from octavo.sample.masks import TokenMasks
 from octavo.sample.penalties import PenaltyInputs
 from octavo.sample.structured import GrammarBatch
@@ -31,21 +32,23 @@ class SamplingMetadata:
     # Rows with a seed get their own generator; None rows use the global RNG.
     generators: list[Optional[torch.Generator]]
     max_num_logprobs: Optional[int]  # None when no row asked for logprobs
-    requests: Sequence[Request]
+    requests: Sequence[CachedRequestState]
     penalties: Optional[PenaltyInputs] = None
     masks: Optional[TokenMasks] = None
-    # Built here, before the forward pass, so a runner can overlap the CPU
-    # mask work with the model.
     grammars: Optional[GrammarBatch] = None
 
     @classmethod
     def from_requests(
         cls,
-        requests: Sequence[Request],
+        requests: Sequence[CachedRequestState],
         generators: list[Optional[torch.Generator]],
         vocab_size: int,
         device: torch.device | str = "cpu",
+        grammar: Optional[GrammarBitmask] = None,
     ) -> SamplingMetadata:
+        """``requests``: the batch rows (scheduler ``Request`` objects or the
+        worker's states, which have the same fields); ``grammar``: the step's
+        shipped grammar masks, for the rows that have one."""
         if len(generators) != len(requests):
             raise ValueError(f"need one generator slot per request: {len(generators)} for {len(requests)}")
         device = torch.device(device)
@@ -73,5 +76,5 @@ class SamplingMetadata:
             requests=requests,
             penalties=PenaltyInputs.from_requests(requests, vocab_size, device),
             masks=TokenMasks.from_requests(requests, vocab_size, device),
-            grammars=GrammarBatch.from_requests(requests, vocab_size, device),
+            grammars=GrammarBatch.from_bitmask([r.request_id for r in requests], grammar, vocab_size, device),
         )

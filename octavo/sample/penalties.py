@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from octavo.core.request import Request
+from octavo.core.step_state import CachedRequestState
 
 
 @dataclass
@@ -31,7 +31,7 @@ class PenaltyInputs:
 
     @classmethod
     def from_requests(
-        cls, requests: Sequence[Request], vocab_size: int, device: torch.device
+        cls, requests: Sequence[CachedRequestState], vocab_size: int, device: torch.device
     ) -> Optional[PenaltyInputs]:
         """None when no request in the batch has a penalty."""
         params = [r.sampling_params for r in requests]

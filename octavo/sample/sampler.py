@@ -14,12 +14,12 @@ Per row, in this order:
 7. temperature, top-k, top-p, min-p, then a draw from the result.
 Bans and masks set -inf, which every later step keeps at -inf.
 
-After the draw, each row's grammar (if any) is advanced by the row's token:
-the rows given to the sampler must be exactly the rows that sample.
+The grammar masks come computed (``SamplingMetadata.grammars``); the
+scheduler advances the grammars once the tokens are back.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -35,8 +35,6 @@ class SamplerOutput:
     # log-softmax of the raw logits (before temperature and filters); None when
     # no row asked for logprobs.
     logprobs: Optional[torch.Tensor] = None  # [B, V] float32
-    # Rows whose grammar could not advance past their token -> error message.
-    failed_rows: dict[int, str] = field(default_factory=dict)
 
 
 class Sampler:
@@ -71,8 +69,7 @@ class Sampler:
             probs = torch.softmax(warp_logits(logits, meta), dim=-1)
             sampled = _sample_exponential(probs, meta.generators)
             token_ids = torch.where(meta.temperature < GREEDY_TEMPERATURE, token_ids, sampled)
-        failed = meta.grammars.advance(token_ids.tolist()) if meta.grammars is not None else {}
-        return SamplerOutput(token_ids, logprobs, failed)
+        return SamplerOutput(token_ids, logprobs)
 
 
 def _nothing_to_process(meta: SamplingMetadata) -> bool:

@@ -9,9 +9,11 @@ Lifecycle: one ``GrammarCompiler`` per engine holds the vocabulary as
 llguidance sees it; ``compile(spec)`` validates a ``StructuredOutputParams``
 (a bad schema or regex is a ``ValueError``) and caches the ``Grammar``;
 ``grammar.new_matcher()`` gives each request its own state, stored on
-``Request.grammar``. Every step ``GrammarBatch`` fills a bitmask for the rows
-that have a matcher, the sampler masks their logits with it and, once the
-tokens are chosen, advances each matcher by its row's token. A terminated
+``Request.grammar``, on the scheduler side. Every step the engine packs what
+each sampling request's matcher allows into a ``GrammarBitmask`` that travels
+with the step; on the driver rank ``GrammarBatch`` unpacks it and the sampler
+masks the logits; once the tokens are back, the scheduler advances each
+matcher by its request's token (``core/step_results.py``). A terminated
 matcher (grammar complete, or in error) allows only EOS, so the request ends.
 
 JSON is generated without free whitespace, in ``json.dumps`` style
@@ -31,7 +33,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import llguidance
 import torch
 
-from octavo.core.request import Request
+from octavo.core.outputs import GrammarBitmask
 from octavo.sampling_params import StructuredOutputParams
 
 if TYPE_CHECKING:  # the engine layer sits above this one: no runtime import
@@ -166,58 +168,57 @@ def _grammar_source(spec: StructuredOutputParams) -> str:
         raise ValueError(f"structured_outputs.json_schema: {exc}") from None
 
 
+def grammar_bitmask(request_ids: list[str], matchers: list[GrammarMatcher], vocab_size: int) -> GrammarBitmask:
+    """What each matcher allows next, packed for the workers (scheduler side:
+    the matchers stay here and advance once the step's tokens are known).
+    ``vocab_size`` is the logits' width; bits past a grammar's vocabulary
+    stay 0 (forbidden)."""
+    words = -(-max(vocab_size, *(m.vocab_size for m in matchers)) // _BITS)
+    bitmask = torch.zeros(len(matchers), words, dtype=torch.int32)
+    # One call computes every row's mask, in parallel across rows.
+    matchers[0]._executor.unsafe_compute_mask_ptr(
+        [(m._matcher, i) for i, m in enumerate(matchers)],
+        bitmask.data_ptr(),
+        words * 4,
+        len(matchers),
+    )
+    terminated = {rid for rid, m in zip(request_ids, matchers) if m.is_terminated()}
+    return GrammarBitmask(list(request_ids), words, bitmask.numpy().tobytes(), terminated)
+
+
 @dataclass
 class GrammarBatch:
-    """The grammar rows of one batch and what their grammars allow next."""
+    """The grammar rows of one sampler batch and what their grammars allow next."""
 
-    rows: torch.Tensor  # [R] int64 batch rows that have a matcher
-    matchers: list[GrammarMatcher]
+    rows: torch.Tensor  # [R] int64 batch rows that have a grammar
     allowed: torch.Tensor  # [R, V] bool
 
     @classmethod
-    def from_requests(
-        cls, requests: Sequence[Request], vocab_size: int, device: torch.device
+    def from_bitmask(
+        cls,
+        request_ids: Sequence[str],
+        shipped: Optional[GrammarBitmask],
+        vocab_size: int,
+        device: torch.device,
     ) -> Optional[GrammarBatch]:
-        rows = [i for i, r in enumerate(requests) if r.grammar is not None]
+        """The shipped masks of the batch rows ``request_ids``; None when no
+        row has one."""
+        if shipped is None:
+            return None
+        index = {rid: i for i, rid in enumerate(shipped.request_ids)}
+        rows = [row for row, rid in enumerate(request_ids) if rid in index]
         if not rows:
             return None
-        return cls.fill([requests[i].grammar for i in rows], rows, vocab_size, device)
-
-    @classmethod
-    def fill(
-        cls, matchers: list[GrammarMatcher], rows: list[int], vocab_size: int, device: torch.device
-    ) -> GrammarBatch:
-        # Wide enough for the grammar's vocabulary and for the logits; bits past
-        # the grammar's vocabulary stay 0 (forbidden).
-        words = -(-max(vocab_size, *(m.vocab_size for m in matchers)) // _BITS)
-        bitmask = torch.zeros(len(matchers), words, dtype=torch.int32)
-        # One call computes every row's mask, in parallel across rows.
-        matchers[0]._executor.unsafe_compute_mask_ptr(
-            [(m._matcher, i) for i, m in enumerate(matchers)],
-            bitmask.data_ptr(),
-            words * 4,
-            len(matchers),
-        )
+        packed = torch.frombuffer(bytearray(shipped.bitmask), dtype=torch.int32)
+        packed = packed.view(len(shipped.request_ids), shipped.num_words)
+        packed = packed[[index[request_ids[row]] for row in rows]]
         shifts = torch.arange(_BITS, dtype=torch.int32)
-        bits = (bitmask.unsqueeze(-1) >> shifts) & 1
-        allowed = bits.reshape(len(matchers), words * _BITS)[:, :vocab_size].bool()
-        return cls(torch.tensor(rows, dtype=torch.int64, device=device), matchers, allowed.to(device))
+        bits = (packed.unsqueeze(-1) >> shifts) & 1
+        allowed = bits.reshape(len(rows), shipped.num_words * _BITS)[:, :vocab_size].bool()
+        return cls(torch.tensor(rows, dtype=torch.int64, device=device), allowed.to(device))
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
         """Copy of ``logits`` [B, V] with grammar-forbidden tokens at -inf."""
         logits = logits.clone()
         logits[self.rows] = logits[self.rows].masked_fill(~self.allowed, float("-inf"))
         return logits
-
-    def advance(self, token_ids: list[int]) -> dict[int, str]:
-        """Feed each matcher the token sampled for its row (``token_ids`` is per
-        batch row). Returns the rows whose matcher raised, with the error: their
-        request fails alone, the other rows keep their tokens."""
-        failed: dict[int, str] = {}
-        for row, matcher in zip(self.rows.tolist(), self.matchers):
-            try:
-                matcher.accept(token_ids[row])
-            except Exception as exc:
-                logger.exception("grammar matcher of batch row %d failed", row)
-                failed[row] = f"structured output failed: {type(exc).__name__}: {exc}"
-        return failed

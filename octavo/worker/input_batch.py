@@ -1,4 +1,4 @@
-"""SchedulerOutput -> the step's flattened tensors and attention metadata."""
+"""The step's rows -> its flattened tensors and attention metadata."""
 from __future__ import annotations
 
 import itertools
@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from octavo.attention.base import AttentionBackend, AttentionMetadata, StepLayout
-from octavo.core.outputs import ScheduledRequest
+from octavo.core.step_state import ScheduledRow
 
 
 @dataclass
@@ -17,12 +17,12 @@ class StepInputs:
     attn: AttentionMetadata
     # The scheduled requests in row order (single-token rows first); request i
     # owns rows q_starts[i] .. q_starts[i] + num_tokens - 1.
-    order: list[ScheduledRequest]
+    order: list[ScheduledRow]
     q_starts: list[int]
 
 
 def prepare_inputs(
-    scheduled: list[ScheduledRequest],
+    scheduled: list[ScheduledRow],
     block_size: int,
     backend: AttentionBackend,
     device: torch.device,
@@ -31,10 +31,10 @@ def prepare_inputs(
     decodes of similar length sit in contiguous rows) and let ``backend``
     build its metadata from that layout, once for every layer."""
     decodes = sorted(
-        (s for s in scheduled if len(s.token_ids) == 1), key=lambda s: s.start_pos, reverse=True
+        (s for s in scheduled if s.num_tokens == 1), key=lambda s: s.start_pos, reverse=True
     )
-    order = decodes + [s for s in scheduled if len(s.token_ids) > 1]
-    lens = [len(s.token_ids) for s in order]
+    order = decodes + [s for s in scheduled if s.num_tokens > 1]
+    lens = [s.num_tokens for s in order]
     starts = [s.start_pos for s in order]
     context = [start + n for start, n in zip(starts, lens)]
     blocks_needed = [-(-c // block_size) for c in context]

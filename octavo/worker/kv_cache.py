@@ -8,7 +8,6 @@ from typing import Optional
 import torch
 
 from octavo.config import CacheConfig
-from octavo.model.config import ArchConfig
 from octavo.worker.memory import available_memory_bytes, check_pool_fits
 
 logger = logging.getLogger(__name__)
@@ -16,15 +15,14 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class CacheShape:
+    """One rank's shard: its pipeline stage's layers, its tensor-parallel
+    share of the KV heads."""
+
     num_layers: int
     block_size: int
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
-
-    @classmethod
-    def of(cls, arch: ArchConfig, block_size: int, dtype: torch.dtype) -> CacheShape:
-        return cls(arch.num_layers, block_size, arch.num_kv_heads, arch.head_dim, dtype)
 
     @property
     def bytes_per_block(self) -> int:
@@ -34,7 +32,11 @@ class CacheShape:
 
 
 def num_cache_blocks(
-    config: CacheConfig, shape: CacheShape, device: torch.device, max_useful_tokens: Optional[int] = None
+    config: CacheConfig,
+    shape: CacheShape,
+    device: torch.device,
+    max_useful_tokens: Optional[int] = None,
+    memory_share: float = 1.0,
 ) -> int:
     """Forced ``num_blocks`` first, else ``kv_cache_memory_bytes``, else
     ``memory_fraction`` of the memory available now (after the weights).
@@ -44,15 +46,18 @@ def num_cache_blocks(
     blocks could never hold live tokens, and allocating them costs seconds
     of zero-filling and gigabytes of resident memory on CPU.
 
-    An explicit size must fit the memory available (``check_pool_fits``)."""
+    An explicit size must fit the memory available (``check_pool_fits``).
+    ``memory_share``: this rank's part of the memory budgets, when several
+    ranks draw on one memory (CPU ranks of one machine: 1 / their number)."""
     if config.num_blocks is not None:
         check_pool_fits(config.num_blocks * shape.bytes_per_block, device, "num_blocks (--num-blocks)")
         return config.num_blocks
     budget = config.kv_cache_memory_bytes
     if budget is not None:
+        budget = int(budget * memory_share)
         check_pool_fits(budget, device, "kv_cache_memory_bytes (--kv-cache-memory)")
     else:
-        budget = int(available_memory_bytes(device) * config.memory_fraction)
+        budget = int(available_memory_bytes(device) * config.memory_fraction * memory_share)
         if max_useful_tokens is not None:
             cap_blocks = 2 * -(-max_useful_tokens // shape.block_size)
             budget = min(budget, cap_blocks * shape.bytes_per_block)

@@ -9,19 +9,24 @@ import torch
 
 from octavo.attention.registry import select_attention_backend
 from octavo.config import CacheConfig, ModelConfig, SchedulerConfig
-from octavo.core.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
-from octavo.core.request import Request
+from octavo.core.outputs import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
+from octavo.core.step_state import BatchState, CachedRequestState, ScheduledRow
 from octavo.kernels.fused_ops import FusedOps, fused_ops
 from octavo.model.backends import ModelBackends
 from octavo.model.config import load_arch_config
-from octavo.model.generation_config import load_generation_defaults
 from octavo.model.loader import load_model, model_folder, resolve_dtype
+from octavo.outputs import TokenLogprobs
 from octavo.quant.unquantized import UnquantizedLinearMethod
 from octavo.sample.logprobs import token_logprobs
 from octavo.sample.metadata import SamplingMetadata
 from octavo.sample.sampler import Sampler, SamplerOutput
 from octavo.worker.input_batch import StepInputs, prepare_inputs
-from octavo.worker.kv_cache import CacheShape, allocate_kv_caches, copy_blocks, num_cache_blocks
+from octavo.worker.kv_cache import (
+    CacheShape,
+    allocate_kv_caches,
+    copy_blocks,
+    num_cache_blocks,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -30,10 +35,10 @@ logger = logging.getLogger(__name__)
 class _LogitRows:
     """Which hidden rows need logits this step, and why."""
 
-    sample: list[ScheduledRequest] = field(default_factory=list)
+    sample: list[ScheduledRow] = field(default_factory=list)
     sample_rows: list[int] = field(default_factory=list)
     # (scheduled request, first row, number of prompt targets)
-    prompt: list[tuple[ScheduledRequest, int, int]] = field(default_factory=list)
+    prompt: list[tuple[ScheduledRow, int, int]] = field(default_factory=list)
 
     def rows(self) -> list[int]:
         prompt_rows = [r for _, first, n in self.prompt for r in range(first, first + n)]
@@ -44,7 +49,7 @@ class _LogitRows:
 class _Draw:
     """One sampler pass over some of the step's requests."""
 
-    requests: list[Request]
+    requests: list[CachedRequestState]
     result: SamplerOutput
     max_num_logprobs: Optional[int]
 
@@ -55,7 +60,10 @@ class ModelRunner:
         model_config: ModelConfig,
         cache_config: CacheConfig,
         scheduler_config: SchedulerConfig,
+        memory_share: float = 1.0,
     ) -> None:
+        """``memory_share``: this rank's part of the KV cache memory budget
+        (see ``num_cache_blocks``)."""
         folder = model_folder(model_config.model)
         self.device = torch.device(model_config.device)
         arch = load_arch_config(folder)
@@ -74,17 +82,20 @@ class ModelRunner:
         )
         self.max_model_len = self.arch.max_model_len(model_config.max_model_len)
         self.vocab_size = self.arch.vocab_size
-        self.generation_defaults = load_generation_defaults(folder)
-        self.eos_token_ids = list(self.generation_defaults.eos_token_ids or self.arch.eos_token_ids)
 
         self.block_size = cache_config.block_size
-        shape = CacheShape.of(self.arch, self.block_size, cache_dtype)
+        # Each rank caches its own layers (pipeline) and KV heads (tensor) only.
+        layers = self.model.local_layers
+        shape = CacheShape(len(layers), self.block_size, layers[0].self_attn.num_kv_heads, self.arch.head_dim,
+                           cache_dtype)
         self.num_blocks = num_cache_blocks(
-            cache_config, shape, self.device, scheduler_config.max_num_seqs * self.max_model_len
+            cache_config, shape, self.device, scheduler_config.max_num_seqs * self.max_model_len, memory_share
         )
         self.kv_caches = allocate_kv_caches(shape, self.num_blocks, self.device)
 
         self.sampler = Sampler(argmax=ops.argmax if ops is not None else None)
+        self.batch = BatchState()  # the requests this rank holds, kept across steps
+        self._grammar: Optional[GrammarBitmask] = None  # this step's, for the sampler
         self._generators: dict[str, torch.Generator] = {}
         torch.manual_seed(model_config.seed)  # unseeded requests draw from the global RNG
 
@@ -94,14 +105,19 @@ class ModelRunner:
             if step is None:
                 return ModelRunnerOutput()
             inputs, hidden = step
+            if hidden is None:
+                return ModelRunnerOutput()  # a pipeline stage before the last
             plan = _plan_logit_rows(inputs)
             row_ids = plan.rows()
             if not row_ids:
                 return ModelRunnerOutput()
             rows = torch.tensor(row_ids, dtype=torch.int64, device=self.device)
             # In the model's dtype: the sampler converts when it needs float32.
+            # Under tensor parallelism only the driver rank gets the logits.
             logits = self.model.compute_logits(hidden.index_select(0, rows))
             out = ModelRunnerOutput()
+            if logits is None:
+                return out
             num_sample = len(plan.sample)
             if num_sample:
                 self._sample(plan.sample, logits[:num_sample], out)
@@ -118,32 +134,40 @@ class ModelRunner:
             if step is None:
                 return {}
             inputs, hidden = step
-            logits = self.model.compute_logits(hidden).float()
+            if hidden is None:
+                return {}  # a pipeline stage before the last
+            logits = self.model.compute_logits(hidden)
+            if logits is None:
+                return {}  # not the driver rank
+            logits = logits.float()
         return {
             s.request.request_id: logits[first : first + s.num_tokens]
             for s, first in zip(inputs.order, inputs.q_starts)
         }
 
-    def _forward(self, scheduler_output: SchedulerOutput) -> Optional[tuple[StepInputs, torch.Tensor]]:
-        """Drop finished requests' state, apply block copies, run the model.
-        None when nothing is scheduled."""
+    def _forward(self, scheduler_output: SchedulerOutput) -> Optional[tuple[StepInputs, Optional[torch.Tensor]]]:
+        """Apply the step to the batch state (drop finished requests, add new
+        ones, extend the others), apply block copies, run the model. None when
+        nothing is scheduled."""
         # A preempted request keeps its generator: it resumes the same random
         # stream, so its seeded output does not depend on the KV pool's size.
         for request_id in scheduler_output.finished_request_ids - scheduler_output.preempted_request_ids:
             self._generators.pop(request_id, None)
+        rows = self.batch.apply(scheduler_output)
+        self._grammar = scheduler_output.grammar
         copy_blocks(self.kv_caches, scheduler_output.block_copies)
-        if scheduler_output.is_empty:
+        if not rows:
             return None
-        inputs = prepare_inputs(scheduler_output.scheduled, self.block_size, self.backends.attention, self.device)
+        inputs = prepare_inputs(rows, self.block_size, self.backends.attention, self.device)
         return inputs, self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
 
-    def _sample(self, scheduled: list[ScheduledRequest], logits: torch.Tensor, out: ModelRunnerOutput) -> None:
+    def _sample(self, scheduled: list[ScheduledRow], logits: torch.Tensor, out: ModelRunnerOutput) -> None:
         """Draw the batch's tokens in one pass. Should building its inputs or
         the draw raise (one request's penalties, masks or grammar mask), draw
         row by row instead, so that only the failing requests fail
         (``out.failed``): a rare, slow path that keeps the common one free of
-        per-row guards. Retrying is safe: grammars advance only once the draw
-        has succeeded, and their advance guards each row itself."""
+        per-row guards. Retrying is safe: the draw changes no request state
+        (grammars advance on the scheduler side, after the step)."""
         requests = [s.request for s in scheduled]
         try:
             draws = [self._draw(requests, logits)]
@@ -158,16 +182,16 @@ class ModelRunner:
         for draw in draws:
             self._record(draw, out)
 
-    def _draw(self, requests: list[Request], logits: torch.Tensor) -> _Draw:
+    def _draw(self, requests: list[CachedRequestState], logits: torch.Tensor) -> _Draw:
         generators = [self._generator(r) for r in requests]
-        meta = SamplingMetadata.from_requests(requests, generators, self.vocab_size, device=self.device)
+        meta = SamplingMetadata.from_requests(
+            requests, generators, self.vocab_size, device=self.device, grammar=self._grammar
+        )
         return _Draw(requests, self.sampler(logits, meta), meta.max_num_logprobs)
 
     @staticmethod
     def _record(draw: _Draw, out: ModelRunnerOutput) -> None:
         requests, result = draw.requests, draw.result
-        for row, error in result.failed_rows.items():
-            out.failed[requests[row].request_id] = error
         tokens = result.token_ids.tolist()
         out.sampled_token_ids.update({r.request_id: [t] for r, t in zip(requests, tokens)})
         wanted = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
@@ -180,7 +204,7 @@ class ModelRunner:
                 entry.top = entry.top[: requests[i].sampling_params.logprobs]
                 out.logprobs[requests[i].request_id] = [entry]
 
-    def _generator(self, request: Request) -> Optional[torch.Generator]:
+    def _generator(self, request: CachedRequestState) -> Optional[torch.Generator]:
         seed = request.sampling_params.seed
         if seed is None:
             return None

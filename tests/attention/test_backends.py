@@ -10,7 +10,7 @@ from octavo.attention.base import AttentionBackend
 from octavo.attention.native_cpu import NativeCpuBackend
 from octavo.attention.registry import ATTENTION_BACKENDS, select_attention_backend
 from octavo.attention.torch_sdpa import TorchSdpaBackend
-from octavo.core.outputs import ScheduledRequest
+from octavo.core.step_state import ScheduledRow
 from octavo.core.request import Request
 from octavo.sampling_params import SamplingParams
 from octavo.worker.input_batch import prepare_inputs
@@ -53,10 +53,10 @@ def _step(backend: AttentionBackend):
     tokens of a 13-token one (8 already cached); block ids shuffled."""
     order = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(0)).tolist()
 
-    def sched(name: str, start: int, num_tokens: int) -> ScheduledRequest:
+    def sched(name: str, start: int, num_tokens: int) -> ScheduledRow:
         request = Request(name, list(range(start + num_tokens)), SamplingParams())
         blocks = [order.pop() for _ in range(-(-(start + num_tokens) // BLOCK))]
-        return ScheduledRequest(request, start, request.prompt_token_ids[start:], blocks, True)
+        return ScheduledRow(request, start, num_tokens, blocks, True)
 
     scheduled = [sched("d1", 8, 1), sched("p1", 0, 6), sched("d0", 22, 1), sched("p2", 8, 5), sched("d2", 0, 1)]
     return prepare_inputs(scheduled, BLOCK, backend, CPU)

@@ -14,9 +14,11 @@ import zlib
 from typing import Optional
 
 from octavo.config import CacheConfig, SchedulerConfig
-from octavo.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput, TokenLogprobs
+from octavo.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from octavo.core.request import Request
 from octavo.core.scheduler import Scheduler
+from octavo.core.step_state import BatchState
+from octavo.outputs import TokenLogprobs
 from octavo.sampling_params import SamplingParams
 
 VOCAB = 97
@@ -51,6 +53,8 @@ class FakeRunner:
         # request id -> the tokens it samples, in order, instead of the hash
         # (for stop-condition tests that need exact tokens).
         self.script: dict[str, list[int]] = {}
+        # The worker's view of the requests, built from the steps' deltas only.
+        self.batch = BatchState()
 
     def _slot(self, block_ids: list[int], pos: int) -> tuple[int, int]:
         return block_ids[pos // self.block_size], pos % self.block_size
@@ -60,12 +64,13 @@ class FakeRunner:
         copied = [(dst, list(self.slots[src])) for src, dst in out.block_copies]
         for dst, content in copied:
             self.slots[dst] = content
-        for s in out.scheduled:
+        rows = self.batch.apply(out)
+        for s in rows:
             for i, token in enumerate(s.token_ids):
                 b, o = self._slot(s.block_ids, s.start_pos + i)
                 self.slots[b][o] = token
         result = ModelRunnerOutput()
-        for s in out.scheduled:
+        for s in rows:
             req = s.request
             end = s.start_pos + s.num_tokens
             ctx = [self.slots[b][o] for b, o in (self._slot(s.block_ids, p) for p in range(end))]

@@ -33,7 +33,7 @@ def test_siblings_share_the_prompt_and_copy_only_the_partial_block():
         sched.add_request(r)
     run = Run(sched, runner)
     first = run.step()
-    assert [s.request.request_id for s in first.scheduled] == ["p"]  # siblings wait
+    assert [s.request_id for s in first.scheduled] == ["p"]  # siblings wait
     # The parent's prompt is done: the siblings joined, sharing its 3 blocks.
     kv = sched.kv_cache_manager
     table = kv.get_block_ids(parent)
@@ -42,7 +42,7 @@ def test_siblings_share_the_prompt_and_copy_only_the_partial_block():
     assert [kv.pool.ref_cnt(b) for b in table] == [4, 4, 4]
 
     second = run.step()
-    assert [(s.request.request_id, s.start_pos, s.num_tokens) for s in second.scheduled] == [
+    assert [(s.request_id, s.start_pos, s.num_tokens) for s in second.scheduled] == [
         ("p", 40, 1), ("p#1", 39, 1), ("p#2", 39, 1), ("p#3", 39, 1)
     ]
     # Four writers of the partial block: three copies, the last one writes in place.
@@ -95,7 +95,7 @@ def test_siblings_without_a_free_seat_compute_their_prompt():
     run.step()
     assert sched.num_running == 2 and children[1].status is RequestStatus.WAITING
     run.until_done()
-    late_start = next(s.start_pos for out in run.steps for s in out.scheduled if s.request is children[1])
+    late_start = next(s.start_pos for out in run.steps for s in out.scheduled if s.request_id == children[1].request_id)
     assert late_start == 32  # a plain prefix hit on the parent's full blocks
     _assert_reference(run, parent, *children)
 
@@ -111,7 +111,7 @@ def test_siblings_fall_back_when_the_parent_is_preempted_before_its_prompt_is_do
     out = run.step()  # the urgent chunk needs blocks the parent's last chunk took
     assert out.preempted_request_ids == {"p"}
     run.until_done()
-    child_first = next(s for out in run.steps for s in out.scheduled if s.request is children[0])
+    child_first = next(s for out in run.steps for s in out.scheduled if s.request_id == children[0].request_id)
     assert child_first.start_pos != 19  # computed its prompt, not forked
     _assert_reference(run, parent, *children)
 

@@ -7,7 +7,7 @@ from octavo.core.request import RequestStatus
 
 
 def _ids(out) -> list[str]:
-    return [s.request.request_id for s in out.scheduled]
+    return [s.request_id for s in out.scheduled]
 
 
 def _assert_reference(run: Run, *requests) -> None:

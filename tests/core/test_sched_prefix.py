@@ -6,7 +6,7 @@ from core_harness import Run, make_request, make_scheduler, reference_tokens
 def _first_start(run: Run, request_id: str) -> int:
     for out in run.steps:
         for s in out.scheduled:
-            if s.request.request_id == request_id:
+            if s.request_id == request_id:
                 return s.start_pos
     raise AssertionError(f"{request_id} never scheduled")
 

@@ -8,6 +8,7 @@ import pytest
 
 from octavo import LLM, SamplingParams
 from tests.engine.conftest import assert_no_leak, hf_greedy, random_prompts
+from tests.model_factory import EOS_ID, IM_END_ID
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
@@ -190,3 +191,17 @@ def test_final_only_abort_still_reports_the_text_so_far(llm):
     assert out.finished and seq.finish_reason == "abort" and seq.token_ids
     assert seq.text == llm.get_tokenizer().decode(seq.token_ids)
     assert_no_leak(llm)
+
+
+def test_end_tokens_come_from_generation_config_before_config_json(model_dir):
+    """generation_config.json's eos list wins over config.json's single id; the
+    engine reads it from the model folder (no worker involved), and the ids
+    after the first act as stop tokens."""
+    from octavo.engine.llm_engine import LLMEngine
+    from octavo.entrypoints.engine_args import engine_config
+
+    engine = LLMEngine(engine_config(model_dir("llama"), dtype="float32", num_blocks=8))
+    try:
+        assert [engine.eos_token_id, *engine._extra_eos_ids] == [EOS_ID, IM_END_ID]
+    finally:
+        engine.shutdown()

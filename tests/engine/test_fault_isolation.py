@@ -80,7 +80,7 @@ N3 = SamplingParams(temperature=0.8, seed=3, n=3, max_tokens=24, ignore_eos=True
     "victim, sabotage, error",
     [
         (REGEX, break_grammar_advance, "injected fault"),
-        (REGEX, break_grammar_mask, "sampling failed"),
+        (REGEX, break_grammar_mask, "structured output failed"),
         (N3, break_detokenizer, "injected fault"),
     ],
     ids=["grammar-advance", "grammar-mask", "detokenizer-of-n3"],

@@ -11,7 +11,7 @@ import torch
 
 from octavo.sample.metadata import SamplingMetadata
 from octavo.sample.sampler import Sampler, process_logits
-from octavo.sample.structured import GrammarBatch, GrammarCompiler
+from octavo.sample.structured import GrammarBatch, GrammarCompiler, grammar_bitmask
 from octavo.sampling_params import SamplingParams, StructuredOutputParams
 from sample.batch import make_request
 from sample.utf8_tokenizer import EOS_ID, load_utf8_tokenizer
@@ -63,16 +63,21 @@ def generate(compiler, tokenizer, spec: StructuredOutputParams, seed: int, batch
         SamplingParams(structured_outputs=spec, **params),
         eos_token_id=EOS_ID,
         grammar=compiler.compile(spec).new_matcher(),
+        request_id="g",
     )
-    mates = [make_request(SamplingParams(temperature=1.0)) for _ in range(batch_mates)]
+    mates = [make_request(SamplingParams(temperature=1.0), request_id=f"m{i}") for i in range(batch_mates)]
     bias = closing_bias(tokenizer)
     for step in range(MAX_TOKENS):
         logits = torch.randn(1 + batch_mates, MODEL_VOCAB) * 3
         if step >= CLOSE_AFTER:
             logits[0] += bias
         batch = [req] + mates
-        meta = SamplingMetadata.from_requests(batch, [None] * len(batch), MODEL_VOCAB)
+        # As the engine does: the mask is packed where the matcher lives, the
+        # sampler reads it, and the matcher advances with the sampled token.
+        shipped = grammar_bitmask([req.request_id], [req.grammar], MODEL_VOCAB)
+        meta = SamplingMetadata.from_requests(batch, [None] * len(batch), MODEL_VOCAB, grammar=shipped)
         tokens = Sampler()(logits, meta).token_ids.tolist()
+        req.grammar.accept(tokens[0])
         for r, t in zip(batch, tokens):
             r.append_output_token(t)
         if tokens[0] == EOS_ID:
@@ -141,7 +146,9 @@ def test_compiled_grammars_are_cached_and_matchers_independent(compiler, tokeniz
     for t in tokenizer.encode("yes", add_special_tokens=False):
         assert first.accept(t)
     assert first.is_terminated() and not second.is_terminated()
-    allowed = GrammarBatch.fill([first, second], [0, 1], MODEL_VOCAB, torch.device("cpu")).allowed
+    shipped = grammar_bitmask(["first", "second"], [first, second], MODEL_VOCAB)
+    assert shipped.terminated == {"first"}
+    allowed = GrammarBatch.from_bitmask(["first", "second"], shipped, MODEL_VOCAB, torch.device("cpu")).allowed
     assert allowed[0].nonzero().flatten().tolist() == [EOS_ID]  # terminated: only EOS
     assert not allowed[1, EOS_ID] and allowed[1].any()
     assert not allowed[:, tokenizer.vocab_size:].any()  # padding ids are never allowed
@@ -155,10 +162,13 @@ def test_rejected_token_terminates_the_matcher(compiler, tokenizer):
 
 def test_only_grammar_rows_are_masked(compiler):
     spec = StructuredOutputParams(regex="[0-9]{3}")
-    plain = make_request(SamplingParams())
-    constrained = make_request(SamplingParams(structured_outputs=spec), grammar=compiler.compile(spec).new_matcher())
+    plain = make_request(SamplingParams(), request_id="p")
+    constrained = make_request(
+        SamplingParams(structured_outputs=spec), grammar=compiler.compile(spec).new_matcher(), request_id="c"
+    )
     logits = torch.randn(3, MODEL_VOCAB)
     batch = [plain, constrained, plain]
-    out = process_logits(logits, SamplingMetadata.from_requests(batch, [None] * 3, MODEL_VOCAB))
+    shipped = grammar_bitmask(["c"], [constrained.grammar], MODEL_VOCAB)
+    out = process_logits(logits, SamplingMetadata.from_requests(batch, [None] * 3, MODEL_VOCAB, grammar=shipped))
     assert torch.equal(out[[0, 2]], logits[[0, 2]])
     assert 0 < torch.isfinite(out[1]).sum() < MODEL_VOCAB // 4

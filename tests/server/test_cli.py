@@ -41,6 +41,10 @@ def test_bad_arguments_exit_with_a_message(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["serve", str(tmp_path), "--port", "70000"])
     assert exc.value.code == 2 and "port must be in" in capsys.readouterr().err
+    for command in ("serve", "generate"):  # both build the same ParallelConfig
+        with pytest.raises(SystemExit) as exc:
+            main([command, str(tmp_path), "--tensor-parallel-size", "0", *(["--prompt", "x"] * (command == "generate"))])
+        assert exc.value.code == 2 and "tensor_parallel_size must be" in capsys.readouterr().err
 
 
 def test_no_model_means_the_built_in_one(tmp_path, monkeypatch):

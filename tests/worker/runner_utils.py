@@ -10,6 +10,7 @@ import torch
 from octavo.config import CacheConfig, ModelConfig, SchedulerConfig
 from octavo.core.outputs import ScheduledRequest, SchedulerOutput
 from octavo.core.request import Request
+from octavo.core.step_state import SentRequests
 from octavo.sampling_params import SamplingParams
 from octavo.worker.model_runner import ModelRunner
 
@@ -43,14 +44,14 @@ class Blocks:
         self.free = list(range(runner.num_blocks))
         random.Random(seed).shuffle(self.free)
         self.tables: dict[str, list[int]] = {}
+        self.sent = SentRequests(self.block_size)  # the steps carry deltas, as the scheduler's do
 
     def chunk(self, request: Request, start: int, num_tokens: int, sample: bool = True) -> ScheduledRequest:
         """Schedule ``request.all_token_ids[start : start + num_tokens]``, growing its block table."""
         table = self.tables.setdefault(request.request_id, [])
         while len(table) * self.block_size < start + num_tokens:
             table.append(self.free.pop())
-        tokens = request.all_token_ids[start : start + num_tokens]
-        return ScheduledRequest(request, start, tokens, list(table), sample)
+        return self.sent.delta(request, start, num_tokens, table, sample)
 
     def share(self, src: Request, dst: Request, num_blocks: int) -> None:
         """dst's table starts with src's first ``num_blocks`` blocks (a prefix-cache hit)."""

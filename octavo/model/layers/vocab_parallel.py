@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from octavo.distributed.communication import tensor_model_parallel_all_gather, tensor_model_parallel_all_reduce
+from octavo.distributed.communication import tensor_model_parallel_all_reduce, tensor_model_parallel_gather
 from octavo.distributed.parallel_state import get_parallel_state
 from octavo.quant.base import LinearMethod
 from octavo.quant.unquantized import UnquantizedLinearMethod
@@ -61,8 +61,8 @@ class VocabParallelEmbedding(_VocabRows):
 
 
 class ParallelLMHead(_VocabRows):
-    """Hidden states -> logits over the whole vocabulary (gathered on every
-    rank). Its weight belongs to ``linear_method`` (packed or quantized like
+    """Hidden states -> logits over the whole vocabulary on the group's first
+    rank, None on the others. Its weight belongs to ``linear_method`` (packed or quantized like
     any linear layer), or is the embedding's with ``tie_to``."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int,
@@ -76,8 +76,10 @@ class ParallelLMHead(_VocabRows):
         """Read the embedding's table (same rows on every rank)."""
         self.weight = embedding.weight
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
         logits = self.linear_method.apply(self, hidden, None)
         if self.tp_size > 1:
-            logits = tensor_model_parallel_all_gather(logits, dim=-1)[..., : self.num_embeddings]
+            logits = tensor_model_parallel_gather(logits, dim=-1)
+            if logits is not None:
+                logits = logits[..., : self.num_embeddings]
         return logits

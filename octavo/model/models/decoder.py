@@ -11,6 +11,8 @@ import torch
 from torch import nn
 
 from octavo.attention.base import AttentionMetadata
+from octavo.distributed.communication import pipeline_recv, pipeline_send
+from octavo.distributed.parallel_state import get_parallel_state, stage_layers
 from octavo.model.backends import ModelBackends
 from octavo.model.config import ArchConfig
 from octavo.model.layers.attention import Attention
@@ -53,8 +55,14 @@ class DecoderLayer(nn.Module):
 class DecoderModel(nn.Module):
     def __init__(self, arch: ArchConfig, backends: ModelBackends) -> None:
         super().__init__()
+        state = get_parallel_state()
+        self.layer_range = stage_layers(arch.num_layers, state)
         self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(arch, i, backends) for i in range(arch.num_layers))
+        # Layers of other pipeline stages are empty placeholders, so that the
+        # ones here keep their checkpoint names (model.layers.<global index>).
+        self.layers = nn.ModuleList(
+            DecoderLayer(arch, i, backends) if i in self.layer_range else nn.Module() for i in range(arch.num_layers)
+        )
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, backends.fused_ops)
 
 
@@ -76,6 +84,15 @@ class DecoderForCausalLM(nn.Module):
         if arch.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
         self.rotary = RotaryEmbedding(arch.rope, arch.head_dim, max_len)
+        state = get_parallel_state()
+        self.first_stage = state.pp_rank == 0
+        self.last_stage = state.pp_rank == state.pp_size - 1
+
+    @property
+    def local_layers(self) -> list[DecoderLayer]:
+        """This pipeline stage's layers, in order (all of them without pipelining)."""
+        r = self.model.layer_range
+        return list(self.model.layers[r.start : r.stop])
 
     def forward(
         self,
@@ -85,13 +102,26 @@ class DecoderForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """[T] tokens -> [T, hidden] final hidden states before the last norm
-        (``compute_logits`` applies it to the rows that need logits only)."""
-        h = self.model.embed_tokens(input_ids)
+        (``compute_logits`` applies it to the rows that need logits only).
+        ``kv_caches``: one per layer of this stage. Under pipeline
+        parallelism a stage past the first receives the hidden state and the
+        residual stream from the previous stage, and a stage before the last
+        sends them on and returns None."""
+        if self.first_stage:
+            h = self.model.embed_tokens(input_ids)
+            residual: Optional[torch.Tensor] = None
+        else:
+            shape = (input_ids.shape[0], self.arch.hidden_size)
+            h, residual = pipeline_recv(2, shape, self.model.norm.weight.dtype, input_ids.device)
         cos, sin = self.rotary.cos_sin(positions, h.dtype)
-        residual: Optional[torch.Tensor] = None
-        for layer, kv_cache in zip(self.model.layers, kv_caches):
+        for layer, kv_cache in zip(self.local_layers, kv_caches):
             h, residual = layer(h, residual, cos, sin, kv_cache, meta)
+        if not self.last_stage:
+            pipeline_send([h, residual])
+            return None
         return h if residual is None else h + residual
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
+        """Logits of ``hidden``'s rows; None on a tensor-parallel rank other
+        than the driver (the vocabulary shards are gathered on the driver only)."""
         return self.lm_head(self.model.norm(hidden))

@@ -1,0 +1,136 @@
+"""Both ends of the step contract's deltas (torch-free).
+
+The scheduler sends a request's data once (``NewRequestData``) and from then
+on only what changed: the tokens sampled since, the tail of the block table
+from the block the step writes into. So each
+side keeps a view of the other: ``SentRequests`` (scheduler side) remembers
+how much of each request the workers hold, ``BatchState`` (each worker) holds
+the requests themselves. A step therefore costs O(scheduled tokens + new
+blocks) to describe, whatever the requests' lengths.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from octavo.core.outputs import NewRequestData, ScheduledRequest, SchedulerOutput
+from octavo.core.request import Request
+from octavo.sampling_params import SamplingParams
+
+
+class SentRequests:
+    """Scheduler side: per request on the workers, how many tokens they hold."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self._held: dict[str, int] = {}
+
+    def delta(
+        self, request: Request, start: int, num_tokens: int, block_table: list[int], sample: bool
+    ) -> ScheduledRequest:
+        """The step entry computing ``num_tokens`` tokens from ``start`` with
+        the request's current ``block_table``; records that the workers now
+        hold them."""
+        rid = request.request_id
+        tokens = self._held.get(rid)
+        new = None
+        blocks_from = start // self.block_size
+        if tokens is None:
+            new = NewRequestData(
+                rid, request.prompt_token_ids, list(request.output_token_ids),
+                request.sampling_params, request.eos_token_id,
+            )
+            tokens, blocks_from = request.num_tokens, 0
+        end = start + num_tokens
+        new_tokens = request.all_token_ids[tokens:end] if end > tokens else []
+        self._held[rid] = max(tokens, end)
+        return ScheduledRequest(
+            rid, start, num_tokens, new_tokens, blocks_from, block_table[blocks_from:], sample, new
+        )
+
+    def forget(self, request_id: str) -> None:
+        """The workers drop the request (finished or preempted): resend it whole."""
+        self._held.pop(request_id, None)
+
+
+@dataclass(eq=False)
+class CachedRequestState:
+    """Worker side: one request as the sampler and the input builder read it
+    (the attribute names of ``Request`` they use)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_id: Optional[int]
+    all_token_ids: list[int] = field(init=False)
+    block_ids: list[int] = field(default_factory=list)
+    grammar_terminated: bool = False  # from the scheduler, for the min_tokens exemption
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    def extend(self, token_ids: list[int]) -> None:
+        """Tokens past the prompt are outputs (the scheduler sends the prompt whole)."""
+        self.all_token_ids.extend(token_ids)
+        self.output_token_ids.extend(token_ids)
+
+
+@dataclass
+class ScheduledRow:
+    """One request's share of the step on the worker: positions
+    ``start_pos .. start_pos + num_tokens - 1`` of ``request``."""
+
+    request: CachedRequestState | Request
+    start_pos: int
+    num_tokens: int
+    block_ids: list[int]  # the request's whole block table (the worker's list, not a copy)
+    sample: bool
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.request.all_token_ids[self.start_pos : self.start_pos + self.num_tokens]
+
+
+class BatchState:
+    """Worker side: the requests this worker holds, updated by each step."""
+
+    def __init__(self) -> None:
+        self.requests: dict[str, CachedRequestState] = {}
+
+    def apply(self, step: SchedulerOutput) -> list[ScheduledRow]:
+        """Drop the requests that left, add the new ones, extend the others;
+        the step's rows in scheduling order."""
+        for rid in step.finished_request_ids:
+            self.requests.pop(rid, None)
+        rows = []
+        for s in step.scheduled:
+            if s.new is not None:
+                n = s.new
+                state = CachedRequestState(
+                    n.request_id, n.prompt_token_ids, list(n.output_token_ids), n.sampling_params, n.eos_token_id
+                )
+                self.requests[s.request_id] = state
+            else:
+                state = self.requests[s.request_id]
+            if s.new_token_ids:
+                state.extend(s.new_token_ids)
+            del state.block_ids[s.blocks_from :]
+            state.block_ids.extend(s.block_ids)
+            rows.append(ScheduledRow(state, s.start_pos, s.num_tokens, state.block_ids, s.sample))
+        if step.grammar is not None:
+            for rid in step.grammar.request_ids:
+                self.requests[rid].grammar_terminated = rid in step.grammar.terminated
+        return rows
