@@ -2,12 +2,11 @@
 from __future__ import annotations
 
 import pytest
+import ray  # the test extra installs it; users get it with octavo[ray]
 
 from octavo import LLM
 from tests.executor.test_tensor_parallel_engine import ENGINE, GREEDY, PROMPTS
 from tests.model_factory import make_tiny_model
-
-ray = pytest.importorskip("ray", reason="the Ray executor needs the optional extra octavo[ray]")
 
 
 @pytest.fixture(scope="module")
