@@ -142,6 +142,12 @@ class Scheduler:
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
+    def has_finished_to_send(self) -> bool:
+        """Requests that ended since the last step, which the workers still hold
+        state for (token ids, block table, generator): the next step, even an
+        empty one, tells them to drop it."""
+        return bool(self._finished_ids)
+
     @property
     def num_running(self) -> int:
         return len(self.running)
@@ -350,11 +356,11 @@ class Scheduler:
         queue.remove(request)
         request.status = status
         self.kv_cache_manager.free(request)
-        self._sent.forget(rid)
+        if self._sent.release(rid):
+            self._finished_ids.add(rid)
         self._fork_waiters.pop(rid, None)
         siblings = self._fork_waiters.get(request.fork_of) if request.fork_of else None
         if siblings is not None and request in siblings:
             siblings.remove(request)
         del self._requests[rid]
         del self._order[rid]
-        self._finished_ids.add(rid)

@@ -24,6 +24,9 @@ class SentRequests:
     def __init__(self, block_size: int) -> None:
         self.block_size = block_size
         self._held: dict[str, int] = {}
+        # Sent at least once and not ended: the workers keep state for these,
+        # even while preempted (a preempted request keeps its generator there).
+        self._on_workers: set[str] = set()
 
     def delta(
         self, request: Request, start: int, num_tokens: int, block_table: list[int], sample: bool
@@ -41,6 +44,7 @@ class SentRequests:
                 request.sampling_params, request.eos_token_id,
             )
             tokens, blocks_from = request.num_tokens, 0
+            self._on_workers.add(rid)
         end = start + num_tokens
         new_tokens = request.all_token_ids[tokens:end] if end > tokens else []
         self._held[rid] = max(tokens, end)
@@ -49,8 +53,17 @@ class SentRequests:
         )
 
     def forget(self, request_id: str) -> None:
-        """The workers drop the request (finished or preempted): resend it whole."""
+        """The workers drop the request's tokens (preempted): resend it whole."""
         self._held.pop(request_id, None)
+
+    def release(self, request_id: str) -> bool:
+        """The request ended. True when the workers hold state for it, which
+        the next step must tell them to drop; False when it never reached them."""
+        self._held.pop(request_id, None)
+        if request_id not in self._on_workers:
+            return False
+        self._on_workers.remove(request_id)
+        return True
 
 
 @dataclass(eq=False)

@@ -192,6 +192,9 @@ class LLMEngine:
         return (
             bool(self._requests) or bool(self._pending) or bool(self._in_flight)
             or self.scheduler.has_unfinished_requests()
+            # One more step after the last request ends, so that the ranks drop
+            # its state now rather than whenever the next request comes.
+            or self.scheduler.has_finished_to_send()
         )
 
     # ---- the step -------------------------------------------------------

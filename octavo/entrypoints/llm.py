@@ -111,6 +111,7 @@ class LLM:
             raise
         finally:
             bar.close()
+        self._drain()  # one more (empty) step: the ranks drop the finished requests' state now
         return [final[r] for r in request_ids]
 
     def _drain(self) -> None:

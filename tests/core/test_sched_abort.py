@@ -20,13 +20,29 @@ def _abort(sched, *requests) -> None:
 
 
 def test_abort_while_waiting():
+    """A request the workers never saw is not reported to them."""
     sched, runner = make_scheduler(block_size=4)
     req = make_request("w", 8)
     sched.add_request(req)
     _abort(sched, req)
+    assert not sched.has_finished_to_send()
     out = sched.schedule()
-    assert out.is_empty and out.finished_request_ids == {"w"}
-    assert sched.schedule().finished_request_ids == set()  # reported once
+    assert out.is_empty and out.finished_request_ids == set()
+
+
+def test_a_request_the_workers_hold_is_reported_once_when_it_ends():
+    """Sent once, then aborted while running: the next
+    step, even an empty one, tells the workers to drop its state, once."""
+    sched, runner = make_scheduler(block_size=4)
+    req = make_request("r", 8)
+    sched.add_request(req)
+    sched.schedule()
+    _abort(sched, req)
+    assert sched.has_finished_to_send()
+    out = sched.schedule()
+    assert out.is_empty and out.finished_request_ids == {"r"}
+    assert not sched.has_finished_to_send()
+    assert sched.schedule().finished_request_ids == set()
 
 
 def test_abort_mid_prefill_and_while_decoding():

@@ -35,10 +35,25 @@ def folder(model_dir):
 
 
 def assert_no_leak(llm) -> None:
-    """Every KV block is back in the pool and nothing is left running."""
-    stats = llm.engine.get_stats()
+    """Every KV block is back in the pool, nothing is left running, and no
+    per-request state is left behind anywhere: in the engine, the scheduler,
+    what it remembers sending, or the rank's batch (a map that only grows is a
+    leak of its own, whatever the KV pool says)."""
+    engine = llm.engine
+    stats = engine.get_stats()
     assert stats.num_free_blocks == stats.num_total_blocks
-    assert not llm.engine.has_unfinished_requests()
+    assert not engine.has_unfinished_requests()
+    sched = engine.scheduler
+    leftovers = {
+        "engine._requests": engine._requests, "engine._child_to_parent": engine._child_to_parent,
+        "engine._grammar_ids": engine._grammar_ids, "scheduler._requests": sched._requests,
+        "scheduler._order": sched._order, "scheduler._fork_waiters": sched._fork_waiters,
+        "scheduler._sent": sched._sent._held, "scheduler._sent (on workers)": sched._sent._on_workers,
+    }
+    runner = getattr(getattr(engine.executor, "worker", None), "runner", None)
+    if runner is not None:  # the in-process executor: the rank is here to look at
+        leftovers |= {"runner.batch": runner.batch.requests, "runner._generators": runner._generators}
+    assert not {name: list(v)[:5] for name, v in leftovers.items() if v}, "per-request state left behind"
 
 
 def random_prompts(lengths: list[int], vocab: int = 512, seed: int = 1) -> list[list[int]]:
