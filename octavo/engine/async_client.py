@@ -22,6 +22,7 @@ Three duties besides moving messages:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -179,14 +180,16 @@ class AsyncEngineClient:
         # Only the incarnation that has the request can abort it (and a dead
         # one must not be sent to: see engine_process.py).
         if not stream.acc.finished and stream.engine is self._engine and stream.engine.alive:
-            stream.engine.send(msg.AbortRequests([request_id]))
+            with contextlib.suppress(EngineDeadError):  # died meanwhile: its sentinel fires next
+                stream.engine.send(msg.AbortRequests([request_id]))
 
     def _expire(self, request_id: str) -> None:
         stream = self._streams.get(request_id)
         if stream is None or stream.acc.finished:
             return
         if stream.engine is self._engine and stream.engine.alive:
-            stream.engine.send(msg.AbortRequests([request_id]))
+            with contextlib.suppress(EngineDeadError):  # died meanwhile: its sentinel fires next
+                stream.engine.send(msg.AbortRequests([request_id]))
         stream.fail(RequestTimeoutError("the request timed out"))
 
     # ---- engine lifecycle ----------------------------------------------
@@ -204,21 +207,30 @@ class AsyncEngineClient:
     async def _read_loop(self, engine: EngineProcess) -> None:
         while True:
             try:
-                m = await engine.recv()
+                self._dispatch(engine, await engine.recv())
             except (asyncio.CancelledError, zmq.ZMQError):  # retired: its sockets are closing
                 return
-            if isinstance(m, msg.StepOutputs):
-                for delta in m.outputs:
-                    self._on_delta(delta)
-            elif isinstance(m, msg.StatsUpdate):
-                self.stats = m.stats
-            elif isinstance(m, msg.RequestRejected):
-                stream = self._streams.get(m.request_id)
-                if stream is not None:
-                    stream.fail(EngineRequestError(m.message))
-            elif isinstance(m, msg.EngineFailed):
-                logger.error("engine process failed:\n%s", m.message)
-                self._lose(engine, f"engine failed: {m.message.strip().splitlines()[-1]}")
+            except Exception as exc:
+                # A message we cannot read or apply: no request can be trusted
+                # to finish, so the engine is replaced (a silent reader death
+                # would leave every request waiting forever).
+                logger.exception("unusable message from the engine")
+                self._lose(engine, f"unusable message from the engine: {type(exc).__name__}")
+                return
+
+    def _dispatch(self, engine: EngineProcess, m: msg.FromEngine) -> None:
+        if isinstance(m, msg.StepOutputs):
+            for delta in m.outputs:
+                self._on_delta(delta)
+        elif isinstance(m, msg.StatsUpdate):
+            self.stats = m.stats
+        elif isinstance(m, msg.RequestRejected):
+            stream = self._streams.get(m.request_id)
+            if stream is not None:
+                stream.fail(EngineRequestError(m.message))
+        elif isinstance(m, msg.EngineFailed):
+            logger.error("engine process failed:\n%s", m.message)
+            self._lose(engine, f"engine failed: {m.message.strip().splitlines()[-1]}")
 
     def _on_delta(self, delta: msg.OutputDelta) -> None:
         stream = self._streams.get(delta.request_id)
@@ -258,7 +270,7 @@ class AsyncEngineClient:
             await asyncio.sleep(delay)
             try:
                 self._adopt(*await EngineProcess.launch(self.config, self._start_timeout_s))
-            except EngineDeadError as exc:
+            except Exception as exc:  # EngineDeadError, or the spawn itself failing (OSError, ZMQError)
                 delay = self._policy.on_failure(time.monotonic())
                 self.dead_reason = f"engine restart failed; {self._next_step(delay)}"
                 logger.error("%s: %s", self.dead_reason, exc)
@@ -284,7 +296,8 @@ class AsyncEngineClient:
         if engine is None:
             return
         if engine.alive:
-            engine.send(msg.Shutdown())
+            with contextlib.suppress(EngineDeadError):  # gone already: nothing to ask
+                engine.send(msg.Shutdown())
         asyncio.get_running_loop().remove_reader(engine.sentinel)
         engine.alive = False
         await self._retire(engine, grace_s)

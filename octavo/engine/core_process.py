@@ -34,10 +34,10 @@ The split follows vLLM V1:
 """
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import time
-import logging
 import traceback
 from typing import TYPE_CHECKING, Optional
 
@@ -67,12 +67,20 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> 
     out = ctx.socket(zmq.PUSH)
     out.setsockopt(zmq.LINGER, 5000)
     out.connect(output_addr)
+    loop: Optional[_EngineLoop] = None
     try:
-        _EngineLoop(config, inp, out, parent).run()
+        loop = _EngineLoop(config, inp, out, parent)
+        loop.run()
     except Exception:
-        out.send(msg.encoder.encode(msg.EngineFailed(traceback.format_exc())))
+        report = traceback.format_exc()
+        # Rank processes stop before the front hears of the failure: it kills
+        # this process at once and starts a new engine, which must not find
+        # the old ranks still holding their cores and memory.
+        _stop_ranks(loop)
+        out.send(msg.encoder.encode(msg.EngineFailed(report)))
         raise SystemExit(1)
     finally:
+        _stop_ranks(loop)
         inp.close(linger=0)
         out.close()
         ctx.term()
@@ -91,6 +99,15 @@ def add_request(engine: LLMEngine, m: msg.AddRequest) -> Optional[msg.FromEngine
         logger.exception("request %s failed in add_request", m.request_id)
         return msg.StepOutputs([msg.failed_delta(m.request_id, f"{type(exc).__name__}: {exc}")])
     return None
+
+
+def _stop_ranks(loop: Optional[_EngineLoop]) -> None:
+    if loop is None:  # the engine did not start: it stopped its own ranks
+        return
+    try:
+        loop.engine.shutdown()  # safe to call twice
+    except Exception:
+        logging.getLogger(__name__).exception("stopping the engine's ranks failed")
 
 
 class _EngineLoop:

@@ -33,9 +33,12 @@ class EngineProcess:
         self._ctx = zmq.asyncio.Context()
         in_addr = f"ipc://{Path(self._tmp.name) / 'in'}"
         out_addr = f"ipc://{Path(self._tmp.name) / 'out'}"
-        # A plain (sync) socket for sending: PUSH with an unlimited HWM and a
-        # connected peer never blocks, so sends stay synchronous, which lets
-        # ``finally`` blocks and cancelled tasks abort without awaiting.
+        # A plain (sync) socket for sending: PUSH with an unlimited HWM never
+        # has to wait while its peer is connected, so sends stay synchronous,
+        # which lets ``finally`` blocks and cancelled tasks abort without
+        # awaiting. With the peer gone (the engine died and the front has not
+        # seen its sentinel yet) a blocking send would wait forever and freeze
+        # the event loop: sends never block (see ``send_bytes``).
         self._push = zmq.Context.instance().socket(zmq.PUSH)
         self._push.setsockopt(zmq.SNDHWM, 0)
         self._push.setsockopt(zmq.LINGER, 0)
@@ -92,7 +95,11 @@ class EngineProcess:
         self.send_bytes(msg.encoder.encode(m))
 
     def send_bytes(self, data: bytes) -> None:
-        self._push.send(data, copy=False)
+        """EngineDeadError when the engine is not connected any more."""
+        try:
+            self._push.send(data, zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            raise EngineDeadError("the engine process is gone (its input is not connected)") from None
 
     async def recv(self) -> msg.FromEngine:
         return msg.from_engine_decoder.decode(await self._pull.recv())

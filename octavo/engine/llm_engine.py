@@ -159,7 +159,6 @@ class LLMEngine:
             )
             if grammars is not None:
                 children[-1].grammar = grammars.new_matcher()
-                self._grammar_ids.add(child_id)
             state.child_ids.append(child_id)
             detok = (
                 IncrementalDetokenizer(self.tokenizer, prompt_ids, params)
@@ -170,6 +169,8 @@ class LLMEngine:
         self._requests[request_id] = state
         for child in children:
             self._child_to_parent[child.request_id] = request_id
+            if child.grammar is not None:
+                self._grammar_ids.add(child.request_id)
             self.scheduler.add_request(child)
         self._prompt_tokens += len(prompt_ids)
 

@@ -1,6 +1,7 @@
 """LLM: the offline Python API (batch generation and chat)."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 from pathlib import Path
@@ -105,9 +106,12 @@ class LLM:
                         pending.discard(out.request_id)
                         bar.update(1)
         except BaseException:
-            # Interrupted (KeyboardInterrupt or an engine error): free what is left.
+            # Interrupted (KeyboardInterrupt or an engine error): free what is
+            # left. After an engine error the drain may fail again; the first
+            # error is the one to report.
             self.engine.abort_request(pending)
-            self._drain()
+            with contextlib.suppress(Exception):
+                self._drain()
             raise
         finally:
             bar.close()

@@ -26,8 +26,9 @@ class Executor(ABC):
     """Runs the model for the scheduler, on one or more ranks.
 
     Every rank holds a Worker: its device, its ModelRunner and its shard of the
-    weights and of the KV cache. Rank 0 is the driver: it samples and its
-    result is the step's result. Calls come from one thread (the engine's)."""
+    weights and of the KV cache. The driver is tensor rank 0 of the last
+    pipeline stage (the one with the logits; rank 0 when there is no
+    pipeline): it samples and its result is the step's result. Calls come from one thread (the engine's)."""
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
