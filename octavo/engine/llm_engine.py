@@ -312,6 +312,8 @@ class LLMEngine:
     def _note_first_scheduled(self, sched_out: SchedulerOutput) -> None:
         now = time.monotonic()
         for scheduled in sched_out.scheduled:
+            if scheduled.new is None:
+                continue  # sent before: a first schedule always carries the request's data
             parent = self._child_to_parent.get(scheduled.request_id)
             if parent is not None:
                 metrics = self._requests[parent].metrics
