@@ -1,0 +1,153 @@
+"""config.json's ``quantization_config`` -> which format each linear layer's
+checkpoint tensors are in (None: unquantized, ``weight`` as usual).
+
+Every setting that changes what the tensors mean is checked here, before
+the model is built; one this loader does not read is a ValueError naming
+the key and what is supported, never a silently wrong model. Keys that only
+record how the checkpoint was made (damp_percent, true_sequential, the
+calibration dataset, observer ...) are ignored.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from octavo.quant.formats.awq import AwqFormat
+from octavo.quant.formats.base import PackedFormat
+from octavo.quant.formats.compressed_tensors import PackQuantizedFormat
+from octavo.quant.formats.gptq import CHECKPOINT_FORMATS, GptqFormat
+from octavo.quant.formats.packing import SUPPORTED_BITS
+
+METHODS = ("gptq", "awq", "compressed-tensors")
+_KEY = "quantization_config"
+
+
+@dataclass(frozen=True)
+class CheckpointQuantization:
+    """The checkpoint's quantization: ``rules`` in order, the first whose
+    matcher takes a module's checkpoint name gives its format; a module
+    ``skip`` takes stays unquantized."""
+
+    method: str
+    rules: tuple[tuple[Callable[[str], bool], PackedFormat], ...]
+    skip: Callable[[str], bool]
+
+    def format_for(self, module: str) -> Optional[PackedFormat]:
+        """The format of checkpoint module ``module`` (``model.layers.0.self_attn.q_proj``), None: unquantized."""
+        if self.skip(module):
+            return None
+        return next((fmt for matches, fmt in self.rules if matches(module)), None)
+
+
+def parse_quantization_config(raw_config: dict[str, Any]) -> Optional[CheckpointQuantization]:
+    """None for a checkpoint without ``quantization_config``."""
+    qc = raw_config.get(_KEY)
+    if qc is None:
+        return None
+    if not isinstance(qc, dict):
+        raise ValueError(f"{_KEY} must be an object, got {type(qc).__name__}")
+    method = qc.get("quant_method")
+    if method == "gptq":
+        return _gptq(qc)
+    if method == "awq":
+        return _awq(qc)
+    if method == "compressed-tensors":
+        return _compressed_tensors(qc)
+    raise ValueError(f"{_KEY}.quant_method {method!r} is not supported; supported: {', '.join(METHODS)}")
+
+
+def _field(qc: dict[str, Any], key: str, default: Any, allowed: tuple[Any, ...], what: str = _KEY) -> Any:
+    value = qc.get(key, default)
+    if value not in allowed:
+        raise ValueError(f"{what}.{key} {value!r} is not supported; supported: {', '.join(map(repr, allowed))}")
+    return value
+
+
+def _group_size(qc: dict[str, Any], key: str = "group_size", what: str = _KEY) -> int:
+    value = qc.get(key, -1)
+    value = -1 if value is None else value
+    if isinstance(value, bool) or not isinstance(value, int) or (value < 1 and value != -1):
+        raise ValueError(f"{what}.{key} must be a positive integer or -1 (per channel), got {value!r}")
+    return value
+
+
+def _not_convert(qc: dict[str, Any]) -> Callable[[str], bool]:
+    """``modules_to_not_convert`` as transformers reads it: a name matches
+    when it holds the entry as whole dotted components ("lm_head", "mlp.gate")."""
+    entries = qc.get("modules_to_not_convert") or []
+    return lambda name: any(f".{entry}." in f".{name}." for entry in entries)
+
+
+def _every_linear(_: str) -> bool:
+    return True
+
+
+def _gptq(qc: dict[str, Any]) -> CheckpointQuantization:
+    bits = _field(qc, "bits", None, SUPPORTED_BITS)
+    _field(qc, "checkpoint_format", "gptq", CHECKPOINT_FORMATS)
+    # GPTQModel's per-module overrides and optimum's partial quantization
+    # change which tensors exist; lm_head quantization needs a vocab-split loader.
+    for key in ("dynamic", "modules_in_block_to_quantize"):
+        if qc.get(key):
+            raise ValueError(f"{_KEY}.{key} is not supported (every linear layer of the decoder blocks "
+                             "is read as quantized with the same settings)")
+    _field(qc, "lm_head", False, (False,))
+    fmt = GptqFormat(bits, _group_size(qc), qc.get("checkpoint_format", "gptq"))
+    return CheckpointQuantization("gptq", ((_every_linear, fmt),), _not_convert(qc))
+
+
+def _awq(qc: dict[str, Any]) -> CheckpointQuantization:
+    bits = _field(qc, "bits", qc.get("w_bit"), (4,))
+    version = str(qc.get("version", "gemm")).lower()
+    if version != "gemm":
+        raise ValueError(f"{_KEY}.version {qc.get('version')!r} is not supported; supported: 'gemm'")
+    _field(qc, "zero_point", True, (True,))
+    fmt = AwqFormat(bits, _group_size(qc, "group_size" if "group_size" in qc else "q_group_size"))
+    return CheckpointQuantization("awq", ((_every_linear, fmt),), _not_convert(qc))
+
+
+def _compressed_tensors(qc: dict[str, Any]) -> CheckpointQuantization:
+    top_format = qc.get("format")
+    _field(qc, "quantization_status", "compressed", ("compressed",))
+    if qc.get("sparsity_config"):
+        raise ValueError(f"{_KEY}.sparsity_config is not supported (dense pack-quantized weights only)")
+    groups = qc.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise ValueError(f"{_KEY}.config_groups must name at least one quantization scheme")
+    rules = tuple(_ct_rule(name, scheme, top_format) for name, scheme in groups.items())
+    ignore = tuple(qc.get("ignore") or ())
+    return CheckpointQuantization("compressed-tensors", rules, lambda n: any(_ct_matches(t, n) for t in ignore))
+
+
+def _ct_rule(name: str, scheme: dict[str, Any], top_format: Any) -> tuple[Callable[[str], bool], PackedFormat]:
+    where = f"{_KEY}.config_groups.{name}"
+    _field({"format": scheme.get("format") or top_format}, "format", None, ("pack-quantized",), where)
+    for key in ("input_activations", "output_activations"):
+        if scheme.get(key):
+            raise ValueError(f"{where}.{key} is not supported (weight-only schemes: W4A16, W8A16)")
+    weights = scheme.get("weights")
+    if not isinstance(weights, dict):
+        raise ValueError(f"{where}.weights must describe the weight quantization")
+    where = f"{where}.weights"
+    bits = _field(weights, "num_bits", None, SUPPORTED_BITS, where)
+    _field(weights, "type", "int", ("int",), where)
+    _field(weights, "dynamic", False, (False,), where)
+    strategy = _field(weights, "strategy", None, ("group", "channel"), where)
+    actorder = _field(weights, "actorder", None, (None, "static", "weight", "group"), where)
+    group_size = _group_size(weights, what=where) if strategy == "group" else -1
+    if strategy == "group" and group_size == -1:
+        raise ValueError(f"{where}.group_size must be set for strategy 'group'")
+    symmetric = bool(weights.get("symmetric", True))
+    # Only actorder "group" stores a g_idx; "weight"/"static" keep groups contiguous.
+    fmt = PackQuantizedFormat(bits, group_size, symmetric, group_index=actorder == "group")
+    targets = tuple(scheme.get("targets") or ())
+    return (lambda n: any(_ct_matches(t, n) for t in targets)), fmt
+
+
+def _ct_matches(target: str, module: str) -> bool:
+    """compressed-tensors' matching: "re:<regex>" matched from the name's
+    start, a class name ("Linear": every linear layer here), or the exact name."""
+    if target.startswith("re:"):
+        return re.match(target[3:], module) is not None
+    return target == "Linear" or target == module
