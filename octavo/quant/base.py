@@ -8,6 +8,16 @@ per-rank shape, the checkpoint fills the parameters the method created
 for its kernel, and every forward goes through ``apply``. One method object
 serves every layer it is given to: whatever it derives per layer is kept on
 that layer.
+
+Which method a layer gets is the ``QuantizationScheme``'s choice, per layer,
+by the layer's ``prefix``: its module path as in the checkpoint
+(``model.layers.0.self_attn.qkv_proj``, ``model.layers.3.mlp.down_proj``,
+``lm_head``; fused layers carry the fused name, their parts' tensors arrive
+through ``packed_modules_mapping``). A scheme for a pre-quantized checkpoint
+returns methods whose ``create_weights`` register the checkpoint's tensors
+(qweight, qzeros, scales, g_idx ...) and whose
+``process_weights_after_loading`` repacks them for a kernel
+(octavo/quant/qweights.py has the kernels' canonical inputs).
 """
 from __future__ import annotations
 
@@ -20,7 +30,13 @@ from torch import nn
 
 def set_weight_attrs(param: nn.Parameter, **attrs: Any) -> None:
     """Tag a parameter for the layers' weight loaders: ``output_dim`` /
-    ``input_dim`` name the dims that are split across ranks (None: not split)."""
+    ``input_dim`` name the dims that are split across ranks (None: not split).
+    A parameter that stores several values per element along its output dim
+    (int4 nibbles in int32: GPTQ's qzeros, AWQ's qweight) also says
+    ``packed_dim`` (that dim) and ``pack_factor`` (values per element): fused
+    layers then place each part at ``offset / pack_factor`` along it. Packing
+    along the input dim needs nothing: the loader only cuts equal pieces
+    there, sized by the parameter."""
     for name, value in attrs.items():
         setattr(param, name, value)
 
@@ -49,3 +65,18 @@ class LinearMethod(ABC):
     @abstractmethod
     def kernel_name(self, layer: nn.Module) -> str:
         """Which kernel multiplies ``layer``'s weight (for the start-up log and tests)."""
+
+
+class QuantizationScheme(ABC):
+    """Chooses each linear layer's ``LinearMethod`` by its ``prefix`` (module
+    path as in the checkpoint). One scheme per model; schemes are cheap to
+    ask: layers call ``linear_method`` once each, at construction."""
+
+    @abstractmethod
+    def linear_method(self, prefix: str) -> LinearMethod:
+        """The method for the layer at ``prefix``: the same object may serve
+        many layers (it keeps per-layer state on the layer)."""
+
+    def describe(self) -> str:
+        """One line for the start-up log."""
+        return type(self).__name__

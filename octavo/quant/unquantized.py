@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from octavo.kernels.amx_linear import AmxLinearKernel, AmxWeight, amx_linear_kernel
-from octavo.quant.base import LinearMethod, set_weight_attrs
+from octavo.quant.base import LinearMethod, QuantizationScheme, set_weight_attrs
 
 # Batch size oneDNN picks the packed layout for; it serves 1 to 1000+ rows alike.
 _PACK_HINT = 128
@@ -106,3 +106,16 @@ class UnquantizedLinearMethod(LinearMethod):
         if packed is None:
             return "torch"
         return "onednn" if packed.amx is None else f"amx (<= {SMALL_ROWS} rows) + onednn"
+
+
+class UniformScheme(QuantizationScheme):
+    """One method for every layer: unquantized models (the default scheme)."""
+
+    def __init__(self, method: Optional[LinearMethod] = None) -> None:
+        self.method = method or UnquantizedLinearMethod()
+
+    def linear_method(self, prefix: str) -> LinearMethod:
+        return self.method
+
+    def describe(self) -> str:
+        return f"{type(self.method).__name__} for every layer"

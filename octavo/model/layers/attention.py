@@ -15,17 +15,19 @@ from octavo.model.layers.rotary import RotaryEmbedding
 
 
 class Attention(nn.Module):
-    def __init__(self, arch: ArchConfig, layer_idx: int, backends: ModelBackends) -> None:
+    def __init__(self, arch: ArchConfig, layer_idx: int, backends: ModelBackends, prefix: str) -> None:
+        """``prefix``: the block's module path (``model.layers.0.self_attn``)."""
         super().__init__()
         sw = arch.switches
         self.qkv_proj = QKVParallelLinear(
-            arch.hidden_size, arch.head_dim, arch.num_heads, arch.num_kv_heads, sw.qkv_bias, backends.linear_method
+            arch.hidden_size, arch.head_dim, arch.num_heads, arch.num_kv_heads, sw.qkv_bias,
+            backends.linear_method(f"{prefix}.qkv_proj"), f"{prefix}.qkv_proj",
         )
         # This rank's heads.
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = arch.head_dim
         self.o_proj = RowParallelLinear(arch.num_heads * arch.head_dim, arch.hidden_size, sw.o_bias,
-                                        backends.linear_method)
+                                        backends.linear_method(f"{prefix}.o_proj"), f"{prefix}.o_proj")
         self.qk_norm = sw.qk_norm
         if sw.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, backends.fused_ops)

@@ -45,10 +45,26 @@ def load_shard(target: torch.Tensor, loaded: torch.Tensor, dim: Optional[int], i
     target.copy_(loaded)
 
 
+def output_part(param: nn.Parameter, offset: int, size: int) -> torch.Tensor:
+    """The slice of ``param`` along its output dim holding outputs ``offset``
+    .. ``offset + size`` of this rank's shard, in the parameter's own units
+    (``pack_factor`` outputs per element along a packed output dim)."""
+    dim = param.output_dim
+    if getattr(param, "packed_dim", None) == dim:
+        factor = param.pack_factor
+        if offset % factor or size % factor:
+            raise ValueError(f"part of {size} outputs at {offset} does not fall on whole packed elements "
+                             f"of {factor}")
+        offset, size = offset // factor, size // factor
+    return param.data.narrow(dim, offset, size)
+
+
 class LinearBase(nn.Module, ABC):
     """This rank's ``input_size`` x ``sum(output_sizes)`` product: the weight
     is created by ``linear_method``, the bias (``bias_split``: sharded along
-    the outputs, else whole) here, and every parameter gets ``weight_loader``."""
+    the outputs, else whole) here, and every parameter gets ``weight_loader``.
+    ``prefix``: the layer's module path in the checkpoint (for messages; the
+    model picked ``linear_method`` by it)."""
 
     def __init__(
         self,
@@ -57,8 +73,10 @@ class LinearBase(nn.Module, ABC):
         bias: bool,
         bias_split: bool,
         linear_method: Optional[LinearMethod],
+        prefix: str,
     ) -> None:
         super().__init__()
+        self.prefix = prefix
         self.linear_method = linear_method or UnquantizedLinearMethod()
         self.output_sizes = output_sizes
         dtype = torch.get_default_dtype()
@@ -81,10 +99,10 @@ class ColumnParallelLinear(LinearBase):
     row-parallel layer consumes the split)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool,
-                 linear_method: Optional[LinearMethod] = None) -> None:
+                 linear_method: Optional[LinearMethod] = None, prefix: str = "") -> None:
         state = get_parallel_state()
         self.tp_rank, self.tp_size = state.tp_rank, state.tp_size
-        super().__init__(input_size, self._rank_sizes(output_size), bias, True, linear_method)
+        super().__init__(input_size, self._rank_sizes(output_size), bias, True, linear_method, prefix)
 
     def _rank_sizes(self, output_size: int) -> list[int]:
         return [divide(output_size, self.tp_size, "output features")]
@@ -102,9 +120,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     stores the parts apart; ``shard_id`` is the part's index."""
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool,
-                 linear_method: Optional[LinearMethod] = None) -> None:
+                 linear_method: Optional[LinearMethod] = None, prefix: str = "") -> None:
         self.full_output_sizes = list(output_sizes)
-        super().__init__(input_size, sum(output_sizes), bias, linear_method)
+        super().__init__(input_size, sum(output_sizes), bias, linear_method, prefix)
 
     def _rank_sizes(self, output_size: int) -> list[int]:
         return [divide(size, self.tp_size, "output features") for size in self.full_output_sizes]
@@ -112,9 +130,11 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Union[int, str, None] = None) -> None:
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
             raise ValueError(f"shard_id must be a part index in [0, {len(self.output_sizes)}); got {shard_id!r}")
-        dim = param.output_dim
+        if param.output_dim is None:  # one tensor for the whole layer (a per-layer scale)
+            load_shard(param.data, loaded, None, 0, 1)
+            return
         offset, size = sum(self.output_sizes[:shard_id]), self.output_sizes[shard_id]
-        load_shard(param.data.narrow(dim, offset, size), loaded, dim, self.tp_rank, self.tp_size)
+        load_shard(output_part(param, offset, size), loaded, param.output_dim, self.tp_rank, self.tp_size)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -123,7 +143,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     ranks (every rank needs the K/V of its query heads' group)."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool,
-                 linear_method: Optional[LinearMethod] = None) -> None:
+                 linear_method: Optional[LinearMethod] = None, prefix: str = "") -> None:
         tp_size = get_parallel_state().tp_size
         self.head_dim = head_dim
         self.num_heads = divide(num_heads, tp_size, "num_attention_heads")
@@ -135,7 +155,8 @@ class QKVParallelLinear(ColumnParallelLinear):
         else:
             self.num_kv_heads = divide(num_kv_heads, tp_size, "num_key_value_heads")
         self.num_kv_shards = num_kv_heads // self.num_kv_heads
-        super().__init__(hidden_size, (self.num_heads + 2 * self.num_kv_heads) * head_dim, bias, linear_method)
+        super().__init__(hidden_size, (self.num_heads + 2 * self.num_kv_heads) * head_dim, bias, linear_method,
+                         prefix)
 
     def _rank_sizes(self, output_size: int) -> list[int]:
         kv = self.num_kv_heads * self.head_dim
@@ -144,7 +165,9 @@ class QKVParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Union[int, str, None] = None) -> None:
         if shard_id not in ("q", "k", "v"):
             raise ValueError(f"shard_id must be 'q', 'k' or 'v'; got {shard_id!r}")
-        dim = param.output_dim
+        if param.output_dim is None:  # one tensor for the whole layer (a per-layer scale)
+            load_shard(param.data, loaded, None, 0, 1)
+            return
         q, kv = self.output_sizes[0], self.output_sizes[1]
         if shard_id == "q":
             offset, size, index, shards = 0, q, self.tp_rank, self.tp_size
@@ -152,7 +175,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             # Ranks tp_size / num_kv_shards apart in a row share one KV shard.
             index = self.tp_rank * self.num_kv_shards // self.tp_size
             offset, size, shards = q if shard_id == "k" else q + kv, kv, self.num_kv_shards
-        load_shard(param.data.narrow(dim, offset, size), loaded, dim, index, shards)
+        load_shard(output_part(param, offset, size), loaded, param.output_dim, index, shards)
 
 
 class RowParallelLinear(LinearBase):
@@ -162,11 +185,11 @@ class RowParallelLinear(LinearBase):
     product, so the sum holds it once."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool,
-                 linear_method: Optional[LinearMethod] = None) -> None:
+                 linear_method: Optional[LinearMethod] = None, prefix: str = "") -> None:
         state = get_parallel_state()
         self.tp_rank, self.tp_size = state.tp_rank, state.tp_size
         super().__init__(divide(input_size, self.tp_size, "input features"), [output_size], bias, False,
-                         linear_method)
+                         linear_method, prefix)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.linear_method.apply(self, x, self.bias if self.tp_rank == 0 else None)

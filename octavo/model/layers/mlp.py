@@ -21,13 +21,16 @@ _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, hidden: int, intermediate: int, act: str, bias: bool, backends: ModelBackends) -> None:
+    def __init__(self, hidden: int, intermediate: int, act: str, bias: bool, backends: ModelBackends,
+                 prefix: str) -> None:
+        """``prefix``: the block's module path (``model.layers.0.mlp``)."""
         super().__init__()
         if act not in _ACTIVATIONS:
             raise ValueError(f"hidden_act {act!r} is not supported; supported: {', '.join(_ACTIVATIONS)}")
-        method = backends.linear_method
-        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate, intermediate], bias, method)
-        self.down_proj = RowParallelLinear(intermediate, hidden, bias, method)
+        gate_up, down = f"{prefix}.gate_up_proj", f"{prefix}.down_proj"
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [intermediate, intermediate], bias,
+                                                       backends.linear_method(gate_up), gate_up)
+        self.down_proj = RowParallelLinear(intermediate, hidden, bias, backends.linear_method(down), down)
         self.act = _ACTIVATIONS[act]
         # SiLU and the product read the fused projection's output in one pass.
         # The native kernel reads the fused projection's output once for SiLU and the product.

@@ -66,8 +66,9 @@ class ParallelLMHead(_VocabRows):
     any linear layer), or is the embedding's with ``tie_to``."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int,
-                 linear_method: Optional[LinearMethod] = None) -> None:
+                 linear_method: Optional[LinearMethod] = None, prefix: str = "lm_head") -> None:
         super().__init__(num_embeddings, embedding_dim)
+        self.prefix = prefix
         self.linear_method = linear_method or UnquantizedLinearMethod()
         self.linear_method.create_weights(self, embedding_dim, [self.rows_per_rank], torch.get_default_dtype())
         self.weight.weight_loader = self.weight_loader

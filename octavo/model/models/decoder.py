@@ -27,10 +27,11 @@ class DecoderLayer(nn.Module):
         super().__init__()
         ops = backends.fused_ops
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
-        self.self_attn = Attention(arch, layer_idx, backends)
+        prefix = f"model.layers.{layer_idx}"
+        self.self_attn = Attention(arch, layer_idx, backends, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
         self.mlp = GatedMLP(arch.hidden_size, arch.intermediate_size, arch.hidden_act, arch.switches.mlp_bias,
-                            backends)
+                            backends, f"{prefix}.mlp")
 
     def forward(
         self,
@@ -80,7 +81,7 @@ class DecoderForCausalLM(nn.Module):
         super().__init__()
         self.arch = arch
         self.model = DecoderModel(arch, backends)
-        self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, backends.linear_method)
+        self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, backends.linear_method("lm_head"), "lm_head")
         if arch.tie_word_embeddings:
             self.lm_head.tie_to(self.model.embed_tokens)
         self.rotary = RotaryEmbedding(arch.rope, arch.head_dim, max_len)
