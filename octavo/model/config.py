@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from octavo.model.registry import ArchSwitches, switches_for
+from octavo.quant.checkpoint_config import CheckpointQuantization, parse_quantization_config
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
@@ -53,6 +54,9 @@ class ArchConfig:
     dtype: Optional[str]  # the checkpoint's dtype as written in config.json
     bos_token_id: Optional[int]
     eos_token_ids: tuple[int, ...]
+    # How the checkpoint's linear layers are stored (config.json's
+    # quantization_config); None: unquantized.
+    quantization: Optional[CheckpointQuantization] = None
 
     def max_model_len(self, cap: Optional[int] = None) -> int:
         """The checkpoint's context length, lowered to ``cap`` when given."""
@@ -103,6 +107,7 @@ def parse_arch_config(raw: dict[str, Any]) -> ArchConfig:
         dtype=raw.get("dtype") or raw.get("torch_dtype"),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=token_id_list(raw.get("eos_token_id")),
+        quantization=parse_quantization_config(raw),
     )
 
 

@@ -5,6 +5,7 @@ import json
 import logging
 from collections import Counter
 from contextlib import contextmanager
+from dataclasses import replace
 from pathlib import Path
 from typing import Iterator, Optional, Union
 
@@ -15,6 +16,7 @@ from octavo.model.backends import ModelBackends
 from octavo.model.config import ArchConfig, load_arch_config
 from octavo.model.layers.linear import load_shard
 from octavo.model.models.decoder import DecoderForCausalLM
+from octavo.quant.prequantized import CheckpointScheme
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +111,10 @@ def load_model(
     """Build the model for ``model``'s config.json with ``backends`` (default:
     torch ops throughout) and fill it from its safetensors.
 
-    Parameters are created empty on ``device`` for this rank's shard; each
+    A checkpoint with a ``quantization_config`` (GPTQ, AWQ,
+    compressed-tensors) loads its quantized layers as stored
+    (octavo/quant/prequantized.py). Parameters are created empty on
+    ``device`` for this rank's shard; each
     checkpoint tensor is read once and its parameter's ``weight_loader``
     copies this rank's part of it. Missing or unexpected tensors raise
     ValueError naming them before any is read; then every linear layer's
@@ -119,8 +124,13 @@ def load_model(
     arch = load_arch_config(folder)
     torch_dtype = resolve_dtype(dtype, arch.dtype)
     files = safetensors_files(folder)
+    backends = backends or ModelBackends()
+    if arch.quantization is not None:
+        # The checkpoint's quantized layers load as stored; the rest as ``backends`` says.
+        backends = replace(backends, quantization=CheckpointScheme(
+            arch.quantization, DecoderForCausalLM.packed_modules_mapping, backends.quantization))
     with default_dtype(torch_dtype), torch.device(device):
-        net = DecoderForCausalLM(arch, arch.max_model_len(max_model_len), backends or ModelBackends())
+        net = DecoderForCausalLM(arch, arch.max_model_len(max_model_len), backends)
     wanted = _checkpoint_name_map(net)
     stored = _stored_names(files, arch)
     missing = sorted(set(wanted) - set(stored))

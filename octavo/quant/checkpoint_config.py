@@ -79,8 +79,10 @@ def _not_convert(qc: dict[str, Any]) -> Callable[[str], bool]:
     return lambda name: any(f".{entry}." in f".{name}." for entry in entries)
 
 
-def _every_linear(_: str) -> bool:
-    return True
+def _in_decoder_blocks(name: str) -> bool:
+    """GPTQ and AWQ tools quantize the linear layers inside the decoder blocks
+    (``model.layers.N.*``), never lm_head (GPTQModel's ``lm_head: true`` aside)."""
+    return ".layers." in f".{name}"
 
 
 def _gptq(qc: dict[str, Any]) -> CheckpointQuantization:
@@ -94,7 +96,7 @@ def _gptq(qc: dict[str, Any]) -> CheckpointQuantization:
                              "is read as quantized with the same settings)")
     _field(qc, "lm_head", False, (False,))
     fmt = GptqFormat(bits, _group_size(qc), qc.get("checkpoint_format", "gptq"))
-    return CheckpointQuantization("gptq", ((_every_linear, fmt),), _not_convert(qc))
+    return CheckpointQuantization("gptq", ((_in_decoder_blocks, fmt),), _not_convert(qc))
 
 
 def _awq(qc: dict[str, Any]) -> CheckpointQuantization:
@@ -104,7 +106,7 @@ def _awq(qc: dict[str, Any]) -> CheckpointQuantization:
         raise ValueError(f"{_KEY}.version {qc.get('version')!r} is not supported; supported: 'gemm'")
     _field(qc, "zero_point", True, (True,))
     fmt = AwqFormat(bits, _group_size(qc, "group_size" if "group_size" in qc else "q_group_size"))
-    return CheckpointQuantization("awq", ((_every_linear, fmt),), _not_convert(qc))
+    return CheckpointQuantization("awq", ((_in_decoder_blocks, fmt),), _not_convert(qc))
 
 
 def _compressed_tensors(qc: dict[str, Any]) -> CheckpointQuantization:

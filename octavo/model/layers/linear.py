@@ -59,12 +59,26 @@ def output_part(param: nn.Parameter, offset: int, size: int) -> torch.Tensor:
     return param.data.narrow(dim, offset, size)
 
 
+def load_unsplit(param: nn.Parameter, loaded: torch.Tensor, part: int) -> None:
+    """A fused layer's parameter not split along the outputs: one tensor for
+    the whole layer (a per-layer scale), or, when the parameter says
+    ``per_part``, row ``part`` of it (each part's own copy, e.g. GPTQ's
+    g_idx, which the method checks agree)."""
+    target = param.data[part] if getattr(param, "per_part", False) else param.data
+    load_shard(target, loaded, None, 0, 1)
+
+
 class LinearBase(nn.Module, ABC):
     """This rank's ``input_size`` x ``sum(output_sizes)`` product: the weight
     is created by ``linear_method``, the bias (``bias_split``: sharded along
     the outputs, else whole) here, and every parameter gets ``weight_loader``.
     ``prefix``: the layer's module path in the checkpoint (for messages; the
     model picked ``linear_method`` by it)."""
+
+    # Equal slices of the checkpoint's input features the layer's inputs are
+    # one of (row-parallel: tp_size), for methods whose tensors span all of
+    # them (act-order scales).
+    input_shards = 1
 
     def __init__(
         self,
@@ -130,8 +144,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Union[int, str, None] = None) -> None:
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
             raise ValueError(f"shard_id must be a part index in [0, {len(self.output_sizes)}); got {shard_id!r}")
-        if param.output_dim is None:  # one tensor for the whole layer (a per-layer scale)
-            load_shard(param.data, loaded, None, 0, 1)
+        if param.output_dim is None:
+            load_unsplit(param, loaded, shard_id)
             return
         offset, size = sum(self.output_sizes[:shard_id]), self.output_sizes[shard_id]
         load_shard(output_part(param, offset, size), loaded, param.output_dim, self.tp_rank, self.tp_size)
@@ -165,8 +179,8 @@ class QKVParallelLinear(ColumnParallelLinear):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Union[int, str, None] = None) -> None:
         if shard_id not in ("q", "k", "v"):
             raise ValueError(f"shard_id must be 'q', 'k' or 'v'; got {shard_id!r}")
-        if param.output_dim is None:  # one tensor for the whole layer (a per-layer scale)
-            load_shard(param.data, loaded, None, 0, 1)
+        if param.output_dim is None:
+            load_unsplit(param, loaded, "qkv".index(shard_id))
             return
         q, kv = self.output_sizes[0], self.output_sizes[1]
         if shard_id == "q":
@@ -188,6 +202,7 @@ class RowParallelLinear(LinearBase):
                  linear_method: Optional[LinearMethod] = None, prefix: str = "") -> None:
         state = get_parallel_state()
         self.tp_rank, self.tp_size = state.tp_rank, state.tp_size
+        self.input_shards = self.tp_size
         super().__init__(divide(input_size, self.tp_size, "input features"), [output_size], bias, False,
                          linear_method, prefix)
 

@@ -46,7 +46,8 @@ class TensorSpec:
     ``output_dim`` / ``input_dim``: the dims split across ranks and fused
     parts (None: whole on every rank, each fused part's copy loaded over
     the last). ``packed_dim``: the dim counted in int32 words of
-    ``pack_factor`` values."""
+    ``pack_factor`` values. ``per_part``: a leading dim with each fused
+    part's own copy (see ``group_index_spec``)."""
 
     name: str
     shape: tuple[int, ...]
@@ -55,6 +56,7 @@ class TensorSpec:
     input_dim: Optional[int]
     packed_dim: Optional[int] = None
     pack_factor: int = 1
+    per_part: bool = False
 
 
 class PackedFormat(ABC):
@@ -110,3 +112,23 @@ class PackedFormat(ABC):
     def effective_group(self, shape: LayerShape) -> int:
         """Columns per group on this rank (per-channel: all of them)."""
         return shape.in_features if self.group_size == -1 else self.group_size
+
+    def group_index_spec(self, name: str, shape: LayerShape) -> TensorSpec:
+        """An act-order ``g_idx`` [K], split with the input features. A fused
+        layer keeps each part's ([parts, K]): the parts share their input, so
+        the tools give them one order, and ``group_index`` checks that."""
+        k, parts = shape.in_features, len(shape.out_sizes)
+        if parts == 1:
+            return TensorSpec(name, (k,), torch.int32, output_dim=None, input_dim=0)
+        return TensorSpec(name, (parts, k), torch.int32, output_dim=None, input_dim=None, per_part=True)
+
+
+def group_index(g_idx: torch.Tensor) -> torch.Tensor:
+    """The layer's one g_idx from ``group_index_spec``'s tensor; ValueError
+    when fused parts disagree (one input order cannot serve both)."""
+    if g_idx.dim() == 1:
+        return g_idx
+    if bool((g_idx != g_idx[0]).any()):
+        raise ValueError("the fused parts (q/k/v or gate/up) have different g_idx: act-order permutations "
+                         "must agree for the parts to run as one layer")
+    return g_idx[0]

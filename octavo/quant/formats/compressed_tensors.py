@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from octavo.quant.formats.base import LayerShape, PackedFormat, TensorSpec
+from octavo.quant.formats.base import LayerShape, PackedFormat, TensorSpec, group_index
 from octavo.quant.formats.int_weight import IntWeight, with_group_index
 from octavo.quant.formats.packing import unpack_int32
 
@@ -53,7 +53,7 @@ class PackQuantizedFormat(PackedFormat):
             specs.append(TensorSpec("weight_zero_point", (n // self.pack, groups), torch.int32, output_dim=0,
                                     input_dim=group_dim, packed_dim=0, pack_factor=self.pack))
         if self.group_index:
-            specs.append(TensorSpec("weight_g_idx", (k,), torch.int32, output_dim=None, input_dim=0))
+            specs.append(self.group_index_spec("weight_g_idx", shape))
         return specs
 
     def unpack(self, tensors: dict[str, torch.Tensor], shape: LayerShape) -> IntWeight:
@@ -68,5 +68,5 @@ class PackQuantizedFormat(PackedFormat):
             zeros = unpack_int32(tensors["weight_zero_point"], self.bits, dim=0)
         group = self.effective_group(shape)
         if self.group_index:
-            return with_group_index(q, scales, zeros, tensors["weight_g_idx"], group, self.bits)
+            return with_group_index(q, scales, zeros, group_index(tensors["weight_g_idx"]), group, self.bits)
         return IntWeight(q, scales, zeros, self.bits, group)

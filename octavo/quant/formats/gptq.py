@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import torch
 
-from octavo.quant.formats.base import LayerShape, PackedFormat, TensorSpec
+from octavo.quant.formats.base import LayerShape, PackedFormat, TensorSpec, group_index
 from octavo.quant.formats.int_weight import IntWeight, with_group_index
 from octavo.quant.formats.packing import unpack_int32
 
@@ -56,11 +56,11 @@ class GptqFormat(PackedFormat):
                        packed_dim=1, pack_factor=self.pack),
             # float32 holds fp16 and bf16 scales exactly.
             TensorSpec("scales", (groups, n), torch.float32, output_dim=1, input_dim=None),
-            TensorSpec("g_idx", (k,), torch.int32, output_dim=None, input_dim=0),
+            self.group_index_spec("g_idx", shape),
         ]
 
     def unpack(self, tensors: dict[str, torch.Tensor], shape: LayerShape) -> IntWeight:
         q = unpack_int32(tensors["qweight"], self.bits, dim=0).T
         zeros = unpack_int32(tensors["qzeros"], self.bits, dim=1).T + self.zero_offset
-        return with_group_index(q, tensors["scales"].T, zeros, tensors["g_idx"], self.effective_group(shape),
-                                self.bits)
+        return with_group_index(q, tensors["scales"].T, zeros, group_index(tensors["g_idx"]),
+                                self.effective_group(shape), self.bits)
