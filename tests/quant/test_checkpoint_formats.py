@@ -92,9 +92,11 @@ def test_act_order_sorts_columns_into_whole_groups():
     assert weight.perm.tolist() == [1, 3, 4, 7, 0, 2, 5, 6]
     expected = (q - zeros[:, g_idx]) * scales[:, g_idx]
     assert torch.equal(weight.dequantize(), expected)
-    # A rank holding 3 of a group's 4 features cannot run it as a group.
-    with pytest.raises(ValueError, match="groups must be whole"):
-        with_group_index(q[:, :6], scales, zeros, g_idx[:6], group_size=4, bits=4)
+    # A rank holding 3 of a group's 4 features cannot run it as a group:
+    # each column keeps its own group's scale and zero point.
+    split = with_group_index(q[:, :6], scales, zeros, g_idx[:6], group_size=4, bits=4)
+    assert split.group_size == 1 and split.perm is None
+    assert torch.equal(split.dequantize(), expected[:, :6])
 
 
 def test_int_weight_checks_its_shapes():

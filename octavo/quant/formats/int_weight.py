@@ -63,22 +63,21 @@ def with_group_index(
     """An IntWeight from columns tagged by group: ``q`` [N, K] with column k
     in group ``g_idx[k]`` of ``scales``/``zeros`` [N, G_all] (G_all may
     count groups of other ranks' columns). Columns are sorted by group when
-    they are not in order already; every group present must then be whole,
-    ``group_size`` columns (ValueError naming the group otherwise: under
-    tensor parallelism, a group split between ranks)."""
+    they are not in order already. Where a group present is not whole
+    (``group_size`` columns), the result has one group per column."""
     g_idx = g_idx.to(torch.int64)
     if g_idx.numel() and (g_idx.min() < 0 or g_idx.max() >= scales.shape[1]):
         raise ValueError(f"g_idx has group indices outside [0, {scales.shape[1]})")
-    perm = None
+    perm, sorted_q, sorted_idx = None, q, g_idx
     if bool((g_idx[1:] < g_idx[:-1]).any()):
         perm = torch.argsort(g_idx, stable=True)
-        q, g_idx = q[:, perm], g_idx[perm]
-    groups, counts = torch.unique_consecutive(g_idx, return_counts=True)
+        sorted_q, sorted_idx = q[:, perm], g_idx[perm]
+    groups, counts = torch.unique_consecutive(sorted_idx, return_counts=True)
     # One group holding all columns is a per-row scale, whatever group_size says.
     size = q.shape[1] if len(groups) == 1 else group_size
-    bad = (counts != size).nonzero()
-    if len(bad):
-        i = int(bad[0])
-        raise ValueError(f"g_idx gives group {int(groups[i])} {int(counts[i])} input features here, expected "
-                         f"{size}: groups must be whole (under tensor parallelism, on one rank)")
-    return IntWeight(q, scales[:, groups], zeros[:, groups], bits, size, perm)
+    if bool((counts != size).any()):
+        # Some group is split with another rank (act-order under tensor
+        # parallelism): no group-wise kernel runs that, so each column keeps
+        # its own group's scale and zero point (group_size 1: dequantized).
+        return IntWeight(q, scales[:, g_idx], zeros[:, g_idx], bits, 1)
+    return IntWeight(sorted_q, scales[:, groups], zeros[:, groups], bits, size, perm)
