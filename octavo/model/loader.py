@@ -119,8 +119,9 @@ def load_model(
     arch = load_arch_config(folder)
     torch_dtype = resolve_dtype(dtype, arch.dtype)
     files = safetensors_files(folder)
+    backends = backends or ModelBackends()
     with default_dtype(torch_dtype), torch.device(device):
-        net = DecoderForCausalLM(arch, arch.max_model_len(max_model_len), backends or ModelBackends())
+        net = DecoderForCausalLM(arch, arch.max_model_len(max_model_len), backends)
     wanted = _checkpoint_name_map(net)
     stored = _stored_names(files, arch)
     missing = sorted(set(wanted) - set(stored))
@@ -134,7 +135,7 @@ def load_model(
         )
     with torch.no_grad():
         _load_tensors(net, files, wanted, device)
-        kernels = _process_weights_after_loading(net)
+        kernels = _process_weights_after_loading(net, backends.quantization.describe())
     net.eval()
     logger.info(
         "loaded %s from %s: %d tensors, dtype %s, device %s; linear layers by kernel: %s",
@@ -187,12 +188,19 @@ def _load_tensors(
                     ) from exc
 
 
-def _process_weights_after_loading(net: torch.nn.Module) -> dict[str, int]:
-    """Let every linear layer's method prepare its weights; the count of layers per kernel."""
+def _process_weights_after_loading(net: torch.nn.Module, scheme: str) -> dict[str, int]:
+    """Let every linear layer's method prepare its weights (and log the bytes
+    before and after: quantization's saving); the count of layers per kernel."""
     kernels: Counter[str] = Counter()
+    before = after = 0
     for module in net.modules():
         method = getattr(module, "linear_method", None)
         if method is not None:
+            before += sum(p.numel() * p.element_size() for n, p in module.named_parameters(recurse=False)
+                          if n != "bias")
             method.process_weights_after_loading(module)
+            after += method.weight_bytes(module)
             kernels[method.kernel_name(module)] += 1
+    logger.info("linear weights (%s): %.1f MiB as loaded, %.1f MiB as the kernels hold them (%.2fx)",
+                scheme, before / 2**20, after / 2**20, before / max(after, 1))
     return dict(kernels)
