@@ -15,6 +15,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DTYPE_ALIASES = ("float", "half")
 ATTENTION_BACKENDS = ("auto", "native", "torch")
 LINEAR_BACKENDS = ("auto", "native", "onednn", "torch")
+QUANTIZATIONS = ("int8", "int4")
+QUANTIZATION_GROUP_SIZES = (32, 64, 128)
 
 
 def option(default: Any, help: str, **extra: Any) -> Any:
@@ -94,6 +96,24 @@ class ModelConfig:
     # Same values as the torch ops; with no C compiler the torch ops run anyway.
     fused_ops: bool = option(True, "native fused kernels for RMSNorm + residual, SiLU * up, rotary + K/V "
                                    "write and the greedy argmax (CPU); off: torch ops")
+    quantization: Optional[str] = option(
+        None, "quantize the linear layers' weights while loading: int8 (per output channel, symmetric) or "
+        "int4 (groups of --quantization-group-size inputs, scales and zero points); activations stay in dtype",
+        choices=QUANTIZATIONS,
+    )
+    quantization_group_size: int = option(
+        128, f"int4: inputs sharing one scale and zero point, one of {QUANTIZATION_GROUP_SIZES}; must divide "
+        "every linear layer's in-features"
+    )
+    # The output layer turns hidden states into logits directly, so its error
+    # is not averaged away by later layers (llama.cpp keeps it at higher
+    # precision too); with tied embeddings (most small models) quantizing it
+    # would also add an integer copy beside the float table the embedding
+    # keeps: memory up, not down.
+    unquantized_modules: str = option(
+        "lm_head", "comma-separated fnmatch patterns of linear layers' checkpoint paths kept unquantized "
+        "under --quantization (e.g. 'lm_head,model.layers.0.*'; empty: none); the embedding never is"
+    )
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES + _DTYPE_ALIASES:
@@ -108,6 +128,15 @@ class ModelConfig:
             )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {self.quantization!r}")
+        if self.quantization_group_size not in QUANTIZATION_GROUP_SIZES:
+            raise ValueError(f"quantization_group_size must be one of {QUANTIZATION_GROUP_SIZES}; "
+                             f"got {self.quantization_group_size!r}")
+
+    @property
+    def unquantized_patterns(self) -> tuple[str, ...]:
+        return tuple(p.strip() for p in self.unquantized_modules.split(",") if p.strip())
 
 
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")

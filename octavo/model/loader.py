@@ -144,7 +144,7 @@ def load_model(
         )
     with torch.no_grad():
         _load_tensors(net, files, wanted, device)
-        kernels = _process_weights_after_loading(net)
+        kernels = _process_weights_after_loading(net, backends.quantization.describe())
     net.eval()
     logger.info(
         "loaded %s from %s: %d tensors, dtype %s, device %s; linear layers by kernel: %s",
@@ -197,12 +197,19 @@ def _load_tensors(
                     ) from exc
 
 
-def _process_weights_after_loading(net: torch.nn.Module) -> dict[str, int]:
-    """Let every linear layer's method prepare its weights; the count of layers per kernel."""
+def _process_weights_after_loading(net: torch.nn.Module, scheme: str) -> dict[str, int]:
+    """Let every linear layer's method prepare its weights (and log the bytes
+    before and after: quantization's saving); the count of layers per kernel."""
     kernels: Counter[str] = Counter()
+    before = after = 0
     for module in net.modules():
         method = getattr(module, "linear_method", None)
         if method is not None:
+            before += sum(p.numel() * p.element_size() for n, p in module.named_parameters(recurse=False)
+                          if n != "bias")
             method.process_weights_after_loading(module)
+            after += method.weight_bytes(module)
             kernels[method.kernel_name(module)] += 1
+    logger.info("linear weights (%s): %.1f MiB as loaded, %.1f MiB as the kernels hold them (%.2fx)",
+                scheme, before / 2**20, after / 2**20, before / max(after, 1))
     return dict(kernels)

@@ -66,6 +66,12 @@ class LinearMethod(ABC):
     def kernel_name(self, layer: nn.Module) -> str:
         """Which kernel multiplies ``layer``'s weight (for the start-up log and tests)."""
 
+    def weight_bytes(self, layer: nn.Module) -> int:
+        """Bytes of ``layer``'s weight as its kernel holds it (for the
+        start-up log): by default its parameters' shapes, bias excluded."""
+        return sum(p.numel() * p.element_size() for name, p in layer.named_parameters(recurse=False)
+                   if name != "bias")
+
 
 class QuantizationScheme(ABC):
     """Chooses each linear layer's ``LinearMethod`` by its ``prefix`` (module

@@ -12,7 +12,7 @@ the checkpoint leaves unquantized (lm_head, ``modules_to_not_convert``,
 """
 from __future__ import annotations
 
-from typing import Mapping, Optional, Union
+from typing import Mapping, Union
 
 import torch
 from torch import nn
@@ -20,12 +20,12 @@ from torch import nn
 from octavo.quant.base import LinearMethod, QuantizationScheme, set_weight_attrs
 from octavo.quant.checkpoint_config import CheckpointQuantization
 from octavo.quant.formats.base import LayerShape, PackedFormat
-from octavo.quant.int_kernels import prepare_int_weight
+from octavo.quant.prequantized_weight import kernel_weight
+from octavo.quant.quantized import QuantizedLinearMethod
 
 
-class PrequantizedLinearMethod(LinearMethod):
-    """Loads a layer stored in ``fmt`` and multiplies it with the kernel
-    ``prepare_int_weight`` picks for the unpacked integers."""
+class PrequantizedLinearMethod(QuantizedLinearMethod):
+    """Loads a layer stored in ``fmt``, then hands its integers to the int8/int4 kernels."""
 
     def __init__(self, fmt: PackedFormat) -> None:
         self.fmt = fmt
@@ -42,26 +42,19 @@ class PrequantizedLinearMethod(LinearMethod):
             if spec.per_part:
                 set_weight_attrs(param, per_part=True)
             layer.register_parameter(spec.name, param)
-        layer.quant_shape, layer.quant_dtype, layer.quant_kernel = shape, dtype, None
+        layer.quant_shape, layer.quant_dtype = shape, dtype
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        """Unpack the checkpoint's tensors, hand the integers to the kernel and drop the tensors."""
-        names = [spec.name for spec in self.fmt.tensors(layer.quant_shape)]
-        prefix = getattr(layer, "prefix", "")
+        """Unpack the checkpoint's tensors and install the kernels' weight in their place."""
+        names = tuple(spec.name for spec in self.fmt.tensors(layer.quant_shape))
         try:
             weight = self.fmt.unpack({name: getattr(layer, name).data for name in names}, layer.quant_shape)
         except ValueError as exc:
-            raise ValueError(f"{self.fmt.describe()} layer {prefix}: {exc}") from exc
-        for name in names:
-            delattr(layer, name)
-        layer.quant_kernel = prepare_int_weight(weight, layer.quant_dtype)
-
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        return layer.quant_kernel(x, bias)
+            raise ValueError(f"{self.fmt.describe()} layer {getattr(layer, 'prefix', '')}: {exc}") from exc
+        self.install(layer, kernel_weight(weight, layer.quant_dtype), names)
 
     def kernel_name(self, layer: nn.Module) -> str:
-        kernel = layer.quant_kernel
-        return f"{self.fmt.describe()}: {'not loaded' if kernel is None else kernel.name}"
+        return f"{self.fmt.describe()}: {super().kernel_name(layer)}"
 
 
 class CheckpointScheme(QuantizationScheme):

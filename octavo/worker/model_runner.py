@@ -16,7 +16,7 @@ from octavo.model.backends import ModelBackends
 from octavo.model.config import load_arch_config
 from octavo.model.loader import load_model, model_folder, resolve_dtype
 from octavo.outputs import TokenLogprobs
-from octavo.quant.unquantized import UniformScheme, UnquantizedLinearMethod
+from octavo.quant.schemes import quantization_scheme
 from octavo.sample.logprobs import token_logprobs
 from octavo.sample.metadata import SamplingMetadata
 from octavo.sample.sampler import Sampler, SamplerOutput
@@ -71,9 +71,7 @@ class ModelRunner:
         cache_dtype = resolve_dtype(cache_config.cache_dtype, str(self.dtype).removeprefix("torch."))
         ops = fused_ops() if model_config.fused_ops and FusedOps.supports(self.device, self.dtype) else None
         self.backends = ModelBackends(
-            quantization=UniformScheme(
-                UnquantizedLinearMethod.for_backend(model_config.linear_backend, self.device, self.dtype)
-            ),
+            quantization=quantization_scheme(model_config, self.device, self.dtype),
             attention=select_attention_backend(
                 model_config.attention_backend, self.device, self.dtype, cache_dtype, set(arch.layer_windows)
             ),

@@ -145,3 +145,23 @@ def test_fused_parts_with_different_act_orders_are_refused(gptq_copy):
     save_file(tensors, gptq_copy / "model.safetensors")
     with pytest.raises(ValueError, match="mlp.gate_up_proj: the fused parts .* have different g_idx"):
         load_model(gptq_copy)
+
+
+@pytest.mark.parametrize("case", ["gptq4-asym-actorder", "ct-w8a16-asym"])
+def test_bfloat16_prefill_and_decode_match_transformers_in_bfloat16(case, checkpoints):
+    """bf16 activations take the kernels' many-row path (AMX tiles where the
+    CPU has them) for the prefill: within what bf16 rounding allows of
+    transformers run in bf16 on the dequantized weights (the bound the
+    unquantized bf16 parity test uses)."""
+    folder, reference = checkpoints(case)
+    runner = make_runner(folder, dtype="bfloat16")
+    blocks = Blocks(runner)
+    req = make_request("a", PROMPT[:32])
+    got = [runner.execute_logits(step(blocks.chunk(req, 0, 32)))["a"]]
+    for token in PROMPT[32:]:
+        req.append_output_token(token)
+        got.append(runner.execute_logits(step(blocks.chunk(req, req.num_tokens - 1, 1)))["a"])
+    want = hf_logits(load_hf_model(reference).to(torch.bfloat16), PROMPT)
+    ours = torch.cat(got)
+    assert (ours - want).abs().max().item() < 0.05
+    assert (ours.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.9  # random weights: near-ties

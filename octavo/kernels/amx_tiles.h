@@ -1,0 +1,119 @@
+/* AMX bf16 tile helpers shared by amx_linear.c and quant_linear.c: the
+ * tile set-up and one 32-output weight group (blocked as oneDNN's
+ * AB16b32a2b: for each block of 32 k's, [16 k-pairs][32 outputs][2 k's])
+ * times one or two 16-row activation tiles. Included only where the compiler
+ * targets AMX (see the guard in each .c file). */
+#ifndef OCTAVO_KERNELS_AMX_TILES_H
+#define OCTAVO_KERNELS_AMX_TILES_H
+
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+long syscall(long number, ...); /* unistd.h declares it only under _DEFAULT_SOURCE */
+
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+/* How far ahead (in 2 KiB weight blocks) the few-row loop prefetches. */
+#define PREFETCH_BLOCKS 4
+
+typedef struct {
+    uint8_t palette;
+    uint8_t start_row;
+    uint8_t reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* Linux hands out AMX state only to a process that asks for it. */
+static inline int amx_request(void) { return syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0; }
+
+/* Tiles 0-3 accumulate float32 (rows x 16), 4-5 hold activations (rows x 32
+ * bf16), 6-7 weights (16 k-pairs x 16 outputs x 2). rows is 16, or M when a
+ * call has fewer rows: then no tile needs zero padding. */
+static void configure_tiles(int rows) {
+    tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int i = 0; i < 8; i++) {
+        cfg.rows[i] = i < 6 ? rows : 16;
+        cfg.colsb[i] = 64;
+    }
+    _tile_loadconfig(&cfg);
+}
+
+/* One 16x16 float32 tile (+ bias) rounded to bf16 into `rows` rows and `cols`
+ * (<= 16) columns of out. */
+static void store_tile(const float *acc, const __m512 bias, int64_t rows, int cols, uint16_t *out, int64_t ldo) {
+    const __mmask16 mask = (__mmask16)((1u << cols) - 1);
+    for (int64_t r = 0; r < rows; r++) {
+        const __m512 v = _mm512_add_ps(_mm512_load_ps(acc + r * 16), bias);
+        _mm256_mask_storeu_epi16(out + r * ldo, mask, (__m256i)_mm512_cvtneps_pbh(v));
+    }
+}
+
+static __m512 load_bias(const uint16_t *bias, int64_t n0, int cols) {
+    if (bias == NULL) return _mm512_setzero_ps();
+    const __m256i h = _mm256_maskz_loadu_epi16((__mmask16)((1u << cols) - 1), bias + n0);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* Rows of tiles t (and t + 1 when `pair`) times weight group g (outputs
+ * 32g .. 32g + 31, whose K/32 blocks lie one after another from `wg`): the
+ * accumulators stay in tiles over all of K, then are rounded into out.
+ * `tail`, when set, stands in for the zero-padded last tile. */
+static inline void multiply_block(const uint16_t *a, const uint16_t *tail, int64_t full_tiles, int64_t t, int pair,
+                                  const uint16_t *wg, const uint16_t *bias, int64_t M, int64_t K, int64_t N, int64_t g,
+                                  uint16_t *out, float acc[4][256]) {
+    const uint16_t *a0 = t < full_tiles || tail == NULL ? a + t * 16 * K : tail;
+    const uint16_t *a1 = t + 1 < full_tiles ? a + (t + 1) * 16 * K : tail;
+    const int64_t stride = K * 2;
+    _tile_zero(0);
+    _tile_zero(1);
+    if (pair) {
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t k = 0; k < K; k += 32) {
+            _tile_loadd(4, a0 + k, stride);
+            _tile_loadd(5, a1 + k, stride);
+            _tile_loadd(6, wg + k * 32, 128);
+            _tile_loadd(7, wg + k * 32 + 32, 128);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+        _tile_stored(2, acc[2], 64);
+        _tile_stored(3, acc[3], 64);
+    } else {
+        for (int64_t k = 0; k < K; k += 32) {
+            /* Few rows: nothing but this stream, so ask for it early (+8-15%
+             * over the hardware prefetcher on the 128-byte-strided tiles). */
+            for (int line = 0; line < 32; line++)
+                _mm_prefetch((const char *)(wg + (k + 32 * PREFETCH_BLOCKS) * 32 + line * 32), _MM_HINT_T0);
+            _tile_loadd(4, a0 + k, stride);
+            _tile_loadd(6, wg + k * 32, 128);
+            _tile_loadd(7, wg + k * 32 + 32, 128);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+        }
+    }
+    _tile_stored(0, acc[0], 64);
+    _tile_stored(1, acc[1], 64);
+    const int64_t n0 = 32 * g;
+    const int cols0 = N - n0 >= 16 ? 16 : (int)(N - n0);
+    const int cols1 = N - n0 - 16 >= 16 ? 16 : (int)(N - n0 - 16 > 0 ? N - n0 - 16 : 0);
+    const __m512 bias0 = load_bias(bias, n0, cols0);
+    const __m512 bias1 = cols1 ? load_bias(bias, n0 + 16, cols1) : _mm512_setzero_ps();
+    for (int h = 0; h <= pair; h++) {
+        const int64_t row = (t + h) * 16;
+        const int64_t rows = M - row < 16 ? M - row : 16;
+        store_tile(acc[2 * h], bias0, rows, cols0, out + row * N + n0, N);
+        if (cols1) store_tile(acc[2 * h + 1], bias1, rows, cols1, out + row * N + n0 + 16, N);
+    }
+}
+
+#endif

@@ -1,0 +1,268 @@
+/* Linear layers with int8 or int4 weights and bf16/float32 activations
+ * (weight-only quantization: W8A16, W4A16).
+ *
+ * A weight element is w[n, k] = q[n, k] * scale[n, G] + min[n, G] for the
+ * group G = k / group of its row (min = -zero * scale; NULL mins: zero 0).
+ * Decode reads every weight once per step, so int8 halves and int4 quarters
+ * the bytes of bf16; the kernel must turn those bytes into products faster
+ * than memory delivers them.
+ *
+ * Layout (made once at load by octavo/quant/qweights.py), outputs in SIMD
+ * lanes, so no horizontal sums are ever needed:
+ *   int8: w[N/16][K][16]     one signed byte per weight
+ *   int4: w[N/16][K/2][16]   byte = q[n, k] | q[n, k + 1] << 4 (k even)
+ *   scales, mins: [N/16][K/group][16] float32
+ *
+ * Few rows (decode): rows in blocks of up to 4; each 16-weight vector is
+ * widened to float32 once and multiplied into every row of the block with
+ * FMAs, exactly (float32 products and sums of the float32 x and the integer
+ * q; the scale and min per group). Four accumulator chains per row hide the
+ * FMA latency.
+ *
+ * Many rows with bf16 activations (prefill, big batches): each thread
+ * dequantizes a 32-output group over all of K into an L2-resident bf16
+ * buffer in the AMX layout (amx_tiles.h) and multiplies it into all rows on
+ * AMX tiles: the weights are then bf16-rounded (|error| <= 2^-9 relative per
+ * weight), the price of tile throughput.
+ *
+ * Built with -march=native; without AVX-512 (or AMX) the entry points exist
+ * but report it, and the Python side uses its torch path. */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "common.h"
+
+#define MAX_ROWS 4 /* rows per FMA block: 4 rows x 4 chains = 16 accumulators */
+
+#ifdef HAVE_AVX512_BF16
+
+/* 16 weights (k, lanes n0..n0+15) as float32. */
+ALWAYS_INLINE __m512 load_q8(const int8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+
+/* Weights k and k + 1 (k even) of 16 lanes from one 16-byte int4 block. */
+ALWAYS_INLINE void load_q4(const uint8_t *p, __m512 *even, __m512 *odd) {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    *even = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
+    *odd = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+}
+
+/* Rows r0..r0+R-1 times the 16 outputs of block nb: float32 x (xf, [M][K])
+ * and per-row group sums of x (xs, [M][G]) prepared by the caller. */
+ALWAYS_INLINE void fma_block(int R, int bits, const float *xf, const float *xs, int64_t r0, int64_t K, int64_t group,
+                             const void *w, const float *scales, const float *mins, int64_t nb, __m512 out[MAX_ROWS]) {
+    const int64_t G = K / group;
+    const float *sc = scales + nb * G * 16, *mn = mins ? mins + nb * G * 16 : NULL;
+    for (int r = 0; r < R; r++) out[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        __m512 acc[MAX_ROWS][4];
+        for (int r = 0; r < R; r++)
+            for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_ps();
+        const int64_t k0 = g * group;
+        for (int64_t k = k0; k < k0 + group; k += 4) {
+            __m512 v[4];
+            if (bits == 8) {
+                const int8_t *p = (const int8_t *)w + (nb * K + k) * 16;
+                for (int c = 0; c < 4; c++) v[c] = load_q8(p + c * 16);
+            } else {
+                const uint8_t *p = (const uint8_t *)w + (nb * K + k) * 8;
+                load_q4(p, &v[0], &v[1]);
+                load_q4(p + 16, &v[2], &v[3]);
+            }
+            for (int r = 0; r < R; r++) {
+                const float *x = xf + (r0 + r) * K + k;
+                for (int c = 0; c < 4; c++) acc[r][c] = _mm512_fmadd_ps(v[c], _mm512_set1_ps(x[c]), acc[r][c]);
+            }
+        }
+        const __m512 s = _mm512_loadu_ps(sc + g * 16);
+        for (int r = 0; r < R; r++) {
+            const __m512 dot = _mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]), _mm512_add_ps(acc[r][2], acc[r][3]));
+            out[r] = _mm512_fmadd_ps(dot, s, out[r]);
+            if (mn) out[r] = _mm512_fmadd_ps(_mm512_loadu_ps(mn + g * 16), _mm512_set1_ps(xs[(r0 + r) * G + g]), out[r]);
+        }
+    }
+}
+
+ALWAYS_INLINE void store_block(int R, const __m512 acc[MAX_ROWS], const void *bias, int dtype, int64_t r0,
+                               int64_t N, int64_t nb, void *out) {
+    __m512 b = _mm512_setzero_ps();
+    if (bias) b = dtype == BF16 ? load16_bf16((const uint16_t *)bias + nb * 16) : _mm512_loadu_ps((const float *)bias + nb * 16);
+    for (int r = 0; r < R; r++) {
+        const __m512 y = _mm512_add_ps(acc[r], b);
+        const int64_t at = (r0 + r) * N + nb * 16;
+        if (dtype == BF16)
+            store16_bf16((uint16_t *)out + at, y);
+        else
+            _mm512_storeu_ps((float *)out + at, y);
+    }
+}
+
+/* R as a constant in each copy, so the row loops unroll into registers. */
+#define ROWS_CASE(R)                                                                          \
+    case R: {                                                                                 \
+        __m512 acc[MAX_ROWS];                                                                 \
+        if (bits == 8)                                                                        \
+            fma_block(R, 8, xf, xs, r0, K, group, w, scales, mins, nb, acc);                  \
+        else                                                                                  \
+            fma_block(R, 4, xf, xs, r0, K, group, w, scales, mins, nb, acc);                  \
+        store_block(R, acc, bias, dtype, r0, N, nb, out);                                     \
+        break;                                                                                \
+    }
+
+static void fma_linear(const float *xf, const float *xs, int64_t M, int64_t K, int64_t N, const void *w, int bits,
+                       int64_t group, const float *scales, const float *mins, const void *bias, int dtype, void *out) {
+    const int64_t blocks = N / 16;
+#pragma omp parallel for schedule(static)
+    for (int64_t nb = 0; nb < blocks; nb++) {
+        for (int64_t r0 = 0; r0 < M; r0 += MAX_ROWS) {
+            switch (M - r0 < MAX_ROWS ? (int)(M - r0) : MAX_ROWS) {
+                ROWS_CASE(1)
+                ROWS_CASE(2)
+                ROWS_CASE(3)
+                ROWS_CASE(4)
+            }
+        }
+    }
+}
+
+/* float32 copies of the rows and their sums per group (the mins' factor). */
+static void prepare_rows(const void *x, int dtype, int64_t M, int64_t K, int64_t group, float *xf, float *xs) {
+    const int64_t G = K / group;
+    for (int64_t m = 0; m < M; m++) {
+        float *row = xf + m * K;
+        load_row((const char *)x + m * K * element_size(dtype), dtype, K, row);
+        for (int64_t g = 0; g < G; g++) {
+            float s = 0.0f;
+            for (int64_t k = g * group; k < (g + 1) * group; k++) s += row[k];
+            xs[m * G + g] = s;
+        }
+    }
+}
+
+int octavo_qlinear_available(void) { return 1; }
+
+/* out[M, N] = x[M, K] @ W^T (+ bias[N]) by FMAs; x, bias, out of `dtype`
+ * (F32 or BF16). N a multiple of 16, group a multiple of 4 dividing K.
+ * Returns 0, or -1 when the row buffers cannot be allocated. */
+int octavo_qlinear_fma(const void *x, int dtype, int64_t M, int64_t K, int64_t N, const void *w, int bits,
+                       int64_t group, const float *scales, const float *mins, const void *bias, void *out) {
+    float *xf = malloc((size_t)(M * K + M * (K / group)) * sizeof(float));
+    if (xf == NULL) return -1;
+    float *xs = xf + M * K;
+    prepare_rows(x, dtype, M, K, group, xf, xs);
+    fma_linear(xf, xs, M, K, N, w, bits, group, scales, mins, bias, dtype, out);
+    free(xf);
+    return 0;
+}
+
+#else
+
+int octavo_qlinear_available(void) { return 0; }
+
+int octavo_qlinear_fma(const void *x, int dtype, int64_t M, int64_t K, int64_t N, const void *w, int bits,
+                       int64_t group, const float *scales, const float *mins, const void *bias, void *out) {
+    (void)x, (void)dtype, (void)M, (void)K, (void)N, (void)w, (void)bits, (void)group, (void)scales, (void)mins;
+    (void)bias, (void)out;
+    abort(); /* unreachable: the Python side checks octavo_qlinear_available() first */
+}
+
+#endif
+
+#if defined(HAVE_AVX512_BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include "amx_tiles.h"
+
+/* 16 lanes of weights k and k + 1 (scaled, float32) -> 16 dwords of the AMX
+ * layout's k-pair row: (bf16 w[n, k], bf16 w[n, k + 1]) per output. */
+ALWAYS_INLINE __m512i pair_bf16(__m512 even, __m512 odd) {
+    const __m512i lo = _mm512_cvtepu16_epi32(narrow16_bf16(even));
+    const __m512i hi = _mm512_cvtepu16_epi32(narrow16_bf16(odd));
+    return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+}
+
+/* Weight group g (outputs 32g .. 32g + 31) over all of K, dequantized into
+ * buf as [K/32][16 k-pairs][32 outputs][2] bf16. */
+static void dequant_group(const void *w, int bits, int64_t K, int64_t group, const float *scales, const float *mins,
+                          int64_t g, uint16_t *buf) {
+    const int64_t G = K / group;
+    for (int h = 0; h < 2; h++) { /* the two 16-output blocks */
+        const int64_t nb = 2 * g + h;
+        for (int64_t k = 0; k < K; k += 2) {
+            const int64_t gi = k / group;
+            const __m512 s = _mm512_loadu_ps(scales + (nb * G + gi) * 16);
+            const __m512 m = mins ? _mm512_loadu_ps(mins + (nb * G + gi) * 16) : _mm512_setzero_ps();
+            __m512 even, odd;
+            if (bits == 8) {
+                const int8_t *p = (const int8_t *)w + (nb * K + k) * 16;
+                even = load_q8(p);
+                odd = load_q8(p + 16);
+            } else {
+                load_q4((const uint8_t *)w + (nb * K + k) * 8, &even, &odd);
+            }
+            even = _mm512_fmadd_ps(even, s, m);
+            odd = _mm512_fmadd_ps(odd, s, m);
+            /* block k/32, pair row (k%32)/2, outputs 16h.. of the 32 */
+            uint16_t *dst = buf + (k / 32) * 1024 + ((k % 32) / 2) * 64 + h * 32;
+            _mm512_storeu_si512((void *)dst, pair_bf16(even, odd));
+        }
+    }
+}
+
+int octavo_qlinear_amx_available(void) { return amx_request(); }
+
+/* out[M, N] = x[M, K] @ dequant(W)^T (+ bias) on AMX tiles; x, bias, out
+ * bf16. N a multiple of 32, K of 32. Returns 0, or -1 on allocation failure. */
+int octavo_qlinear_amx(const uint16_t *x, int64_t M, int64_t K, int64_t N, const void *w, int bits, int64_t group,
+                       const float *scales, const float *mins, const uint16_t *bias, uint16_t *out) {
+    const int64_t groups = N / 32;
+    const int64_t full_tiles = M / 16, tail_rows = M % 16;
+    uint16_t *tail = NULL;
+    if (tail_rows && full_tiles) {
+        tail = aligned_alloc(64, (size_t)(16 * K * 2));
+        if (tail == NULL) return -1;
+        memset(tail, 0, (size_t)(16 * K * 2));
+        memcpy(tail, x + full_tiles * 16 * K, (size_t)(tail_rows * K * 2));
+    }
+    const int64_t row_tiles = full_tiles + (tail_rows != 0);
+    const int tile_rows = full_tiles ? 16 : (int)M;
+    int failed = 0;
+#pragma omp parallel
+    {
+        /* Every thread takes part in the loop (a worksharing loop must be
+         * met by all); one without a buffer only records the failure. */
+        uint16_t *buf = aligned_alloc(64, (size_t)(64 * K));
+        if (buf != NULL) configure_tiles(tile_rows);
+        float acc[4][256] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; g++) {
+            if (buf == NULL) {
+#pragma omp atomic write
+                failed = 1;
+                continue;
+            }
+            dequant_group(w, bits, K, group, scales, mins, g, buf);
+            for (int64_t t = 0; t < row_tiles; t += 2)
+                multiply_block(x, tail, full_tiles, t, t + 1 < row_tiles, buf, bias, M, K, N, g, out, acc);
+        }
+        if (buf != NULL) {
+            _tile_release();
+            free(buf);
+        }
+    }
+    free(tail);
+    return failed ? -1 : 0;
+}
+
+#else
+
+int octavo_qlinear_amx_available(void) { return 0; }
+
+int octavo_qlinear_amx(const uint16_t *x, int64_t M, int64_t K, int64_t N, const void *w, int bits, int64_t group,
+                       const float *scales, const float *mins, const uint16_t *bias, uint16_t *out) {
+    (void)x, (void)M, (void)K, (void)N, (void)w, (void)bits, (void)group, (void)scales, (void)mins, (void)bias;
+    (void)out;
+    abort(); /* unreachable: the Python side checks octavo_qlinear_amx_available() first */
+}
+
+#endif

@@ -1,0 +1,102 @@
+"""Python side of the int8/int4 weight kernels (quant_linear.c): the layouts
+they read and the calls. What the integers mean (scales, zero points,
+groups) is octavo/quant/qweights.py's business."""
+from __future__ import annotations
+
+import ctypes
+from functools import cache
+from typing import Optional
+
+import torch
+
+from octavo.kernels.build import try_load_kernel
+
+_P, _I, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+LANES = 16  # outputs per SIMD vector: N must be a multiple
+
+
+def pack_int8(q: torch.Tensor) -> torch.Tensor:
+    """int8 [N, K] -> [N/16][K][16]: 16 outputs of one k side by side."""
+    n, k = q.shape
+    return q.view(n // LANES, LANES, k).transpose(1, 2).contiguous()
+
+
+def unpack_int8(packed: torch.Tensor) -> torch.Tensor:
+    blocks, k, _ = packed.shape
+    return packed.transpose(1, 2).reshape(blocks * LANES, k)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """uint8 values 0..15 [N, K] (K even) -> uint8 [N/16][K/2][16], each byte
+    q[n, k] | q[n, k + 1] << 4."""
+    n, k = q.shape
+    pairs = q.view(n // LANES, LANES, k // 2, 2)
+    return (pairs[..., 0] | (pairs[..., 1] << 4)).transpose(1, 2).contiguous()
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    blocks, half, _ = packed.shape
+    rows = packed.transpose(1, 2)  # [N/16][16][K/2]
+    return torch.stack([rows & 15, rows >> 4], dim=-1).reshape(blocks * LANES, half * 2)
+
+
+def pack_groups(values: torch.Tensor) -> torch.Tensor:
+    """float [N, G] per-group values -> float32 [N/16][G][16]."""
+    n, g = values.shape
+    return values.float().view(n // LANES, LANES, g).transpose(1, 2).contiguous()
+
+
+def unpack_groups(packed: torch.Tensor) -> torch.Tensor:
+    blocks, g, _ = packed.shape
+    return packed.transpose(1, 2).reshape(blocks * LANES, g)
+
+
+class QuantLinearKernel:
+    """The kernels of quant_linear.c: ``fma`` (any rows, float32 or bf16,
+    exact float32 sums) and, where the CPU has AMX, ``amx`` (bf16, many rows)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        lib.octavo_qlinear_fma.argtypes = [_P, _C, _I, _I, _I, _P, _C, _I, _P, _P, _P, _P]
+        lib.octavo_qlinear_fma.restype = _C
+        lib.octavo_qlinear_amx.argtypes = [_P, _I, _I, _I, _P, _C, _I, _P, _P, _P, _P]
+        lib.octavo_qlinear_amx.restype = _C
+        self._lib = lib
+        self.has_amx = bool(lib.octavo_qlinear_amx_available())
+
+    @staticmethod
+    def supports(x_dtype: torch.dtype) -> bool:
+        return x_dtype in _DTYPES
+
+    def __call__(self, rows: torch.Tensor, bits: int, group: int, packed: torch.Tensor, scales: torch.Tensor,
+                 mins: Optional[torch.Tensor], bias: Optional[torch.Tensor], out_features: int,
+                 amx: bool) -> torch.Tensor:
+        """rows [M, K] contiguous (float32 or bf16) @ the packed weight^T
+        (+ bias, same dtype as rows) -> [M, out_features]. ``amx``: the tile
+        path (bf16 rows, K a multiple of 32, out_features of 32)."""
+        m, k = rows.shape
+        out = torch.empty(m, out_features, dtype=rows.dtype)
+        if m == 0:
+            return out
+        mins_ptr = None if mins is None else mins.data_ptr()
+        bias_ptr = None if bias is None else bias.data_ptr()
+        if amx:
+            failed = self._lib.octavo_qlinear_amx(rows.data_ptr(), m, k, out_features, packed.data_ptr(), bits,
+                                                  group, scales.data_ptr(), mins_ptr, bias_ptr, out.data_ptr())
+        else:
+            failed = self._lib.octavo_qlinear_fma(rows.data_ptr(), _DTYPES[rows.dtype], m, k, out_features,
+                                                  packed.data_ptr(), bits, group, scales.data_ptr(), mins_ptr,
+                                                  bias_ptr, out.data_ptr())
+        if failed:
+            raise MemoryError("quantized linear kernel could not allocate its row buffers")
+        return out
+
+
+@cache
+def quant_linear_kernel() -> Optional[QuantLinearKernel]:
+    """The kernel, built on first use; None where it cannot be built or the
+    CPU has no AVX-512 (bf16)."""
+    lib = try_load_kernel("quant_linear")
+    if lib is None or not lib.octavo_qlinear_available():
+        return None
+    return QuantLinearKernel(lib)

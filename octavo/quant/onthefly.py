@@ -1,0 +1,110 @@
+"""Quantize a bf16/float32 checkpoint's linear weights while loading it
+(``--quantization int8|int4``).
+
+int8: per-output-channel symmetric, scale = max|w| / 127 (W8A16).
+int4: groups of ``group_size`` consecutive inputs, asymmetric:
+scale = (max - min) / 15 and a float zero point -min / scale, so each
+group's range maps onto 0..15 exactly (a float zero point rather than an
+integer one: the extremes are not clipped).
+
+Each layer loads its weight as the unquantized method would, then
+``process_weights_after_loading`` quantizes it in row chunks and drops the
+float copy: the model never holds more than its float weights plus one
+layer's integers. Layers whose module path matches one of ``keep`` (fnmatch
+patterns) stay unquantized: the lm_head by default (config.py says why).
+The embedding table is never quantized (a gather, not a product).
+"""
+from __future__ import annotations
+
+from fnmatch import fnmatch
+from typing import Optional
+
+import torch
+from torch import nn
+
+from octavo.quant.base import LinearMethod, QuantizationScheme
+from octavo.quant.qweights import Int4Weight, Int8Weight, QuantizedWeight
+from octavo.quant.quantized import QuantizedLinearMethod
+from octavo.quant.unquantized import UnquantizedLinearMethod
+
+BITS = {"int8": 8, "int4": 4}
+GROUP_SIZES = (32, 64, 128)
+# Rows quantized at a time: bounds the float32 temporaries for a big layer.
+_CHUNK_ROWS = 4096
+
+
+def quantize_int8(weight: torch.Tensor) -> Int8Weight:
+    """Per-output-channel symmetric int8 of ``weight`` [N, K]."""
+    qs, scales = [], []
+    for rows in weight.split(_CHUNK_ROWS):
+        w = rows.float()
+        scale = w.abs().amax(dim=1) / 127
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        qs.append(torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8))
+        scales.append(scale)
+    return Int8Weight(torch.cat(qs), torch.cat(scales))
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int) -> Int4Weight:
+    """Group-wise asymmetric int4 of ``weight`` [N, K], K a multiple of ``group_size``."""
+    n, k = weight.shape
+    qs, scales, zeros = [], [], []
+    for rows in weight.split(_CHUNK_ROWS):
+        w = rows.float().view(rows.shape[0], k // group_size, group_size)
+        lo, hi = w.amin(dim=2), w.amax(dim=2)
+        scale = (hi - lo) / 15
+        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+        zero = -lo / scale
+        q = torch.round(w / scale[..., None] + zero[..., None]).clamp_(0, 15).to(torch.uint8)
+        qs.append(q.view(rows.shape[0], k))
+        scales.append(scale)
+        zeros.append(zero)
+    return Int4Weight(torch.cat(qs), torch.cat(scales), torch.cat(zeros), group_size)
+
+
+class OnTheFlyLinearMethod(QuantizedLinearMethod):
+    """Loads the float weight like the unquantized method, then quantizes it."""
+
+    def __init__(self, bits: int, group_size: int) -> None:
+        if bits not in (4, 8):
+            raise ValueError(f"bits must be 4 or 8; got {bits}")
+        self.bits, self.group_size = bits, group_size
+
+    def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
+                       dtype: torch.dtype) -> None:
+        if self.bits == 4 and input_size % self.group_size:
+            prefix = getattr(layer, "prefix", "") or "a linear layer"
+            raise ValueError(f"quantization_group_size {self.group_size} does not divide the in-features "
+                             f"{input_size} of {prefix}")
+        UnquantizedLinearMethod().create_weights(layer, input_size, output_sizes, dtype)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        weight = layer.weight.detach()
+        packed: QuantizedWeight = (quantize_int8(weight) if self.bits == 8
+                                   else quantize_int4(weight, self.group_size))
+        self.install(layer, packed, ("weight",))
+
+
+class OnTheFlyScheme(QuantizationScheme):
+    """``quantization`` (int8/int4) for every linear layer but those matching
+    ``keep``, which get ``unquantized``."""
+
+    def __init__(self, quantization: str, group_size: int, keep: tuple[str, ...],
+                 unquantized: Optional[LinearMethod] = None) -> None:
+        if quantization not in BITS:
+            raise ValueError(f"quantization must be one of {', '.join(BITS)}; got {quantization!r}")
+        if group_size not in GROUP_SIZES:
+            raise ValueError(f"quantization_group_size must be one of {GROUP_SIZES}; got {group_size!r}")
+        self.name, self.keep = quantization, keep
+        self.quantized = OnTheFlyLinearMethod(BITS[quantization], group_size)
+        self.unquantized = unquantized or UnquantizedLinearMethod()
+
+    def linear_method(self, prefix: str) -> LinearMethod:
+        if any(fnmatch(prefix, pattern) for pattern in self.keep):
+            return self.unquantized
+        return self.quantized
+
+    def describe(self) -> str:
+        group = f", groups of {self.quantized.group_size}" if self.quantized.bits == 4 else ""
+        kept = ", ".join(self.keep) or "none"
+        return f"{self.name} on the fly{group}; kept unquantized: {kept}"

@@ -1,0 +1,48 @@
+"""An unpacked pre-quantized layer (``IntWeight``) as the int8/int4 kernels
+take it (octavo/quant/qweights.py's canonical form).
+
+Both keep the checkpoint's integers, scales and zero points (as float
+zero points, so a GPTQ v1 zero of 16 is fine) and the act-order
+permutation. One case has no group-wise kernel: a layer whose act-order
+groups are split between tensor-parallel ranks (one group per column). It
+is dequantized once at load and multiplied by torch.
+"""
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+from torch.nn import functional as F
+
+from octavo.quant.formats.int_weight import IntWeight
+from octavo.quant.qweights import Int4Weight, QuantizedWeight
+
+
+class DequantizedWeight:
+    """``F.linear`` on the weight dequantized once, in the input features' order."""
+
+    def __init__(self, weight: IntWeight, dtype: torch.dtype) -> None:
+        self.weight = weight.dequantize(dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size()
+
+    def kernel_name(self) -> str:
+        return "dequantized + F.linear (groups split between ranks)"
+
+    def __call__(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        return F.linear(x, self.weight, bias)
+
+
+def kernel_weight(weight: IntWeight, dtype: torch.dtype) -> Union[QuantizedWeight, DequantizedWeight]:
+    """The weight a kernel multiplies by, for a model computing in ``dtype``."""
+    if weight.group_size == 1:
+        return DequantizedWeight(weight, dtype)
+    scales, zeros = weight.scales.float(), weight.zeros.float()
+    if weight.bits == 4:
+        return Int4Weight(weight.q.to(torch.uint8), scales, zeros, weight.group_size, weight.perm)
+    # int8 kernels read signed values: the unsigned ones less 128, their zero points too.
+    mid = 1 << (weight.bits - 1)
+    signed_zeros = None if weight.symmetric_zero is not None else zeros - mid
+    return QuantizedWeight((weight.q - mid).to(torch.int8), 8, scales, signed_zeros, weight.group_size, weight.perm)

@@ -1,0 +1,141 @@
+"""Quantized linear weights as the kernels read them, built from canonical
+integer tensors: the one entry point for every quantized format.
+
+A format's loader (on-the-fly quantization here; GPTQ, AWQ and
+compressed-tensors checkpoints) only unpacks its own layout into the
+canonical form below and calls ``Int8Weight`` / ``Int4Weight``; the result
+multiplies like ``F.linear`` and is installed on a layer with
+``QuantizedLinearMethod.install``.
+
+Canonical form, one weight [N outputs, K inputs] of this rank's shard:
+
+- ``Int8Weight(q, scale, zero=None)``: ``q`` int8 [N, K];
+  ``scale`` float [N] (per output channel) or [N, K/g] (groups of g
+  consecutive inputs); ``zero`` None (symmetric) or float zero points in
+  q's units, shaped like ``scale``. w = (q - zero) * scale. (An unsigned
+  8-bit format stores q - 128 with zero - 128.)
+- ``Int4Weight(q, scales, zeros, group_size, perm=None)``: ``q`` uint8
+  values 0..15 [N, K]; ``scales`` and ``zeros`` [N, K/g] (zeros as floats or
+  integers, in q's units: w = (q - zero) * scale; symmetric formats pass 8);
+  ``perm`` (act-order) a LongTensor [K]: weight column j multiplies input
+  ``perm[j]`` (sort the columns by group, ``perm = argsort(g_idx)``, so the
+  groups are contiguous).
+
+The kernels compute q * scale + min with min = -zero * scale in float32, so
+``dequantize()`` returns exactly that. On a CPU with AVX-512 the native
+kernels run (octavo/kernels/quant_linear.c); elsewhere (CUDA, no compiler, a
+dtype they do not take) the weight is dequantized per call and F.linear runs:
+correct, not fast.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch.nn import functional as F
+
+from octavo.kernels.quant_linear import (
+    LANES,
+    QuantLinearKernel,
+    pack_groups,
+    pack_int4,
+    pack_int8,
+    quant_linear_kernel,
+    unpack_groups,
+    unpack_int4,
+    unpack_int8,
+)
+
+# Rows up to which the exact FMA kernel runs; more bf16 rows go to the AMX
+# tile kernel (dequantizing a 32-output group into L2 at a time), whose cost
+# is shared by the rows (benchmarks/quantization.py --kernels).
+FMA_ROWS = 4
+
+
+class QuantizedWeight:
+    """A packed int8/int4 weight; call it like ``F.linear(x, weight, bias)``."""
+
+    def __init__(self, q: torch.Tensor, bits: int, scales: torch.Tensor, zeros: Optional[torch.Tensor],
+                 group_size: int, perm: Optional[torch.Tensor]) -> None:
+        n, k = q.shape
+        if scales.dim() != 2 or scales.shape[0] != n or k % scales.shape[1] or k // scales.shape[1] != group_size:
+            raise ValueError(f"scales must be [{n}, {k} / group_size {group_size}]; got {tuple(scales.shape)}")
+        if zeros is not None and zeros.shape != scales.shape:
+            raise ValueError(f"zeros must be shaped like scales {tuple(scales.shape)}; got {tuple(zeros.shape)}")
+        if perm is not None and tuple(perm.shape) != (k,):
+            raise ValueError(f"perm must be [{k}]; got {tuple(perm.shape)}")
+        self.bits, self.out_features, self.in_features, self.group_size = bits, n, k, group_size
+        self.perm = perm
+        scales = scales.float()
+        mins = None if zeros is None else -zeros.float() * scales
+        kernel = quant_linear_kernel() if q.is_cpu else None
+        native = kernel is not None and n % LANES == 0 and group_size % 4 == 0
+        self.kernel: Optional[QuantLinearKernel] = kernel if native else None
+        if self.kernel is not None:
+            self.packed = pack_int8(q) if bits == 8 else pack_int4(q)
+            self.scales, self.mins = pack_groups(scales), None if mins is None else pack_groups(mins)
+            self.amx = self.kernel.has_amx and k % 32 == 0 and n % 32 == 0
+        else:
+            self.packed, self.scales, self.mins, self.amx = q.contiguous(), scales, mins, False
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [self.packed, self.scales] + [t for t in (self.mins, self.perm) if t is not None]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def kernel_name(self) -> str:
+        if self.kernel is None:
+            return f"int{self.bits} dequantize + F.linear"
+        return f"int{self.bits} fma (<= {FMA_ROWS} rows) + " + ("amx" if self.amx else "fma")
+
+    def unpack(self) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        """(q [N, K], scales [N, G] float32, mins [N, G] float32 or None): the
+        integers and float32 factors the kernels read, back in canonical order."""
+        if self.kernel is None:
+            return self.packed, self.scales, self.mins
+        q = unpack_int8(self.packed) if self.bits == 8 else unpack_int4(self.packed)
+        return q, unpack_groups(self.scales), None if self.mins is None else unpack_groups(self.mins)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight [N, K] the kernels multiply by (columns in the
+        order of the permuted inputs when ``perm`` is set)."""
+        q, scales, mins = self.unpack()
+        w = q.float() * scales.repeat_interleave(self.group_size, dim=1)
+        if mins is not None:
+            w += mins.repeat_interleave(self.group_size, dim=1)
+        return w
+
+    def __call__(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"input must be [..., {self.in_features}]; got {tuple(x.shape)}")
+        if self.perm is not None:
+            x = x.index_select(-1, self.perm)
+        if self.kernel is None or not QuantLinearKernel.supports(x.dtype) or not x.is_cpu:
+            return F.linear(x, self.dequantize().to(x.dtype), bias)
+        rows = x.reshape(-1, self.in_features).contiguous()
+        if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
+            bias = bias.to(x.dtype).contiguous()
+        amx = self.amx and x.dtype == torch.bfloat16 and rows.shape[0] > FMA_ROWS
+        out = self.kernel(rows, self.bits, self.group_size, self.packed, self.scales, self.mins, bias,
+                          self.out_features, amx)
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+class Int8Weight(QuantizedWeight):
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: Optional[torch.Tensor] = None) -> None:
+        if q.dtype != torch.int8 or q.dim() != 2:
+            raise ValueError(f"q must be int8 [N, K]; got {q.dtype} {tuple(q.shape)}")
+        scales = scale.view(-1, 1) if scale.dim() == 1 else scale
+        zeros = None if zero is None else (zero.view(-1, 1) if zero.dim() == 1 else zero)
+        group = q.shape[1] // scales.shape[1] if scales.dim() == 2 and scales.shape[1] else 0
+        super().__init__(q, 8, scales, zeros, group, None)
+
+
+class Int4Weight(QuantizedWeight):
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                 perm: Optional[torch.Tensor] = None) -> None:
+        if q.dtype != torch.uint8 or q.dim() != 2 or q.shape[1] % 2:
+            raise ValueError(f"q must be uint8 [N, K] with K even; got {q.dtype} {tuple(q.shape)}")
+        if int(q.max()) > 15:
+            raise ValueError("q holds values above 15: int4 values are 0..15")
+        super().__init__(q, 4, scales, zeros, group_size, perm)
