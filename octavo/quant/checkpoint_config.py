@@ -72,17 +72,42 @@ def _group_size(qc: dict[str, Any], key: str = "group_size", what: str = _KEY) -
     return value
 
 
-def _not_convert(qc: dict[str, Any]) -> Callable[[str], bool]:
+# Module matchers are small dataclasses, not closures, so that an ArchConfig
+# holding them pickles (it may travel to rank processes).
+@dataclass(frozen=True)
+class _NotConvert:
     """``modules_to_not_convert`` as transformers reads it: a name matches
-    when it holds the entry as whole dotted components ("lm_head", "mlp.gate")."""
-    entries = qc.get("modules_to_not_convert") or []
-    return lambda name: any(f".{entry}." in f".{name}." for entry in entries)
+    when it holds an entry as whole dotted components ("lm_head", "mlp.gate")."""
+
+    entries: tuple[str, ...]
+
+    def __call__(self, name: str) -> bool:
+        return any(f".{entry}." in f".{name}." for entry in self.entries)
 
 
-def _in_decoder_blocks(name: str) -> bool:
+@dataclass(frozen=True)
+class _InDecoderBlocks:
     """GPTQ and AWQ tools quantize the linear layers inside the decoder blocks
     (``model.layers.N.*``), never lm_head (GPTQModel's ``lm_head: true`` aside)."""
-    return ".layers." in f".{name}"
+
+    def __call__(self, name: str) -> bool:
+        return ".layers." in f".{name}"
+
+
+@dataclass(frozen=True)
+class _CtTargets:
+    """compressed-tensors' matching: "re:<regex>" matched from the name's
+    start, a class name ("Linear": every linear layer here), or the exact name."""
+
+    targets: tuple[str, ...]
+
+    def __call__(self, name: str) -> bool:
+        return any(re.match(t[3:], name) is not None if t.startswith("re:") else t in ("Linear", name)
+                   for t in self.targets)
+
+
+def _not_convert(qc: dict[str, Any]) -> _NotConvert:
+    return _NotConvert(tuple(qc.get("modules_to_not_convert") or ()))
 
 
 def _gptq(qc: dict[str, Any]) -> CheckpointQuantization:
@@ -96,7 +121,7 @@ def _gptq(qc: dict[str, Any]) -> CheckpointQuantization:
                              "is read as quantized with the same settings)")
     _field(qc, "lm_head", False, (False,))
     fmt = GptqFormat(bits, _group_size(qc), qc.get("checkpoint_format", "gptq"))
-    return CheckpointQuantization("gptq", ((_in_decoder_blocks, fmt),), _not_convert(qc))
+    return CheckpointQuantization("gptq", ((_InDecoderBlocks(), fmt),), _not_convert(qc))
 
 
 def _awq(qc: dict[str, Any]) -> CheckpointQuantization:
@@ -106,7 +131,7 @@ def _awq(qc: dict[str, Any]) -> CheckpointQuantization:
         raise ValueError(f"{_KEY}.version {qc.get('version')!r} is not supported; supported: 'gemm'")
     _field(qc, "zero_point", True, (True,))
     fmt = AwqFormat(bits, _group_size(qc, "group_size" if "group_size" in qc else "q_group_size"))
-    return CheckpointQuantization("awq", ((_in_decoder_blocks, fmt),), _not_convert(qc))
+    return CheckpointQuantization("awq", ((_InDecoderBlocks(), fmt),), _not_convert(qc))
 
 
 def _compressed_tensors(qc: dict[str, Any]) -> CheckpointQuantization:
@@ -118,8 +143,7 @@ def _compressed_tensors(qc: dict[str, Any]) -> CheckpointQuantization:
     if not isinstance(groups, dict) or not groups:
         raise ValueError(f"{_KEY}.config_groups must name at least one quantization scheme")
     rules = tuple(_ct_rule(name, scheme, top_format) for name, scheme in groups.items())
-    ignore = tuple(qc.get("ignore") or ())
-    return CheckpointQuantization("compressed-tensors", rules, lambda n: any(_ct_matches(t, n) for t in ignore))
+    return CheckpointQuantization("compressed-tensors", rules, _CtTargets(tuple(qc.get("ignore") or ())))
 
 
 def _ct_rule(name: str, scheme: dict[str, Any], top_format: Any) -> tuple[Callable[[str], bool], PackedFormat]:
@@ -143,13 +167,4 @@ def _ct_rule(name: str, scheme: dict[str, Any], top_format: Any) -> tuple[Callab
     symmetric = bool(weights.get("symmetric", True))
     # Only actorder "group" stores a g_idx; "weight"/"static" keep groups contiguous.
     fmt = PackQuantizedFormat(bits, group_size, symmetric, group_index=actorder == "group")
-    targets = tuple(scheme.get("targets") or ())
-    return (lambda n: any(_ct_matches(t, n) for t in targets)), fmt
-
-
-def _ct_matches(target: str, module: str) -> bool:
-    """compressed-tensors' matching: "re:<regex>" matched from the name's
-    start, a class name ("Linear": every linear layer here), or the exact name."""
-    if target.startswith("re:"):
-        return re.match(target[3:], module) is not None
-    return target == "Linear" or target == module
+    return _CtTargets(tuple(scheme.get("targets") or ())), fmt

@@ -5,6 +5,8 @@ dequantize to exactly its dequantized weight, and quantization_config
 settings the loader does not read are errors naming the key."""
 from __future__ import annotations
 
+import pickle
+
 import pytest
 import torch
 
@@ -144,3 +146,7 @@ def test_which_modules_are_quantized():
     assert ct.format_for("model.layers.0.mlp.down_proj") is None
     assert ct.format_for("lm_head") is None
     assert parse_quantization_config({}) is None
+    # ArchConfig carries this; it must survive the trip to a rank process.
+    again = pickle.loads(pickle.dumps(ct))
+    assert again.format_for("model.layers.0.mlp.down_proj") is None
+    assert again.format_for("model.layers.0.mlp.up_proj").describe() == "compressed-tensors int4 group 32"
