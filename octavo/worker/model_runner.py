@@ -67,6 +67,10 @@ class ModelRunner:
         folder = model_folder(model_config.model)
         self.device = torch.device(model_config.device)
         arch = load_arch_config(folder)
+        if arch.quantization is not None and model_config.quantization is not None:
+            raise ValueError(f"quantization {model_config.quantization!r} quantizes a float checkpoint while "
+                             f"loading it; {folder} is already quantized ({arch.quantization.method}, its "
+                             "config.json's quantization_config): leave quantization unset")
         self.dtype = resolve_dtype(model_config.dtype, arch.dtype)
         cache_dtype = resolve_dtype(cache_config.cache_dtype, str(self.dtype).removeprefix("torch."))
         ops = fused_ops() if model_config.fused_ops and FusedOps.supports(self.device, self.dtype) else None

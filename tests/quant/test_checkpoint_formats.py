@@ -150,3 +150,28 @@ def test_which_modules_are_quantized():
     again = pickle.loads(pickle.dumps(ct))
     assert again.format_for("model.layers.0.mlp.down_proj") is None
     assert again.format_for("model.layers.0.mlp.up_proj").describe() == "compressed-tensors int4 group 32"
+
+
+def test_compressed_tensors_groups_pick_formats_per_module():
+    """llm-compressor may quantize module groups differently (W8A16 attention, W4A16 MLP)."""
+    qc = quantization_config(Quant("compressed-tensors", bits=4))
+    w8 = {**qc["config_groups"]["group_0"], "targets": ["re:.*self_attn\\.(q|k|v|o)_proj$"],
+          "weights": {**qc["config_groups"]["group_0"]["weights"], "num_bits": 8, "strategy": "channel"}}
+    qc["config_groups"] = {"attention": w8, "rest": {**qc["config_groups"]["group_0"], "targets": ["Linear"]}}
+    parsed = parse_quantization_config({"quantization_config": qc})
+    assert parsed.format_for("model.layers.0.self_attn.k_proj").describe() == "compressed-tensors int8 per-channel"
+    assert parsed.format_for("model.layers.0.mlp.gate_proj").describe() == "compressed-tensors int4 group 32"
+
+
+def test_a_quantized_lm_head_is_refused():
+    from octavo.model.models.decoder import DecoderForCausalLM
+    from octavo.quant.prequantized import CheckpointScheme
+    from octavo.quant.unquantized import UniformScheme
+
+    qc = quantization_config(Quant("compressed-tensors"))
+    qc["ignore"] = []
+    scheme = CheckpointScheme(parse_quantization_config({"quantization_config": qc}),
+                              DecoderForCausalLM.packed_modules_mapping, UniformScheme())
+    assert scheme.linear_method("model.layers.0.mlp.gate_up_proj").fmt.describe() == "compressed-tensors int4 group 32"
+    with pytest.raises(ValueError, match="a quantized lm_head is not supported"):
+        scheme.linear_method("lm_head")

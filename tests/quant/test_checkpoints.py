@@ -165,3 +165,10 @@ def test_bfloat16_prefill_and_decode_match_transformers_in_bfloat16(case, checkp
     ours = torch.cat(got)
     assert (ours - want).abs().max().item() < 0.05
     assert (ours.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.9  # random weights: near-ties
+
+
+def test_on_the_fly_quantization_of_a_quantized_checkpoint_is_refused(checkpoints):
+    folder, _ = checkpoints("awq4")
+    with pytest.raises(ValueError, match=r"quantization 'int8' quantizes a float checkpoint .* already quantized "
+                                         r"\(awq"):
+        make_runner(folder, quantization="int8")
