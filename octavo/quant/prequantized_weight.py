@@ -39,10 +39,11 @@ def kernel_weight(weight: IntWeight, dtype: torch.dtype) -> Union[QuantizedWeigh
     """The weight a kernel multiplies by, for a model computing in ``dtype``."""
     if weight.group_size == 1:
         return DequantizedWeight(weight, dtype)
-    scales, zeros = weight.scales.float(), weight.zeros.float()
+    q, scales, zeros = weight.q.contiguous(), weight.scales.float(), weight.zeros.float()
     if weight.bits == 4:
-        return Int4Weight(weight.q.to(torch.uint8), scales, zeros, weight.group_size, weight.perm)
-    # int8 kernels read signed values: the unsigned ones less 128, their zero points too.
-    mid = 1 << (weight.bits - 1)
-    signed_zeros = None if weight.symmetric_zero is not None else zeros - mid
-    return QuantizedWeight((weight.q - mid).to(torch.int8), 8, scales, signed_zeros, weight.group_size, weight.perm)
+        return Int4Weight(q, scales, zeros, weight.group_size, weight.perm)
+    # int8 kernels read signed values: the unsigned ones less 128 (the same
+    # bits, flipped top bit), their zero points too.
+    signed = (q ^ 0x80).view(torch.int8)
+    signed_zeros = None if weight.symmetric_zero is not None else zeros - 128
+    return QuantizedWeight(signed, 8, scales, signed_zeros, weight.group_size, weight.perm)

@@ -26,7 +26,7 @@ def test_pack_unpack_round_trip(bits, dim, order):
     packed = pack_words(values, bits, dim, order)
     assert packed.dtype == torch.int32
     assert packed.shape[dim] == values.shape[dim] * bits // 32
-    assert torch.equal(unpack_int32(packed, bits, dim, order), values.to(torch.int32))
+    assert torch.equal(unpack_int32(packed, bits, dim, order), values.to(torch.uint8))
 
 
 def test_published_spec_vectors():

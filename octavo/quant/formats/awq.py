@@ -44,5 +44,5 @@ class AwqFormat(PackedFormat):
 
     def unpack(self, tensors: dict[str, torch.Tensor], shape: LayerShape) -> IntWeight:
         q = unpack_int32(tensors["qweight"], self.bits, dim=1, order=AWQ_ORDER).T
-        zeros = unpack_int32(tensors["qzeros"], self.bits, dim=1, order=AWQ_ORDER).T
+        zeros = unpack_int32(tensors["qzeros"], self.bits, dim=1, order=AWQ_ORDER).T.to(torch.int32)
         return IntWeight(q, tensors["scales"].T, zeros, self.bits, self.effective_group(shape))

@@ -65,7 +65,7 @@ class PackQuantizedFormat(PackedFormat):
         if self.symmetric:
             zeros = torch.full(scales.shape, 1 << (self.bits - 1), dtype=torch.int32)
         else:
-            zeros = unpack_int32(tensors["weight_zero_point"], self.bits, dim=0)
+            zeros = unpack_int32(tensors["weight_zero_point"], self.bits, dim=0).to(torch.int32)
         group = self.effective_group(shape)
         if self.group_index:
             return with_group_index(q, scales, zeros, group_index(tensors["weight_g_idx"]), group, self.bits)

@@ -61,6 +61,6 @@ class GptqFormat(PackedFormat):
 
     def unpack(self, tensors: dict[str, torch.Tensor], shape: LayerShape) -> IntWeight:
         q = unpack_int32(tensors["qweight"], self.bits, dim=0).T
-        zeros = unpack_int32(tensors["qzeros"], self.bits, dim=1).T + self.zero_offset
+        zeros = unpack_int32(tensors["qzeros"], self.bits, dim=1).T.to(torch.int32) + self.zero_offset
         return with_group_index(q, tensors["scales"].T, zeros, group_index(tensors["g_idx"]),
                                 self.effective_group(shape), self.bits)

@@ -24,7 +24,7 @@ import torch
 
 @dataclass
 class IntWeight:
-    q: torch.Tensor  # int32 [N, K], values 0 .. 2**bits - 1, columns in kernel order
+    q: torch.Tensor  # uint8 [N, K], values 0 .. 2**bits - 1, columns in kernel order
     scales: torch.Tensor  # float [N, G]
     zeros: torch.Tensor  # int32 [N, G]; a GPTQ v1 zero may be 2**bits (see gptq.py)
     bits: int

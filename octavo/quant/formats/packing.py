@@ -3,8 +3,8 @@
 GPTQ, AWQ and compressed-tensors all store ``32 // bits`` small unsigned
 integers per int32 word, the first one in the lowest bits; they differ in
 the dim they pack along and, for AWQ, in which element goes to which field
-(``order``). Unpacking is shifts and masks on whole tensors: no loop over
-elements, so a 7B layer unpacks in milliseconds.
+(``order``). Unpacking is one shift and mask per field on the whole
+tensor, never a loop over elements.
 """
 from __future__ import annotations
 
@@ -23,26 +23,20 @@ def pack_factor(bits: int) -> int:
 def unpack_int32(
     packed: torch.Tensor, bits: int, dim: int, order: Optional[Sequence[int]] = None
 ) -> torch.Tensor:
-    """The unsigned ``bits``-wide fields of ``packed`` (int32) as an int32
+    """The unsigned ``bits``-wide fields of ``packed`` (int32) as a uint8
     tensor ``pack_factor(bits)`` times longer along ``dim``.
 
     Word ``w``'s field ``f`` holds element ``w * pack + order[f]`` of that
     dim (``order`` None: element ``w * pack + f``)."""
     if packed.dtype != torch.int32:
         raise ValueError(f"packed tensors must be int32, got {packed.dtype}")
-    pack = pack_factor(bits)
-    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=packed.device)
-    moved = packed.movedim(dim, -1)
-    # [..., words, fields]: an arithmetic shift, so mask after it.
-    fields = (moved.unsqueeze(-1) >> shifts) & ((1 << bits) - 1)
-    if order is not None:
-        # Element e of a word sits in field order.index(e).
-        fields = fields[..., _inverse(order)]
-    return fields.reshape(*moved.shape[:-1], moved.shape[-1] * pack).movedim(-1, dim)
-
-
-def _inverse(order: Sequence[int]) -> list[int]:
-    inverse = [0] * len(order)
-    for field, element in enumerate(order):
-        inverse[element] = field
-    return inverse
+    pack, mask = pack_factor(bits), (1 << bits) - 1
+    dim %= packed.dim()
+    # The fields get their own axis right after ``dim``: reading ``packed``
+    # in its own order (one whole-tensor shift and mask per field; the shift
+    # is arithmetic, so mask after it), the result is contiguous.
+    out = torch.empty(*packed.shape[: dim + 1], pack, *packed.shape[dim + 1:], dtype=torch.uint8,
+                      device=packed.device)
+    for field in range(pack):
+        out.select(dim + 1, field if order is None else order[field]).copy_((packed >> (bits * field)) & mask)
+    return out.flatten(dim, dim + 1)
