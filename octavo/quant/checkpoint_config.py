@@ -112,7 +112,11 @@ def _not_convert(qc: dict[str, Any]) -> _NotConvert:
 
 def _gptq(qc: dict[str, Any]) -> CheckpointQuantization:
     bits = _field(qc, "bits", None, SUPPORTED_BITS)
-    _field(qc, "checkpoint_format", "gptq", CHECKPOINT_FORMATS)
+    # Some AutoGPTQ versions wrote the layout under "format"; older Marlin
+    # repacks said is_marlin_format; GPTQModel can pack into other int widths.
+    checkpoint_format = _field(qc, "checkpoint_format", qc.get("format", "gptq"), CHECKPOINT_FORMATS)
+    _field(qc, "is_marlin_format", False, (False,))
+    _field(qc, "pack_dtype", "int32", ("int32",))
     # GPTQModel's per-module overrides and optimum's partial quantization
     # change which tensors exist; lm_head quantization needs a vocab-split loader.
     for key in ("dynamic", "modules_in_block_to_quantize"):
@@ -120,7 +124,7 @@ def _gptq(qc: dict[str, Any]) -> CheckpointQuantization:
             raise ValueError(f"{_KEY}.{key} is not supported (every linear layer of the decoder blocks "
                              "is read as quantized with the same settings)")
     _field(qc, "lm_head", False, (False,))
-    fmt = GptqFormat(bits, _group_size(qc), qc.get("checkpoint_format", "gptq"))
+    fmt = GptqFormat(bits, _group_size(qc), checkpoint_format)
     return CheckpointQuantization("gptq", ((_InDecoderBlocks(), fmt),), _not_convert(qc))
 
 
