@@ -2,6 +2,8 @@
 (``--quantization int8|int4``).
 
 int8: per-output-channel symmetric, scale = max|w| / 127 (W8A16).
+Under tensor parallelism the ranks of a row-parallel layer share each
+row's max, so a split model holds the unsplit one's integers.
 int4: groups of ``group_size`` consecutive inputs, asymmetric:
 scale = (max - min) / 15 and a float zero point -min / scale, so each
 group's range maps onto 0..15 exactly (a float zero point rather than an
@@ -22,6 +24,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from octavo.distributed.communication import tensor_model_parallel_all_gather
 from octavo.quant.base import LinearMethod, QuantizationScheme
 from octavo.quant.qweights import Int4Weight, Int8Weight, QuantizedWeight
 from octavo.quant.quantized import QuantizedLinearMethod
@@ -33,16 +36,26 @@ GROUP_SIZES = (32, 64, 128)
 _CHUNK_ROWS = 4096
 
 
-def quantize_int8(weight: torch.Tensor) -> Int8Weight:
-    """Per-output-channel symmetric int8 of ``weight`` [N, K]."""
-    qs, scales = [], []
-    for rows in weight.split(_CHUNK_ROWS):
-        w = rows.float()
-        scale = w.abs().amax(dim=1) / 127
-        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-        qs.append(torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8))
-        scales.append(scale)
-    return Int8Weight(torch.cat(qs), torch.cat(scales))
+def quantize_int8(weight: torch.Tensor, row_max: Optional[torch.Tensor] = None) -> Int8Weight:
+    """Per-output-channel symmetric int8 of ``weight`` [N, K]; ``row_max``:
+    each whole row's max |w| when ``weight`` holds a slice of the rows."""
+    if row_max is None:
+        row_max = weight.abs().amax(dim=1).float()
+    scale = row_max / 127
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    qs = [torch.round(rows.float() / s[:, None]).clamp_(-127, 127).to(torch.int8)
+          for rows, s in zip(weight.split(_CHUNK_ROWS), scale.split(_CHUNK_ROWS))]
+    return Int8Weight(torch.cat(qs), scale)
+
+
+def _whole_row_max(layer: nn.Module, weight: torch.Tensor) -> Optional[torch.Tensor]:
+    """Max |w| of the whole rows of a row-parallel layer's weight (its ranks
+    hold slices of them), so every rank quantizes with tp_size 1's scales;
+    None for a layer that holds whole rows."""
+    if not getattr(layer, "splits_input", False) or layer.tp_size == 1:
+        return None
+    local = weight.abs().amax(dim=1).float().unsqueeze(0)
+    return tensor_model_parallel_all_gather(local, dim=0).amax(dim=0)
 
 
 def quantize_int4(weight: torch.Tensor, group_size: int) -> Int4Weight:
@@ -80,7 +93,7 @@ class OnTheFlyLinearMethod(QuantizedLinearMethod):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         weight = layer.weight.detach()
-        packed: QuantizedWeight = (quantize_int8(weight) if self.bits == 8
+        packed: QuantizedWeight = (quantize_int8(weight, _whole_row_max(layer, weight)) if self.bits == 8
                                    else quantize_int4(weight, self.group_size))
         self.install(layer, packed, ("weight",))
 

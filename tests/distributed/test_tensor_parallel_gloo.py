@@ -20,6 +20,7 @@ from octavo.distributed.communication import tensor_model_parallel_all_gather, t
 from octavo.distributed.parallel_state import ParallelState, init_model_parallel, parallel_state
 from octavo.model.backends import ModelBackends
 from octavo.model.loader import load_model
+from octavo.quant.onthefly import OnTheFlyScheme
 from octavo.sampling_params import SamplingParams
 from octavo.worker.input_batch import prepare_inputs
 from tests.model_factory import make_variant
@@ -27,10 +28,15 @@ from tests.model_factory import make_variant
 WORLD = 2
 
 
-def _logits(folder: Path, prompts: list[list[int]]) -> Optional[torch.Tensor]:
-    """Every position's logits of a step prefilling ``prompts``, with this process's parallel state."""
+def _logits(folder: Path, prompts: list[list[int]], quantization: Optional[str] = None) -> Optional[torch.Tensor]:
+    """Every position's logits of a step prefilling ``prompts``, with this
+    process's parallel state; ``quantization``: int8/int4 on the fly."""
     backend = TorchSdpaBackend({None})
-    model, arch = load_model(folder, "float32", backends=ModelBackends(attention=backend))
+    backends = ModelBackends(attention=backend)
+    if quantization is not None:
+        # Groups of 32: the row-parallel layers' shards have 32 and 64 in-features.
+        backends = ModelBackends(attention=backend, quantization=OnTheFlyScheme(quantization, 32, ("lm_head",)))
+    model, arch = load_model(folder, "float32", backends=backends)
     attn = model.model.layers[0].self_attn
     caches = [torch.zeros(2, 16, 16, attn.num_kv_heads, arch.head_dim) for _ in range(arch.num_layers)]
     scheduled, next_block = [], 0
@@ -59,14 +65,25 @@ def _rank(rank: int, port: int, folder: Path) -> None:
         split = _logits(folder, prompts)
         with parallel_state(ParallelState()):
             whole = _logits(folder, prompts)
-        if rank != 0:
-            assert split is None  # the logits are gathered on the driver rank only
-            return
-        assert split.shape == whole.shape
-        diff = (split - whole).abs().max().item()
-        assert diff < 1e-5, f"rank {rank}: TP={WORLD} logits differ from TP=1 by {diff}"
+        _assert_same(rank, split, whole, "unquantized")
+        # Quantized: the ranks hold the unsplit model's integers (row-parallel
+        # int8 layers share each row's scale), so the split model is the same too.
+        for quantization in ("int8", "int4"):
+            split = _logits(folder, prompts, quantization)
+            with parallel_state(ParallelState()):
+                whole = _logits(folder, prompts, quantization)
+            _assert_same(rank, split, whole, quantization)
     finally:
         dist.destroy_process_group()
+
+
+def _assert_same(rank: int, split: Optional[torch.Tensor], whole: torch.Tensor, what: str) -> None:
+    if rank != 0:
+        assert split is None  # the logits are gathered on the driver rank only
+        return
+    assert split.shape == whole.shape
+    diff = (split - whole).abs().max().item()
+    assert diff < 1e-5, f"{what}: TP={WORLD} logits differ from TP=1 by {diff}"
 
 
 def _free_port() -> int:

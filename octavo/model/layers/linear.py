@@ -198,6 +198,10 @@ class RowParallelLinear(LinearBase):
     sums are all-reduced. The bias is added by rank 0 only, fused into its
     product, so the sum holds it once."""
 
+    # Each rank holds a slice of every weight row (a quantizer that scales
+    # whole rows must agree with the other ranks on them).
+    splits_input = True
+
     def __init__(self, input_size: int, output_size: int, bias: bool,
                  linear_method: Optional[LinearMethod] = None, prefix: str = "") -> None:
         state = get_parallel_state()
