@@ -10,10 +10,13 @@ import pickle
 import pytest
 import torch
 
+from octavo.model.models.decoder import DecoderForCausalLM
 from octavo.quant.checkpoint_config import parse_quantization_config
 from octavo.quant.formats.base import LayerShape
 from octavo.quant.formats.int_weight import IntWeight, with_group_index
 from octavo.quant.formats.packing import unpack_int32
+from octavo.quant.prequantized import CheckpointScheme
+from octavo.quant.unquantized import UniformScheme
 from tests.quant.quantized_checkpoints import AWQ_ORDER, Quant, layer_tensors, pack_words, quantization_config, quantize
 
 
@@ -167,10 +170,6 @@ def test_compressed_tensors_groups_pick_formats_per_module():
 
 
 def test_a_quantized_lm_head_is_refused():
-    from octavo.model.models.decoder import DecoderForCausalLM
-    from octavo.quant.prequantized import CheckpointScheme
-    from octavo.quant.unquantized import UniformScheme
-
     qc = quantization_config(Quant("compressed-tensors"))
     qc["ignore"] = []
     scheme = CheckpointScheme(parse_quantization_config({"quantization_config": qc}),

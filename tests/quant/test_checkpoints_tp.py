@@ -15,7 +15,7 @@ from octavo.quant.checkpoint_config import parse_quantization_config
 from octavo.quant.prequantized import PrequantizedLinearMethod
 from tests.engine.conftest import hf_greedy
 from tests.model_factory import make_tiny_model
-from tests.quant.quantized_checkpoints import Quant, layer_tensors, quantization_config, quantize
+from tests.quant.quantized_checkpoints import Quant, layer_tensors, quantization_config, quantize, write_quantized
 
 QUANTS = {
     "gptq4-actorder": Quant("gptq", bits=4, sym=False, act_order=True, group_size=16),
@@ -101,8 +101,6 @@ def test_a_group_split_between_ranks_is_refused_where_no_g_idx_can_say_so():
 
 @pytest.mark.parametrize("name", ["gptq4-actorder", "awq4"])
 def test_engine_at_tensor_parallel_2_matches_transformers(name, tmp_path):
-    from tests.quant.quantized_checkpoints import write_quantized
-
     base = make_tiny_model(tmp_path / "base", "qwen2", num_key_value_heads=1, vocab_size=511)
     folder, reference = write_quantized(base, tmp_path / name, QUANTS[name])
     prompts = [[5, 17, 250, 33, 480, 91], list(range(100, 131))]
