@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Optional
 
 from benchmarks.report import PeerResult
 from benchmarks.workload import Workload
@@ -24,16 +25,54 @@ def gguf_path(model: Path) -> Path:
     return path
 
 
+def quantized_gguf(source: Path, ftype: str, out_dir: Path, threads: int) -> Path:
+    """``source`` (a bf16 GGUF) quantized to ``ftype`` (Q8_0, Q4_0 ...: the
+    names llama-quantize takes) by llama.cpp's quantizer
+    (llama_model_quantize, what llama-quantize runs) into ``out_dir``; kept
+    when it exists."""
+    import llama_cpp
+
+    target = out_dir / f"{source.stem.removesuffix('-bf16')}-{ftype}.gguf"
+    if target.is_file():
+        return target
+    out_dir.mkdir(parents=True, exist_ok=True)
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
+    params.nthread = threads
+    tmp = target.with_suffix(".part")
+    if llama_cpp.llama_model_quantize(str(source).encode(), str(tmp).encode(), params) != 0:
+        raise RuntimeError(f"llama.cpp could not quantize {source} to {ftype}")
+    tmp.rename(target)
+    return target
+
+
 class LlamaCppPeer:
     name = "llamacpp"
 
-    def __init__(self, model: Path, n_ctx: int, threads: int, n_batch: int = 512) -> None:
+    def __init__(self, model: Path, n_ctx: int, threads: int, n_batch: int = 512,
+                 gguf: Optional[Path] = None, extra_bufts: bool = True) -> None:
+        """``gguf``: the file to run (default: ``model``'s bf16 conversion).
+        ``extra_bufts`` False: no repacking of quantized weights into
+        llama.cpp's CPU-specific layouts (its use_extra_bufts model
+        parameter, which llama-cpp-python does not expose)."""
+        import llama_cpp.llama as high_level
         from llama_cpp import Llama
 
         self.model_path = model
         self.n_batch = n_batch
-        self.llm = Llama(model_path=str(gguf_path(model)), n_ctx=n_ctx, n_batch=n_batch,
-                         n_threads=threads, n_threads_batch=threads, verbose=False)
+        defaults = high_level.llama_cpp.llama_model_default_params
+
+        def model_params():  # Llama() builds its model parameters from this
+            params = defaults()
+            params.use_extra_bufts = extra_bufts
+            return params
+
+        high_level.llama_cpp.llama_model_default_params = model_params
+        try:
+            self.llm = Llama(model_path=str(gguf or gguf_path(model)), n_ctx=n_ctx, n_batch=n_batch,
+                             n_threads=threads, n_threads_batch=threads, verbose=False)
+        finally:
+            high_level.llama_cpp.llama_model_default_params = defaults
 
     def _generate(self, prompt: list[int], output_len: int) -> None:
         made = 0

@@ -146,3 +146,12 @@ def test_bad_canonical_tensors_are_refused_naming_what_is_wrong():
         Int8Weight(q4, torch.ones(32))
     with pytest.raises(ValueError, match="input must be"):
         Int8Weight(q4.to(torch.int8), torch.ones(32))(torch.randn(2, 63))
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [2, 3, FMA_ROWS])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_row_blocks_of_the_few_row_kernels(dtype, rows):
+    """2-4 rows share each widened weight vector."""
+    for w in (_int8(64, 128, seed=13), _int4(64, 128, 32, seed=14), _int4(64, 128, 64, seed=15, perm=True)):
+        _check(w, rows, dtype, seed=rows)
