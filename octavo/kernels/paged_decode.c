@@ -289,39 +289,77 @@ ALWAYS_INLINE __m512 load16_quant(const char *src, int kind) {
 }
 #define QUANT_UNIT(kind) ((kind) == I8 ? 1.0f : 256.0f)
 
-/* span_scores_avx512 for a quantized cache: qf holds the float32 queries
- * times the softmax scale, [head][head_dim]; sc the span's K scales (KV head
- * 0's; see span_scales). Each 16-row tile of a KV head is widened once into
- * tile[16][head_dim] and serves the group's heads. */
-ALWAYS_INLINE void span_scores_quant(const float *qf, const char *span, const float *sc, int64_t count, int64_t t,
-                                     int64_t n, int64_t kv0, int64_t kv1, int64_t group, int64_t head_dim,
-                                     int64_t row_bytes, int64_t block_size, int kind, float *tile, float *scores,
-                                     float *peaks, read_ahead *ra) {
-    const int64_t lanes = head_dim / 16;
+/* span_scores_avx512 for a quantized cache. sc: the span's K scales (KV
+ * head 0's; see span_scales). Each 16-row tile of a KV head is widened once
+ * into `tile` (16 * head_dim floats of room) and serves the group's heads.
+ *
+ * int8 (INT8_DOTS): q holds each head's query as int16 (q ~= q16 * qscale,
+ * qscale[head] with the softmax scale folded in), the rows are widened to
+ * int16 and multiplied with vpdpwssd: exact products and int32 sums, 32 per
+ * instruction as vdpbf16ps does, where float32 FMAs on rows widened to
+ * float32 did 16 (the int8 path's arithmetic took 1.4x bf16's then). The
+ * sums fit: 127 * 32767 * head_dim < 2^31 up to head_dim 512. A 15-bit query
+ * is finer than the bf16 one it comes from for all but its smallest elements.
+ * e4m3: q holds float32 queries times the softmax scale, rows widened to
+ * float32, FMAs. */
+#if defined(__AVX512VNNI__)
+#define INT8_DOTS 1
+#else
+#define INT8_DOTS 0
+#endif
+ALWAYS_INLINE void span_scores_quant(const void *q, const float *qscale, const char *span, const float *sc,
+                                     int64_t count, int64_t t, int64_t n, int64_t kv0, int64_t kv1, int64_t group,
+                                     int64_t head_dim, int64_t row_bytes, int64_t block_size, int kind, void *tile,
+                                     float *scores, float *peaks, read_ahead *ra) {
+    const int int_dots = INT8_DOTS && kind == I8;
+    const int64_t lanes = head_dim / 16, pairs = head_dim / 32;
+    int16_t *tile16 = (int16_t *)tile;
+    float *tilef = (float *)tile;
     for (int64_t i0 = 0; i0 < count; i0 += 16) {
         const int64_t m = count - i0 < 16 ? count - i0 : 16;
         const __mmask16 valid = (__mmask16)((1u << m) - 1u);
         for (int64_t kv = kv0; kv < kv1; kv++) {
             read_ahead_advance(ra, m * head_dim);
             const char *row = span + i0 * row_bytes + kv * head_dim;
-            for (int64_t i = 0; i < m; i++, row += row_bytes)
-                for (int64_t c = 0; c < lanes; c++) _mm512_storeu_ps(tile + i * head_dim + c * 16, load16_quant(row + c * 16, kind));
+            for (int64_t i = 0; i < m; i++, row += row_bytes) {
+                if (int_dots)
+                    for (int64_t c = 0; c < pairs; c++)
+                        _mm512_storeu_si512((void *)(tile16 + i * head_dim + c * 32),
+                                            _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(row + c * 32))));
+                else
+                    for (int64_t c = 0; c < lanes; c++)
+                        _mm512_storeu_ps(tilef + i * head_dim + c * 16, load16_quant(row + c * 16, kind));
+            }
             const __m512 k_scale = _mm512_mul_ps(_mm512_maskz_loadu_ps(valid, sc + kv * block_size + i0),
                                                  _mm512_set1_ps(QUANT_UNIT(kind)));
             for (int64_t h = 0; h < group; h++) {
-                const float *qh = qf + (kv * group + h) * head_dim;
+                const int64_t head = kv * group + h;
                 __m512 sums[16];
                 for (int64_t i = 0; i < 16; i++) {
-                    __m512 sum = _mm512_setzero_ps();
-                    if (i < m)
-                        for (int64_t c = 0; c < lanes; c++)
-                            sum = _mm512_fmadd_ps(_mm512_loadu_ps(tile + i * head_dim + c * 16),
-                                                  _mm512_loadu_ps(qh + c * 16), sum);
-                    sums[i] = sum;
+                    if (int_dots) {
+                        const int16_t *qh = (const int16_t *)q + head * head_dim;
+                        __m512i sum = _mm512_setzero_si512();
+#if INT8_DOTS
+                        if (i < m)
+                            for (int64_t c = 0; c < pairs; c++)
+                                sum = _mm512_dpwssd_epi32(sum, _mm512_loadu_si512((const void *)(tile16 + i * head_dim + c * 32)),
+                                                          _mm512_loadu_si512((const void *)(qh + c * 32)));
+#endif
+                        sums[i] = _mm512_cvtepi32_ps(sum);
+                    } else {
+                        const float *qh = (const float *)q + head * head_dim;
+                        __m512 sum = _mm512_setzero_ps();
+                        if (i < m)
+                            for (int64_t c = 0; c < lanes; c++)
+                                sum = _mm512_fmadd_ps(_mm512_loadu_ps(tilef + i * head_dim + c * 16),
+                                                      _mm512_loadu_ps(qh + c * 16), sum);
+                        sums[i] = sum;
+                    }
                 }
-                const __m512 dots = _mm512_mul_ps(sum16(sums), k_scale);
-                float *peak = peaks + (kv * group + h) * 16;
-                _mm512_mask_storeu_ps(scores + (kv * group + h) * n + t + i0, valid, dots);
+                __m512 dots = _mm512_mul_ps(sum16(sums), k_scale);
+                if (int_dots) dots = _mm512_mul_ps(dots, _mm512_set1_ps(qscale[head]));
+                float *peak = peaks + head * 16;
+                _mm512_mask_storeu_ps(scores + head * n + t + i0, valid, dots);
                 _mm512_storeu_ps(peak, _mm512_mask_max_ps(_mm512_loadu_ps(peak), valid, _mm512_loadu_ps(peak), dots));
             }
         }
@@ -390,14 +428,15 @@ static void exponentiate_rows(float *scores, const float *peaks, int64_t heads, 
 /* One item: scores, their exponentials, then the values into
  * acc[head][head_dim] for the item's heads (buffers are indexed by the head's
  * number in the sequence). `peaks` holds num_heads * 16 floats, `inv`
- * num_heads. kind BF16: q is the sequence's raw bf16 queries; I8 / FP8: its
- * float32 queries times the softmax scale (`scale` unused), with the caches'
- * scales and a tile of 16 * head_dim floats. Inlined by attend_avx512 with
+ * num_heads. kind BF16: q is the sequence's raw bf16 queries; I8 / FP8: as
+ * span_scores_quant takes them (`scale` unused), with the caches' scales and
+ * a tile of 16 * head_dim floats. Inlined by attend_avx512 with
  * constant kind, group and head_dim for the common shapes, so the loops
  * unroll and the accumulators stay in registers. */
-ALWAYS_INLINE void sequence_avx512(const void *q, float scale, const char *k_cache, const char *v_cache,
-                                   const float *k_scales, const float *v_scales, const seq_view *sv, read_ahead *ra,
-                                   int kind, int64_t group, int64_t head_dim, float *tile, float *scores,
+ALWAYS_INLINE void sequence_avx512(const void *q, const float *qscale, float scale, const char *k_cache,
+                                   const char *v_cache, const float *k_scales, const float *v_scales,
+                                   const seq_view *sv, read_ahead *ra, int kind, int64_t group, int64_t head_dim,
+                                   float *tile, float *scores,
                                    float *peaks, float *inv, float *acc) {
     const int64_t n = sv->n, h0 = sv->kv0 * group, heads = (sv->kv1 - sv->kv0) * group;
     int64_t count;
@@ -408,8 +447,8 @@ ALWAYS_INLINE void sequence_avx512(const void *q, float scale, const char *k_cac
             span_scores_avx512((const uint16_t *)q, scale, span, count, t, n, sv->kv0, sv->kv1, group, head_dim,
                                sv->row_bytes, scores, peaks, ra);
         else
-            span_scores_quant((const float *)q, span, span_scales(sv, k_scales, t), count, t, n, sv->kv0, sv->kv1,
-                              group, head_dim, sv->row_bytes, sv->block_size, kind, tile, scores, peaks, ra);
+            span_scores_quant(q, qscale, span, span_scales(sv, k_scales, t), count, t, n, sv->kv0, sv->kv1, group,
+                              head_dim, sv->row_bytes, sv->block_size, kind, tile, scores, peaks, ra);
     }
     exponentiate_rows(scores + h0 * n, peaks + h0 * 16, heads, n, inv + h0);
     memset(acc + h0 * head_dim, 0, sizeof(float) * (size_t)(heads * head_dim));
@@ -426,8 +465,8 @@ ALWAYS_INLINE void sequence_avx512(const void *q, float scale, const char *k_cac
 
 #define OCTAVO_SHAPE(KIND, G, D)                                                                                  \
     if (group == G && head_dim == D) {                                                                            \
-        sequence_avx512(q, scale, k_cache, v_cache, k_scales, v_scales, sv, ra, KIND, G, D, tile, scores, peaks,  \
-                        inv, acc);                                                                                \
+        sequence_avx512(q, qscale, scale, k_cache, v_cache, k_scales, v_scales, sv, ra, KIND, G, D, tile, scores, \
+                        peaks, inv, acc);                                                                         \
         return;                                                                                                   \
     }
 #define OCTAVO_SHAPES(KIND)                                                                                       \
@@ -435,12 +474,13 @@ ALWAYS_INLINE void sequence_avx512(const void *q, float scale, const char *k_cac
     OCTAVO_SHAPE(KIND, 5, 64) OCTAVO_SHAPE(KIND, 6, 64) OCTAVO_SHAPE(KIND, 7, 64) OCTAVO_SHAPE(KIND, 8, 64)       \
     OCTAVO_SHAPE(KIND, 1, 128) OCTAVO_SHAPE(KIND, 2, 128) OCTAVO_SHAPE(KIND, 3, 128) OCTAVO_SHAPE(KIND, 4, 128)   \
     OCTAVO_SHAPE(KIND, 5, 128) OCTAVO_SHAPE(KIND, 6, 128) OCTAVO_SHAPE(KIND, 7, 128) OCTAVO_SHAPE(KIND, 8, 128)   \
-    sequence_avx512(q, scale, k_cache, v_cache, k_scales, v_scales, sv, ra, KIND, group, head_dim, tile, scores,  \
-                    peaks, inv, acc);
+    sequence_avx512(q, qscale, scale, k_cache, v_cache, k_scales, v_scales, sv, ra, KIND, group, head_dim, tile,  \
+                    scores, peaks, inv, acc);
 #define OCTAVO_ATTEND(NAME, KIND)                                                                                 \
-    static void NAME(const void *q, float scale, const char *k_cache, const char *v_cache, const float *k_scales, \
-                     const float *v_scales, const seq_view *sv, read_ahead *ra, int64_t group, int64_t head_dim,  \
-                     float *tile, float *scores, float *peaks, float *inv, float *acc) {                          \
+    static void NAME(const void *q, const float *qscale, float scale, const char *k_cache, const char *v_cache,   \
+                     const float *k_scales, const float *v_scales, const seq_view *sv, read_ahead *ra,            \
+                     int64_t group, int64_t head_dim, float *tile, float *scores, float *peaks, float *inv,       \
+                     float *acc) {                                                                                \
         OCTAVO_SHAPES(KIND)                                                                                       \
     }
 OCTAVO_ATTEND(attend_bf16, BF16)
@@ -449,6 +489,25 @@ OCTAVO_ATTEND(attend_fp8, FP8)
 #undef OCTAVO_ATTEND
 #undef OCTAVO_SHAPES
 #undef OCTAVO_SHAPE
+
+/* Head `head`'s query for span_scores_quant: into `out` (room for num_heads *
+ * head_dim floats) as int16 with qscale[head] (int8 caches with INT8_DOTS;
+ * softmax scale folded into qscale), else as float32 times the softmax scale.
+ * `work`: head_dim floats. */
+static void prepare_query(const char *src, int q_dtype, int64_t head_dim, float scale, int kv_dtype, float *work,
+                          float *out, int64_t head, float *qscale) {
+    load_row(src, q_dtype, head_dim, work);
+    if (!(INT8_DOTS && kv_dtype == I8)) {
+        for (int64_t d = 0; d < head_dim; d++) out[head * head_dim + d] = work[d] * scale;
+        return;
+    }
+    float peak = 0.0f;
+    for (int64_t d = 0; d < head_dim; d++) peak = fabsf(work[d]) > peak ? fabsf(work[d]) : peak;
+    const float step = peak > 0.0f ? peak / 32767.0f : 1.0f;
+    int16_t *q16 = (int16_t *)out + head * head_dim;
+    for (int64_t d = 0; d < head_dim; d++) q16[d] = (int16_t)nearbyintf(work[d] / step);
+    qscale[head] = step * scale;
+}
 #endif
 
 /* Returns 0, FAIL_MEMORY when a work buffer could not be allocated, or
@@ -471,7 +530,7 @@ int octavo_paged_decode(const void *q, void *out, int q_dtype,
     }
 #ifdef HAVE_AVX512_BF16
     const int fast_bf16 = q_dtype == BF16 && kv_dtype == BF16 && head_dim % 32 == 0;
-    const int fast_quant = (kv_dtype == I8 || kv_dtype == FP8) && head_dim % 16 == 0;
+    const int fast_quant = (kv_dtype == I8 && head_dim % 32 == 0) || (kv_dtype == FP8 && head_dim % 16 == 0);
 #else
     const int fast_bf16 = 0, fast_quant = 0;
 #endif
@@ -494,9 +553,9 @@ int octavo_paged_decode(const void *q, void *out, int q_dtype,
     {
         /* Per thread: accumulators and scores of every head, one K/V row, the
          * float32 queries of every head, each head's running maximum and
-         * 1/sum, a tile of 16 widened quantized rows. */
+         * 1/sum, a tile of 16 widened quantized rows, the queries' scales. */
         const size_t floats = (size_t)(num_heads * head_dim + num_heads * longest + head_dim + num_heads * head_dim +
-                                       num_heads * 17 + 16 * head_dim);
+                                       num_heads * 17 + 16 * head_dim + num_heads);
         float *work = malloc(sizeof(float) * floats);
         if (work == NULL) {
 #pragma omp atomic write
@@ -504,7 +563,7 @@ int octavo_paged_decode(const void *q, void *out, int q_dtype,
         }
         float *acc = work, *scores = acc + num_heads * head_dim, *row = scores + num_heads * longest;
         float *qf = row + head_dim, *peaks = qf + num_heads * head_dim, *inv = peaks + num_heads * 16;
-        float *tile = inv + num_heads;
+        float *tile = inv + num_heads, *qscale = tile + 16 * head_dim;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t chunk = 0; chunk < num_chunks; chunk++) {
             if (work == NULL) continue;
@@ -526,23 +585,22 @@ int octavo_paged_decode(const void *q, void *out, int q_dtype,
                 if (fast_bf16 || fast_quant) {
                     const seq_view sv = {table, begin, n, block_size, row_bytes, kv0, kv1, num_kv_heads};
                     const void *q_in = q_seq;
-                    if (fast_quant) { /* the item's queries in float32, times the softmax scale */
-                        for (int64_t h = kv0 * group; h < kv1 * group; h++) {
-                            load_row(q_seq + h * head_dim * q_elem, q_dtype, head_dim, qf + h * head_dim);
-                            for (int64_t d = 0; d < head_dim; d++) qf[h * head_dim + d] *= scale;
-                        }
+                    if (fast_quant) { /* the item's queries as span_scores_quant takes them */
+                        for (int64_t h = kv0 * group; h < kv1 * group; h++)
+                            prepare_query(q_seq + h * head_dim * q_elem, q_dtype, head_dim, scale, kv_dtype, row,
+                                          qf, h, qscale);
                         q_in = qf;
                     }
-                    void (*attend)(const void *, float, const char *, const char *, const float *, const float *,
-                                   const seq_view *, read_ahead *, int64_t, int64_t, float *, float *, float *,
-                                   float *, float *) =
+                    void (*attend)(const void *, const float *, float, const char *, const char *, const float *,
+                                   const float *, const seq_view *, read_ahead *, int64_t, int64_t, float *, float *,
+                                   float *, float *, float *) =
                         fast_bf16 ? attend_bf16 : kv_dtype == I8 ? attend_i8 : attend_fp8;
-                    attend(q_in, scale, k_cache, v_cache, k_scales, v_scales, &sv, &ra, group, head_dim, tile, scores,
-                           peaks, inv, acc);
+                    attend(q_in, qscale, scale, k_cache, v_cache, k_scales, v_scales, &sv, &ra, group, head_dim, tile,
+                           scores, peaks, inv, acc);
                 } else
 #endif
                 {
-                    (void)fast_bf16, (void)fast_quant, (void)peaks, (void)inv, (void)tile;
+                    (void)fast_bf16, (void)fast_quant, (void)peaks, (void)inv, (void)tile, (void)qscale;
                     read_ahead_advance(&ra, 2 * n * (kv1 - kv0) * head_dim * kv_elem);
                     for (int64_t g = kv0; g < kv1; g++) {
                         for (int64_t h = 0; h < group; h++) {

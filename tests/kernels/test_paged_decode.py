@@ -116,7 +116,10 @@ def test_quantized_cache_matches_sdpa_on_dequantized_blocks(kernel, shape, cache
     """int8 / e4m3 values with per-(token, head) scales, read in place: the
     attention of the dequantized cache. head_dim 40 takes the generic path,
     (16, 1, 64) a group too large for register accumulators; 21 sequences
-    cross work chunks."""
+    cross work chunks. An int8 cache's scores take the query in 15 bits
+    (int16 with a per-head scale, for vpdpwssd): float32 queries then differ
+    by up to ~1e-5 of their largest element, so the bound is 1e-3 there (bf16
+    queries: the bf16 bound, their own rounding is coarser)."""
     heads, kv_heads, head_dim, block_size, window = shape
     lens = torch.randint(1, 120, (21,), generator=torch.Generator().manual_seed(3)).tolist()
     q, kc, vc, tables, ctx = _case(heads, kv_heads, head_dim, block_size, torch.float32, lens, seed=4)
@@ -125,7 +128,8 @@ def test_quantized_cache_matches_sdpa_on_dequantized_blocks(kernel, shape, cache
     out = kernel(q, kq, vq, tables, ctx, window, 1 / math.sqrt(head_dim), ks, vs)
     assert out.dtype == q_dtype
     diff = (out.float() - _reference(q, kd, vd, tables, ctx, window)).abs().max().item()
-    assert diff < {torch.float32: 1e-5, torch.bfloat16: TOL[torch.bfloat16]}[q_dtype], f"max abs diff {diff}"
+    f32_tol = 1e-3 if cache_dtype == torch.int8 else 1e-5
+    assert diff < {torch.float32: f32_tol, torch.bfloat16: TOL[torch.bfloat16]}[q_dtype], f"max abs diff {diff}"
 
 
 def test_quantized_cache_needs_its_scales(kernel):
