@@ -155,7 +155,7 @@ def main() -> None:
     print_table(rows, ["kv_cache_dtype", "tokens_per_gib", "step_ms", "tok_s", "step_speedup", "attention_ms", "attention_speedup",
                        "kv_mb_per_step", "kv_bytes_ratio"],
                 title=f"decode step, {args.model.name} bf16, batch {args.batch}, context {args.context}, "
-                      f"{args.threads} threads, median of {args.steps - 1} steps")
+                      f"{args.threads} threads, median of {args.steps} steps")
     print(f"load {load_start} -> {load_avg()}")
     write_json(args.json, {"benchmark": "kv_cache_dtype", "args": vars(args), "results": rows})
     del runs
