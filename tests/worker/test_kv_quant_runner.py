@@ -120,3 +120,29 @@ def test_bad_static_scales_name_the_tensor(variant, tmp_path):
         "model.layers.0.self_attn.k_scale": one, "model.layers.0.self_attn.v_scale": torch.zeros(1)})
     with pytest.raises(ValueError, match=r"v_scale must hold positive finite scales"):
         make_runner(zero, num_blocks=4, kv_cache_dtype="int8")
+
+
+@pytest.mark.parametrize("tp_size,kv_heads,want", [
+    (2, 4, {0: [1, 2], 1: [3, 4]}),  # 4 KV heads split in two
+    (4, 2, {0: [1], 1: [1], 2: [2], 3: [2]}),  # 2 KV heads, each replicated on two ranks
+])
+def test_static_scales_follow_the_ranks_kv_heads(tmp_path, variant, tp_size, kv_heads, want):
+    """Under tensor parallelism a rank takes the scales of the KV heads its
+    QKV projection loads (QKVParallelLinear's shards), per-head ones sliced,
+    per-tensor ones broadcast."""
+    from types import SimpleNamespace
+
+    from octavo.model.kv_scales import load_static_kv_scales
+
+    folder = _with_scales(variant("llama"), tmp_path / "tp", {
+        "model.layers.0.self_attn.k_scale": torch.arange(1.0, kv_heads + 1),
+        "model.layers.0.self_attn.v_scale": torch.tensor([7.0]),
+    })
+    local = max(kv_heads // tp_size, 1)
+    for rank, heads in want.items():
+        qkv = SimpleNamespace(num_kv_heads=local, num_kv_shards=kv_heads // local, tp_rank=rank, tp_size=tp_size)
+        layer = SimpleNamespace(self_attn=SimpleNamespace(qkv_proj=qkv))
+        net = SimpleNamespace(model=SimpleNamespace(layer_range=range(0, 2)), local_layers=[layer, layer])
+        first, second = load_static_kv_scales(net, folder, torch.float8_e4m3fn)
+        assert second is None  # layer 1 has no scales in this checkpoint
+        assert first.tolist() == [heads, [7.0] * local]
