@@ -142,7 +142,7 @@ def test_static_scales_follow_the_ranks_kv_heads(tmp_path, variant, tp_size, kv_
     for rank, heads in want.items():
         qkv = SimpleNamespace(num_kv_heads=local, num_kv_shards=kv_heads // local, tp_rank=rank, tp_size=tp_size)
         layer = SimpleNamespace(self_attn=SimpleNamespace(qkv_proj=qkv))
-        net = SimpleNamespace(model=SimpleNamespace(layer_range=range(0, 2)), local_layers=[layer, layer])
+        net = SimpleNamespace(model=SimpleNamespace(layer_range=range(2)), local_layers=[layer, layer])
         first, second = load_static_kv_scales(net, folder, torch.float8_e4m3fn)
         assert second is None  # layer 1 has no scales in this checkpoint
         assert first.tolist() == [heads, [7.0] * local]
