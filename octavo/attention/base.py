@@ -1,9 +1,10 @@
 """The attention seam: a backend turns the step's layout into its metadata
 once per step, then runs every layer's attention over the paged KV cache.
 
-The cache of one layer is one tensor ``[2, num_blocks, block_size, kv_heads,
-head_dim]`` (K then V), allocated by the worker; every backend reads and
-writes that layout. Metadata is an explicit object the model passes down to
+The cache of one layer is a ``LayerKVCache`` (kv_quant.py): one tensor
+``[2, num_blocks, block_size, kv_heads, head_dim]`` (K then V), allocated by
+the worker, plus per-(token, head) scales when it is quantized; every backend
+reads and writes that layout. Metadata is an explicit object the model passes down to
 each layer, never global state, so two steps (or two models) never share it.
 The model calls ``write_kv`` and ``forward`` and never knows which backend runs.
 """
@@ -14,6 +15,8 @@ from dataclasses import dataclass
 from typing import ClassVar, Iterable, Optional
 
 import torch
+
+from octavo.attention.kv_quant import LayerKVCache, write_kv
 
 # window (None = full attention) -> mask; True marks keys a query attends to.
 MaskByWindow = dict[Optional[int], Optional[torch.Tensor]]
@@ -93,7 +96,7 @@ class AttentionBackend(ABC):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        kv_cache: torch.Tensor,
+        kv_cache: LayerKVCache,
         meta: AttentionMetadata,
         window: Optional[int],
     ) -> torch.Tensor:
@@ -102,14 +105,6 @@ class AttentionBackend(ABC):
         kv_heads, D] are this step's, already in ``kv_cache`` (``write_kv``
         or a fused kernel put them there). Returns [T, heads, D]."""
 
-    def write_kv(self, kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
-        """k, v [T, kv_heads, D] of this step into the cache."""
+    def write_kv(self, kv_cache: LayerKVCache, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
+        """k, v [T, kv_heads, D] of this step into the cache (quantized when it is)."""
         write_kv(kv_cache, k, v, meta.slot_mapping)
-
-
-def write_kv(kv_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """k, v [T, kv_heads, D] into their slots (cast when the cache dtype
-    differs from the model's; a no-op otherwise)."""
-    slots = kv_cache.view(2, -1, kv_cache.shape[-2], kv_cache.shape[-1])
-    slots[0].index_copy_(0, slot_mapping, k.to(kv_cache.dtype))
-    slots[1].index_copy_(0, slot_mapping, v.to(kv_cache.dtype))

@@ -9,6 +9,7 @@ from typing import Iterable, Optional
 import torch
 
 from octavo.attention.base import AttentionBackend, AttentionMetadata, StepLayout
+from octavo.attention.kv_quant import LayerKVCache
 from octavo.attention.prefill import attend_prefills, build_prefills
 from octavo.kernels.paged_decode import PagedDecodeKernel, paged_decode_kernel
 
@@ -22,7 +23,7 @@ class NativeCpuMetadata(AttentionMetadata):
 
 class NativeCpuBackend(AttentionBackend):
     name = "native"
-    requirement = "runs on CPU with float32/bfloat16/float16"
+    requirement = "runs on CPU with float32/bfloat16/float16 (caches also int8/fp8)"
 
     def __init__(self, windows: Iterable[Optional[int]], kernel: PagedDecodeKernel) -> None:
         super().__init__(windows)
@@ -50,7 +51,7 @@ class NativeCpuBackend(AttentionBackend):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        kv_cache: torch.Tensor,
+        kv_cache: LayerKVCache,
         meta: NativeCpuMetadata,
         window: Optional[int],
     ) -> torch.Tensor:
@@ -58,9 +59,10 @@ class NativeCpuBackend(AttentionBackend):
         if not n:
             out = torch.empty_like(q)
         else:
+            scales = kv_cache.scales
             o = self.kernel(
-                q[:n], kv_cache[0], kv_cache[1], meta.decode_block_table, meta.decode_context_lens, window,
-                q.shape[-1] ** -0.5,
+                q[:n], kv_cache.data[0], kv_cache.data[1], meta.decode_block_table, meta.decode_context_lens, window,
+                q.shape[-1] ** -0.5, None if scales is None else scales[0], None if scales is None else scales[1],
             )
             if not meta.prefills:
                 return o

@@ -1,6 +1,6 @@
 """Prefill chunks through torch's SDPA, shared by the CPU backends: each
 chunk gets its own call with an offset causal mask, reading a cached prefix
-by gathering only that request's blocks."""
+by gathering only that request's blocks (dequantized from a quantized cache)."""
 from __future__ import annotations
 
 from typing import Iterable, Optional
@@ -9,6 +9,7 @@ import torch
 from torch.nn import functional as F
 
 from octavo.attention.base import MaskByWindow, PrefillChunk, StepLayout
+from octavo.attention.kv_quant import LayerKVCache, gather_blocks
 
 
 def window_mask(query_pos: torch.Tensor, keys: torch.Tensor, window: Optional[int]) -> torch.Tensor:
@@ -17,12 +18,6 @@ def window_mask(query_pos: torch.Tensor, keys: torch.Tensor, window: Optional[in
     if window is not None:
         mask &= keys > query_pos - window
     return mask
-
-
-def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """cache [num_blocks, block_size, H, D], block_ids [...] -> [..., blocks * block_size, H, D]."""
-    blocks = cache.index_select(0, block_ids.reshape(-1)).to(dtype)
-    return blocks.view(*block_ids.shape[:-1], -1, cache.shape[-2], cache.shape[-1])
 
 
 def build_prefills(layout: StepLayout, windows: Iterable[Optional[int]]) -> list[PrefillChunk]:
@@ -53,7 +48,7 @@ def attend_prefills(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    kv_cache: torch.Tensor,
+    kv_cache: LayerKVCache,
     prefills: list[PrefillChunk],
     window: Optional[int],
     out: torch.Tensor,
@@ -64,8 +59,10 @@ def attend_prefills(
         if chunk.fresh:
             keys, values = k[rows], v[rows]
         else:
-            keys = gather_blocks(kv_cache[0], chunk.block_ids, q.dtype)[: chunk.context_len]
-            values = gather_blocks(kv_cache[1], chunk.block_ids, q.dtype)[: chunk.context_len]
+            # The whole context from the cache (this step's rows are in it by
+            # now), dequantized from a quantized one.
+            keys = gather_blocks(kv_cache, 0, chunk.block_ids, q.dtype)[: chunk.context_len]
+            values = gather_blocks(kv_cache, 1, chunk.block_ids, q.dtype)[: chunk.context_len]
         mask = chunk.masks[window]
         # 4-D inputs: torch's CPU flash kernel takes only those (3-D ones go
         # to the unfused math path: 6x slower on a 64-request offline run).

@@ -10,7 +10,8 @@ import torch
 from torch.nn import functional as F
 
 from octavo.attention.base import AttentionBackend, AttentionMetadata, MaskByWindow, StepLayout
-from octavo.attention.prefill import attend_prefills, build_prefills, gather_blocks, window_mask
+from octavo.attention.kv_quant import LayerKVCache, gather_blocks
+from octavo.attention.prefill import attend_prefills, build_prefills, window_mask
 
 
 @dataclass
@@ -68,15 +69,15 @@ class TorchSdpaBackend(AttentionBackend):
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        kv_cache: torch.Tensor,
+        kv_cache: LayerKVCache,
         meta: TorchSdpaMetadata,
         window: Optional[int],
     ) -> torch.Tensor:
         out = torch.empty_like(q)
         for group in meta.decode_groups:
             rows = slice(group.row_start, group.row_end)
-            keys = gather_blocks(kv_cache[0], group.block_table, q.dtype).transpose(1, 2)
-            values = gather_blocks(kv_cache[1], group.block_table, q.dtype).transpose(1, 2)
+            keys = gather_blocks(kv_cache, 0, group.block_table, q.dtype).transpose(1, 2)
+            values = gather_blocks(kv_cache, 1, group.block_table, q.dtype).transpose(1, 2)
             o = F.scaled_dot_product_attention(
                 q[rows].unsqueeze(2), keys, values, attn_mask=group.masks[window], enable_gqa=True
             )

@@ -8,8 +8,9 @@
 #include <stdint.h>
 #include <string.h>
 
-/* The codes the Python wrappers pass for torch.float32 / bfloat16 / float16. */
-enum { F32 = 0, BF16 = 1, F16 = 2 };
+/* The codes the Python wrappers pass for torch.float32 / bfloat16 / float16,
+ * and for the quantized KV cache's int8 / float8_e4m3fn (cache only). */
+enum { F32 = 0, BF16 = 1, F16 = 2, I8 = 3, FP8 = 4 };
 
 /* The row helpers below branch on the dtype; inlined into a loop where the
  * dtype is a constant (see DTYPE_SWITCH), the branches fold away and the
@@ -31,7 +32,33 @@ enum { F32 = 0, BF16 = 1, F16 = 2 };
         }                                   \
     } while (0)
 
-ALWAYS_INLINE int64_t element_size(int dtype) { return dtype == F32 ? 4 : 2; }
+ALWAYS_INLINE int64_t element_size(int dtype) { return dtype == F32 ? 4 : (dtype == I8 || dtype == FP8) ? 1 : 2; }
+
+/* float8_e4m3fn (1 sign, 4 exponent bits of bias 7, 3 mantissa bits, no
+ * infinities) -> float. Placed in a float16's bit positions the byte is the
+ * same number divided by 2^8 (the bias differs by 8), subnormals included. */
+ALWAYS_INLINE float e4m3_to_float(uint8_t b) {
+    const uint16_t h = (uint16_t)(((b & 0x80u) << 8) | ((b & 0x7fu) << 7));
+    _Float16 f;
+    memcpy(&f, &h, sizeof f);
+    return (float)f * 256.0f;
+}
+
+/* |x| <= 448 (the caller clamps) -> the nearest e4m3fn, ties to even, as
+ * torch converts. */
+ALWAYS_INLINE uint8_t float_to_e4m3(float x) {
+    uint32_t u;
+    memcpy(&u, &x, sizeof u);
+    const uint8_t sign = (uint8_t)((u >> 24) & 0x80u);
+    const float a = fabsf(x);
+    if (a < 0.015625f) /* below 2^-6: subnormal steps of 2^-9 (a result of 8 is 2^-6, the first normal) */
+        return sign | (uint8_t)nearbyintf(a * 512.0f);
+    const uint32_t m = u & 0x7fffffffu;
+    /* Drop 20 of float's 23 mantissa bits, rounding to nearest even; a carry
+     * moves into the exponent, as it should. */
+    const uint32_t r = (m + 0x7ffffu + ((m >> 20) & 1u)) >> 20;
+    return sign | (uint8_t)((((r >> 3) - 120u) << 3) | (r & 7u));
+}
 
 ALWAYS_INLINE float bf16_to_float(uint16_t h) {
     const uint32_t u = (uint32_t)h << 16;
@@ -57,10 +84,17 @@ ALWAYS_INLINE void load_row(const void *src, int dtype, int64_t n, float *dst) {
         const uint16_t *s = (const uint16_t *)src;
 #pragma omp simd
         for (int64_t i = 0; i < n; i++) dst[i] = bf16_to_float(s[i]);
-    } else {
+    } else if (dtype == F16) {
         const _Float16 *s = (const _Float16 *)src;
 #pragma omp simd
         for (int64_t i = 0; i < n; i++) dst[i] = (float)s[i];
+    } else if (dtype == I8) { /* quantized values, before their scale */
+        const int8_t *s = (const int8_t *)src;
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) dst[i] = (float)s[i];
+    } else {
+        const uint8_t *s = (const uint8_t *)src;
+        for (int64_t i = 0; i < n; i++) dst[i] = e4m3_to_float(s[i]);
     }
 }
 
@@ -129,6 +163,21 @@ ALWAYS_INLINE void store16_bf16(void *dst, __m512 x) { _mm256_storeu_si256((__m2
 /* x rounded to bf16 and widened back. */
 ALWAYS_INLINE __m512 round16_bf16(__m512 x) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(narrow16_bf16(x)), 16));
+}
+
+/* 16 quantized cache values (before their scale) as float32 lanes. e4m3
+ * bytes are moved into float16 bit positions (see e4m3_to_float) and widened
+ * by vcvtph2ps: the results are 2^-8 of the values; the caller folds the 2^8
+ * into the scale. */
+ALWAYS_INLINE __m512 load16_i8(const void *src) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)src)));
+}
+
+ALWAYS_INLINE __m512 load16_e4m3_scaled_down(const void *src) {
+    const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)src));
+    const __m256i sign = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x80)), 8);
+    const __m256i rest = _mm256_slli_epi16(_mm256_and_si256(b, _mm256_set1_epi16(0x7f)), 7);
+    return _mm512_cvtph_ps(_mm256_or_si256(sign, rest));
 }
 
 /* exp_nonpositive for 16 lanes; the power of two is applied with vscalefps. */

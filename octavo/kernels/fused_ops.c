@@ -179,20 +179,62 @@ static void rotate_head_bf16(char *head, const float *cos_row, const float *sin_
 }
 #endif
 
+/* One head's row x[n] (float32) into a quantized cache row: symmetric, the
+ * scale max|x| / qmax (int8: 127, e4m3: 448), or `fixed` when > 0 (a static
+ * per-head scale from the checkpoint; values beyond its range saturate).
+ * Divides, rounds and clamps as kv_quant.quantize does in torch, so both
+ * paths store the same bytes. Returns the scale. */
+static float quantize_row(const float *x, int64_t n, int kind, float fixed, void *dst) {
+    const float qmax = kind == I8 ? 127.0f : 448.0f;
+    float scale = fixed;
+    if (!(fixed > 0.0f)) {
+        float peak = 0.0f;
+#pragma omp simd reduction(max : peak)
+        for (int64_t i = 0; i < n; i++) peak = fabsf(x[i]) > peak ? fabsf(x[i]) : peak;
+        scale = peak / qmax;
+        scale = scale == 0.0f ? 1.0f : scale; /* an all-zero row: any scale stores it exactly */
+    }
+    if (kind == I8) {
+        int8_t *d = (int8_t *)dst;
+#pragma omp simd
+        for (int64_t i = 0; i < n; i++) {
+            float y = x[i] / scale;
+            y = y > qmax ? qmax : (y < -qmax ? -qmax : y);
+            d[i] = (int8_t)nearbyintf(y);
+        }
+    } else {
+        uint8_t *d = (uint8_t *)dst;
+        for (int64_t i = 0; i < n; i++) {
+            float y = x[i] / scale;
+            y = y > qmax ? qmax : (y < -qmax ? -qmax : y);
+            d[i] = float_to_e4m3(y);
+        }
+    }
+    return scale;
+}
+
 /* Rotary embedding and the K/V cache write of a fused q/k/v projection's
  * output. qkv [rows, (heads + 2 kv_heads) * head_dim]: q and k are rotated
  * in place; then k and v go to their cache slots. cos, sin [rows, head_dim]
- * (model dtype); k_cache, v_cache [num_slots, kv_heads, head_dim]; slots [rows].
+ * (model dtype); k_cache, v_cache [num_slots, kv_heads, head_dim] of
+ * cache_dtype; slots [rows].
+ *
+ * A quantized cache (cache_dtype I8 or FP8) takes each head's row quantized,
+ * its scale stored at k_scales / v_scales [num_slots / block_size, kv_heads,
+ * block_size] (float32); static_scales [2, kv_heads] (K's, then V's) fixes
+ * them when not NULL. Otherwise cache_dtype equals dtype and rows are copied.
  * Returns 0; -1 when head_dim is odd or above 512, -2 when a slot is not in
  * [0, num_slots) (nothing is written then). */
 int octavo_rotary_write_kv(void *qkv, int64_t rows, int64_t heads, int64_t kv_heads, int64_t head_dim,
                            const void *cos, const void *sin, void *k_cache, void *v_cache, const int64_t *slots,
-                           int64_t num_slots, int dtype) {
+                           int64_t num_slots, int dtype, int cache_dtype, float *k_scales, float *v_scales,
+                           const float *static_scales, int64_t block_size) {
     if (head_dim > 512 || head_dim % 2) return -1;
     for (int64_t r = 0; r < rows; r++)
         if (slots[r] < 0 || slots[r] >= num_slots) return -2;
     const int64_t es = element_size(dtype), width = (heads + 2 * kv_heads) * head_dim;
     const int64_t rotated_heads = heads + kv_heads, kv_bytes = kv_heads * head_dim * es;
+    const int quantized = cache_dtype == I8 || cache_dtype == FP8;
 #pragma omp parallel for schedule(static) if (rows * width >= PARALLEL_MIN)
     for (int64_t r = 0; r < rows; r++) {
         char *row = (char *)qkv + r * width * es;
@@ -207,8 +249,22 @@ int octavo_rotary_write_kv(void *qkv, int64_t rows, int64_t heads, int64_t kv_he
             DTYPE_SWITCH(dtype, for (int64_t h = 0; h < rotated_heads; h++)
                                     rotate_head(row + h * head_dim * es, c, s, head_dim, dt));
         const char *k = row + heads * head_dim * es;
-        memcpy((char *)k_cache + slots[r] * kv_bytes, k, (size_t)kv_bytes);
-        memcpy((char *)v_cache + slots[r] * kv_bytes, k + kv_bytes, (size_t)kv_bytes);
+        if (!quantized) {
+            memcpy((char *)k_cache + slots[r] * kv_bytes, k, (size_t)kv_bytes);
+            memcpy((char *)v_cache + slots[r] * kv_bytes, k + kv_bytes, (size_t)kv_bytes);
+            continue;
+        }
+        const int64_t block = slots[r] / block_size, offset = slots[r] % block_size;
+        for (int pass = 0; pass < 2; pass++) {
+            char *cache = (char *)(pass == 0 ? k_cache : v_cache) + slots[r] * kv_heads * head_dim;
+            float *scales = (pass == 0 ? k_scales : v_scales) + block * kv_heads * block_size + offset;
+            for (int64_t h = 0; h < kv_heads; h++) {
+                float x[512];
+                DTYPE_SWITCH(dtype, load_row(k + (pass * kv_heads + h) * head_dim * es, dt, head_dim, x));
+                const float fixed = static_scales ? static_scales[pass * kv_heads + h] : 0.0f;
+                scales[h * block_size] = quantize_row(x, head_dim, cache_dtype, fixed, cache + h * head_dim);
+            }
+        }
     }
     return 0;
 }

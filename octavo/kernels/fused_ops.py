@@ -11,11 +11,15 @@ import torch
 from octavo.kernels.build import load_kernel, try_load_kernel
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# Quantized K/V cache element types (cache only), as common.h numbers them.
+_CACHE_CODES = {**_DTYPE_CODES, torch.int8: 3, torch.float8_e4m3fn: 4}
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _SIGNATURES = {
     "octavo_rms_norm": ([_P, _P, _P, _P, _I, _I, _F, ctypes.c_int], None),
     "octavo_silu_mul": ([_P, _P, _I, _I, ctypes.c_int], None),
-    "octavo_rotary_write_kv": ([_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _I, ctypes.c_int], ctypes.c_int),
+    "octavo_rotary_write_kv": (
+        [_P, _I, _I, _I, _I, _P, _P, _P, _P, _P, _I, ctypes.c_int, ctypes.c_int, _P, _P, _P, _I], ctypes.c_int
+    ),
     "octavo_argmax": ([_P, _I, _I, _P, ctypes.c_int], None),
 }
 
@@ -79,10 +83,15 @@ class FusedOps:
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         slots: torch.Tensor,
+        scales: Optional[torch.Tensor] = None,
+        static_scales: Optional[torch.Tensor] = None,
     ) -> None:
         """Rotate q and k of ``qkv`` [rows, (heads + 2 kv_heads) * head_dim] in
         place and write k, v to ``slots`` of the caches [..., kv_heads, head_dim].
-        cos, sin [rows, head_dim]."""
+        cos, sin [rows, head_dim]. Caches of int8 / float8_e4m3fn take the rows
+        quantized, each row's scale into ``scales`` [2, num_blocks, kv_heads,
+        block_size] float32 (K's, V's), or the fixed ``static_scales`` [2,
+        kv_heads] when given (see octavo/attention/kv_quant.py)."""
         rows, width = qkv.shape
         head_dim = cos.shape[-1]
         if width != (num_heads + 2 * num_kv_heads) * head_dim:
@@ -91,17 +100,32 @@ class FusedOps:
         _check("qkv", qkv, qkv.dtype)
         for name, t in (("cos", cos), ("sin", sin)):
             _check(name, t, qkv.dtype, (rows, head_dim))
+        quantized = k_cache.dtype in _CACHE_CODES and k_cache.dtype not in _DTYPE_CODES
+        cache_dtype = k_cache.dtype if quantized else qkv.dtype
         for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-            _check(name, t, qkv.dtype)
+            _check(name, t, cache_dtype)
             if tuple(t.shape[-2:]) != (num_kv_heads, head_dim):
                 raise ValueError(f"{name} rows are {tuple(t.shape[-2:])}, expected {(num_kv_heads, head_dim)}")
         _check("slots", slots, torch.int64, (rows,))
         if k_cache.shape != v_cache.shape:
             raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ")
         capacity = k_cache.numel() // (num_kv_heads * head_dim)
+        block_size = 0
+        if quantized:
+            if scales is None or scales.dim() != 4 or scales.shape[:3] != (2, scales.shape[1], num_kv_heads):
+                raise ValueError(f"a {k_cache.dtype} cache needs scales [2, blocks, kv_heads, block_size]")
+            _check("scales", scales, torch.float32)
+            block_size = scales.shape[-1]
+            if scales.shape[1] * block_size != capacity:
+                raise ValueError(f"scales {tuple(scales.shape)} do not cover the cache's {capacity} slots")
+            if static_scales is not None:
+                _check("static_scales", static_scales, torch.float32, (2, num_kv_heads))
         status = self._lib.octavo_rotary_write_kv(
             qkv.data_ptr(), rows, num_heads, num_kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(),
             k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), capacity, _DTYPE_CODES[qkv.dtype],
+            _CACHE_CODES[cache_dtype], scales[0].data_ptr() if quantized else None,
+            scales[1].data_ptr() if quantized else None,
+            None if static_scales is None or not quantized else static_scales.data_ptr(), block_size,
         )
         if status == -1:
             raise ValueError(f"rotary kernel takes an even head_dim up to 512; got {head_dim}")

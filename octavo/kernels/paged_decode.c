@@ -21,6 +21,14 @@
  * tried: no faster with the data in cache, slower from memory.) Other dtypes
  * convert rows to float32 first.
  *
+ * Quantized caches (int8 or e4m3, one byte per element, a float32 scale per
+ * token and KV head: octavo/attention/kv_quant.py): each 16-row tile of a KV
+ * head is widened to float32 once (into L1) and serves the group's query
+ * heads, held in float32 with the softmax scale folded in; the 16 rows' K
+ * scales multiply the 16 scores with one vector load (scales are laid out
+ * [block, kv_head, position] for that), and each row's V scale is folded into
+ * its softmax weight. Half the bytes of bf16 are read per position.
+ *
  * Built on first use by octavo/kernels/build.py with the machine's C compiler
  * (-O3 -march=native -fopenmp) and called through ctypes. Linked against
  * libgomp.so.1, which resolves to the copy torch has already loaded, so the
@@ -29,6 +37,7 @@
  * Layouts (all contiguous):
  *   q, out        [num_seqs, num_heads, head_dim]
  *   k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim]
+ *   k_scales, v_scales [num_blocks, num_kv_heads, block_size] float32 (quantized caches; else NULL)
  *   block_tables  [num_seqs, table_width] int64
  *   context_lens  [num_seqs] int64: the query attends to positions 0..len-1
  * window > 0 keeps only the last `window` positions (sliding window).
@@ -155,12 +164,16 @@ static void softmax_rows(float *scores, int64_t group, int64_t n) {
     }
 }
 
-/* One (sequence, KV head) item, any dtypes: rows converted to float32 first. */
+/* One (sequence, KV head) item, any dtypes: rows converted to float32 first.
+ * k_sc, v_sc: the item's KV head's scales (quantized caches; else NULL), a
+ * block's at block * scale_stride. */
 static void attend_generic(const float *qf, const char *k_base, const char *v_base, int kv_dtype,
+                           const float *k_sc, const float *v_sc, int64_t scale_stride,
                            const int64_t *table, int64_t begin, int64_t n, int64_t group, int64_t head_dim,
                            int64_t block_size, int64_t row_bytes, float *row, float *scores, float *acc) {
     for (int pass = 0; pass < 2; pass++) {
         const char *base = pass == 0 ? k_base : v_base;
+        const float *sc = pass == 0 ? k_sc : v_sc;
         int64_t t = 0, pos = begin;
         while (t < n) {
             const int64_t block = table[pos / block_size], first = pos % block_size;
@@ -168,15 +181,16 @@ static void attend_generic(const float *qf, const char *k_base, const char *v_ba
             const char *src = base + (block * block_size + first) * row_bytes;
             for (int64_t i = 0; i < count; i++, t++, src += row_bytes) {
                 load_row(src, kv_dtype, head_dim, row);
+                const float row_scale = sc ? sc[block * scale_stride + first + i] : 1.0f;
                 for (int64_t h = 0; h < group; h++) {
                     if (pass == 0) {
                         const float *qh = qf + h * head_dim;
                         float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
                         for (int64_t d = 0; d < head_dim; d++) dot += qh[d] * row[d];
-                        scores[h * n + t] = dot;
+                        scores[h * n + t] = dot * row_scale;
                     } else {
-                        const float p = scores[h * n + t];
+                        const float p = scores[h * n + t] * row_scale;
                         float *ah = acc + h * head_dim;
 #pragma omp simd
                         for (int64_t d = 0; d < head_dim; d++) ah[d] += p * row[d];
@@ -199,6 +213,7 @@ typedef struct {
     const int64_t *table;
     int64_t begin, n, block_size, row_bytes;
     int64_t kv0, kv1; /* the KV heads this item covers */
+    int64_t kv_heads; /* of the cache: the stride of a block's scales is kv_heads * block_size */
 } seq_view;
 
 /* Position t's span: its first row and how many rows follow in the block. */
@@ -206,6 +221,12 @@ ALWAYS_INLINE const char *span_at(const seq_view *sv, const char *cache, int64_t
     const int64_t pos = sv->begin + t, first = pos % sv->block_size;
     *count = (sv->block_size - first < sv->n - t) ? sv->block_size - first : sv->n - t;
     return cache + (sv->table[pos / sv->block_size] * sv->block_size + first) * sv->row_bytes;
+}
+
+/* The scales of position t's span for KV head 0 (head kv's: + kv * block_size). */
+ALWAYS_INLINE const float *span_scales(const seq_view *sv, const float *scales, int64_t t) {
+    const int64_t pos = sv->begin + t;
+    return scales + sv->table[pos / sv->block_size] * sv->kv_heads * sv->block_size + pos % sv->block_size;
 }
 
 /* Lane t of the result = the sum of v[t]'s 16 lanes: a transpose-and-add tree
@@ -261,38 +282,129 @@ ALWAYS_INLINE void span_scores_avx512(const uint16_t *qb, float scale, const cha
     }
 }
 
+/* 16 values of a quantized cache row as float32, before their scale (e4m3:
+ * 2^-8 of it, see load16_e4m3_scaled_down; QUANT_UNIT undoes that). */
+ALWAYS_INLINE __m512 load16_quant(const char *src, int kind) {
+    return kind == I8 ? load16_i8(src) : load16_e4m3_scaled_down(src);
+}
+#define QUANT_UNIT(kind) ((kind) == I8 ? 1.0f : 256.0f)
+
+/* span_scores_avx512 for a quantized cache. sc: the span's K scales (KV
+ * head 0's; see span_scales). Each 16-row tile of a KV head is widened once
+ * into `tile` (16 * head_dim floats of room) and serves the group's heads.
+ *
+ * int8 (INT8_DOTS): q holds each head's query as int16 (q ~= q16 * qscale,
+ * qscale[head] with the softmax scale folded in), the rows are widened to
+ * int16 and multiplied with vpdpwssd: exact products and int32 sums, 32 per
+ * instruction as vdpbf16ps does, where float32 FMAs on rows widened to
+ * float32 did 16 (the int8 path's arithmetic took 1.4x bf16's then). The
+ * sums fit: 127 * 32767 * head_dim < 2^31 up to head_dim 512. A 15-bit query
+ * is finer than the bf16 one it comes from for all but its smallest elements.
+ * e4m3: q holds float32 queries times the softmax scale, rows widened to
+ * float32, FMAs. */
+#if defined(__AVX512VNNI__)
+#define INT8_DOTS 1
+#else
+#define INT8_DOTS 0
+#endif
+ALWAYS_INLINE void span_scores_quant(const void *q, const float *qscale, const char *span, const float *sc,
+                                     int64_t count, int64_t t, int64_t n, int64_t kv0, int64_t kv1, int64_t group,
+                                     int64_t head_dim, int64_t row_bytes, int64_t block_size, int kind, void *tile,
+                                     float *scores, float *peaks, read_ahead *ra) {
+    const int int_dots = INT8_DOTS && kind == I8;
+    const int64_t lanes = head_dim / 16, pairs = head_dim / 32;
+    int16_t *tile16 = (int16_t *)tile;
+    float *tilef = (float *)tile;
+    for (int64_t i0 = 0; i0 < count; i0 += 16) {
+        const int64_t m = count - i0 < 16 ? count - i0 : 16;
+        const __mmask16 valid = (__mmask16)((1u << m) - 1u);
+        for (int64_t kv = kv0; kv < kv1; kv++) {
+            read_ahead_advance(ra, m * head_dim);
+            const char *row = span + i0 * row_bytes + kv * head_dim;
+            for (int64_t i = 0; i < m; i++, row += row_bytes) {
+                if (int_dots)
+                    for (int64_t c = 0; c < pairs; c++)
+                        _mm512_storeu_si512((void *)(tile16 + i * head_dim + c * 32),
+                                            _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(row + c * 32))));
+                else
+                    for (int64_t c = 0; c < lanes; c++)
+                        _mm512_storeu_ps(tilef + i * head_dim + c * 16, load16_quant(row + c * 16, kind));
+            }
+            const __m512 k_scale = _mm512_mul_ps(_mm512_maskz_loadu_ps(valid, sc + kv * block_size + i0),
+                                                 _mm512_set1_ps(QUANT_UNIT(kind)));
+            for (int64_t h = 0; h < group; h++) {
+                const int64_t head = kv * group + h;
+                __m512 sums[16];
+                for (int64_t i = 0; i < 16; i++) {
+                    if (int_dots) {
+                        const int16_t *qh = (const int16_t *)q + head * head_dim;
+                        __m512i sum = _mm512_setzero_si512();
+#if INT8_DOTS
+                        if (i < m)
+                            for (int64_t c = 0; c < pairs; c++)
+                                sum = _mm512_dpwssd_epi32(sum, _mm512_loadu_si512((const void *)(tile16 + i * head_dim + c * 32)),
+                                                          _mm512_loadu_si512((const void *)(qh + c * 32)));
+#endif
+                        sums[i] = _mm512_cvtepi32_ps(sum);
+                    } else {
+                        const float *qh = (const float *)q + head * head_dim;
+                        __m512 sum = _mm512_setzero_ps();
+                        if (i < m)
+                            for (int64_t c = 0; c < lanes; c++)
+                                sum = _mm512_fmadd_ps(_mm512_loadu_ps(tilef + i * head_dim + c * 16),
+                                                      _mm512_loadu_ps(qh + c * 16), sum);
+                        sums[i] = sum;
+                    }
+                }
+                __m512 dots = _mm512_mul_ps(sum16(sums), k_scale);
+                if (int_dots) dots = _mm512_mul_ps(dots, _mm512_set1_ps(qscale[head]));
+                float *peak = peaks + head * 16;
+                _mm512_mask_storeu_ps(scores + head * n + t + i0, valid, dots);
+                _mm512_storeu_ps(peak, _mm512_mask_max_ps(_mm512_loadu_ps(peak), valid, _mm512_loadu_ps(peak), dots));
+            }
+        }
+    }
+}
+
 /* acc[head] += sum over the span's rows of p * v, in float32; per KV head the
- * group's accumulators sit in registers for the span when they fit. */
+ * group's accumulators sit in registers for the span when they fit. `kind`:
+ * BF16, or I8 / FP8 with the span's V scales `sc` (KV head 0's; see
+ * span_scales) folded into each row's weights. */
 #define MAX_REG_ACC 24 /* zmm accumulators kept in registers (of 32) */
-ALWAYS_INLINE void span_values(const float *scores, const char *span, int64_t count, int64_t t, int64_t n,
-                               int64_t kv0, int64_t kv1, int64_t group, int64_t head_dim, int64_t row_bytes,
-                               float *acc, read_ahead *ra) {
-    const int64_t lanes = head_dim / 16;
+ALWAYS_INLINE void span_values(const float *scores, const char *span, const float *sc, int64_t count, int64_t t,
+                               int64_t n, int64_t kv0, int64_t kv1, int64_t group, int64_t head_dim, int64_t row_bytes,
+                               int64_t block_size, int kind, float *acc, read_ahead *ra) {
+    const int64_t lanes = head_dim / 16, elem = kind == BF16 ? 2 : 1;
     for (int64_t kv = kv0; kv < kv1; kv++) {
-        read_ahead_advance(ra, count * head_dim * 2);
+        read_ahead_advance(ra, count * head_dim * elem);
         const float *p = scores + kv * group * n + t;
+        const float *vs = kind == BF16 ? NULL : sc + kv * block_size;
         float *a = acc + kv * group * head_dim;
-        const char *row = span + kv * head_dim * 2;
+        const char *row = span + kv * head_dim * elem;
+#define ROW_WEIGHT(h, i) (kind == BF16 ? p[(h) * n + (i)] : p[(h) * n + (i)] * vs[i] * QUANT_UNIT(kind))
+#define ROW_VALUES(c) (kind == BF16 ? load16_bf16(row + (c) * 32) : load16_quant(row + (c) * 16, kind))
         if (group * lanes <= MAX_REG_ACC) {
             __m512 regs[MAX_REG_ACC];
             for (int64_t j = 0; j < group * lanes; j++) regs[j] = _mm512_loadu_ps(a + j * 16);
             for (int64_t i = 0; i < count; i++, row += row_bytes)
                 for (int64_t c = 0; c < lanes; c++) {
-                    const __m512 v = load16_bf16(row + c * 32);
+                    const __m512 v = ROW_VALUES(c);
                     for (int64_t h = 0; h < group; h++)
-                        regs[h * lanes + c] = _mm512_fmadd_ps(_mm512_set1_ps(p[h * n + i]), v, regs[h * lanes + c]);
+                        regs[h * lanes + c] = _mm512_fmadd_ps(_mm512_set1_ps(ROW_WEIGHT(h, i)), v, regs[h * lanes + c]);
                 }
             for (int64_t j = 0; j < group * lanes; j++) _mm512_storeu_ps(a + j * 16, regs[j]);
         } else {
             for (int64_t i = 0; i < count; i++, row += row_bytes)
                 for (int64_t c = 0; c < lanes; c++) {
-                    const __m512 v = load16_bf16(row + c * 32);
+                    const __m512 v = ROW_VALUES(c);
                     for (int64_t h = 0; h < group; h++) {
                         float *ah = a + h * head_dim + c * 16;
-                        _mm512_storeu_ps(ah, _mm512_fmadd_ps(_mm512_set1_ps(p[h * n + i]), v, _mm512_loadu_ps(ah)));
+                        _mm512_storeu_ps(ah, _mm512_fmadd_ps(_mm512_set1_ps(ROW_WEIGHT(h, i)), v, _mm512_loadu_ps(ah)));
                     }
                 }
         }
+#undef ROW_WEIGHT
+#undef ROW_VALUES
     }
 }
 
@@ -316,24 +428,34 @@ static void exponentiate_rows(float *scores, const float *peaks, int64_t heads, 
 /* One item: scores, their exponentials, then the values into
  * acc[head][head_dim] for the item's heads (buffers are indexed by the head's
  * number in the sequence). `peaks` holds num_heads * 16 floats, `inv`
- * num_heads. Inlined by attend_bf16 with constant group and head_dim for the
- * common shapes, so the loops unroll and the accumulators stay in registers. */
-ALWAYS_INLINE void sequence_bf16(const uint16_t *qb, float scale, const char *k_cache, const char *v_cache,
-                                 const seq_view *sv, read_ahead *ra, int64_t group, int64_t head_dim, float *scores,
-                                 float *peaks, float *inv, float *acc) {
+ * num_heads. kind BF16: q is the sequence's raw bf16 queries; I8 / FP8: as
+ * span_scores_quant takes them (`scale` unused), with the caches' scales and
+ * a tile of 16 * head_dim floats. Inlined by attend_avx512 with
+ * constant kind, group and head_dim for the common shapes, so the loops
+ * unroll and the accumulators stay in registers. */
+ALWAYS_INLINE void sequence_avx512(const void *q, const float *qscale, float scale, const char *k_cache,
+                                   const char *v_cache, const float *k_scales, const float *v_scales,
+                                   const seq_view *sv, read_ahead *ra, int kind, int64_t group, int64_t head_dim,
+                                   float *tile, float *scores,
+                                   float *peaks, float *inv, float *acc) {
     const int64_t n = sv->n, h0 = sv->kv0 * group, heads = (sv->kv1 - sv->kv0) * group;
     int64_t count;
     for (int64_t h = h0; h < h0 + heads; h++) _mm512_storeu_ps(peaks + h * 16, _mm512_set1_ps(-INFINITY));
     for (int64_t t = 0; t < n; t += count) {
         const char *span = span_at(sv, k_cache, t, &count);
-        span_scores_avx512(qb, scale, span, count, t, n, sv->kv0, sv->kv1, group, head_dim, sv->row_bytes, scores,
-                           peaks, ra);
+        if (kind == BF16)
+            span_scores_avx512((const uint16_t *)q, scale, span, count, t, n, sv->kv0, sv->kv1, group, head_dim,
+                               sv->row_bytes, scores, peaks, ra);
+        else
+            span_scores_quant(q, qscale, span, span_scales(sv, k_scales, t), count, t, n, sv->kv0, sv->kv1, group,
+                              head_dim, sv->row_bytes, sv->block_size, kind, tile, scores, peaks, ra);
     }
     exponentiate_rows(scores + h0 * n, peaks + h0 * 16, heads, n, inv + h0);
     memset(acc + h0 * head_dim, 0, sizeof(float) * (size_t)(heads * head_dim));
     for (int64_t t = 0; t < n; t += count) {
         const char *span = span_at(sv, v_cache, t, &count);
-        span_values(scores, span, count, t, n, sv->kv0, sv->kv1, group, head_dim, sv->row_bytes, acc, ra);
+        span_values(scores, span, kind == BF16 ? NULL : span_scales(sv, v_scales, t), count, t, n, sv->kv0, sv->kv1,
+                    group, head_dim, sv->row_bytes, sv->block_size, kind, acc, ra);
     }
     for (int64_t h = h0; h < h0 + heads; h++)
         for (int64_t d = 0; d < head_dim; d += 16)
@@ -341,20 +463,50 @@ ALWAYS_INLINE void sequence_bf16(const uint16_t *qb, float scale, const char *k_
                                                                    _mm512_set1_ps(inv[h])));
 }
 
-static void attend_bf16(const uint16_t *qb, float scale, const char *k_cache, const char *v_cache, const seq_view *sv,
-                        read_ahead *ra, int64_t group, int64_t head_dim, float *scores, float *peaks, float *inv,
-                        float *acc) {
-#define OCTAVO_SHAPE(G, D)                                                                                        \
+#define OCTAVO_SHAPE(KIND, G, D)                                                                                  \
     if (group == G && head_dim == D) {                                                                            \
-        sequence_bf16(qb, scale, k_cache, v_cache, sv, ra, G, D, scores, peaks, inv, acc); \
+        sequence_avx512(q, qscale, scale, k_cache, v_cache, k_scales, v_scales, sv, ra, KIND, G, D, tile, scores, \
+                        peaks, inv, acc);                                                                         \
         return;                                                                                                   \
     }
-    OCTAVO_SHAPE(1, 64) OCTAVO_SHAPE(2, 64) OCTAVO_SHAPE(3, 64) OCTAVO_SHAPE(4, 64)
-    OCTAVO_SHAPE(5, 64) OCTAVO_SHAPE(6, 64) OCTAVO_SHAPE(7, 64) OCTAVO_SHAPE(8, 64)
-    OCTAVO_SHAPE(1, 128) OCTAVO_SHAPE(2, 128) OCTAVO_SHAPE(3, 128) OCTAVO_SHAPE(4, 128)
-    OCTAVO_SHAPE(5, 128) OCTAVO_SHAPE(6, 128) OCTAVO_SHAPE(7, 128) OCTAVO_SHAPE(8, 128)
+#define OCTAVO_SHAPES(KIND)                                                                                       \
+    OCTAVO_SHAPE(KIND, 1, 64) OCTAVO_SHAPE(KIND, 2, 64) OCTAVO_SHAPE(KIND, 3, 64) OCTAVO_SHAPE(KIND, 4, 64)       \
+    OCTAVO_SHAPE(KIND, 5, 64) OCTAVO_SHAPE(KIND, 6, 64) OCTAVO_SHAPE(KIND, 7, 64) OCTAVO_SHAPE(KIND, 8, 64)       \
+    OCTAVO_SHAPE(KIND, 1, 128) OCTAVO_SHAPE(KIND, 2, 128) OCTAVO_SHAPE(KIND, 3, 128) OCTAVO_SHAPE(KIND, 4, 128)   \
+    OCTAVO_SHAPE(KIND, 5, 128) OCTAVO_SHAPE(KIND, 6, 128) OCTAVO_SHAPE(KIND, 7, 128) OCTAVO_SHAPE(KIND, 8, 128)   \
+    sequence_avx512(q, qscale, scale, k_cache, v_cache, k_scales, v_scales, sv, ra, KIND, group, head_dim, tile,  \
+                    scores, peaks, inv, acc);
+#define OCTAVO_ATTEND(NAME, KIND)                                                                                 \
+    static void NAME(const void *q, const float *qscale, float scale, const char *k_cache, const char *v_cache,   \
+                     const float *k_scales, const float *v_scales, const seq_view *sv, read_ahead *ra,            \
+                     int64_t group, int64_t head_dim, float *tile, float *scores, float *peaks, float *inv,       \
+                     float *acc) {                                                                                \
+        OCTAVO_SHAPES(KIND)                                                                                       \
+    }
+OCTAVO_ATTEND(attend_bf16, BF16)
+OCTAVO_ATTEND(attend_i8, I8)
+OCTAVO_ATTEND(attend_fp8, FP8)
+#undef OCTAVO_ATTEND
+#undef OCTAVO_SHAPES
 #undef OCTAVO_SHAPE
-    sequence_bf16(qb, scale, k_cache, v_cache, sv, ra, group, head_dim, scores, peaks, inv, acc);
+
+/* Head `head`'s query for span_scores_quant: into `out` (room for num_heads *
+ * head_dim floats) as int16 with qscale[head] (int8 caches with INT8_DOTS;
+ * softmax scale folded into qscale), else as float32 times the softmax scale.
+ * `work`: head_dim floats. */
+static void prepare_query(const char *src, int q_dtype, int64_t head_dim, float scale, int kv_dtype, float *work,
+                          float *out, int64_t head, float *qscale) {
+    load_row(src, q_dtype, head_dim, work);
+    if (!(INT8_DOTS && kv_dtype == I8)) {
+        for (int64_t d = 0; d < head_dim; d++) out[head * head_dim + d] = work[d] * scale;
+        return;
+    }
+    float peak = 0.0f;
+    for (int64_t d = 0; d < head_dim; d++) peak = fabsf(work[d]) > peak ? fabsf(work[d]) : peak;
+    const float step = peak > 0.0f ? peak / 32767.0f : 1.0f;
+    int16_t *q16 = (int16_t *)out + head * head_dim;
+    for (int64_t d = 0; d < head_dim; d++) q16[d] = (int16_t)nearbyintf(work[d] / step);
+    qscale[head] = step * scale;
 }
 #endif
 
@@ -362,6 +514,7 @@ static void attend_bf16(const uint16_t *qb, float scale, const char *k_cache, co
  * FAIL_EMPTY_CONTEXT when a sequence has no position to attend to. */
 int octavo_paged_decode(const void *q, void *out, int q_dtype,
                         const void *k_cache, const void *v_cache, int kv_dtype,
+                        const float *k_scales, const float *v_scales,
                         const int64_t *block_tables, int64_t table_width,
                         const int64_t *context_lens, int64_t num_seqs,
                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
@@ -377,8 +530,9 @@ int octavo_paged_decode(const void *q, void *out, int q_dtype,
     }
 #ifdef HAVE_AVX512_BF16
     const int fast_bf16 = q_dtype == BF16 && kv_dtype == BF16 && head_dim % 32 == 0;
+    const int fast_quant = (kv_dtype == I8 && head_dim % 32 == 0) || (kv_dtype == FP8 && head_dim % 16 == 0);
 #else
-    const int fast_bf16 = 0;
+    const int fast_bf16 = 0, fast_quant = 0;
 #endif
     /* Enough items for ~4 per thread: few sequences are split by KV heads. */
     const int64_t threads = omp_get_max_threads();
@@ -398,16 +552,18 @@ int octavo_paged_decode(const void *q, void *out, int q_dtype,
 #pragma omp parallel
     {
         /* Per thread: accumulators and scores of every head, one K/V row, the
-         * float32 queries of a group, each head's running maximum and 1/sum. */
-        const size_t floats =
-            (size_t)(num_heads * head_dim + num_heads * longest + head_dim + group * head_dim + num_heads * 17);
+         * float32 queries of every head, each head's running maximum and
+         * 1/sum, a tile of 16 widened quantized rows, the queries' scales. */
+        const size_t floats = (size_t)(num_heads * head_dim + num_heads * longest + head_dim + num_heads * head_dim +
+                                       num_heads * 17 + 16 * head_dim + num_heads);
         float *work = malloc(sizeof(float) * floats);
         if (work == NULL) {
 #pragma omp atomic write
             failed = 1;
         }
         float *acc = work, *scores = acc + num_heads * head_dim, *row = scores + num_heads * longest;
-        float *qf = row + head_dim, *peaks = qf + group * head_dim, *inv = peaks + num_heads * 16;
+        float *qf = row + head_dim, *peaks = qf + num_heads * head_dim, *inv = peaks + num_heads * 16;
+        float *tile = inv + num_heads, *qscale = tile + 16 * head_dim;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t chunk = 0; chunk < num_chunks; chunk++) {
             if (work == NULL) continue;
@@ -426,14 +582,25 @@ int octavo_paged_decode(const void *q, void *out, int q_dtype,
                 int64_t kv0, kv1;
                 item_heads(&split, item, num_kv_heads, &kv0, &kv1);
 #ifdef HAVE_AVX512_BF16
-                if (fast_bf16) {
-                    const seq_view sv = {table, begin, n, block_size, row_bytes, kv0, kv1};
-                    attend_bf16((const uint16_t *)q_seq, scale, k_cache, v_cache, &sv, &ra, group, head_dim, scores,
-                                peaks, inv, acc);
+                if (fast_bf16 || fast_quant) {
+                    const seq_view sv = {table, begin, n, block_size, row_bytes, kv0, kv1, num_kv_heads};
+                    const void *q_in = q_seq;
+                    if (fast_quant) { /* the item's queries as span_scores_quant takes them */
+                        for (int64_t h = kv0 * group; h < kv1 * group; h++)
+                            prepare_query(q_seq + h * head_dim * q_elem, q_dtype, head_dim, scale, kv_dtype, row,
+                                          qf, h, qscale);
+                        q_in = qf;
+                    }
+                    void (*attend)(const void *, const float *, float, const char *, const char *, const float *,
+                                   const float *, const seq_view *, read_ahead *, int64_t, int64_t, float *, float *,
+                                   float *, float *, float *) =
+                        fast_bf16 ? attend_bf16 : kv_dtype == I8 ? attend_i8 : attend_fp8;
+                    attend(q_in, qscale, scale, k_cache, v_cache, k_scales, v_scales, &sv, &ra, group, head_dim, tile,
+                           scores, peaks, inv, acc);
                 } else
 #endif
                 {
-                    (void)fast_bf16, (void)peaks, (void)inv;
+                    (void)fast_bf16, (void)fast_quant, (void)peaks, (void)inv, (void)tile, (void)qscale;
                     read_ahead_advance(&ra, 2 * n * (kv1 - kv0) * head_dim * kv_elem);
                     for (int64_t g = kv0; g < kv1; g++) {
                         for (int64_t h = 0; h < group; h++) {
@@ -442,8 +609,11 @@ int octavo_paged_decode(const void *q, void *out, int q_dtype,
                         }
                         memset(acc + g * group * head_dim, 0, sizeof(float) * (size_t)(group * head_dim));
                         attend_generic(qf, (const char *)k_cache + g * head_dim * kv_elem,
-                                       (const char *)v_cache + g * head_dim * kv_elem, kv_dtype, table, begin, n, group,
-                                       head_dim, block_size, row_bytes, row, scores, acc + g * group * head_dim);
+                                       (const char *)v_cache + g * head_dim * kv_elem, kv_dtype,
+                                       k_scales ? k_scales + g * block_size : NULL,
+                                       v_scales ? v_scales + g * block_size : NULL, num_kv_heads * block_size, table,
+                                       begin, n, group, head_dim, block_size, row_bytes, row, scores,
+                                       acc + g * group * head_dim);
                     }
                 }
                 for (int64_t h = kv0 * group; h < kv1 * group; h++)

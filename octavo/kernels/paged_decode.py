@@ -9,9 +9,13 @@ import torch
 from octavo.kernels.build import load_kernel, try_load_kernel
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# The cache may also be quantized (int8 / float8_e4m3fn values with float32 scales).
+_QUANT_CODES = {torch.int8: 3, torch.float8_e4m3fn: 4}
+_CACHE_CODES = {**_DTYPE_CODES, **_QUANT_CODES}
 _ARGTYPES = [
     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,  # q, out, q dtype
     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,  # k cache, v cache, cache dtype
+    ctypes.c_void_p, ctypes.c_void_p,  # k scales, v scales (quantized caches; else NULL)
     ctypes.c_void_p, ctypes.c_int64,  # block tables, table width
     ctypes.c_void_p, ctypes.c_int64,  # context lens, num seqs
     ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,  # heads, kv heads, head dim
@@ -30,7 +34,7 @@ class PagedDecodeKernel:
 
     @staticmethod
     def supports(device: torch.device, dtype: torch.dtype, cache_dtype: torch.dtype) -> bool:
-        return device.type == "cpu" and dtype in _DTYPE_CODES and cache_dtype in _DTYPE_CODES
+        return device.type == "cpu" and dtype in _DTYPE_CODES and cache_dtype in _CACHE_CODES
 
     def __call__(
         self,
@@ -41,11 +45,15 @@ class PagedDecodeKernel:
         context_lens: torch.Tensor,
         window: Optional[int],
         scale: float,
+        k_scales: Optional[torch.Tensor] = None,
+        v_scales: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """q [seqs, heads, D]; k/v_cache [blocks, block_size, kv_heads, D];
         block_tables [seqs, width] int64; context_lens [seqs] int64 (each
         query attends to positions 0 .. len-1, or the last ``window`` of them).
-        Returns [seqs, heads, D] in q's dtype."""
+        An int8 / float8_e4m3fn cache needs its k/v_scales [blocks, kv_heads,
+        block_size] float32 (value = stored * scale). Returns [seqs, heads, D]
+        in q's dtype."""
         num_seqs, num_heads, head_dim = q.shape
         _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
         if cache_head_dim != head_dim or num_heads % num_kv_heads:
@@ -54,13 +62,20 @@ class PagedDecodeKernel:
             raise ValueError("block_tables and context_lens must be int64")
         if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
             raise ValueError("the K/V cache views must be contiguous")
+        quantized = k_cache.dtype in _QUANT_CODES
+        if quantized:
+            want = (k_cache.shape[0], num_kv_heads, block_size)
+            for name, t in (("k_scales", k_scales), ("v_scales", v_scales)):
+                if t is None or t.dtype != torch.float32 or tuple(t.shape) != want or not t.is_contiguous():
+                    raise ValueError(f"a {k_cache.dtype} cache needs contiguous float32 {name} {want}")
         q = q.contiguous()
         block_tables = block_tables.contiguous()
         context_lens = context_lens.contiguous()
         out = torch.empty_like(q)
         status = self._fn(
             q.data_ptr(), out.data_ptr(), _DTYPE_CODES[q.dtype],
-            k_cache.data_ptr(), v_cache.data_ptr(), _DTYPE_CODES[k_cache.dtype],
+            k_cache.data_ptr(), v_cache.data_ptr(), _CACHE_CODES[k_cache.dtype],
+            k_scales.data_ptr() if quantized else None, v_scales.data_ptr() if quantized else None,
             block_tables.data_ptr(), block_tables.shape[1],
             context_lens.data_ptr(), num_seqs,
             num_heads, num_kv_heads, head_dim,

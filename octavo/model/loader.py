@@ -27,8 +27,10 @@ _DTYPES = {
     "float16": torch.float16,
     "half": torch.float16,
 }
-# Checkpoints may carry tensors that are recomputed rather than loaded.
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# Checkpoints may carry tensors that are recomputed rather than loaded, and
+# static K/V cache scales, which the worker reads for a quantized cache
+# (octavo/model/kv_scales.py).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "self_attn.k_scale", "self_attn.v_scale")
 
 
 def resolve_dtype(requested: str, checkpoint: Optional[str]) -> torch.dtype:

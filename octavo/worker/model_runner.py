@@ -7,6 +7,7 @@ from typing import Optional
 
 import torch
 
+from octavo.attention.kv_quant import KV_QUANT_DTYPES
 from octavo.attention.registry import select_attention_backend
 from octavo.config import CacheConfig, ModelConfig, SchedulerConfig
 from octavo.core.outputs import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
@@ -14,6 +15,7 @@ from octavo.core.step_state import BatchState, CachedRequestState, ScheduledRow
 from octavo.kernels.fused_ops import FusedOps, fused_ops
 from octavo.model.backends import ModelBackends
 from octavo.model.config import load_arch_config
+from octavo.model.kv_scales import load_static_kv_scales
 from octavo.model.loader import load_model, model_folder, resolve_dtype
 from octavo.outputs import TokenLogprobs
 from octavo.quant.schemes import quantization_scheme
@@ -72,7 +74,9 @@ class ModelRunner:
                              f"loading it; {folder} is already quantized ({arch.quantization.method}, its "
                              "config.json's quantization_config): leave quantization unset")
         self.dtype = resolve_dtype(model_config.dtype, arch.dtype)
-        cache_dtype = resolve_dtype(cache_config.cache_dtype, str(self.dtype).removeprefix("torch."))
+        cache_dtype = KV_QUANT_DTYPES.get(cache_config.kv_cache_dtype) or resolve_dtype(
+            cache_config.cache_dtype, str(self.dtype).removeprefix("torch.")
+        )
         ops = fused_ops() if model_config.fused_ops and FusedOps.supports(self.device, self.dtype) else None
         self.backends = ModelBackends(
             quantization=quantization_scheme(model_config, self.device, self.dtype),
@@ -95,7 +99,9 @@ class ModelRunner:
         self.num_blocks = num_cache_blocks(
             cache_config, shape, self.device, scheduler_config.max_num_seqs * self.max_model_len, memory_share
         )
-        self.kv_caches = allocate_kv_caches(shape, self.num_blocks, self.device)
+        static_scales = (load_static_kv_scales(self.model, folder, cache_dtype)
+                         if cache_config.kv_cache_dtype != "auto" else None)
+        self.kv_caches = allocate_kv_caches(shape, self.num_blocks, self.device, static_scales)
 
         self.sampler = Sampler(argmax=ops.argmax if ops is not None else None)
         self.batch = BatchState()  # the requests this rank holds, kept across steps

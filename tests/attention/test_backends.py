@@ -1,12 +1,14 @@
 """Attention backends: the registry's choices and refusals, and both backends
 giving plain causal (and sliding-window) attention over a paged cache for a
-step that mixes decodes, a fresh prefill and a chunk after a cached prefix."""
+step that mixes decodes, a fresh prefill and a chunk after a cached prefix,
+over float and quantized (int8, fp8) caches."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from octavo.attention.base import AttentionBackend
+from octavo.attention.kv_quant import allocate_layer_cache, dequantize, write_kv
 from octavo.attention.native_cpu import NativeCpuBackend
 from octavo.attention.registry import ATTENTION_BACKENDS, select_attention_backend
 from octavo.attention.torch_sdpa import TorchSdpaBackend
@@ -43,7 +45,7 @@ def test_refusals_name_the_field():
     with pytest.raises(ValueError, match="attention_backend must be one of auto, native, torch; got 'flash'"):
         select_attention_backend("flash", CPU, F32, F32, {None})
     with pytest.raises(ValueError, match="attention_backend 'native' runs on CPU"):
-        select_attention_backend("native", CPU, F32, torch.int8, {None})
+        select_attention_backend("native", CPU, F32, torch.int16, {None})
     with pytest.raises(TypeError):
         AttentionBackend({None})  # type: ignore[abstract]
 
@@ -62,14 +64,28 @@ def _step(backend: AttentionBackend):
     return prepare_inputs(scheduled, BLOCK, backend, CPU)
 
 
-def _reference(q, kv_cache, inputs, window):
-    """Dense attention per request over its cached positions, head by head."""
+def _dense_cache(cache):
+    """[2, slots, KV_HEADS, DIM] float32: what the cache holds, dequantized."""
+    flat = cache.slots().float()
+    if cache.quantized:
+        scales = cache.scales.transpose(2, 3).reshape(2, -1, KV_HEADS)
+        flat = dequantize(flat, scales, F32)
+    return flat
+
+
+def _reference(q, k, v, cache, inputs, window):
+    """Dense attention per request over its cached positions, head by head; a
+    fresh prompt attends over its own k, v (as the backends do), the others
+    over what the cache holds."""
     out = torch.empty_like(q)
-    flat = kv_cache.view(2, -1, KV_HEADS, DIM)
+    flat = _dense_cache(cache)
     for s, first in zip(inputs.order, inputs.q_starts):
         context = s.start_pos + s.num_tokens
-        slots = torch.tensor([s.block_ids[p // BLOCK] * BLOCK + p % BLOCK for p in range(context)])
-        keys, values = flat[0][slots], flat[1][slots]
+        if s.start_pos == 0 and s.num_tokens > 1:
+            keys, values = k[first : first + context], v[first : first + context]
+        else:
+            slots = torch.tensor([s.block_ids[p // BLOCK] * BLOCK + p % BLOCK for p in range(context)])
+            keys, values = flat[0][slots], flat[1][slots]
         for row in range(s.num_tokens):
             pos = s.start_pos + row
             lo = 0 if window is None else max(0, pos - window + 1)
@@ -80,18 +96,26 @@ def _reference(q, kv_cache, inputs, window):
     return out
 
 
+@pytest.mark.parametrize("cache_dtype", [F32, torch.int8, torch.float8_e4m3fn])
 @pytest.mark.parametrize("window", [None, 3])
 @pytest.mark.parametrize("name", ["native", "torch"])
-def test_backends_attend_over_the_paged_cache(name, window):
-    backend = select_attention_backend(name, CPU, F32, F32, {None, 3})
+def test_backends_attend_over_the_paged_cache(name, window, cache_dtype):
+    backend = select_attention_backend(name, CPU, F32, cache_dtype, {None, 3})
     inputs = _step(backend)
     gen = torch.Generator().manual_seed(1)
     tokens = inputs.input_ids.shape[0]
-    kv_cache = torch.randn(2, NUM_BLOCKS, BLOCK, KV_HEADS, DIM, generator=gen)  # the "cached" prefix
+    cache = allocate_layer_cache(NUM_BLOCKS, BLOCK, KV_HEADS, DIM, cache_dtype, CPU)
+    every_slot = torch.arange(NUM_BLOCKS * BLOCK)
+    old_k, old_v = (torch.randn(NUM_BLOCKS * BLOCK, KV_HEADS, DIM, generator=gen) for _ in range(2))
+    write_kv(cache, old_k, old_v, every_slot)  # the "cached" prefix
     q = torch.randn(tokens, HEADS, DIM, generator=gen)
     k, v = (torch.randn(tokens, KV_HEADS, DIM, generator=gen) for _ in range(2))
-    backend.write_kv(kv_cache, k, v, inputs.attn)
-    flat = kv_cache.view(2, -1, KV_HEADS, DIM)
-    assert torch.equal(flat[0][inputs.attn.slot_mapping], k) and torch.equal(flat[1][inputs.attn.slot_mapping], v)
-    out = backend.forward(q, k, v, kv_cache, inputs.attn, window)
-    torch.testing.assert_close(out, _reference(q, kv_cache, inputs, window), rtol=1e-5, atol=1e-5)
+    backend.write_kv(cache, k, v, inputs.attn)
+    flat = _dense_cache(cache)
+    slots = inputs.attn.slot_mapping
+    # Exact in a float cache; within half a step of each row's scale in a quantized one.
+    tol = 0 if cache_dtype == F32 else {torch.int8: 0.5 / 127, torch.float8_e4m3fn: 2**-4}[cache_dtype]
+    for stored, want in ((flat[0][slots], k), (flat[1][slots], v)):
+        assert ((stored - want).abs() <= tol * want.abs().amax(-1, keepdim=True) + 1e-7).all()
+    out = backend.forward(q, k, v, cache, inputs.attn, window)
+    torch.testing.assert_close(out, _reference(q, k, v, cache, inputs, window), rtol=1e-5, atol=1e-5)

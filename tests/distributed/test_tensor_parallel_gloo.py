@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from octavo.attention.kv_quant import LayerKVCache
 from octavo.attention.torch_sdpa import TorchSdpaBackend
 from octavo.core.request import Request
 from octavo.core.step_state import ScheduledRow
@@ -38,7 +39,7 @@ def _logits(folder: Path, prompts: list[list[int]], quantization: Optional[str] 
         backends = ModelBackends(attention=backend, quantization=OnTheFlyScheme(quantization, 32, ("lm_head",)))
     model, arch = load_model(folder, "float32", backends=backends)
     attn = model.model.layers[0].self_attn
-    caches = [torch.zeros(2, 16, 16, attn.num_kv_heads, arch.head_dim) for _ in range(arch.num_layers)]
+    caches = [LayerKVCache(torch.zeros(2, 16, 16, attn.num_kv_heads, arch.head_dim)) for _ in range(arch.num_layers)]
     scheduled, next_block = [], 0
     for i, prompt in enumerate(prompts):
         blocks = list(range(next_block, next_block + -(-len(prompt) // 16)))

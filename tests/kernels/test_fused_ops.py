@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from octavo.attention.base import write_kv
+from octavo.attention.kv_quant import LayerKVCache, allocate_layer_cache, write_kv
 from octavo.kernels.fused_ops import FusedOps, fused_ops
 from octavo.model.layers.norm import RMSNorm
 from octavo.model.layers.rotary import RotaryEmbedding
@@ -96,7 +96,7 @@ def test_rotary_and_cache_write(ops, dtype, rows, heads, kv_heads, head_dim):
     num_blocks, block_size = 40, 16
     slots = torch.randperm(num_blocks * block_size, generator=torch.Generator().manual_seed(9))[:rows]
     want_cache = torch.zeros(2, num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
-    write_kv(want_cache, want_k, v.reshape(rows, kv_heads, head_dim), slots)
+    write_kv(LayerKVCache(want_cache), want_k, v.reshape(rows, kv_heads, head_dim), slots)
 
     cache = torch.zeros_like(want_cache)
     flat = cache.view(2, -1, kv_heads, head_dim)
@@ -104,6 +104,32 @@ def test_rotary_and_cache_write(ops, dtype, rows, heads, kv_heads, head_dim):
     ops.rotary_write_kv(ours, heads, kv_heads, cos, sin, flat[0], flat[1], slots)
     assert torch.equal(ours[:, : heads * head_dim].view(rows, heads, head_dim), want_q)
     assert torch.equal(cache, want_cache)
+
+
+@pytest.mark.parametrize("static", [False, True])
+@pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
+def test_rotary_writes_a_quantized_cache_as_torch_does(ops, rows, dtype, cache_dtype, static):
+    """The same bytes and scales as kv_quant.write_kv (the torch path) stores
+    from the rotated k and v, with per-row scales or the checkpoint's static ones."""
+    heads, kv_heads, head_dim, num_blocks, block_size = 12, 4, 64, 40, 16
+    qkv = _randn(rows, (heads + 2 * kv_heads) * head_dim, dtype=dtype, seed=7) * 3
+    qkv[0, heads * head_dim : (heads + 1) * head_dim] = 0  # an all-zero K head row
+    emb = torch.rand(rows, head_dim, generator=torch.Generator().manual_seed(8)) * 6
+    cos, sin = emb.cos().to(dtype), emb.sin().to(dtype)
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    want_k = RotaryEmbedding.apply(k.reshape(rows, kv_heads, head_dim), cos[:, None], sin[:, None])
+    slots = torch.randperm(num_blocks * block_size, generator=torch.Generator().manual_seed(9))[:rows]
+    fixed = torch.tensor([[0.01, 0.02, 0.03, 0.04], [0.05, 0.01, 0.02, 0.03]]) if static else None
+    want = allocate_layer_cache(num_blocks, block_size, kv_heads, head_dim, cache_dtype, torch.device("cpu"), fixed)
+    write_kv(want, want_k, v.reshape(rows, kv_heads, head_dim), slots)
+
+    ours = allocate_layer_cache(num_blocks, block_size, kv_heads, head_dim, cache_dtype, torch.device("cpu"), fixed)
+    flat = ours.slots()
+    ops.rotary_write_kv(qkv, heads, kv_heads, cos, sin, flat[0], flat[1], slots, ours.scales, ours.static_scales)
+    assert torch.equal(ours.scales, want.scales)
+    assert torch.equal(ours.data.view(torch.uint8), want.data.view(torch.uint8))
 
 
 def test_rotary_rejects_bad_input(ops):

@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
+from octavo.attention.kv_quant import dequantize, quantize
 from octavo.kernels.paged_decode import PagedDecodeKernel, paged_decode_kernel
 
 # (heads, kv_heads, head_dim, block_size, window)
@@ -98,6 +99,48 @@ def test_few_sequences_are_split_by_kv_heads(kernel, dtype, lens):
     assert diff < TOL[dtype], f"max abs diff {diff}"
 
 
+def _quantized(cache: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[blocks, block_size, kv_heads, D] -> (values, scales [blocks, kv_heads,
+    block_size] as the kernel reads them, the dequantized cache in float32)."""
+    blocks, block_size, kv_heads, head_dim = cache.shape
+    values, scales = quantize(cache.reshape(-1, kv_heads, head_dim), dtype)
+    dense = dequantize(values, scales, torch.float32).view(cache.shape)
+    scales = scales.view(blocks, block_size, kv_heads).transpose(1, 2).contiguous()
+    return values.view(cache.shape), scales, dense
+
+
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("shape", SHAPES + [(16, 1, 64, 8, None), (6, 2, 40, 16, None)])
+def test_quantized_cache_matches_sdpa_on_dequantized_blocks(kernel, shape, cache_dtype, q_dtype):
+    """int8 / e4m3 values with per-(token, head) scales, read in place: the
+    attention of the dequantized cache. head_dim 40 takes the generic path,
+    (16, 1, 64) a group too large for register accumulators; 21 sequences
+    cross work chunks. An int8 cache's scores take the query in 15 bits
+    (int16 with a per-head scale, for vpdpwssd): float32 queries then differ
+    by up to ~1e-5 of their largest element, so the bound is 1e-3 there (bf16
+    queries: the bf16 bound, their own rounding is coarser)."""
+    heads, kv_heads, head_dim, block_size, window = shape
+    lens = torch.randint(1, 120, (21,), generator=torch.Generator().manual_seed(3)).tolist()
+    q, kc, vc, tables, ctx = _case(heads, kv_heads, head_dim, block_size, torch.float32, lens, seed=4)
+    (kq, ks, kd), (vq, vs, vd) = _quantized(kc * 4, cache_dtype), _quantized(vc, cache_dtype)
+    q = q.to(q_dtype)
+    out = kernel(q, kq, vq, tables, ctx, window, 1 / math.sqrt(head_dim), ks, vs)
+    assert out.dtype == q_dtype
+    diff = (out.float() - _reference(q, kd, vd, tables, ctx, window)).abs().max().item()
+    f32_tol = 1e-3 if cache_dtype == torch.int8 else 1e-5
+    assert diff < {torch.float32: f32_tol, torch.bfloat16: TOL[torch.bfloat16]}[q_dtype], f"max abs diff {diff}"
+
+
+def test_quantized_cache_needs_its_scales(kernel):
+    q, kc, vc, tables, ctx = _case(12, 4, 64, 16, torch.float32, [3, 5])
+    (kq, ks, _), (vq, vs, _) = _quantized(kc, torch.int8), _quantized(vc, torch.int8)
+    with pytest.raises(ValueError, match="needs contiguous float32 v_scales"):
+        kernel(q, kq, vq, tables, ctx, None, 0.125, ks, None)
+    with pytest.raises(ValueError, match="needs contiguous float32 k_scales"):
+        kernel(q, kq, vq, tables, ctx, None, 0.125, ks.transpose(1, 2), vs)
+
+
 def test_an_empty_context_is_a_value_error(kernel):
     q, kc, vc, tables, ctx = _case(12, 4, 64, 16, torch.bfloat16, [3, 5])
     ctx[1] = 0
@@ -130,10 +173,13 @@ def test_bad_shapes_are_value_errors(kernel):
         kernel(q, kc, vc, tables.int(), ctx, None, 0.125)
 
 
-def test_supports_only_cpu_float_dtypes():
+def test_supports_cpu_float_and_quantized_caches():
     assert PagedDecodeKernel.supports(torch.device("cpu"), torch.bfloat16, torch.float32)
+    assert PagedDecodeKernel.supports(torch.device("cpu"), torch.bfloat16, torch.int8)
+    assert PagedDecodeKernel.supports(torch.device("cpu"), torch.float32, torch.float8_e4m3fn)
     assert not PagedDecodeKernel.supports(torch.device("cuda"), torch.float32, torch.float32)
-    assert not PagedDecodeKernel.supports(torch.device("cpu"), torch.float32, torch.int8)
+    assert not PagedDecodeKernel.supports(torch.device("cpu"), torch.int8, torch.int8)
+    assert not PagedDecodeKernel.supports(torch.device("cpu"), torch.float32, torch.int16)
 
 
 def test_without_a_compiler_auto_falls_back_and_native_says_why(monkeypatch, tmp_path):

@@ -21,11 +21,13 @@ def make_runner(
     num_blocks: int = 64,
     dtype: str = "float32",
     cache_dtype: str = "auto",
+    kv_cache_dtype: str = "auto",
     **model_kwargs: object,
 ) -> ModelRunner:
     return ModelRunner(
         ModelConfig(model=str(folder), dtype=dtype, **model_kwargs),
-        CacheConfig(block_size=block_size, num_blocks=num_blocks, cache_dtype=cache_dtype),
+        CacheConfig(block_size=block_size, num_blocks=num_blocks, cache_dtype=cache_dtype,
+                    kv_cache_dtype=kv_cache_dtype),
         SchedulerConfig(),
     )
 

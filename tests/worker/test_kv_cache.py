@@ -5,10 +5,11 @@ import pytest
 import torch
 
 from octavo.config import CacheConfig
+from octavo.attention.kv_quant import LayerKVCache, allocate_layer_cache, write_kv
 from octavo.attention.torch_sdpa import TorchSdpaBackend
 from octavo.core.step_state import ScheduledRow
 from octavo.worker.input_batch import prepare_inputs
-from octavo.worker.kv_cache import CacheShape, copy_blocks, num_cache_blocks
+from octavo.worker.kv_cache import CacheShape, allocate_kv_caches, copy_blocks, num_cache_blocks
 from octavo.worker.memory import available_memory_bytes
 
 from .runner_utils import Blocks, make_request, make_runner, step
@@ -33,13 +34,47 @@ def test_num_blocks_precedence():
         num_cache_blocks(CacheConfig(kv_cache_memory_bytes=per_block - 1), SHAPE, CPU)
 
 
-def test_copy_blocks_every_layer():
-    caches = [torch.randn(2, 6, 4, 2, 8) for _ in range(3)]
-    before = [c.clone() for c in caches]
+def test_quantized_blocks_hold_about_twice_the_tokens():
+    """Same budget: one byte per element plus a float32 scale per token and
+    KV head against two bytes per element."""
+    budget = CacheConfig(kv_cache_memory_bytes=64 * 2**20)
+    for head_dim, ratio in ((64, 128 / 68), (128, 256 / 132)):
+        bf16 = num_cache_blocks(budget, CacheShape(12, 16, 4, head_dim, torch.bfloat16), CPU)
+        for dtype in (torch.int8, torch.float8_e4m3fn):
+            shape = CacheShape(12, 16, 4, head_dim, dtype)
+            assert shape.bytes_per_block == 2 * 12 * 16 * 4 * (head_dim + 4)
+            quant = num_cache_blocks(budget, shape, CPU)
+            assert abs(quant / bf16 - ratio) < 0.01 and quant / bf16 > 1.85
+
+
+def test_allocation_counts_the_scale_bytes_and_says_so(caplog):
+    shape = CacheShape(2, 16, 2, 64, torch.int8)
+    with caplog.at_level("INFO", logger="octavo.worker.kv_cache"):
+        caches = allocate_kv_caches(shape, 5, CPU)
+    data_and_scales = sum(c.data.nbytes + c.scales.nbytes for c in caches)
+    assert data_and_scales == 5 * shape.bytes_per_block
+    assert caches[0].scales.shape == (2, 5, 2, 16) and caches[0].scales.dtype == torch.float32
+    assert "5 blocks x 16 tokens = 80 tokens" in caplog.text and "torch.int8 + float32 scales" in caplog.text
+
+
+def _filled(dtype: torch.dtype, seed: int) -> LayerKVCache:
+    cache = allocate_layer_cache(6, 4, 2, 8, dtype, CPU)
+    gen = torch.Generator().manual_seed(seed)
+    write_kv(cache, torch.randn(24, 2, 8, generator=gen), torch.randn(24, 2, 8, generator=gen), torch.arange(24))
+    return cache
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int8, torch.float8_e4m3fn])
+def test_copy_blocks_every_layer(dtype):
+    caches = [_filled(dtype, seed) for seed in range(3)]
+    before = [LayerKVCache(c.data.clone(), None if c.scales is None else c.scales.clone()) for c in caches]
     copy_blocks(caches, [(1, 4), (2, 0)])
     for c, b in zip(caches, before):
-        assert torch.equal(c[:, 4], b[:, 1]) and torch.equal(c[:, 0], b[:, 2])
-        assert torch.equal(c[:, [1, 2, 3, 5]], b[:, [1, 2, 3, 5]])
+        for now, then in [(c.data.view(torch.uint8), b.data.view(torch.uint8))] + (
+            [(c.scales, b.scales)] if c.quantized else []
+        ):
+            assert torch.equal(now[:, 4], then[:, 1]) and torch.equal(now[:, 0], then[:, 2])
+            assert torch.equal(now[:, [1, 2, 3, 5]], then[:, [1, 2, 3, 5]])
 
 
 def test_prepare_inputs_layout():
@@ -78,7 +113,7 @@ def test_prepare_inputs_rejects_a_short_block_table():
 def test_runner_attributes(variant):
     runner = make_runner(variant("llama"), num_blocks=9, max_model_len=100)
     assert runner.num_blocks == 9 and len(runner.kv_caches) == 2
-    assert runner.kv_caches[0].shape == (2, 9, 16, 2, 16)
+    assert runner.kv_caches[0].data.shape == (2, 9, 16, 2, 16) and runner.kv_caches[0].scales is None
     assert runner.max_model_len == 100
     assert make_runner(variant("llama"), num_blocks=1).max_model_len == 512
     assert runner.vocab_size == 512
@@ -87,9 +122,10 @@ def test_runner_attributes(variant):
 
 def test_empty_step_applies_copies_and_drops_state(variant):
     runner = make_runner(variant("llama"), num_blocks=4)
-    runner.kv_caches[0][:, 1] = 1.0
+    runner.kv_caches[0].data[:, 1] = 1.0
     out = runner.execute(step(copies=[(1, 3)]))
-    assert out.sampled_token_ids == {} and torch.equal(runner.kv_caches[0][:, 3], runner.kv_caches[0][:, 1])
+    data = runner.kv_caches[0].data
+    assert out.sampled_token_ids == {} and torch.equal(data[:, 3], data[:, 1])
 
 
 def test_partial_prefill_chunk_samples_nothing(variant):

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from octavo.attention.base import AttentionMetadata
+from octavo.attention.kv_quant import LayerKVCache
 from octavo.model.backends import ModelBackends
 from octavo.model.config import ArchConfig
 from octavo.model.layers.linear import QKVParallelLinear, RowParallelLinear
@@ -43,17 +44,18 @@ class Attention(nn.Module):
         x: torch.Tensor,
         cos: torch.Tensor,
         sin: torch.Tensor,
-        kv_cache: torch.Tensor,
+        kv_cache: LayerKVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         n = x.shape[0]
         qkv = self.qkv_proj(x)
-        if self.ops is not None and kv_cache.dtype == x.dtype:
-            # Rotary in place on the projection's output, K/V straight into their slots.
-            slots = kv_cache.view(2, -1, self.num_kv_heads, self.head_dim)
+        if self.ops is not None and (kv_cache.dtype == x.dtype or kv_cache.quantized):
+            # Rotary in place on the projection's output, K/V straight into
+            # their slots (quantized there when the cache is).
+            slots = kv_cache.slots()
             self.ops.rotary_write_kv(
                 qkv, self.num_heads, self.num_kv_heads, cos.view(n, -1), sin.view(n, -1), slots[0], slots[1],
-                meta.slot_mapping,
+                meta.slot_mapping, kv_cache.scales, kv_cache.static_scales,
             )
             q, k, v = self._heads(qkv)
         else:

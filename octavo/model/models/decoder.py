@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from octavo.attention.base import AttentionMetadata
+from octavo.attention.kv_quant import LayerKVCache
 from octavo.distributed.communication import pipeline_recv, pipeline_send
 from octavo.distributed.parallel_state import get_parallel_state, stage_layers
 from octavo.model.backends import ModelBackends
@@ -39,7 +40,7 @@ class DecoderLayer(nn.Module):
         residual: Optional[torch.Tensor],
         cos: torch.Tensor,
         sin: torch.Tensor,
-        kv_cache: torch.Tensor,
+        kv_cache: LayerKVCache,
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(this layer's output, the residual stream before it is added):
@@ -99,7 +100,7 @@ class DecoderForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_caches: list[torch.Tensor],
+        kv_caches: list[LayerKVCache],
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         """[T] tokens -> [T, hidden] final hidden states before the last norm
