@@ -7,19 +7,16 @@ from typing import Optional
 
 import torch
 
-from octavo.attention.registry import select_attention_backend
 from octavo.config import CacheConfig, ModelConfig, SchedulerConfig
 from octavo.core.outputs import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from octavo.core.step_state import BatchState, CachedRequestState, ScheduledRow
-from octavo.kernels.fused_ops import FusedOps, fused_ops
-from octavo.model.backends import ModelBackends
 from octavo.model.config import load_arch_config
 from octavo.model.loader import load_model, model_folder, resolve_dtype
 from octavo.outputs import TokenLogprobs
-from octavo.quant.unquantized import UnquantizedLinearMethod
 from octavo.sample.logprobs import token_logprobs
 from octavo.sample.metadata import SamplingMetadata
 from octavo.sample.sampler import Sampler, SamplerOutput
+from octavo.worker.backends import model_backends
 from octavo.worker.input_batch import StepInputs, prepare_inputs
 from octavo.worker.kv_cache import (
     CacheShape,
@@ -69,14 +66,8 @@ class ModelRunner:
         arch = load_arch_config(folder)
         self.dtype = resolve_dtype(model_config.dtype, arch.dtype)
         cache_dtype = resolve_dtype(cache_config.cache_dtype, str(self.dtype).removeprefix("torch."))
-        ops = fused_ops() if model_config.fused_ops and FusedOps.supports(self.device, self.dtype) else None
-        self.backends = ModelBackends(
-            linear_method=UnquantizedLinearMethod.for_backend(model_config.linear_backend, self.device, self.dtype),
-            attention=select_attention_backend(
-                model_config.attention_backend, self.device, self.dtype, cache_dtype, set(arch.layer_windows)
-            ),
-            fused_ops=ops,
-        )
+        self.backends = model_backends(model_config, self.device, self.dtype, cache_dtype, arch.layer_windows)
+        ops = self.backends.fused_ops
         self.model, self.arch = load_model(
             folder, model_config.dtype, self.device, model_config.max_model_len, self.backends
         )
