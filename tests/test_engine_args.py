@@ -29,6 +29,11 @@ _NON_DEFAULT = {
     "pipeline_parallel_size": ("2", 2),
     "distributed_executor_backend": ("ray", "ray"),
     "threads_per_worker": ("3", 3),
+    "speculative_method": ("ngram", "ngram"),
+    "speculative_model": ("draft-folder", "draft-folder"),
+    "num_speculative_tokens": ("3", 3),
+    "ngram_min": ("2", 2),
+    "ngram_max": ("6", 6),
 }
 
 

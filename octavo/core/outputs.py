@@ -32,7 +32,14 @@ class ScheduledRequest:
     index ``blocks_from`` on is ``block_ids``: the blocks this step writes and
     any after them (copy-on-write may have replaced the block a step writes
     into, so that one is always sent; blocks before it never change).
-    ``new`` is set on the request's first step on the workers."""
+    ``new`` is set on the request's first step on the workers.
+
+    Speculative decoding: ``spec_token_ids`` are proposals (from the previous
+    step's ``ModelRunnerOutput.spec_token_ids``) placed after the request's
+    last token; they are the last ``len(spec_token_ids)`` of the
+    ``num_tokens`` positions, are not part of the request's tokens, and are
+    verified this step: the sampler emits the accepted ones plus one token.
+    The block table covers them (and any lookahead slots of the proposer)."""
 
     request_id: str
     start_pos: int
@@ -42,6 +49,7 @@ class ScheduledRequest:
     block_ids: list[int]
     sample: bool
     new: Optional[NewRequestData] = None
+    spec_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -91,8 +99,14 @@ class SchedulerOutput:
 
 @dataclass
 class ModelRunnerOutput:
-    # Only requests that sampled this step appear; a partial prefill chunk does not.
+    # Only requests that sampled this step appear; a partial prefill chunk does
+    # not. With speculative decoding a list holds the accepted proposals, then
+    # the token the target sampled (a correction or the bonus token).
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Speculative decoding: tokens proposed to follow the sampled ones, for the
+    # scheduler to have verified next step (a model proposer's distributions
+    # stay on the driver rank). Absent or empty: no proposal.
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     # Per scheduled prompt chunk: logprobs of each prompt token given its prefix
     # (the first prompt token has none, so it is absent from the list). For a
