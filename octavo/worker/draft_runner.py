@@ -1,42 +1,45 @@
 """The draft model of speculative decoding: a second, smaller model in the
-target's worker, proposing k tokens per request and step.
+target's worker, proposing up to k tokens per request and step.
 
 Its KV cache is paged on the target's block ids: block b of a request holds
 the target's K/V in the target's tensors and the draft's in the draft's
 (shaped for the draft's layers and heads), so the scheduler's allocation,
 prefix sharing, copy-on-write and freeing cover both, and the memory sizing
-counts both per block. The draft model is replicated, never split: only the
-driver rank (the one that samples) builds and runs it, with no collective.
+counts both per block. The scheduler reserves k lookahead slots past each
+step's positions (``SpeculativeConfig.num_lookahead_slots``): the K/V of the
+draft's own guesses go there.
+
+The draft model is replicated, never split: it is built as a single rank
+(whole, no collective) and only the driver rank, the one that samples, runs
+it. A small draft is cheap to hold whole, and splitting it would add one
+collective per draft layer and per proposal step.
 
 After each target step the draft catches up on what the target accepted
 (prompt chunks during prefill; the accepted proposals and the new token
-during decode), one forward for all requests, whose last row gives the
-first proposal; then k - 1 single-token forwards give the others. The K/V
-the draft wrote for its own guesses stay valid as far as the target agreed
-with them (``_Seq.guess``); past that they are simply overwritten later.
-
-Positions past a request's allocated blocks (the guesses of a request whose
-proposals the target accepted in full, before the scheduler reserves the
-next step's blocks) go to scratch blocks past the pool, one range per
-proposing row; their K/V only serve the proposal loop that wrote them, so
-the request's draft state never counts them as computed.
+during decode) in one forward for all requests, whose last row per request
+gives the first proposal; then k - 1 single-token forwards give the others.
+The K/V the draft wrote for its guesses stay valid as far as the target
+agreed with them (``_Seq``); past that they are overwritten later.
 """
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
 
-from octavo.config import CacheConfig, ModelConfig
+from octavo.config import CacheConfig, ModelConfig, SpeculativeConfig
 from octavo.core.step_state import CachedRequestState, ScheduledRow
 from octavo.distributed.parallel_state import ParallelState, parallel_state
 from octavo.model.config import ArchConfig, load_arch_config
 from octavo.model.loader import load_model, model_folder, resolve_dtype
 from octavo.sample.metadata import SamplingMetadata
 from octavo.sample.sampler import _sample_exponential, warp_logits
+from octavo.spec_decode.proposer import Proposal, ProposalInput, Proposer
 from octavo.worker.backends import model_backends
 from octavo.worker.input_batch import prepare_inputs
 from octavo.worker.kv_cache import CacheShape, allocate_kv_caches, copy_blocks
@@ -45,46 +48,35 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class DraftInput:
-    """One request's share of the draft's work after a target step.
-
-    The request's tokens are ``request.all_token_ids`` followed by
-    ``new_token_ids`` (what the step added that the worker's state does not
-    hold yet); the draft may compute positions up to ``end_pos`` (exclusive):
-    the chunk's end for a prompt chunk, every known token for a request that
-    sampled. ``start_pos`` is the first position the target computed this
-    step (where a request the draft has not seen starts: earlier positions
-    are a prefix-cache hit or a parent's, whose draft K/V are in the blocks)."""
-
-    request: CachedRequestState
-    new_token_ids: list[int]
-    start_pos: int
-    end_pos: int
-    block_ids: list[int]
-    propose: bool
-
-
-@dataclass
-class DraftProposals:
-    """Per request that got proposals: the proposed tokens and, for requests
-    that sample at random, the draft distributions q they were drawn from
-    (``[len(tokens), vocab]`` float32, after temperature / top-k / top-p /
-    min-p, so that rejection sampling against the target is exact). Greedy
-    requests have no q: their proposals are the draft's argmax."""
-
-    token_ids: dict[str, list[int]] = field(default_factory=dict)
-    probs: dict[str, torch.Tensor] = field(default_factory=dict)
-
-
-@dataclass
 class _Seq:
     """What the draft holds of one request: the K/V of positions
-    ``< computed``; of those, positions ``guess_start ..`` were fed its own
-    proposals ``guess``, valid only as far as the target accepted them."""
+    ``< computed``. Of those, positions ``guess_start ..`` were fed its own
+    proposals ``guess`` and are valid only as far as the target accepted
+    them, and only while the blocks they were written to (``guess_blocks``,
+    from block index ``guess_start // block_size``) are still the request's."""
 
     computed: int
     guess_start: int = 0
     guess: list[int] = field(default_factory=list)
+    guess_blocks: list[int] = field(default_factory=list)
+
+    def settle(self, tokens: _Tokens, block_ids: list[int], block_size: int) -> None:
+        """Keep the guesses' K/V as far as the request's tokens and blocks confirm them."""
+        if not self.guess:
+            return
+        agreed = 0
+        for guess, token in zip(self.guess, tokens[self.guess_start : self.guess_start + len(self.guess)]):
+            if guess != token:
+                break
+            agreed += 1
+        first = self.guess_start // block_size
+        for i, block in enumerate(self.guess_blocks):
+            if first + i >= len(block_ids) or block_ids[first + i] != block:
+                # The scheduler took that block back: nothing from it on is held.
+                agreed = min(agreed, max((first + i) * block_size - self.guess_start, 0))
+                break
+        self.computed = min(self.computed, self.guess_start + agreed)
+        self.guess = []
 
 
 class _Tokens:
@@ -112,24 +104,27 @@ class _Row:
 
 @dataclass
 class _Proposing:
-    """A request the draft proposes for in this step."""
+    """A request the draft proposes for in this step: its tokens continue
+    after ``end`` known ones; ``tokens`` are the step's new tokens, then
+    the proposals so far."""
 
-    input: DraftInput
+    input: ProposalInput
     seq: _Seq
-    row: int  # its row in the catch-up forward
-    cap: int  # most proposals
-    tokens: list[int]  # the step's new tokens, then the proposals so far
-    table: list[int] = field(default_factory=list)  # its blocks, then its scratch blocks
+    row: ScheduledRow  # its row in the catch-up forward
+    end: int
+    cap: int
+    tokens: list[int]
+    proposal: Proposal = field(default_factory=Proposal)
 
     @property
     def num_proposed(self) -> int:
         return len(self.tokens) - len(self.input.new_token_ids)
 
     def next_row(self) -> ScheduledRow:
-        """The last proposal, fed at its position (``end_pos`` is where the first goes)."""
-        tokens = _Tokens(self.input.request.all_token_ids, self.tokens)
-        position = self.input.end_pos + self.num_proposed - 1
-        return ScheduledRow(_Row(self.input.request.request_id, tokens), position, 1, self.table, True)
+        """The last proposal, fed at its position."""
+        tokens = _Tokens(self.input.state.all_token_ids, self.tokens)
+        position = self.end + self.num_proposed - 1
+        return ScheduledRow(_Row(self.input.request_id, tokens), position, 1, self.input.state.block_ids, True)
 
 
 class _Draw:
@@ -170,8 +165,9 @@ class _Draw:
                 self._q[rows[i]].append(q)
         return tokens.tolist()
 
-    def probs(self) -> dict[str, torch.Tensor]:
-        return {self.request_ids[j]: torch.stack(qs) for j, qs in self._q.items()}
+    def probs(self) -> dict[int, torch.Tensor]:
+        """Request index -> its q, one row per proposal drawn."""
+        return {j: torch.stack(qs) for j, qs in self._q.items()}
 
 
 def _select(meta: SamplingMetadata, rows: list[int]) -> SamplingMetadata:
@@ -207,128 +203,104 @@ def check_compatible(draft: ArchConfig, target: ArchConfig, draft_folder: str, t
         )
 
 
-def _vocab(path) -> dict:
-    import json
-
+def _vocab(path: Path) -> dict:
     with open(path) as f:
         data = json.load(f)
     return {"model": data.get("model", {}).get("vocab"), "added": data.get("added_tokens")}
 
 
-class DraftModelRunner:
+class DraftModelProposer(Proposer):
     """The draft model, its KV cache on the target's block ids, its proposals."""
 
     def __init__(
         self,
-        draft_model: str,
-        num_speculative_tokens: int,
+        spec_config: SpeculativeConfig,
         model_config: ModelConfig,
         cache_config: CacheConfig,
-        max_num_seqs: int,
         target_arch: ArchConfig,
         max_model_len: int,
     ) -> None:
-        if num_speculative_tokens < 1:
-            raise ValueError(f"num_speculative_tokens must be >= 1, got {num_speculative_tokens}")
-        folder = model_folder(draft_model)
+        """Loads the draft (``spec_config.speculative_model``); its cache comes with ``allocate``."""
+        draft = spec_config.speculative_model
+        if draft is None:
+            raise ValueError("speculative_model must name the draft model folder")
+        folder = model_folder(draft)
         arch = load_arch_config(folder)
-        check_compatible(arch, target_arch, str(draft_model), model_config.model)
-        self.k = num_speculative_tokens
+        check_compatible(arch, target_arch, draft, model_config.model)
+        self.k = spec_config.num_speculative_tokens
         self.device = torch.device(model_config.device)
         dtype = resolve_dtype(model_config.dtype, arch.dtype)
         cache_dtype = resolve_dtype(cache_config.cache_dtype, str(dtype).removeprefix("torch."))
         self.backends = model_backends(model_config, self.device, dtype, cache_dtype, arch.layer_windows)
-        # Built as a single rank: whole, replicated, and run without collectives.
         with parallel_state(ParallelState()):
             self.model, self.arch = load_model(folder, model_config.dtype, self.device, max_model_len, self.backends)
-        self.max_model_len = min(max_model_len, self.arch.max_model_len(max_model_len))
+        if self.arch.max_model_len() < max_model_len:
+            raise ValueError(
+                f"speculative_model {draft!r} handles {self.arch.max_model_len()} positions, fewer than the "
+                f"model's context length {max_model_len}: lower max_model_len"
+            )
         self.block_size = cache_config.block_size
-        self.shape = CacheShape(arch.num_layers, self.block_size, arch.num_kv_heads, arch.head_dim, cache_dtype)
-        # A row's positions past its blocks: the new tokens (at most k + 1)
-        # and the k - 1 guesses after them, wherever the blocks end.
-        self._scratch_per_row = -(-2 * self.k // self.block_size) + 1
-        self._max_rows = max_num_seqs
-        self.num_blocks = 0
+        self.cache_shape = CacheShape(arch.num_layers, self.block_size, arch.num_kv_heads, arch.head_dim,
+                                      cache_dtype)
         self.kv_caches: list[torch.Tensor] = []
         self._seqs: dict[str, _Seq] = {}
         self._generators: dict[str, torch.Generator] = {}
 
-    @property
-    def scratch_blocks(self) -> int:
-        return self._max_rows * self._scratch_per_row
-
     def allocate(self, num_blocks: int) -> None:
-        """The draft's cache: the pool's ``num_blocks`` plus the scratch blocks."""
-        self.num_blocks = num_blocks
-        self.kv_caches = allocate_kv_caches(self.shape, num_blocks + self.scratch_blocks, self.device)
+        """The draft's cache: as many blocks as the target's pool."""
+        self.kv_caches = allocate_kv_caches(self.cache_shape, num_blocks, self.device)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """The target's copy-on-write, applied to the draft's K/V too."""
         copy_blocks(self.kv_caches, copies)
 
-    def drop(self, finished: set[str], preempted: set[str]) -> None:
-        """Requests that left the workers. A preempted one recomputes from
-        scratch when it returns but keeps its random stream, as the target does."""
-        for rid in finished:
+    def remove_requests(self, request_ids: set[str]) -> None:
+        for rid in request_ids:
             self._seqs.pop(rid, None)
-        for rid in finished - preempted:
             self._generators.pop(rid, None)
 
-    # ---- one step -------------------------------------------------------
-
-    def propose(self, inputs: list[DraftInput]) -> DraftProposals:
-        """Catch up on every input's tokens, then propose for those that ask."""
-        out = DraftProposals()
+    def propose(self, rows: list[ProposalInput]) -> list[Proposal]:
+        """Catch up on every row's tokens, then propose for those that may."""
         with torch.inference_mode():
-            rows, proposing = self._catch_up_rows(inputs)
-            if not rows:
-                return out
-            for slot, p in enumerate(proposing):
-                first = self.num_blocks + slot * self._scratch_per_row
-                p.table = p.input.block_ids + list(range(first, first + self._scratch_per_row))
-                rows[p.row] = dataclasses.replace(rows[p.row], block_ids=p.table)
-            logits = self._forward(rows, [rows[p.row] for p in proposing])
+            forward, proposing = self._catch_up(rows)
+            if not forward:
+                return [Proposal() for _ in rows]
+            logits = self._forward(forward, [p.row for p in proposing])
             if proposing:
-                self._propose(proposing, logits, out)
+                self._propose(proposing, logits)
+        by_id = {p.input.request_id: p for p in proposing}
+        out = []
+        for row in rows:
+            p = by_id.get(row.request_id)
+            out.append(Proposal() if p is None else p.proposal)
         return out
 
-    def _catch_up_rows(self, inputs: list[DraftInput]) -> tuple[list[ScheduledRow], list[_Proposing]]:
-        """The first forward's rows (one per input with tokens to compute)
-        and, for those that propose, how many tokens each may propose."""
-        rows: list[ScheduledRow] = []
+    def _catch_up(self, rows: list[ProposalInput]) -> tuple[list[ScheduledRow], list[_Proposing]]:
+        """The first forward's rows (one per request with tokens to compute),
+        and those of them that propose."""
+        forward: list[ScheduledRow] = []
         proposing: list[_Proposing] = []
-        for inp in inputs:
-            rid = inp.request.request_id
-            tokens = _Tokens(inp.request.all_token_ids, inp.new_token_ids)
-            seq = self._seqs.setdefault(rid, _Seq(inp.start_pos))
-            if seq.guess:
-                seq.computed = min(seq.computed, seq.guess_start + _agreed(seq, tokens))
-                seq.guess = []
-            seq.computed = min(seq.computed, inp.end_pos)
-            cap = self._proposal_cap(inp) if inp.propose else 0
-            capacity = len(inp.block_ids) * self.block_size
-            # Without proposals, only what the blocks hold (scratch is for proposing rows).
-            end = inp.end_pos if cap else min(inp.end_pos, capacity)
-            start = seq.computed
-            if cap and start == end:
-                start -= 1  # its K/V are there, but the proposal needs its logits
+        for inp in rows:
+            state = inp.state
+            tokens = _Tokens(state.all_token_ids, inp.new_token_ids)
+            # A prompt chunk: its positions; a sampling row: every known token.
+            end = len(tokens) if inp.new_token_ids else inp.start_pos + inp.num_tokens
+            capacity = len(state.block_ids) * self.block_size
+            # The positions written: the known tokens, then the guesses fed back.
+            cap = max(min(inp.max_proposals, capacity - end + 1), 0) if inp.new_token_ids else 0
+            end = min(end, capacity)
+            seq = self._seqs.setdefault(inp.request_id, _Seq(inp.start_pos))
+            seq.settle(tokens, state.block_ids, self.block_size)
+            seq.computed = min(seq.computed, end)
+            start = seq.computed - 1 if cap and seq.computed == end else seq.computed
             if start >= end:
                 continue
+            row = ScheduledRow(_Row(inp.request_id, tokens), start, end - start, state.block_ids, bool(cap))
+            forward.append(row)
+            seq.computed = end
             if cap:
-                proposing.append(_Proposing(inp, seq, len(rows), cap, list(inp.new_token_ids)))
-            rows.append(ScheduledRow(_Row(rid, tokens), start, end - start, inp.block_ids, bool(cap)))
-            seq.computed = min(end, capacity)
-        return rows, proposing
-
-    def _proposal_cap(self, inp: DraftInput) -> int:
-        """Proposals worth making: none past the context length, none past the
-        last token max_tokens allows (the target adds one of its own)."""
-        params = inp.request.sampling_params
-        cap = min(self.k, self.max_model_len - inp.end_pos)
-        if params.max_tokens is not None:
-            outputs = inp.end_pos - inp.request.num_prompt_tokens
-            cap = min(cap, params.max_tokens - outputs - 1)
-        return max(cap, 0)
+                proposing.append(_Proposing(inp, seq, row, end, cap, list(inp.new_token_ids)))
+        return forward, proposing
 
     def _forward(self, rows: list[ScheduledRow], sample: list[ScheduledRow]) -> torch.Tensor:
         """Run the draft on ``rows``; the logits of the last position of each of ``sample``."""
@@ -339,10 +311,10 @@ class DraftModelRunner:
         last = torch.tensor([where[id(s)] for s in sample], dtype=torch.int64, device=self.device)
         return self.model.compute_logits(hidden.index_select(0, last))
 
-    def _propose(self, proposing: list[_Proposing], logits: torch.Tensor, out: DraftProposals) -> None:
+    def _propose(self, proposing: list[_Proposing], logits: torch.Tensor) -> None:
         """The first proposal from the catch-up's logits, then one
         single-token forward per further proposal, for the rows that want it."""
-        requests = [p.input.request for p in proposing]
+        requests = [p.input.state for p in proposing]
         draw = _Draw(requests, [self._generator(r) for r in requests], self.arch.vocab_size, self.device)
         active = list(range(len(proposing)))
         while True:
@@ -353,15 +325,15 @@ class DraftModelRunner:
                 break
             rows = [proposing[j].next_row() for j in active]
             logits = self._forward(rows, rows)
-        for p in proposing:
-            rid = p.input.request.request_id
+        probs = draw.probs()
+        for j, p in enumerate(proposing):
             proposals = p.tokens[len(p.input.new_token_ids):]
-            out.token_ids[rid] = proposals
-            # The guesses fed back (all but the last proposal) hold K/V up to
-            # where the target will disagree; scratch positions hold none.
-            p.seq.guess_start, p.seq.guess = p.input.end_pos, proposals[:-1]
-            p.seq.computed = min(p.input.end_pos + len(p.seq.guess), len(p.input.block_ids) * self.block_size)
-        out.probs.update(draw.probs())
+            p.proposal = Proposal(proposals, probs.get(j))
+            # The guesses fed back: all proposals but the last.
+            seq, blocks = p.seq, p.input.state.block_ids
+            seq.guess_start, seq.guess = p.end, proposals[:-1]
+            seq.computed = p.end + len(seq.guess)
+            seq.guess_blocks = blocks[p.end // self.block_size : -(-seq.computed // self.block_size)]
 
     def _generator(self, request: CachedRequestState) -> Optional[torch.Generator]:
         seed = request.sampling_params.seed
@@ -372,14 +344,3 @@ class DraftModelRunner:
             gen = self._generators[request.request_id] = torch.Generator(device=self.device)
             gen.manual_seed(seed)
         return gen
-
-
-def _agreed(seq: _Seq, tokens: _Tokens) -> int:
-    """How many of the draft's guesses the request's tokens confirm."""
-    actual = tokens[seq.guess_start : seq.guess_start + len(seq.guess)]
-    n = 0
-    for guess, token in zip(seq.guess, actual):
-        if guess != token:
-            break
-        n += 1
-    return n

@@ -10,10 +10,11 @@ import pytest
 import torch
 
 from octavo import LLM, SamplingParams
-from octavo.config import CacheConfig, ModelConfig
+from octavo.config import CacheConfig, ModelConfig, SpeculativeConfig
 from octavo.core.step_state import CachedRequestState
 from octavo.model.config import load_arch_config
-from octavo.worker.draft_runner import DraftInput, DraftModelRunner
+from octavo.spec_decode.proposer import ProposalInput
+from octavo.worker.draft_runner import DraftModelProposer
 from tests.model_factory import make_tiny_model
 from tests.spec_decode.draft_models import small_draft
 
@@ -46,43 +47,47 @@ def reference(models):
     return continuation
 
 
-def make_draft(models, block_size: int) -> DraftModelRunner:
+def make_draft(models, block_size: int) -> DraftModelProposer:
     target, draft = models
     config = ModelConfig(model=str(target), dtype="float32")
-    runner = DraftModelRunner(str(draft), K, config, CacheConfig(block_size=block_size), 4,
-                              load_arch_config(target), 512)
-    runner.allocate(256)
+    spec = SpeculativeConfig(speculative_model=str(draft), num_speculative_tokens=K)
+    runner = DraftModelProposer(spec, config, CacheConfig(block_size=block_size), load_arch_config(target), 512)
+    runner.allocate(1024)
     return runner
+
+
+def propose(runner: DraftModelProposer, rows: list[ProposalInput]) -> dict[str, list[int]]:
+    return {row.request_id: p.token_ids for row, p in zip(rows, runner.propose(rows)) if p.token_ids}
 
 
 class _Target:
     """A stand-in for the target's side of one request: its tokens as the
-    worker holds them and the blocks the scheduler gave it, only as many as
-    the target's computed positions need (so the draft's look-ahead goes to
-    its scratch blocks)."""
+    worker holds them and the blocks the scheduler gave it: those of the
+    positions the step computed, plus ``lookahead`` slots for the draft."""
 
-    def __init__(self, rid: str, prompt: list[int], block_size: int, first_block: int, params: SamplingParams):
+    def __init__(self, rid: str, prompt: list[int], block_size: int, first_block: int, params: SamplingParams,
+                 lookahead: int = K):
         self.state = CachedRequestState(rid, list(prompt), [], params, None)
-        self.block_size, self.next_block = block_size, first_block
+        self.block_size, self.next_block, self.lookahead = block_size, first_block, lookahead
         self.computed = 0
 
-    def blocks_for(self, positions: int) -> list[int]:
-        need = -(-positions // self.block_size)
+    def _blocks_for(self, positions: int) -> None:
+        need = -(-(positions + self.lookahead) // self.block_size)
         while len(self.state.block_ids) < need:
             self.state.block_ids.append(self.next_block)
             self.next_block += 1
-        return self.state.block_ids
 
-    def chunk(self, n: int) -> DraftInput:
+    def chunk(self, n: int) -> ProposalInput:
         """A prompt chunk of n tokens, no sample."""
         start, self.computed = self.computed, self.computed + n
-        return DraftInput(self.state, [], start, self.computed, self.blocks_for(self.computed), False)
+        self._blocks_for(self.computed)
+        return ProposalInput(self.state, start, n, [], 0)
 
-    def sampled(self, new: list[int], computed_now: int) -> DraftInput:
-        """The step computed positions up to ``computed_now`` and added ``new``."""
+    def sampled(self, new: list[int], computed_now: int, max_proposals: int = K) -> ProposalInput:
+        """The step computed positions up to ``computed_now`` and emitted ``new``."""
         start, self.computed = self.computed, computed_now
-        blocks = self.blocks_for(computed_now)
-        return DraftInput(self.state, new, start, self.state.num_tokens + len(new), blocks, True)
+        self._blocks_for(computed_now)
+        return ProposalInput(self.state, start, computed_now - start, new, max_proposals)
 
     def accept(self, new: list[int]) -> None:
         self.state.extend(new)
@@ -96,11 +101,11 @@ def test_greedy_proposals_are_the_drafts_continuation(models, reference, block_s
     greedy = SamplingParams(temperature=0.0, max_tokens=200)
     req = _Target("a", prompt, block_size, 0, greedy)
     # Prefill in chunks of 16: the draft computes them along; no proposals yet.
-    assert not runner.propose([req.chunk(16)]).token_ids
-    assert not runner.propose([req.chunk(16)]).token_ids
+    assert not propose(runner, [req.chunk(16)])
+    assert not propose(runner, [req.chunk(16)])
     step = req.sampled([rng.randrange(5, 512)], len(prompt))
     history = prompt + step.new_token_ids
-    proposals = runner.propose([step]).token_ids["a"]
+    proposals = propose(runner, [step])["a"]
     assert proposals == reference(history, K)
     req.accept(step.new_token_ids)
     # Accept none, some, all (with a bonus token), then one again: each time
@@ -111,7 +116,7 @@ def test_greedy_proposals_are_the_drafts_continuation(models, reference, block_s
         new = proposals[:accepted] + [bonus]
         step = req.sampled(new, len(history) + accepted)
         history = history + new
-        proposals = runner.propose([step]).token_ids["a"]
+        proposals = propose(runner, [step])["a"]
         assert proposals == reference(history, K), f"after accepting {accepted}"
         req.accept(new)
 
@@ -123,24 +128,23 @@ def test_batch_of_requests_at_different_stages(models, reference):
     greedy = SamplingParams(temperature=0.0, max_tokens=200)
     reqs = [_Target(str(i), [rng.randrange(5, 512) for _ in range(n)], 16, 50 * i, greedy)
             for i, n in enumerate((5, 40, 17))]
-    runner.propose([reqs[1].chunk(16)])
+    propose(runner, [reqs[1].chunk(16)])
     inputs = [reqs[0].sampled([9], 5), reqs[1].chunk(16), reqs[2].sampled([11], 17)]
-    out = runner.propose(inputs).token_ids
+    out = propose(runner, inputs)
     assert set(out) == {"0", "2"}
     for r, inp in ((reqs[0], inputs[0]), (reqs[2], inputs[2])):
         assert out[r.state.request_id] == reference(r.state.all_token_ids + inp.new_token_ids, K)
         r.accept(inp.new_token_ids)
 
 
-def test_proposals_stop_at_max_tokens_and_context(models, reference):
-    runner = make_draft(models, 16)
-    req = _Target("m", [7] * 10, 16, 0, SamplingParams(temperature=0.0, max_tokens=3))
-    out = runner.propose([req.sampled([8], 10)]).token_ids["m"]
-    # One output so far, at most 3: one more proposal is useful, the target adds the last.
-    assert len(out) == 1
-    long = _Target("l", [7] * 509, 16, 40, SamplingParams(temperature=0.0, max_tokens=None))
-    runner.propose([long.chunk(500)])
-    assert len(runner.propose([long.sampled([8], 509)]).token_ids["l"]) == 2  # positions 510, 511
+def test_proposals_stop_at_max_proposals_and_the_blocks(models, reference):
+    runner = make_draft(models, 4)
+    req = _Target("m", [7] * 10, 4, 0, SamplingParams(temperature=0.0))
+    assert propose(runner, [req.sampled([8], 10, max_proposals=1)])["m"] == reference([7] * 10 + [8], 1)
+    # No lookahead slots: the blocks end at position 11 (3 blocks of 4), so the
+    # draft may feed the new token (position 10) and one guess (11): 2 proposals.
+    short = _Target("s", [7] * 10, 4, 40, SamplingParams(temperature=0.0), lookahead=0)
+    assert propose(runner, [short.sampled([8], 10)])["s"] == reference([7] * 10 + [8], 2)
 
 
 def test_random_proposals_come_with_their_distributions(models):
@@ -148,10 +152,10 @@ def test_random_proposals_come_with_their_distributions(models):
     params = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=5, max_tokens=100)
 
     def run() -> tuple[list[int], torch.Tensor]:
-        runner.drop({"r"}, set())
+        runner.remove_requests({"r"})
         req = _Target("r", list(range(20, 45)), 16, 0, params)
-        out = runner.propose([req.sampled([50], 25)])
-        return out.token_ids["r"], out.probs["r"]
+        (out,) = runner.propose([req.sampled([50], 25)])
+        return out.token_ids, out.probs
 
     tokens, q = run()
     assert q.shape == (K, 512)
@@ -167,5 +171,5 @@ def test_incompatible_draft_is_refused(tmp_path):
     target = make_tiny_model(tmp_path, "llama")
     other = make_tiny_model(tmp_path, "llama", vocab_size=384)
     with pytest.raises(ValueError, match="speculative_model"):
-        DraftModelRunner(str(other), K, ModelConfig(model=str(target)), CacheConfig(), 4,
-                         load_arch_config(target), 512)
+        DraftModelProposer(SpeculativeConfig(speculative_model=str(other)), ModelConfig(model=str(target)),
+                           CacheConfig(), load_arch_config(target), 512)
