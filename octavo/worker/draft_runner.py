@@ -28,7 +28,7 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -140,7 +140,11 @@ class _Draw:
         generators: list[Optional[torch.Generator]],
         vocab_size: int,
         device: torch.device,
+        argmax: Optional[Callable[[torch.Tensor], torch.Tensor]],
     ) -> None:
+        """``argmax``: the native one for contiguous CPU logits (``FusedOps.argmax``;
+        torch's is several times slower on bf16 rows), None for torch's."""
+        self._argmax = argmax
         self.request_ids = [r.request_id for r in requests]
         self.random = [j for j, r in enumerate(requests) if not r.sampling_params.greedy]
         self.meta: Optional[SamplingMetadata] = None
@@ -153,7 +157,8 @@ class _Draw:
 
     def __call__(self, logits: torch.Tensor, rows: list[int]) -> list[int]:
         """Tokens for ``logits`` [len(rows), V], row i being request ``rows[i]``."""
-        tokens = logits.argmax(dim=-1)
+        fast = self._argmax is not None and logits.is_contiguous() and logits.device.type == "cpu"
+        tokens = self._argmax(logits) if fast else logits.max(dim=-1).indices
         at = {j: i for i, j in enumerate(self.random)}
         mine = [i for i, j in enumerate(rows) if j in at]
         if mine:
@@ -315,7 +320,9 @@ class DraftModelProposer(Proposer):
         """The first proposal from the catch-up's logits, then one
         single-token forward per further proposal, for the rows that want it."""
         requests = [p.input.state for p in proposing]
-        draw = _Draw(requests, [self._generator(r) for r in requests], self.arch.vocab_size, self.device)
+        ops = self.backends.fused_ops
+        draw = _Draw(requests, [self._generator(r) for r in requests], self.arch.vocab_size, self.device,
+                     ops.argmax if ops is not None else None)
         active = list(range(len(proposing)))
         while True:
             for j, token in zip(active, draw(logits, active)):
