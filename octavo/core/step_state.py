@@ -82,6 +82,8 @@ class CachedRequestState:
     all_token_ids: list[int] = field(init=False)
     block_ids: list[int] = field(default_factory=list)
     grammar_terminated: bool = False  # from the scheduler, for the min_tokens exemption
+    # With proposals: the first proposal position at which the grammar is complete.
+    grammar_terminated_at: Optional[int] = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = self.prompt_token_ids + self.output_token_ids
@@ -152,4 +154,5 @@ class BatchState:
         if step.grammar is not None:
             for rid in step.grammar.request_ids:
                 self.requests[rid].grammar_terminated = rid in step.grammar.terminated
+                self.requests[rid].grammar_terminated_at = step.grammar.terminated_at.get(rid)
         return rows

@@ -26,11 +26,13 @@ else in the batch.
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
+from octavo.core.step_state import CachedRequestState, ScheduledRow
 from octavo.sample.metadata import SamplingMetadata
 from octavo.sample.sampler import process_logits, sample_from_probs, warp_logits
 from octavo.sampling_params import GREEDY_TEMPERATURE
@@ -55,17 +57,74 @@ class VerifyOutput:
     logprobs: Optional[torch.Tensor] = None  # [R, V]
 
 
+@dataclass
+class VerificationRows:
+    """The sampler rows of a batch with proposals: request i's row j is its
+    state as if its first j proposals were output (``DraftedState``)."""
+
+    states: list[CachedRequestState | DraftedState]
+    generators: list[Optional[torch.Generator]]  # the request's, on each of its rows
+    positions: list[int]  # j of each row
+    row_starts: list[int]  # each request's first row
+
+
+class DraftedState:
+    """A request's state with proposals appended to its output, read-only
+    and lazy (the lists are built only if penalties or bans read them)."""
+
+    def __init__(self, state: CachedRequestState, proposals: list[int]) -> None:
+        self._state = state
+        self._proposals = proposals
+        self.request_id = state.request_id
+        self.sampling_params = state.sampling_params
+        self.eos_token_id = state.eos_token_id
+        self.prompt_token_ids = state.prompt_token_ids
+        at = state.grammar_terminated_at
+        self.grammar_terminated = state.grammar_terminated or (at is not None and len(proposals) >= at)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self._state.output_token_ids + self._proposals
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self._state.all_token_ids + self._proposals
+
+    @property
+    def num_output_tokens(self) -> int:
+        return self._state.num_output_tokens + len(self._proposals)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return self._state.num_prompt_tokens
+
+
+def verification_rows(
+    scheduled: list[ScheduledRow], generators: list[Optional[torch.Generator]]
+) -> VerificationRows:
+    """Rows for ``verify``: k + 1 per request with k proposals."""
+    rows = VerificationRows([], [], [], [])
+    for s, gen in zip(scheduled, generators):
+        rows.row_starts.append(len(rows.states))
+        for j in range(len(s.spec_token_ids) + 1):
+            rows.states.append(DraftedState(s.request, s.spec_token_ids[:j]) if j else s.request)
+            rows.generators.append(gen)
+            rows.positions.append(j)
+    return rows
+
+
 def verify(logits: torch.Tensor, meta: SamplingMetadata, drafts: Drafts) -> VerifyOutput:
-    """``logits`` [R, V]; ``meta`` describes the R rows (row j of a request
-    as if its first j proposals were output) with one generator slot per
-    request, not per row."""
+    """``logits`` [R, V]; ``meta`` describes the R rows (``verification_rows``:
+    row j of a request as if its first j proposals were output)."""
     logits = logits.float()
     logprobs = torch.log_softmax(logits, dim=-1) if meta.max_num_logprobs is not None else None
     logits = process_logits(logits, meta)
     argmax = logits.max(dim=-1).indices
     probs = None if meta.all_greedy else torch.softmax(warp_logits(logits, meta), dim=-1)
     greedy_rows = meta.temperature < GREEDY_TEMPERATURE
-    tokens, accepted = rejection_sample(argmax, probs, greedy_rows, drafts, meta.generators)
+    first_rows = itertools.accumulate((k + 1 for k in drafts.num_draft), initial=0)
+    generators = [meta.generators[row] for row, _ in zip(first_rows, drafts.num_draft)]
+    tokens, accepted = rejection_sample(argmax, probs, greedy_rows, drafts, generators)
     return VerifyOutput(tokens, accepted, logprobs)
 
 
