@@ -1,6 +1,7 @@
 """The data that crosses the scheduler / model-runner boundary (torch-free)."""
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -58,12 +59,25 @@ class GrammarBitmask:
     matchers live: for each listed request that samples this step, the tokens
     its grammar allows, packed 32 per int32 word (token t at bit t % 32 of
     word t // 32), row i for ``request_ids[i]``. ``terminated`` lists the
-    requests whose grammar is complete (only EOS may follow)."""
+    requests whose grammar is complete (only EOS may follow).
+
+    With speculative proposals, request i has ``num_positions[i]`` rows (its
+    k proposals + 1), in order: row j is the grammar's mask after the first
+    j proposals, and ``terminated_at`` gives, per request, the first j > 0 at
+    which the grammar is complete."""
 
     request_ids: list[str]
     num_words: int
-    bitmask: bytes  # len(request_ids) x num_words int32, native byte order
+    bitmask: bytes  # sum(num_positions) x num_words int32, native byte order
     terminated: set[str] = field(default_factory=set)
+    num_positions: Optional[list[int]] = None  # None: one row per request
+    terminated_at: dict[str, int] = field(default_factory=dict)
+
+    def first_rows(self) -> dict[str, int]:
+        """Request id -> its first row of ``bitmask``."""
+        counts = self.num_positions or [1] * len(self.request_ids)
+        starts = itertools.accumulate(counts, initial=0)
+        return dict(zip(self.request_ids, starts))
 
 
 @dataclass

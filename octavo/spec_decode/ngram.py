@@ -3,9 +3,11 @@
 Output often repeats stretches of the input (code edits, quoting, summaries,
 retrieval answers). Find the longest n-gram (``ngram_max`` down to
 ``ngram_min``) that ends the request's tokens and occurred before, and propose
-the tokens that followed its latest earlier occurrence. The latest, not the
-first: nearby text predicts the continuation better, and in a loop (the
-generation repeating itself) it is the loop's own continuation.
+the k tokens that followed its latest earlier occurrence. The latest, not the
+first: nearby text predicts the continuation better. When the continuation
+runs into the end of the tokens (the match overlaps the suffix: a repeating
+pattern), it goes on copying from the proposals themselves, so a loop of
+period p yields k tokens, not p.
 
 Cost: one numpy pass of O(length x ngram_max) per request per step. All
 window lengths are matched together: ``run[i]`` is how many tokens ending at
@@ -19,9 +21,10 @@ from octavo.spec_decode.proposer import Proposal, ProposalInput, Proposer
 
 
 def ngram_lookup(token_ids: list[int] | np.ndarray, ngram_min: int, ngram_max: int, k: int) -> list[int]:
-    """Up to ``k`` tokens that followed the latest earlier occurrence of the
-    longest suffix of ``token_ids`` of ``ngram_min..ngram_max`` tokens; empty
-    when no such suffix occurred before."""
+    """The ``k`` tokens that followed the latest earlier occurrence of the
+    longest suffix of ``token_ids`` of ``ngram_min..ngram_max`` tokens
+    (continuing the copy into its own output past the end); empty when no
+    such suffix occurred before."""
     tokens = np.asarray(token_ids, dtype=np.int64)
     length = len(tokens)
     if k < 1 or length < ngram_min + 1:
@@ -42,7 +45,9 @@ def ngram_lookup(token_ids: list[int] | np.ndarray, ngram_min: int, ngram_max: i
     if best < ngram_min:
         return []
     end = int(np.flatnonzero(run == best)[-1])
-    return tokens[end + 1 : end + 1 + k].tolist()
+    period = length - 1 - end  # the copy source trails its destination by this much
+    following = tokens[end + 1 :].tolist()
+    return [following[i % period] for i in range(k)]
 
 
 class NgramProposer(Proposer):

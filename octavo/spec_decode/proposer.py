@@ -17,9 +17,8 @@ Where proposals live (the step contract, ``octavo/core/outputs.py``):
    sampler accepts a prefix and emits one more token; the scheduler rolls the
    rejected positions back (``num_computed_tokens``, and blocks left empty).
 
-A proposer runs on the ranks that run the model. With tensor parallelism every
-rank calls it (a draft model is itself sharded), and only the driver rank's
-result is used.
+The runner calls the proposer on the driver rank only (the rank that samples,
+so the only one that knows this step's tokens); other ranks never build one.
 
 KV for a draft model: a draft model keeps its own paged cache with the same
 block size and block count as the target's, indexed by the same block ids, so
@@ -36,7 +35,21 @@ from typing import Optional
 
 import torch
 
+from octavo.config import CacheConfig, ModelConfig
 from octavo.core.step_state import CachedRequestState
+
+
+@dataclass(frozen=True)
+class ProposerContext:
+    """What the target's model runner knows that a proposer may need to
+    build itself (a draft model: the device, and a KV cache with the same
+    block size and block count as the target's)."""
+
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    device: torch.device
+    num_blocks: int
+    max_model_len: int
 
 
 @dataclass

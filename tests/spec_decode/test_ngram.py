@@ -11,13 +11,18 @@ from octavo.spec_decode.proposer import ProposalInput
 
 
 def brute_force(tokens: list[int], ngram_min: int, ngram_max: int, k: int) -> list[int]:
-    """Longest n first; for each n, the latest earlier window equal to the last n tokens."""
+    """Longest n first; for each n, the latest earlier window equal to the
+    last n tokens; copy what followed it, token by token, reading the copy's
+    own output once past the end."""
     length = len(tokens)
     for n in range(min(ngram_max, length - 1), ngram_min - 1, -1):
         suffix = tokens[length - n :]
         for start in range(length - n - 1, -1, -1):
             if tokens[start : start + n] == suffix:
-                return tokens[start + n : start + n + k]
+                extended = list(tokens)
+                for i in range(k):
+                    extended.append(extended[start + n + i])
+                return extended[length:]
     return []
 
 
@@ -38,6 +43,11 @@ def test_prefers_the_longest_match_then_the_latest():
     tokens = [1, 2, 3, 9, 4, 2, 3, 7, 1, 2, 3]
     assert ngram_lookup(tokens, 1, 3, 2) == [9, 4]
     assert ngram_lookup(tokens, 1, 2, 2) == [7, 1]  # n capped at 2: the latest "2 3"
+
+
+def test_a_loop_is_continued_for_all_k_tokens():
+    assert ngram_lookup([4, 5, 6, 6, 6], 1, 3, 4) == [6, 6, 6, 6]
+    assert ngram_lookup([9, 1, 2, 1, 2], 1, 2, 5) == [1, 2, 1, 2, 1]
 
 
 @settings(max_examples=100, deadline=None)
