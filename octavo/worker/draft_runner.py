@@ -38,7 +38,7 @@ from octavo.distributed.parallel_state import ParallelState, parallel_state
 from octavo.model.config import ArchConfig, load_arch_config
 from octavo.model.loader import load_model, model_folder, resolve_dtype
 from octavo.sample.metadata import SamplingMetadata
-from octavo.sample.sampler import _sample_exponential, warp_logits
+from octavo.sample.sampler import sample_from_probs, warp_logits
 from octavo.spec_decode.proposer import Proposal, ProposalInput, Proposer
 from octavo.worker.backends import model_backends
 from octavo.worker.input_batch import prepare_inputs
@@ -165,7 +165,7 @@ class _Draw:
             meta = _select(self.meta, [at[rows[i]] for i in mine])
             index = torch.tensor(mine, dtype=torch.int64, device=logits.device)
             probs = torch.softmax(warp_logits(logits.index_select(0, index).float(), meta), dim=-1)
-            tokens = tokens.index_copy(0, index, _sample_exponential(probs, meta.generators))
+            tokens = tokens.index_copy(0, index, sample_from_probs(probs, meta.generators))
             for i, q in zip(mine, probs):
                 self._q[rows[i]].append(q)
         return tokens.tolist()
