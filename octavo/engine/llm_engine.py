@@ -242,8 +242,9 @@ class LLMEngine:
     def _apply(self, state: RequestState, core_out: EngineCoreOutput, stopped: list[str]) -> None:
         if core_out.error is not None:
             raise RequestFailedError(core_out.error)
+        stop = state.apply(core_out)  # may cut new_token_ids at a stop string
         self._generation_tokens += len(core_out.new_token_ids)
-        if state.apply(core_out) is not None:
+        if stop is not None:
             stopped.append(core_out.request_id)
 
     def _output_of(self, request_id: str, state: RequestState) -> Optional[RequestOutput]:
