@@ -242,8 +242,9 @@ class LLMEngine:
     def _apply(self, state: RequestState, core_out: EngineCoreOutput, stopped: list[str]) -> None:
         if core_out.error is not None:
             raise RequestFailedError(core_out.error)
+        stop = state.apply(core_out)  # may cut new_token_ids at a stop string
         self._generation_tokens += len(core_out.new_token_ids)
-        if state.apply(core_out) is not None:
+        if stop is not None:
             stopped.append(core_out.request_id)
 
     def _output_of(self, request_id: str, state: RequestState) -> Optional[RequestOutput]:
@@ -328,6 +329,7 @@ class LLMEngine:
 
     def get_stats(self) -> EngineStats:
         kv = self.scheduler.kv_cache_manager
+        spec = self.scheduler.spec_stats
         return EngineStats(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
@@ -338,6 +340,10 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens=self._prompt_tokens,
             generation_tokens=self._generation_tokens,
+            spec_num_drafts=spec.num_drafts,
+            spec_num_draft_tokens=spec.num_draft_tokens,
+            spec_num_accepted_tokens=spec.num_accepted_tokens,
+            spec_accepted_per_position=list(spec.accepted_per_position),
         )
 
     def shutdown(self) -> None:

@@ -196,7 +196,7 @@ def grammar_bitmask(
     consumed = [0] * len(matchers)
     executor = matchers[0]._executor
     try:
-        for j in range(max(counts)):
+        for j in range(max(valid) + 1):
             live = [i for i, n in enumerate(valid) if j <= n]
             # One call computes every row's mask, in parallel across rows.
             executor.unsafe_compute_mask_ptr(
