@@ -180,8 +180,20 @@ class SpeculativeConfig:
     num_speculative_tokens: int = option(4, "tokens proposed per request per step (k)")
     ngram_min: int = option(1, "shortest suffix the n-gram proposer matches")
     ngram_max: int = option(4, "longest suffix the n-gram proposer matches (tried first)")
+    # Whether speculation pays depends on the acceptance rate, the proposer's
+    # cost and the batch size (a verification step of a large batch is no
+    # longer a weight read): measured, not guessed (octavo/spec_decode/adaptive.py).
+    speculative_adaptive: bool = option(
+        True, "stop proposing while the measured cost per emitted token is lower without speculation, per "
+        "batch size (re-measured now and then)",
+    )
+    speculative_max_batch_size: Optional[int] = option(
+        None, "no proposals in a step where more requests than this decode (default: no limit)"
+    )
 
     def __post_init__(self) -> None:
+        if self.speculative_max_batch_size is not None and self.speculative_max_batch_size < 1:
+            raise ValueError(f"speculative_max_batch_size must be >= 1, got {self.speculative_max_batch_size}")
         method = self.speculative_method
         if method is not None and method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_method must be one of {', '.join(SPECULATIVE_METHODS)}; got {method!r}")

@@ -36,6 +36,7 @@ _NON_DEFAULT = {
     "num_speculative_tokens": ("3", 3),
     "ngram_min": ("2", 2),
     "ngram_max": ("6", 6),
+    "speculative_max_batch_size": ("8", 8),
 }
 
 

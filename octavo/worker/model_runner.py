@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -17,6 +18,7 @@ from octavo.sample.logprobs import token_logprobs
 from octavo.sample.metadata import SamplingMetadata
 from octavo.sample.rejection import Drafts, verification_rows, verify
 from octavo.sample.sampler import Sampler
+from octavo.spec_decode.adaptive import SpeculationGovernor
 from octavo.spec_decode.proposer import ProposalInput, ProposerContext
 from octavo.spec_decode.registry import create_proposer
 from octavo.worker.backends import model_backends
@@ -30,6 +32,9 @@ from octavo.worker.kv_cache import (
 )
 
 logger = logging.getLogger(__name__)
+
+# A longer gap between two steps is the engine waiting for requests, not step overhead.
+_IDLE_S = 0.5
 
 
 @dataclass
@@ -114,8 +119,13 @@ class ModelRunner:
         )
         # A model proposer's q of the proposals sent back, until verified.
         self._draft_probs: dict[str, torch.Tensor] = {}
+        self.governor = SpeculationGovernor(spec.speculative_adaptive, spec.speculative_max_batch_size)
+        self._last_end: Optional[float] = None  # when the previous step left the runner
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        start = time.perf_counter()
+        if self.proposer is not None and self._last_end is not None and start - self._last_end < _IDLE_S:
+            self.governor.record_overhead(start - self._last_end)
         with torch.inference_mode():
             step = self._forward(scheduler_output)
             if step is None:
@@ -140,8 +150,21 @@ class ModelRunner:
             if plan.prompt:
                 _prompt_logprobs(plan, logits[num_sample:].float(), out)
             if self.proposer is not None:
-                self._propose(inputs, hidden, out)
+                self._speculate(plan, inputs, hidden, out, start)
         return out
+
+    def _speculate(
+        self, plan: _LogitRows, inputs: StepInputs, hidden: torch.Tensor, out: ModelRunnerOutput, start: float
+    ) -> None:
+        """Propose when the governor says it pays at this batch size, and tell
+        it what this step cost per emitted token."""
+        batch = len(plan.sample)
+        if self.governor.should_propose(batch):
+            self._propose(inputs, hidden, out)
+        end = self._last_end = time.perf_counter()
+        verified = any(s.spec_token_ids for s in plan.sample)
+        emitted = sum(len(t) for t in out.sampled_token_ids.values())
+        self.governor.record(batch, emitted, end - start, verified, bool(out.spec_token_ids))
 
     def execute_logits(self, scheduler_output: SchedulerOutput) -> dict[str, torch.Tensor]:
         """Run the step like ``execute`` (the K/V are written) but return the
