@@ -121,7 +121,17 @@ def batch_of(prompts: list[list[int]], n: int) -> list[list[int]]:
     return [prompts[i % len(prompts)] for i in range(n)]
 
 
-def run(args: argparse.Namespace) -> list[Result]:
+def measure(llm: LLM, prompts: list[list[int]], batch: int, output_len: int, solo: int) -> tuple[float, ...]:
+    """Batch 1 runs ``solo`` prompts one after another (acceptance varies from
+    prompt to prompt) and averages; a larger batch runs the first ``batch``
+    prompts (cycled) together."""
+    if batch > 1:
+        return timed(llm, batch_of(prompts, batch), output_len)
+    runs = [timed(llm, [p], output_len) for p in prompts[:solo]]
+    return tuple(statistics.mean(r[i] for r in runs) for i in range(len(runs[0])))
+
+
+def run(args: argparse.Namespace) -> tuple[list[Result], dict[str, list[list[int]]]]:
     made = engines(args)
     tokenizer = made["none"].get_tokenizer()
     loads = workloads(tokenizer, args.prompt_len)
@@ -133,12 +143,12 @@ def run(args: argparse.Namespace) -> list[Result]:
             for workload in ("heldout", "edit"):
                 plan.append((workload, name, batch))
     for workload, name, batch in plan:  # warm-up: kernels, caches and the governors' first measurements
-        timed(made[name], batch_of(loads[workload], batch), min(args.output_len, 64))
+        measure(made[name], loads[workload], batch, min(args.output_len, 64), args.solo)
     samples: dict[tuple[str, str, int], list[tuple[float, ...]]] = {p: [] for p in plan}
     for rep in range(args.repeats):
         for key in plan:
             workload, name, batch = key
-            samples[key].append(timed(made[name], batch_of(loads[workload], batch), args.output_len))
+            samples[key].append(measure(made[name], loads[workload], batch, args.output_len, args.solo))
         print(f"repeat {rep + 1}/{args.repeats} done, load {load_avg()}", flush=True)
     results = []
     for (workload, name, batch), runs in samples.items():
@@ -148,7 +158,7 @@ def run(args: argparse.Namespace) -> list[Result]:
             workload, name, batch, med[0] * 1000, med[1], med[2] * 1000, med[3],
             med[4] if spec else None, med[5] if spec else None, [r[0] * 1000 for r in runs],
         ))
-    return results
+    return results, loads
 
 
 def with_ratios(results: list[Result]) -> list[dict]:
@@ -166,7 +176,7 @@ def with_ratios(results: list[Result]) -> list[dict]:
     return rows
 
 
-def llamacpp_speculative(args: argparse.Namespace, prompts: list[list[int]]) -> list[dict]:
+def llamacpp_speculative(args: argparse.Namespace, prompts: dict[str, list[list[int]]]) -> list[dict]:
     """llama.cpp's llama-server with and without ``--model-draft``, batch 1, same prompts."""
     from benchmarks.peers.llamacpp_spec import run_llama_server_pair
 
@@ -184,6 +194,7 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=96)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--solo", type=int, default=4, help="prompts run one by one for batch 1")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (1: the tiny models gain nothing from more, and CPU time stays meaningful)")
     parser.add_argument("--llamacpp-server", type=Path, help="llama-server binary: its speculative mode runs too")
@@ -193,12 +204,12 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     print(f"{platform.processor() or platform.machine()}, torch {torch.__version__}, threads {args.threads}, "
           f"load {load_avg()}", flush=True)
-    results = run(args)
+    results, loads = run(args)
     rows = with_ratios(results)
     print_table(rows, list(rows[0]), "speculative decoding (ratios against 'none', same workload and batch)")
     extra: list[dict] = []
     if args.llamacpp_server:
-        extra = llamacpp_speculative(args, heldout_files())
+        extra = llamacpp_speculative(args, {w: p[: args.solo] for w, p in loads.items()})
         print_table(extra, list(extra[0]), "llama.cpp llama-server, batch 1")
     if args.json:
         args.json.write_text(json.dumps({"octavo": rows, "llamacpp": extra}, indent=2))
