@@ -9,9 +9,11 @@ runs into the end of the tokens (the match overlaps the suffix: a repeating
 pattern), it goes on copying from the proposals themselves, so a loop of
 period p yields k tokens, not p.
 
-Cost: one numpy pass of O(length x ngram_max) per request per step. All
-window lengths are matched together: ``run[i]`` is how many tokens ending at
-position i equal the tokens ending the sequence (capped at ``ngram_max``).
+Cost per request per step: one vectorised comparison over the tokens (the
+positions holding the last token), then work on those candidates only, as
+they are narrowed to the ones matching 2, 3, ... tokens back. The tokens stay
+in a numpy buffer per request that only grows (about 0.06 ms a step at 4k
+tokens, measured on a loaded core).
 """
 from __future__ import annotations
 
@@ -29,25 +31,46 @@ def ngram_lookup(token_ids: list[int] | np.ndarray, ngram_min: int, ngram_max: i
     length = len(tokens)
     if k < 1 or length < ngram_min + 1:
         return []
-    # Window ends 0 .. length-2 (the window ending at length-1 is the suffix itself).
-    ends = length - 1
-    run = np.zeros(ends, dtype=np.int64)
-    alive = np.ones(ends, dtype=bool)
-    for j in range(min(ngram_max, ends)):
-        # Does the token j before each window end equal the token j before the last?
-        same = np.zeros(ends, dtype=bool)
-        same[j:] = tokens[: ends - j] == tokens[length - 1 - j]
-        alive &= same
-        if not alive.any():
+    # Ends of earlier windows matching the last token (the window ending at
+    # length-1 is the suffix itself), then kept while they match one more
+    # token back: the survivors of round j match the last j + 1 tokens.
+    ends = np.flatnonzero(tokens[: length - 1] == tokens[-1])
+    best, best_ends = (1, ends) if ends.size else (0, ends)
+    for j in range(1, ngram_max):
+        ends = ends[ends >= j]
+        ends = ends[tokens[ends - j] == tokens[length - 1 - j]]
+        if not ends.size:
             break
-        run += alive
-    best = int(run.max())
+        best, best_ends = j + 1, ends
     if best < ngram_min:
         return []
-    end = int(np.flatnonzero(run == best)[-1])
+    end = int(best_ends[-1])
     period = length - 1 - end  # the copy source trails its destination by this much
     following = tokens[end + 1 :].tolist()
     return [following[i % period] for i in range(k)]
+
+
+class _Tokens:
+    """A request's tokens as a growing numpy array: converting the whole list
+    every step cost more than the search (0.3 ms at 4k tokens)."""
+
+    def __init__(self) -> None:
+        self.array = np.empty(256, dtype=np.int64)
+        self.length = 0
+
+    def sync(self, head: list[int], tail: list[int]) -> np.ndarray:
+        """The array of ``head + tail``, whose start the array already holds
+        (tokens only ever get appended while the request lives here)."""
+        total = len(head) + len(tail)
+        if total > len(self.array):
+            grown = np.empty(max(total, 2 * len(self.array)), dtype=np.int64)
+            grown[: self.length] = self.array[: self.length]
+            self.array = grown
+        if self.length < len(head):
+            self.array[self.length : len(head)] = head[self.length :]
+        self.array[len(head) : total] = tail
+        self.length = total
+        return self.array[:total]
 
 
 class NgramProposer(Proposer):
@@ -58,6 +81,7 @@ class NgramProposer(Proposer):
             raise ValueError(f"need 1 <= ngram_min <= ngram_max, got {ngram_min}, {ngram_max}")
         self.ngram_min = ngram_min
         self.ngram_max = ngram_max
+        self._tokens: dict[str, _Tokens] = {}
 
     def propose(self, rows: list[ProposalInput]) -> list[Proposal]:
         out = []
@@ -65,6 +89,11 @@ class NgramProposer(Proposer):
             if row.max_proposals < 1 or not row.new_token_ids:
                 out.append(Proposal())
                 continue
-            tokens = row.state.all_token_ids + row.new_token_ids
+            buffer = self._tokens.setdefault(row.request_id, _Tokens())
+            tokens = buffer.sync(row.state.all_token_ids, row.new_token_ids)
             out.append(Proposal(ngram_lookup(tokens, self.ngram_min, self.ngram_max, row.max_proposals)))
         return out
+
+    def remove_requests(self, request_ids: set[str]) -> None:
+        for request_id in request_ids:
+            self._tokens.pop(request_id, None)

@@ -25,7 +25,13 @@ block size and block count as the target's, indexed by the same block ids, so
 the scheduler's block tables serve both. The scheduler reserves
 ``SpeculativeConfig.num_lookahead_slots`` slots past the verified positions
 so that the draft can write the K/V of its own k proposal steps; those slots
-are scratch (rolled back with the rejected tokens).
+are scratch (rolled back with the rejected tokens). The target's block count
+is sized before any proposer exists (``num_cache_blocks``), so a draft
+model's cache and weights come on top of that budget.
+
+Adding a proposer: a subclass here, built in ``registry.create_proposer`` for
+its ``SpeculativeConfig.method`` (``draft_model`` is refused there until its
+proposer lands).
 """
 from __future__ import annotations
 

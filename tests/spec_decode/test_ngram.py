@@ -59,3 +59,23 @@ def test_proposer_reads_prompt_outputs_and_new_tokens(prompt, new, limit):
     (proposal,) = NgramProposer(1, 3).propose([row])
     expected = brute_force(prompt + new, 1, 3, limit) if new and limit else []
     assert proposal.token_ids == expected and proposal.probs is None
+
+
+@settings(max_examples=50, deadline=None)
+@given(prompt=st.lists(st.integers(0, 3), min_size=1, max_size=20),
+       steps=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=4), min_size=1, max_size=80))
+def test_proposer_follows_a_request_across_steps(prompt, steps):
+    """The proposer keeps each request's tokens between steps (appending
+    what is new); the answers stay those of the brute force, past any
+    regrowth of its buffer, and a removed request starts afresh."""
+    proposer = NgramProposer(1, 3)
+    state = CachedRequestState("r", prompt, [], SamplingParams(), None)
+    for new in steps:
+        row = ProposalInput(state, start_pos=0, num_tokens=1, new_token_ids=new, max_proposals=3)
+        (proposal,) = proposer.propose([row])
+        assert proposal.token_ids == brute_force(state.all_token_ids + new, 1, 3, 3)
+        state.extend(new)  # the next step brings them to the worker's state
+    proposer.remove_requests({"r"})
+    fresh = CachedRequestState("r", [2, 2], [], SamplingParams(), None)
+    (proposal,) = proposer.propose([ProposalInput(fresh, 0, 1, [2], 2)])
+    assert proposal.token_ids == [2, 2]
