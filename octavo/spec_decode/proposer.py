@@ -25,13 +25,13 @@ block size and block count as the target's, indexed by the same block ids, so
 the scheduler's block tables serve both. The scheduler reserves
 ``SpeculativeConfig.num_lookahead_slots`` slots past the verified positions
 so that the draft can write the K/V of its own k proposal steps; those slots
-are scratch (rolled back with the rejected tokens). The target's block count
-is sized before any proposer exists (``num_cache_blocks``), so a draft
-model's cache and weights come on top of that budget.
+are scratch (rolled back with the rejected tokens). The draft model's proposer
+(``octavo/worker/draft_runner.py``: it lays out its steps as the worker does)
+is built by the model runner before the pool is sized, and ``num_cache_blocks``
+counts both caches per block.
 
 Adding a proposer: a subclass here, built in ``registry.create_proposer`` for
-its ``SpeculativeConfig.method`` (``draft_model`` is refused there until its
-proposer lands).
+its ``SpeculativeConfig.method``.
 """
 from __future__ import annotations
 

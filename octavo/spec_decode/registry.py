@@ -15,4 +15,6 @@ def create_proposer(config: SpeculativeConfig, context: ProposerContext) -> Opti
         return None
     if method == "ngram":
         return NgramProposer(config.ngram_min, config.ngram_max)
+    # draft_model is built by the model runner (octavo/worker/draft_runner.py),
+    # which sizes the KV pool for both models' caches.
     raise ValueError(f"speculative_method {method!r} is not available in this build")

@@ -132,3 +132,21 @@ def test_octavo_mini_with_its_draft_on_the_golden_prompt():
     assert acceptance(spec).num_accepted_tokens > 0
     assert_no_leak(spec)
     assert str(DEFAULT_DRAFT_MODEL_PATH).endswith("octavo-mini-draft")
+
+
+@pytest.mark.parametrize("split", [dict(pipeline_parallel_size=2), dict(tensor_parallel_size=2)])
+def test_ranks_with_a_draft_on_the_driver(drafts, split):
+    """The draft runs whole on the driver rank only; the other ranks verify
+    the proposals the step carries."""
+    target, noisy, _ = drafts("llama")
+    engine = dict(dtype="float32", block_size=4, num_blocks=128)
+    want = greedy_tokens(LLM(target, **engine), PROMPTS[:3])
+    llm = LLM(target, threads_per_worker=1, speculative_model=str(noisy), num_speculative_tokens=3,
+              **split, **engine)
+    try:
+        assert greedy_tokens(llm, PROMPTS[:3]) == want
+        stats = llm.engine.get_stats()
+        assert stats.spec_num_accepted_tokens > 0
+        assert stats.num_free_blocks == stats.num_total_blocks
+    finally:
+        llm.shutdown()
