@@ -82,7 +82,8 @@ def test_structured_output(model_dir):
                        "items": {"enum": ["a", "bb", "a b"]}}},
         "required": ["name", "tags"], "additionalProperties": False,
     }
-    params = SamplingParams(temperature=0.0, max_tokens=120, structured_outputs=StructuredOutputParams(json_schema=schema))
+    spec = StructuredOutputParams(json_schema=schema)
+    params = SamplingParams(temperature=0.0, max_tokens=120, structured_outputs=spec)
     llm = check(folder, ["Hello, world!", "The quick brown fox", '{"name": "a b a b", "tags": ["a b", "a b"'], params)
     outs = llm.generate(["The quick brown fox"], params, use_tqdm=False)
     json.loads(outs[0].outputs[0].text)  # the grammar was in charge throughout
