@@ -9,6 +9,7 @@ import pytest
 from octavo import LLM, SamplingParams
 from octavo.sampling_params import StructuredOutputParams
 from tests.engine.conftest import ARCHS, assert_no_leak, random_prompts, shared_prefix_prompts
+from tests.spec_decode.conftest import assert_proposer_state_dropped
 
 NEW_TOKENS = 48
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
@@ -25,6 +26,7 @@ def generate(folder, prompt_list, params=GREEDY, **kwargs) -> tuple[list[list[li
     llm = LLM(folder, dtype="float32", **kwargs)
     outs = llm.generate(prompt_list, params, use_tqdm=False)
     assert_no_leak(llm)
+    assert_proposer_state_dropped(llm)
     return [[c.token_ids for c in o.outputs] for o in outs], llm
 
 
@@ -80,7 +82,8 @@ def test_structured_output(model_dir):
                        "items": {"enum": ["a", "bb", "a b"]}}},
         "required": ["name", "tags"], "additionalProperties": False,
     }
-    params = SamplingParams(temperature=0.0, max_tokens=120, structured_outputs=StructuredOutputParams(json_schema=schema))
+    spec = StructuredOutputParams(json_schema=schema)
+    params = SamplingParams(temperature=0.0, max_tokens=120, structured_outputs=spec)
     llm = check(folder, ["Hello, world!", "The quick brown fox", '{"name": "a b a b", "tags": ["a b", "a b"'], params)
     outs = llm.generate(["The quick brown fox"], params, use_tqdm=False)
     json.loads(outs[0].outputs[0].text)  # the grammar was in charge throughout
