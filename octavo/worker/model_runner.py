@@ -4,7 +4,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -121,6 +121,7 @@ class ModelRunner:
         self._draft_probs: dict[str, torch.Tensor] = {}
         self.governor = SpeculationGovernor(spec.speculative_adaptive, spec.speculative_max_batch_size)
         self._last_end: Optional[float] = None  # when the previous step left the runner
+        self._speculated = False  # the governor's choice in the previous step
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         start = time.perf_counter()
@@ -157,14 +158,23 @@ class ModelRunner:
         self, plan: _LogitRows, inputs: StepInputs, hidden: torch.Tensor, out: ModelRunnerOutput, start: float
     ) -> None:
         """Propose when the governor says it pays at this batch size, and tell
-        it what this step cost per emitted token."""
+        it what this step cost per emitted token.
+
+        Seeded random requests propose whatever the governor says: their
+        tokens depend on the proposals they were verified against, and a
+        choice made from timings would make them unreproducible."""
         batch = len(plan.sample)
-        if self.governor.should_propose(batch):
+        speculate = self.governor.should_propose(batch)
+        if speculate:
             self._propose(inputs, hidden, out)
+        elif any(_needs_steady_proposals(s.request) for s in plan.sample):
+            self._propose(inputs, hidden, out, only=_needs_steady_proposals)
         end = self._last_end = time.perf_counter()
-        verified = any(s.spec_token_ids for s in plan.sample)
         emitted = sum(len(t) for t in out.sampled_token_ids.values())
-        self.governor.record(batch, emitted, end - start, verified, bool(out.spec_token_ids))
+        # By the governor's choices (not by the proposals made): a step counts
+        # when it verified and proposed, or did neither, as the choice before it.
+        self.governor.record(batch, emitted, end - start, self._speculated, speculate)
+        self._speculated = speculate
 
     def execute_logits(self, scheduler_output: SchedulerOutput) -> dict[str, torch.Tensor]:
         """Run the step like ``execute`` (the K/V are written) but return the
@@ -289,13 +299,21 @@ class ModelRunner:
                 entry.top = entry.top[: requests[i].sampling_params.logprobs]
             out.logprobs[requests[i].request_id] = mine
 
-    def _propose(self, inputs: StepInputs, hidden: torch.Tensor, out: ModelRunnerOutput) -> None:
+    def _propose(
+        self,
+        inputs: StepInputs,
+        hidden: torch.Tensor,
+        out: ModelRunnerOutput,
+        only: Optional[Callable[[CachedRequestState], bool]] = None,
+    ) -> None:
         """Ask the proposer for each sampled request's next tokens (every
-        scheduled row is shown: a draft model follows prompt chunks too)."""
+        scheduled row is shown: a draft model follows prompt chunks too);
+        ``only``: the requests that may get proposals (default: all)."""
         rows = []
         for s, first in zip(inputs.order, inputs.q_starts):
             new = out.sampled_token_ids.get(s.request.request_id, [])
-            row = ProposalInput(s.request, s.start_pos, s.num_tokens, new, self._max_proposals(s.request, new))
+            room = self._max_proposals(s.request, new) if only is None or only(s.request) else 0
+            row = ProposalInput(s.request, s.start_pos, s.num_tokens, new, room)
             if self.proposer.needs_hidden_states and new:
                 last = first + s.num_tokens - 1 - len(s.spec_token_ids)
                 row.hidden_states = hidden[last : last + len(new)]
@@ -327,6 +345,12 @@ class ModelRunner:
             gen = self._generators[request.request_id] = torch.Generator(device=self.device)
             gen.manual_seed(seed)
         return gen
+
+
+def _needs_steady_proposals(request: CachedRequestState) -> bool:
+    """A seeded random request: its output must not depend on the governor."""
+    params = request.sampling_params
+    return params.seed is not None and not params.greedy
 
 
 def _plan_logit_rows(inputs: StepInputs) -> _LogitRows:

@@ -10,7 +10,8 @@ from octavo.engine.stats import EngineStats, format_stats_line
 from tests.engine.conftest import assert_no_leak, random_prompts
 from tests.server.conftest import ServerProcess
 
-SPEC = ["--speculative-method", "ngram", "--num-speculative-tokens", "3"]
+# Not adaptive: the governor decides from timings, and the counts must not depend on them.
+SPEC = ["--speculative-method", "ngram", "--num-speculative-tokens", "3", "--no-speculative-adaptive"]
 PROMPTS = [[7, 8, 9, 10] * 6, [40, 41, 42, 43, 44] * 4, *random_prompts([9, 30])]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 
@@ -33,7 +34,8 @@ def counted_run(folder, monkeypatch) -> tuple[EngineStats, dict, list[str]]:
         return result
 
     monkeypatch.setattr(model_runner, "verify", counting_verify)
-    llm = LLM(folder, dtype="float32", speculative_method="ngram", num_speculative_tokens=3)
+    llm = LLM(folder, dtype="float32", speculative_method="ngram", num_speculative_tokens=3,
+              speculative_adaptive=False)
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert_no_leak(llm)
     return llm.engine.get_stats(), counts, [o.outputs[0].text for o in outs]
