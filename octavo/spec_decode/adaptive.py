@@ -11,7 +11,8 @@ speculation, then plain decoding, then takes the cheaper; every
 ``probe_every`` steps it runs the other mode for ``probe_steps`` steps again,
 so a change of text or load is noticed. A step that switches mode (proposes
 without verifying, or verifies without proposing) is not counted: it is half
-of each. Torch-free; the caller passes the times.
+of each. Torch-free; the caller passes the times (the model runner: CPU
+time of its process, steadier than wall time on a shared machine).
 """
 from __future__ import annotations
 
@@ -80,7 +81,7 @@ class SpeculationGovernor:
 
     def record(self, batch_size: int, emitted: int, seconds: float, verified: bool, proposed: bool) -> None:
         """One step's result: ``emitted`` tokens for ``batch_size`` decoding
-        requests in ``seconds`` of model runner time."""
+        requests in ``seconds`` of the model runner."""
         if batch_size < 1 or emitted < 1 or verified != proposed:
             return
         b = self._bucket(batch_size)

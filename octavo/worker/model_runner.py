@@ -33,9 +33,6 @@ from octavo.worker.kv_cache import (
 
 logger = logging.getLogger(__name__)
 
-# A longer gap between two steps is the engine waiting for requests, not step overhead.
-_IDLE_S = 0.5
-
 
 @dataclass
 class _LogitRows:
@@ -120,12 +117,16 @@ class ModelRunner:
         # A model proposer's q of the proposals sent back, until verified.
         self._draft_probs: dict[str, torch.Tensor] = {}
         self.governor = SpeculationGovernor(spec.speculative_adaptive, spec.speculative_max_batch_size)
-        self._last_end: Optional[float] = None  # when the previous step left the runner
+        self._last_end: Optional[float] = None  # CPU time when the previous step left the runner
         self._speculated = False  # the governor's choice in the previous step
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        start = time.perf_counter()
-        if self.proposer is not None and self._last_end is not None and start - self._last_end < _IDLE_S:
+        # The governor's clock is the process's CPU time: on a shared machine
+        # wall time swings with other processes' load, which would decide for
+        # or against speculation at random; CPU time is the work each mode
+        # costs (and an idle engine between steps spends none).
+        start = time.process_time()
+        if self.proposer is not None and self._last_end is not None:
             self.governor.record_overhead(start - self._last_end)
         with torch.inference_mode():
             step = self._forward(scheduler_output)
@@ -169,7 +170,7 @@ class ModelRunner:
             self._propose(inputs, hidden, out)
         elif any(_needs_steady_proposals(s.request) for s in plan.sample):
             self._propose(inputs, hidden, out, only=_needs_steady_proposals)
-        end = self._last_end = time.perf_counter()
+        end = self._last_end = time.process_time()
         emitted = sum(len(t) for t in out.sampled_token_ids.values())
         # By the governor's choices (not by the proposals made): a step counts
         # when it verified and proposed, or did neither, as the choice before it.
