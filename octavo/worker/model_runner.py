@@ -173,8 +173,11 @@ class ModelRunner:
         end = self._last_end = time.process_time()
         emitted = sum(len(t) for t in out.sampled_token_ids.values())
         # By the governor's choices (not by the proposals made): a step counts
-        # when it verified and proposed, or did neither, as the choice before it.
-        self.governor.record(batch, emitted, end - start, self._speculated, speculate)
+        # when it verified and proposed, or did neither, as the choice before it;
+        # and only when it was all decodes: a prompt chunk's cost would be
+        # charged to whichever mode happened to be on.
+        if all(s.num_tokens == 1 + len(s.spec_token_ids) for s in inputs.order):
+            self.governor.record(batch, emitted, end - start, self._speculated, speculate)
         self._speculated = speculate
 
     def execute_logits(self, scheduler_output: SchedulerOutput) -> dict[str, torch.Tensor]:
