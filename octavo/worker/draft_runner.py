@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -44,8 +43,6 @@ from octavo.spec_decode.proposer import Proposal, ProposalInput, Proposer
 from octavo.worker.backends import model_backends
 from octavo.worker.input_batch import prepare_inputs
 from octavo.worker.kv_cache import CacheShape, allocate_kv_caches, copy_blocks
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -266,7 +263,6 @@ class DraftModelProposer(Proposer):
         folder = model_folder(draft)
         arch = load_arch_config(folder)
         check_compatible(arch, target_arch, draft, model_config.model)
-        self.k = spec_config.num_speculative_tokens
         self.device = torch.device(model_config.device)
         dtype = resolve_dtype(model_config.dtype, arch.dtype)
         cache_dtype = resolve_dtype(cache_config.cache_dtype, str(dtype).removeprefix("torch."))
