@@ -118,6 +118,7 @@ class ModelRunner:
         self._draft_probs: dict[str, torch.Tensor] = {}
         self.governor = SpeculationGovernor(spec.speculative_adaptive, spec.speculative_max_batch_size)
         self._last_end: Optional[float] = None  # CPU time when the previous step left the runner
+        self._last_cost = 0.0  # ... and what that step cost in it
         self._speculated = False  # the governor's choice in the previous step
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
@@ -126,7 +127,10 @@ class ModelRunner:
         # or against speculation at random; CPU time is the work each mode
         # costs (and an idle engine between steps spends none).
         start = time.process_time()
-        if self.proposer is not None and self._last_end is not None:
+        # A gap far longer than a step is not per-step overhead: the process
+        # was busy with something else (another engine, a request burst's
+        # tokenizing) and would make long steps look cheap.
+        if self.proposer is not None and self._last_end is not None and start - self._last_end <= 4 * self._last_cost:
             self.governor.record_overhead(start - self._last_end)
         with torch.inference_mode():
             step = self._forward(scheduler_output)
@@ -171,6 +175,7 @@ class ModelRunner:
         elif any(_needs_steady_proposals(s.request) for s in plan.sample):
             self._propose(inputs, hidden, out, only=_needs_steady_proposals)
         end = self._last_end = time.process_time()
+        self._last_cost = end - start
         emitted = sum(len(t) for t in out.sampled_token_ids.values())
         # By the governor's choices (not by the proposals made): a step counts
         # when it verified and proposed, or did neither, as the choice before it;
