@@ -103,7 +103,7 @@ def test_seeded_runs_reproduce_in_any_batch(engines):
                             ignore_eos=True, logprobs=1)
     drafts_before = spec.engine.get_stats().spec_num_drafts
     alone = run(spec, LOOPS[:1], params)[0]
-    assert spec.engine.get_stats().spec_num_drafts > drafts_before + 10  # its proposals were verified
+    assert spec.engine.get_stats().spec_num_drafts >= drafts_before + 5  # its proposals were verified
     others = [dataclasses.replace(params, seed=None), dataclasses.replace(params, seed=7), greedy()]
     mixed = run(spec, LOOPS[1:] + random_prompts([25]) + LOOPS[:1], others + [params])
     assert mixed[3].token_ids == alone.token_ids
