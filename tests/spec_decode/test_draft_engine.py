@@ -47,7 +47,9 @@ def plain(folder, prompts, params=GREEDY, **kw) -> list[list[int]]:
 
 
 def speculative(folder, draft, prompts, params=GREEDY, k=3, **kw) -> tuple[list[list[int]], LLM]:
-    llm = LLM(folder, dtype="float32", speculative_model=str(draft), num_speculative_tokens=k, **kw)
+    # Always proposing: the adaptive choice is tested in test_draft_adaptive.py.
+    llm = LLM(folder, dtype="float32", speculative_model=str(draft), num_speculative_tokens=k,
+              speculative_adaptive=False, **kw)
     tokens = greedy_tokens(llm, prompts, params)
     assert_no_leak(llm)
     return tokens, llm
@@ -93,7 +95,8 @@ def test_forced_preemption(drafts):
 def test_prefix_caching(drafts):
     target, noisy, _ = drafts("llama")
     prompts = shared_prefix_prompts()
-    llm = LLM(target, dtype="float32", speculative_model=str(noisy), num_speculative_tokens=3)
+    llm = LLM(target, dtype="float32", speculative_model=str(noisy), num_speculative_tokens=3,
+              speculative_adaptive=False)
     tokens = greedy_tokens(llm, prompts[:1]) + greedy_tokens(llm, prompts[1:])
     assert llm.engine.get_stats().prefix_cache_hits > 0
     assert_no_leak(llm)
@@ -126,7 +129,8 @@ def test_octavo_mini_with_its_draft_on_the_golden_prompt():
     base = LLM(str(DEFAULT_MODEL_PATH), dtype="float32")
     prompt = "def fibonacci(n):"
     expected = base.generate(prompt, params, use_tqdm=False)[0].outputs[0]
-    spec = LLM(str(DEFAULT_MODEL_PATH), dtype="float32", speculative_model="octavo-mini-draft")
+    spec = LLM(str(DEFAULT_MODEL_PATH), dtype="float32", speculative_model="octavo-mini-draft",
+               speculative_adaptive=False)
     out = spec.generate(prompt, params, use_tqdm=False)[0].outputs[0]
     assert out.token_ids == expected.token_ids and out.text == expected.text
     assert acceptance(spec).num_accepted_tokens > 0
@@ -142,7 +146,7 @@ def test_ranks_with_a_draft_on_the_driver(drafts, split):
     engine = dict(dtype="float32", block_size=4, num_blocks=128)
     want = greedy_tokens(LLM(target, **engine), PROMPTS[:3])
     llm = LLM(target, threads_per_worker=1, speculative_model=str(noisy), num_speculative_tokens=3,
-              **split, **engine)
+              speculative_adaptive=False, **split, **engine)
     try:
         assert greedy_tokens(llm, PROMPTS[:3]) == want
         stats = llm.engine.get_stats()

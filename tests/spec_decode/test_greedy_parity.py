@@ -13,7 +13,8 @@ from tests.spec_decode.conftest import assert_proposer_state_dropped
 
 NEW_TOKENS = 48
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
-SPEC = dict(speculative_method="ngram", num_speculative_tokens=3, ngram_min=1, ngram_max=3)
+# Always proposing: these tests are about verification, not about when proposing pays (spec_decode/adaptive.py).
+SPEC = dict(speculative_method="ngram", num_speculative_tokens=3, ngram_min=1, ngram_max=3, speculative_adaptive=False)
 
 
 def prompts() -> list[list[int]]:

@@ -17,7 +17,8 @@ ENGINE = dict(dtype="float32", block_size=4, num_blocks=128)
 def test_ranks_verify_the_proposals(tmp_path, split):
     folder = make_tiny_model(tmp_path, "llama", num_hidden_layers=2)
     want = [o.outputs[0].token_ids for o in LLM(folder, **ENGINE).generate(PROMPTS, PARAMS, use_tqdm=False)]
-    llm = LLM(folder, threads_per_worker=1, speculative_method="ngram", num_speculative_tokens=3, **split, **ENGINE)
+    llm = LLM(folder, threads_per_worker=1, speculative_method="ngram", num_speculative_tokens=3,
+              speculative_adaptive=False, **split, **ENGINE)
     try:
         got = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
         assert got == want

@@ -11,7 +11,9 @@ import pytest
 from octavo import LLM, SamplingParams
 from tests.engine.conftest import assert_no_leak, random_prompts
 
-SPEC = dict(speculative_method="ngram", num_speculative_tokens=4, ngram_min=1, ngram_max=3)
+# Always proposing: these tests are about verification, not about when proposing pays (spec_decode/adaptive.py).
+SPEC = dict(speculative_method="ngram", num_speculative_tokens=4, ngram_min=1, ngram_max=3,
+            speculative_adaptive=False)
 LOOPS = [[7, 8, 9, 10] * 6, [40, 41, 42, 43, 44, 45, 46] * 3 + [40, 41], [60, 61] * 9]
 
 
