@@ -209,9 +209,75 @@ class ParallelConfig:
         return "uni" if self.world_size == 1 else "mp"
 
 
+SPECULATIVE_METHODS = ("none", "ngram", "draft_model")
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding (``octavo/spec_decode/``): a proposer guesses up to
+    ``num_speculative_tokens`` next tokens per request and the model verifies
+    them in its next step, keeping the output distribution exactly."""
+
+    speculative_method: Optional[str] = option(
+        None, "how tokens are proposed: ngram (prompt lookup in the request's own tokens), draft_model "
+        "(--speculative-model) or none. Default: draft_model when --speculative-model is given, else none",
+        choices=SPECULATIVE_METHODS,
+    )
+    speculative_model: Optional[str] = option(None, "draft model folder (same tokenizer as the model)")
+    num_speculative_tokens: int = option(4, "tokens proposed per request per step (k)")
+    ngram_min: int = option(1, "shortest suffix the n-gram proposer matches")
+    ngram_max: int = option(4, "longest suffix the n-gram proposer matches (tried first)")
+    # Whether speculation pays depends on the acceptance rate, the proposer's
+    # cost and the batch size (a verification step of a large batch is no
+    # longer a weight read): measured, not guessed (octavo/spec_decode/adaptive.py).
+    speculative_adaptive: bool = option(
+        True, "stop proposing while the measured cost per emitted token is lower without speculation, per "
+        "batch size (re-measured now and then)",
+    )
+    speculative_max_batch_size: Optional[int] = option(
+        None, "no proposals in a step where more requests than this decode (default: no limit)"
+    )
+
+    def __post_init__(self) -> None:
+        if self.speculative_max_batch_size is not None and self.speculative_max_batch_size < 1:
+            raise ValueError(f"speculative_max_batch_size must be >= 1, got {self.speculative_max_batch_size}")
+        method = self.speculative_method
+        if method is not None and method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_method must be one of {', '.join(SPECULATIVE_METHODS)}; got {method!r}")
+        if method == "draft_model" and self.speculative_model is None:
+            raise ValueError("speculative_method draft_model needs speculative_model (the draft model folder)")
+        if self.speculative_model is not None and method in ("none", "ngram"):
+            raise ValueError(f"speculative_model is set but speculative_method is {method!r}")
+        if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {self.num_speculative_tokens!r}")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError(
+                f"ngram_min and ngram_max must satisfy 1 <= ngram_min <= ngram_max, got {self.ngram_min}, "
+                f"{self.ngram_max}"
+            )
+
+    @property
+    def method(self) -> str:
+        """The method in use: the one chosen, else draft_model when a draft is given, else none."""
+        if self.speculative_method is not None:
+            return self.speculative_method
+        return "draft_model" if self.speculative_model is not None else "none"
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
+
+    @property
+    def num_lookahead_slots(self) -> int:
+        """KV slots the scheduler reserves past a request's verified positions
+        for the proposer's own writes: a draft model's k proposal steps."""
+        return self.num_speculative_tokens if self.method == "draft_model" else 0
+
+
 @dataclass
 class EngineConfig:
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)

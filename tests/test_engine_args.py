@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from octavo.assets import DEFAULT_DRAFT_MODEL_PATH
 from octavo.config import EngineConfig, ModelConfig
 from octavo.entrypoints.cli import build_parser, main
 from octavo.entrypoints.engine_args import config_fields, engine_config, engine_config_from_args
@@ -33,6 +34,13 @@ _NON_DEFAULT = {
     "pipeline_parallel_size": ("2", 2),
     "distributed_executor_backend": ("ray", "ray"),
     "threads_per_worker": ("3", 3),
+    "speculative_method": ("ngram", "ngram"),
+    # The shipped draft's name stands for its folder.
+    "speculative_model": ("octavo-mini-draft", str(DEFAULT_DRAFT_MODEL_PATH)),
+    "num_speculative_tokens": ("3", 3),
+    "ngram_min": ("2", 2),
+    "ngram_max": ("6", 6),
+    "speculative_max_batch_size": ("8", 8),
 }
 
 
@@ -128,3 +136,9 @@ def test_serve_help_lists_every_engine_option(capsys):
     text = capsys.readouterr().out
     for cf in _fields():
         assert cf.flag in text, cf.flag
+
+
+def test_a_missing_draft_folder_is_named(tmp_path):
+    with pytest.raises(ValueError, match="speculative_model folder not found"):
+        engine_config(tmp_path, speculative_model=str(tmp_path / "no-such-draft"))
+

@@ -32,7 +32,8 @@ ALLOWED: dict[str, set[str]] = {
     # of the request state the step deltas update) is the only part of core a rank reads.
     "worker": {"core.outputs", "core.step_state", "model", "attention", "quant", "sample", "spec_decode", "kv_offload",
                "distributed", "kernels", ROOT},
-    "spec_decode": {"model", "sample", "attention", "quant", "distributed", "kernels", ROOT},
+    # The proposer reads the rank's request state (core/step_state.py), as the sampler does.
+    "spec_decode": {"core.step_state", "model", "sample", "attention", "quant", "distributed", "kernels", ROOT},
     "model": {"attention", "quant", "distributed", "kernels", ROOT},
     "attention": {"distributed", "kernels", ROOT},
     "quant": {"distributed", "kernels", ROOT},

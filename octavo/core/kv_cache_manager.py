@@ -76,20 +76,22 @@ class KVCacheManager:
         return blocks, len(blocks) * self.block_size
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, computed_blocks: Sequence[int] = ()
+        self, request: Request, num_new_tokens: int, computed_blocks: Sequence[int] = (),
+        num_lookahead_tokens: int = 0,
     ) -> bool:
         """Make room for K/V of the next ``num_new_tokens`` tokens after
         ``request.num_computed_tokens`` (plus ``computed_blocks``, the prefix
-        hits of a request that holds no blocks yet). Shared blocks about to be
-        written are copied first (copy-on-write). Returns False, changing
-        nothing, when the pool is short."""
+        hits of a request that holds no blocks yet), and ``num_lookahead_tokens``
+        scratch slots after those (a draft model's own proposal steps). Shared
+        blocks about to be written are copied first (copy-on-write). Returns
+        False, changing nothing, when the pool is short."""
         rid = request.request_id
         table = self._tables.get(rid, [])
         if computed_blocks and table:
             raise RuntimeError(f"request {rid} already holds blocks; prefix hits apply only at admission")
         bs = self.block_size
         start = request.num_computed_tokens + len(computed_blocks) * bs
-        num_needed = _cdiv(start + num_new_tokens, bs)
+        num_needed = _cdiv(start + num_new_tokens + num_lookahead_tokens, bs)
         num_new_blocks = max(0, num_needed - len(table) - len(computed_blocks))
         shared = [i for i in range(start // bs, min(len(table), num_needed)) if self.pool.ref_cnt(table[i]) > 1]
         # Free cached hits are counted as free but stop being so once taken.
@@ -127,7 +129,10 @@ class KVCacheManager:
             return
         rid = request.request_id
         table = self._tables[rid]
-        num_full = min(request.num_computed_tokens // self.block_size, len(table))
+        # Past num_tokens lie speculative proposals not yet verified: their
+        # blocks must never be found by another request.
+        num_verified = min(request.num_computed_tokens, request.num_tokens)
+        num_full = min(num_verified // self.block_size, len(table))
         done = self._num_registered.get(rid, 0)
         if num_full <= done:
             return
@@ -135,6 +140,19 @@ class KVCacheManager:
         for i in range(done, num_full):
             self.pool.cache_block(table[i], hashes[i])
         self._num_registered[rid] = num_full
+
+    def free_unused_blocks(self, request: Request) -> None:
+        """Release the blocks past the request's computed tokens: after
+        rejected proposals are rolled back, the blocks that held only them
+        (or lookahead slots) are empty. None of them was registered (see
+        ``cache_blocks``)."""
+        table = self._tables.get(request.request_id)
+        if table is None:
+            return
+        keep = _cdiv(request.num_computed_tokens, self.block_size)
+        if len(table) > keep:
+            self.pool.free(reversed(table[keep:]))
+            del table[keep:]
 
     def free(self, request: Request) -> None:
         """Release the request's blocks; registered ones stay hittable until evicted."""

@@ -1,6 +1,7 @@
 """The data that crosses the scheduler / model-runner boundary (torch-free)."""
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -32,7 +33,14 @@ class ScheduledRequest:
     index ``blocks_from`` on is ``block_ids``: the blocks this step writes and
     any after them (copy-on-write may have replaced the block a step writes
     into, so that one is always sent; blocks before it never change).
-    ``new`` is set on the request's first step on the workers."""
+    ``new`` is set on the request's first step on the workers.
+
+    Speculative decoding: ``spec_token_ids`` are proposals (from the previous
+    step's ``ModelRunnerOutput.spec_token_ids``) placed after the request's
+    last token; they are the last ``len(spec_token_ids)`` of the
+    ``num_tokens`` positions, are not part of the request's tokens, and are
+    verified this step: the sampler emits the accepted ones plus one token.
+    The block table covers them (and any lookahead slots of the proposer)."""
 
     request_id: str
     start_pos: int
@@ -42,6 +50,7 @@ class ScheduledRequest:
     block_ids: list[int]
     sample: bool
     new: Optional[NewRequestData] = None
+    spec_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -50,12 +59,25 @@ class GrammarBitmask:
     matchers live: for each listed request that samples this step, the tokens
     its grammar allows, packed 32 per int32 word (token t at bit t % 32 of
     word t // 32), row i for ``request_ids[i]``. ``terminated`` lists the
-    requests whose grammar is complete (only EOS may follow)."""
+    requests whose grammar is complete (only EOS may follow).
+
+    With speculative proposals, request i has ``num_positions[i]`` rows (its
+    k proposals + 1), in order: row j is the grammar's mask after the first
+    j proposals, and ``terminated_at`` gives, per request, the first j > 0 at
+    which the grammar is complete."""
 
     request_ids: list[str]
     num_words: int
-    bitmask: bytes  # len(request_ids) x num_words int32, native byte order
+    bitmask: bytes  # sum(num_positions) x num_words int32, native byte order
     terminated: set[str] = field(default_factory=set)
+    num_positions: Optional[list[int]] = None  # None: one row per request
+    terminated_at: dict[str, int] = field(default_factory=dict)
+
+    def first_rows(self) -> dict[str, int]:
+        """Request id -> its first row of ``bitmask``."""
+        counts = self.num_positions or [1] * len(self.request_ids)
+        starts = itertools.accumulate(counts, initial=0)
+        return dict(zip(self.request_ids, starts))
 
 
 @dataclass
@@ -91,8 +113,14 @@ class SchedulerOutput:
 
 @dataclass
 class ModelRunnerOutput:
-    # Only requests that sampled this step appear; a partial prefill chunk does not.
+    # Only requests that sampled this step appear; a partial prefill chunk does
+    # not. With speculative decoding a list holds the accepted proposals, then
+    # the token the target sampled (a correction or the bonus token).
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    # Speculative decoding: tokens proposed to follow the sampled ones, for the
+    # scheduler to have verified next step (a model proposer's distributions
+    # stay on the driver rank). Absent or empty: no proposal.
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
     # Per scheduled prompt chunk: logprobs of each prompt token given its prefix
     # (the first prompt token has none, so it is absent from the list). For a

@@ -76,6 +76,9 @@ class Request:
     # Prompt positions below this already had their logprobs reported
     # (position 0 has none); kept across preemption so recompute repeats none.
     prompt_logprobs_upto: int = 1
+    # Speculative decoding: tokens a proposer guessed to follow, not yet
+    # verified; the next step schedules them after the request's last token.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

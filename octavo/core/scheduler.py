@@ -23,6 +23,13 @@ pool allow. Choices worth knowing:
   their parent's prompt is computed, then join the running set sharing its
   blocks, if a seat is free; otherwise (or if the parent left first) they
   compute their prompt like any request. The parent reports prompt logprobs.
+- Speculative decoding: a decoding request's proposals (``Request.
+  spec_token_ids``, from the previous step) ride along as extra tokens of its
+  decode, cut to the budget left, to ``max_tokens`` and to the context; when
+  the pool cannot hold them the request decodes plain (proposals never cause
+  a preemption). ``num_computed_tokens`` counts them until the results say
+  how many were accepted; the rest are rolled back, with the blocks they
+  alone filled (``_apply_verification``). Preemption drops them.
 """
 from __future__ import annotations
 
@@ -30,13 +37,14 @@ import itertools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Sequence
 
-from octavo.config import CacheConfig, SchedulerConfig
+from octavo.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from octavo.core.kv_cache_manager import KVCacheManager
 from octavo.core.outputs import EngineCoreOutput, ModelRunnerOutput, ScheduledRequest, SchedulerOutput
 from octavo.core.request import Request, RequestStatus
 from octavo.core.request_queue import RequestQueue, SortKey
+from octavo.core.spec_stats import SpecDecodingStats
 from octavo.core.step_results import append_sampled, take_prompt_logprobs
 from octavo.core.step_state import SentRequests
 
@@ -64,6 +72,7 @@ class Scheduler:
         cache_config: CacheConfig,
         num_blocks: int,
         max_model_len: int,
+        speculative_config: Optional[SpeculativeConfig] = None,
     ) -> None:
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
@@ -83,6 +92,9 @@ class Scheduler:
         self._finished_ids: set[str] = set()
         self._sent = SentRequests(cache_config.block_size)  # what the workers hold of each request
         self.num_preemptions = 0
+        spec = speculative_config or SpeculativeConfig()
+        self._num_lookahead = spec.num_lookahead_slots
+        self.spec_stats = SpecDecodingStats()
 
     def _sort_key(self, request: Request) -> SortKey:
         return self._order[request.request_id]
@@ -185,15 +197,44 @@ class Scheduler:
             request = self.running[i]
             n = min(request.num_tokens - request.num_computed_tokens, step.left)
             if n > 0:
-                if not self._allocate_running(request, n, step):
+                spec = self._fit_proposals(request, n, step)
+                if not spec and not self._allocate_running(request, n, step):
                     break  # it was the least urgent, so the last one
-                self._add_scheduled(request, n, step)
+                self._add_scheduled(request, n, step, spec)
             i += 1
+
+    def _fit_proposals(self, request: Request, n: int, step: _Step) -> list[int]:
+        """The request's proposals that fit this step, their KV slots (and
+        the proposer's lookahead) allocated; empty when none fit. Taken off
+        the request either way: proposals are for the step right after theirs."""
+        spec, request.spec_token_ids = request.spec_token_ids, []
+        if not spec or n != 1:
+            return []  # only a decode carries proposals (a resumed request recomputes first)
+        params = request.sampling_params
+        room = [len(spec), step.left - n, self._max_len - request.num_tokens]
+        if params.max_tokens is not None:
+            # The verification emits up to len(spec) + 1 tokens.
+            room.append(params.max_tokens - request.num_output_tokens - 1)
+        k = max(0, min(room))
+        end = request.num_computed_tokens + n + k
+        lookahead = self._lookahead(request, end)
+        if k and self.kv_cache_manager.allocate_slots(request, n + k, num_lookahead_tokens=lookahead):
+            return spec[:k]
+        return []
+
+    def _lookahead(self, request: Request, end: int) -> int:
+        """Scratch slots for the proposer past position ``end`` (where this
+        step's tokens for the request stop): only when the step samples,
+        and never past the longest context, so a request alone still fits."""
+        if not self._num_lookahead or end < request.num_tokens:
+            return 0
+        return max(0, min(self._num_lookahead, self._max_len - end))
 
     def _allocate_running(self, request: Request, n: int, step: _Step) -> bool:
         # Victims come from the back of the running queue, which this loop has
         # not reached yet, so nothing already scheduled is undone here.
-        while not self.kv_cache_manager.allocate_slots(request, n):
+        lookahead = self._lookahead(request, request.num_computed_tokens + n)
+        while not self.kv_cache_manager.allocate_slots(request, n, num_lookahead_tokens=lookahead):
             victim = self.running[-1]
             self._preempt(victim, step)
             if victim is request:
@@ -228,21 +269,25 @@ class Scheduler:
             self._add_scheduled(request, n, step)
 
     def _allocate_waiting(self, request: Request, n: int, computed: list[int], step: _Step) -> bool:
-        while not self.kv_cache_manager.allocate_slots(request, n, computed):
+        lookahead = self._lookahead(request, len(computed) * self._block_size + n)
+        while not self.kv_cache_manager.allocate_slots(request, n, computed, lookahead):
             if not self.running or self.running[-1].priority <= request.priority:
                 return False
             self._preempt(self.running[-1], step)
         return True
 
-    def _add_scheduled(self, request: Request, n: int, step: _Step) -> None:
+    def _add_scheduled(self, request: Request, n: int, step: _Step, spec: Sequence[int] = ()) -> None:
         start = request.num_computed_tokens
         end = start + n
         step.scheduled[request.request_id] = self._sent.delta(
             request, start, n, self.kv_cache_manager.block_table(request),
             sample=end == request.num_tokens and request.sampling_params.max_tokens != 0,
+            spec_token_ids=spec,
         )
-        request.num_computed_tokens = end
-        step.used += n
+        # Proposals count as computed until verified (so the request is not
+        # scheduled again meanwhile); update_from_output rolls back the rejected.
+        request.num_computed_tokens = end + len(spec)
+        step.used += n + len(spec)
 
     def _preempt(self, request: Request, step: _Step) -> None:
         self.kv_cache_manager.free(request)
@@ -251,6 +296,7 @@ class Scheduler:
         self._fork_waiters.pop(request.request_id, None)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []  # guesses from before; recompute proposes anew
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.add(request)
@@ -296,14 +342,16 @@ class Scheduler:
         self, request: Request, scheduled: ScheduledRequest, runner_output: ModelRunnerOutput
     ) -> Optional[EngineCoreOutput]:
         rid = request.request_id
+        sampled = runner_output.sampled_token_ids.get(rid, ())
+        if scheduled.spec_token_ids:
+            self._apply_verification(request, scheduled, len(sampled))
         self.kv_cache_manager.cache_blocks(request)
         prompt_logprobs = take_prompt_logprobs(request, scheduled.start_pos, runner_output.prompt_logprobs.get(rid))
         new_ids, new_logprobs, status = append_sampled(
-            request,
-            runner_output.sampled_token_ids.get(rid, ()),
-            runner_output.logprobs.get(rid),
-            self._max_len,
+            request, sampled, runner_output.logprobs.get(rid), self._max_len
         )
+        if status is None:
+            request.spec_token_ids = runner_output.spec_token_ids.get(rid, [])
         # The chunk's end, not num_computed_tokens: with pipeline stages the
         # request's next chunk may already be scheduled (and counted there).
         end = scheduled.start_pos + scheduled.num_tokens
@@ -325,6 +373,17 @@ class Scheduler:
             stop_reason=request.stop_reason,
             num_cached_tokens=request.num_cached_tokens,
         )
+
+    def _apply_verification(self, request: Request, scheduled: ScheduledRequest, num_sampled: int) -> None:
+        """Roll back the proposals the step rejected: ``num_sampled`` tokens
+        came back, the accepted proposals and one token of the target's, so
+        all but the last have their K/V in the cache now. Blocks left holding
+        no computed token go back to the pool."""
+        num_proposed = len(scheduled.spec_token_ids)
+        num_accepted = max(0, num_sampled - 1)
+        request.num_computed_tokens -= num_proposed - num_accepted
+        self.kv_cache_manager.free_unused_blocks(request)
+        self.spec_stats.record(num_proposed, num_accepted)
 
     def _fail(self, request: Request, error: str) -> EngineCoreOutput:
         if not request.is_finished:

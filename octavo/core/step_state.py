@@ -11,7 +11,7 @@ blocks) to describe, whatever the requests' lengths.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 from octavo.core.outputs import NewRequestData, ScheduledRequest, SchedulerOutput
 from octavo.core.request import Request
@@ -29,11 +29,13 @@ class SentRequests:
         self._on_workers: set[str] = set()
 
     def delta(
-        self, request: Request, start: int, num_tokens: int, block_table: list[int], sample: bool
+        self, request: Request, start: int, num_tokens: int, block_table: list[int], sample: bool,
+        spec_token_ids: Sequence[int] = (),
     ) -> ScheduledRequest:
-        """The step entry computing ``num_tokens`` tokens from ``start`` with
-        the request's current ``block_table``; records that the workers now
-        hold them."""
+        """The step entry computing ``num_tokens`` of the request's tokens from
+        ``start``, then the proposals ``spec_token_ids``, with the request's
+        current ``block_table``; records that the workers now hold the
+        request's tokens (never the proposals: they are not the request's)."""
         rid = request.request_id
         tokens = self._held.get(rid)
         new = None
@@ -49,7 +51,8 @@ class SentRequests:
         new_tokens = request.all_token_ids[tokens:end] if end > tokens else []
         self._held[rid] = max(tokens, end)
         return ScheduledRequest(
-            rid, start, num_tokens, new_tokens, blocks_from, block_table[blocks_from:], sample, new
+            rid, start, num_tokens + len(spec_token_ids), new_tokens, blocks_from, block_table[blocks_from:], sample,
+            new, list(spec_token_ids),
         )
 
     def forget(self, request_id: str) -> None:
@@ -79,6 +82,8 @@ class CachedRequestState:
     all_token_ids: list[int] = field(init=False)
     block_ids: list[int] = field(default_factory=list)
     grammar_terminated: bool = False  # from the scheduler, for the min_tokens exemption
+    # With proposals: the first proposal position at which the grammar is complete.
+    grammar_terminated_at: Optional[int] = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = self.prompt_token_ids + self.output_token_ids
@@ -111,10 +116,13 @@ class ScheduledRow:
     num_tokens: int
     block_ids: list[int]  # the request's whole block table (the worker's list, not a copy)
     sample: bool
+    # Proposals to verify: the last len(spec_token_ids) of the num_tokens positions.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def token_ids(self) -> list[int]:
-        return self.request.all_token_ids[self.start_pos : self.start_pos + self.num_tokens]
+        num_own = self.num_tokens - len(self.spec_token_ids)
+        return self.request.all_token_ids[self.start_pos : self.start_pos + num_own] + self.spec_token_ids
 
 
 class BatchState:
@@ -142,8 +150,9 @@ class BatchState:
                 state.extend(s.new_token_ids)
             del state.block_ids[s.blocks_from :]
             state.block_ids.extend(s.block_ids)
-            rows.append(ScheduledRow(state, s.start_pos, s.num_tokens, state.block_ids, s.sample))
+            rows.append(ScheduledRow(state, s.start_pos, s.num_tokens, state.block_ids, s.sample, s.spec_token_ids))
         if step.grammar is not None:
             for rid in step.grammar.request_ids:
                 self.requests[rid].grammar_terminated = rid in step.grammar.terminated
+                self.requests[rid].grammar_terminated_at = step.grammar.terminated_at.get(rid)
         return rows

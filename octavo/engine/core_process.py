@@ -45,7 +45,7 @@ import zmq
 
 from octavo.config import EngineConfig
 from octavo.engine import messages as msg
-from octavo.engine.stats import EngineStats
+from octavo.engine.stats import EngineStats, StatsLogger
 
 if TYPE_CHECKING:  # torch: imported in the engine process only
     from octavo.engine.llm_engine import LLMEngine
@@ -118,6 +118,7 @@ class _EngineLoop:
         self.engine = LLMEngine(config)
         self._last_stats: Optional[EngineStats] = None
         self._last_stats_time = 0.0
+        self._stats_logger = StatsLogger()
         self._stop = False
         e = self.engine
         self._send(
@@ -175,6 +176,7 @@ class _EngineLoop:
         if not force and now - self._last_stats_time < STATS_INTERVAL_S:
             return
         stats = self.engine.get_stats()
+        self._stats_logger.maybe_log(stats, now)
         if stats != self._last_stats:
             self._send(msg.StatsUpdate(stats))
             self._last_stats = stats

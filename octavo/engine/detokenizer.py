@@ -71,6 +71,18 @@ class IncrementalDetokenizer:
         self.text += self._decode_window(flush=False)
         return self._find_stop(start)
 
+    def update_until_stop(self, new_token_ids: list[int]) -> tuple[Optional[str], int]:
+        """``update``, but a stop string also ends the tokens: with stop
+        strings, tokens go in one at a time until one completes a stop.
+        Returns the stop string (or None) and how many tokens were taken."""
+        if not self._stops or len(new_token_ids) == 1:
+            return self.update(new_token_ids), len(new_token_ids)
+        for i, token_id in enumerate(new_token_ids):
+            stop = self.update([token_id])
+            if stop is not None:
+                return stop, i + 1
+        return None, len(new_token_ids)
+
     def finish(self) -> Optional[str]:
         """End of the sequence: decode what is pending (an incomplete
         character comes out as U+FFFD) and release the held-back text.

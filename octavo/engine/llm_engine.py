@@ -63,7 +63,8 @@ class LLMEngine:
             # stop on any of them; the extra ones act as stop tokens.
             self._extra_eos_ids = eos_ids[1:]
             self.scheduler = Scheduler(
-                config.scheduler, config.cache, self.executor.determine_num_kv_blocks(), self.max_model_len
+                config.scheduler, config.cache, self.executor.determine_num_kv_blocks(), self.max_model_len,
+                config.speculative,
             )
         except BaseException:
             self.executor.shutdown()
@@ -241,8 +242,9 @@ class LLMEngine:
     def _apply(self, state: RequestState, core_out: EngineCoreOutput, stopped: list[str]) -> None:
         if core_out.error is not None:
             raise RequestFailedError(core_out.error)
+        stop = state.apply(core_out)  # may cut new_token_ids at a stop string
         self._generation_tokens += len(core_out.new_token_ids)
-        if state.apply(core_out) is not None:
+        if stop is not None:
             stopped.append(core_out.request_id)
 
     def _output_of(self, request_id: str, state: RequestState) -> Optional[RequestOutput]:
@@ -289,24 +291,29 @@ class LLMEngine:
         those requests' errors."""
         from octavo.sample.structured import grammar_bitmask
 
-        ids = [s.request_id for s in sched_out.scheduled if s.sample and s.request_id in self._grammar_ids]
-        if not ids:
+        rows = [s for s in sched_out.scheduled if s.sample and s.request_id in self._grammar_ids]
+        if not rows:
             return {}
+        ids = [s.request_id for s in rows]
         matchers = [self.scheduler.get_request(rid).grammar for rid in ids]
+        # Proposals being verified need a mask at each of their positions.
+        proposals = [s.spec_token_ids for s in rows]
         try:
-            sched_out.grammar = grammar_bitmask(ids, matchers, self.vocab_size)
+            sched_out.grammar = grammar_bitmask(ids, matchers, self.vocab_size, proposals)
             return {}
         except Exception:
             logger.exception("grammar masks of %d requests failed; computing each alone", len(ids))
         failed: dict[str, str] = {}
-        for rid, matcher in zip(ids, matchers):
+        for rid, matcher, spec in zip(ids, matchers, proposals):
             try:
-                grammar_bitmask([rid], [matcher], self.vocab_size)
+                grammar_bitmask([rid], [matcher], self.vocab_size, [spec])
             except Exception as exc:
                 failed[rid] = f"structured output failed: {type(exc).__name__}: {exc}"
-        good = [(rid, m) for rid, m in zip(ids, matchers) if rid not in failed]
+        good = [i for i, rid in enumerate(ids) if rid not in failed]
         if good:
-            sched_out.grammar = grammar_bitmask([r for r, _ in good], [m for _, m in good], self.vocab_size)
+            sched_out.grammar = grammar_bitmask(
+                [ids[i] for i in good], [matchers[i] for i in good], self.vocab_size, [proposals[i] for i in good]
+            )
         return failed
 
     def _note_first_scheduled(self, sched_out: SchedulerOutput) -> None:
@@ -322,6 +329,7 @@ class LLMEngine:
 
     def get_stats(self) -> EngineStats:
         kv = self.scheduler.kv_cache_manager
+        spec = self.scheduler.spec_stats
         return EngineStats(
             num_running=self.scheduler.num_running,
             num_waiting=self.scheduler.num_waiting,
@@ -332,6 +340,10 @@ class LLMEngine:
             num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens=self._prompt_tokens,
             generation_tokens=self._generation_tokens,
+            spec_num_drafts=spec.num_drafts,
+            spec_num_draft_tokens=spec.num_draft_tokens,
+            spec_num_accepted_tokens=spec.num_accepted_tokens,
+            spec_accepted_per_position=list(spec.accepted_per_position),
         )
 
     def shutdown(self) -> None:

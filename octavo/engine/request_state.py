@@ -90,7 +90,8 @@ class RequestState:
 
     def apply(self, out: EngineCoreOutput) -> Optional[str]:
         """Fold one scheduler output into its sequence. Returns the stop string
-        when the detokenizer found one (the caller must stop the sequence)."""
+        when the detokenizer found one (the caller must stop the sequence);
+        ``out.new_token_ids`` is then cut after the token that completed it."""
         seq = self.sequences[out.request_id]
         now = time.monotonic()
         if out.prompt_logprobs is not None and self.params.prompt_logprobs is not None:
@@ -105,14 +106,19 @@ class RequestState:
             if self.metrics.first_token_time is None:
                 self.metrics.first_token_time = now
             self.metrics.last_token_time = now
+            if seq.detokenizer is not None and not self.text_at_end:
+                stop_str, used = seq.detokenizer.update_until_stop(out.new_token_ids)
+                if stop_str is not None:
+                    seq.finish_reason, seq.stop_reason = "stop", stop_str
+                    # Several tokens in one step (speculative decoding): the
+                    # ones after the stop string's end are not output.
+                    out.new_token_ids = out.new_token_ids[:used]
+                    if out.new_logprobs is not None:
+                        out.new_logprobs = out.new_logprobs[:used]
             seq.token_ids.extend(out.new_token_ids)
             for lp in out.new_logprobs or []:
                 seq.logprobs.append(lp)
                 seq.cumulative_logprob += lp.logprob
-            if seq.detokenizer is not None and not self.text_at_end:
-                stop_str = seq.detokenizer.update(out.new_token_ids)
-                if stop_str is not None:
-                    seq.finish_reason, seq.stop_reason = "stop", stop_str
         if out.finish_reason is not None and not seq.finished:
             seq.finish_reason, seq.stop_reason = out.finish_reason, out.stop_reason
         if seq.finished:

@@ -66,8 +66,22 @@ def engine_config(model: Optional[str | Path] = None, **options: Any) -> EngineC
             raise ValueError(f"unknown engine option {name!r} (the options are the fields of octavo.config)")
         by_section.setdefault(known[name].section, {})[name] = value
     by_section.setdefault("model", {})["model"] = resolve_model_path(model)
+    speculative = by_section.get("speculative", {})
+    if speculative.get("speculative_model") is not None:
+        speculative["speculative_model"] = resolve_draft_path(speculative["speculative_model"])
     sections = typing.get_type_hints(EngineConfig)
     return EngineConfig(**{name: sections[name](**values) for name, values in by_section.items()})
+
+
+def resolve_draft_path(draft: str | Path) -> str:
+    """A draft model folder, or the name of the shipped draft (octavo-mini-draft)."""
+    from octavo.assets import DEFAULT_DRAFT_MODEL_PATH
+
+    if str(draft) == DEFAULT_DRAFT_MODEL_PATH.name and not os.path.isdir(draft):
+        return str(DEFAULT_DRAFT_MODEL_PATH)
+    if not os.path.isdir(draft):
+        raise ValueError(f"speculative_model folder not found: {draft}")
+    return str(draft)
 
 
 def resolve_model_path(model: Optional[str | Path]) -> str:

@@ -45,10 +45,13 @@ class SamplingMetadata:
         vocab_size: int,
         device: torch.device | str = "cpu",
         grammar: Optional[GrammarBitmask] = None,
+        positions: Optional[list[int]] = None,
     ) -> SamplingMetadata:
         """``requests``: the batch rows (scheduler ``Request`` objects or the
         worker's states, which have the same fields); ``grammar``: the step's
-        shipped grammar masks, for the rows that have one."""
+        shipped grammar masks, for the rows that have one; ``positions``:
+        with speculative proposals, which of its request's verified positions
+        each row is (None: 0 for every row)."""
         if len(generators) != len(requests):
             raise ValueError(f"need one generator slot per request: {len(generators)} for {len(requests)}")
         device = torch.device(device)
@@ -76,5 +79,7 @@ class SamplingMetadata:
             requests=requests,
             penalties=PenaltyInputs.from_requests(requests, vocab_size, device),
             masks=TokenMasks.from_requests(requests, vocab_size, device),
-            grammars=GrammarBatch.from_bitmask([r.request_id for r in requests], grammar, vocab_size, device),
+            grammars=GrammarBatch.from_bitmask(
+                [r.request_id for r in requests], grammar, vocab_size, device, positions
+            ),
         )

@@ -67,7 +67,7 @@ class Sampler:
         token_ids = logits.max(dim=-1).indices
         if not meta.all_greedy:
             probs = torch.softmax(warp_logits(logits, meta), dim=-1)
-            sampled = _sample_exponential(probs, meta.generators)
+            sampled = sample_from_probs(probs, meta.generators)
             token_ids = torch.where(meta.temperature < GREEDY_TEMPERATURE, token_ids, sampled)
         return SamplerOutput(token_ids, logprobs)
 
@@ -100,7 +100,7 @@ def warp_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
     )
 
 
-def _sample_exponential(probs: torch.Tensor, generators: list[Optional[torch.Generator]]) -> torch.Tensor:
+def sample_from_probs(probs: torch.Tensor, generators: list[Optional[torch.Generator]]) -> torch.Tensor:
     """argmax(p / E) with E ~ Exp(1) draws from p; rows with a generator draw
     their own noise, so their result depends on nothing else in the batch."""
     noise = torch.empty_like(probs)

@@ -24,6 +24,7 @@ this through llguidance's "x-guidance" key.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import logging
 from collections import OrderedDict
@@ -168,22 +169,55 @@ def _grammar_source(spec: StructuredOutputParams) -> str:
         raise ValueError(f"structured_outputs.json_schema: {exc}") from None
 
 
-def grammar_bitmask(request_ids: list[str], matchers: list[GrammarMatcher], vocab_size: int) -> GrammarBitmask:
+def grammar_bitmask(
+    request_ids: list[str],
+    matchers: list[GrammarMatcher],
+    vocab_size: int,
+    proposals: Optional[list[list[int]]] = None,
+) -> GrammarBitmask:
     """What each matcher allows next, packed for the workers (scheduler side:
     the matchers stay here and advance once the step's tokens are known).
     ``vocab_size`` is the logits' width; bits past a grammar's vocabulary
-    stay 0 (forbidden)."""
+    stay 0 (forbidden).
+
+    With speculative ``proposals``, request i gets a mask at each of its
+    k + 1 verified positions: the matcher walks through the proposals and is
+    rolled back after. Past the first proposal its grammar refuses, the masks
+    repeat the last valid one: that proposal is masked out, so it is always
+    rejected and the later positions are never used."""
     words = -(-max(vocab_size, *(m.vocab_size for m in matchers)) // _BITS)
-    bitmask = torch.zeros(len(matchers), words, dtype=torch.int32)
-    # One call computes every row's mask, in parallel across rows.
-    matchers[0]._executor.unsafe_compute_mask_ptr(
-        [(m._matcher, i) for i, m in enumerate(matchers)],
-        bitmask.data_ptr(),
-        words * 4,
-        len(matchers),
-    )
+    proposals = proposals or [[] for _ in matchers]
+    counts = [len(p) + 1 for p in proposals]
+    starts = list(itertools.accumulate(counts, initial=0))
+    bitmask = torch.zeros(starts[-1], words, dtype=torch.int32)
     terminated = {rid for rid, m in zip(request_ids, matchers) if m.is_terminated()}
-    return GrammarBitmask(list(request_ids), words, bitmask.numpy().tobytes(), terminated)
+    terminated_at: dict[str, int] = {}
+    valid = [m._matcher.validate_tokens(p) if p else 0 for m, p in zip(matchers, proposals)]
+    consumed = [0] * len(matchers)
+    executor = matchers[0]._executor
+    try:
+        for j in range(max(valid) + 1):
+            live = [i for i, n in enumerate(valid) if j <= n]
+            # One call computes every row's mask, in parallel across rows.
+            executor.unsafe_compute_mask_ptr(
+                [(matchers[i]._matcher, starts[i] + j) for i in live], bitmask.data_ptr(), words * 4, len(bitmask)
+            )
+            for i in live:
+                if j and request_ids[i] not in terminated_at and matchers[i].is_terminated():
+                    terminated_at[request_ids[i]] = j
+                if j < valid[i]:
+                    matchers[i]._matcher.consume_token(proposals[i][j])
+                    consumed[i] += 1
+    finally:
+        for m, n in zip(matchers, consumed):
+            if n:
+                m._matcher.rollback(n)
+    for i, n in enumerate(valid):
+        bitmask[starts[i] + n + 1 : starts[i + 1]] = bitmask[starts[i] + n]
+    return GrammarBitmask(
+        list(request_ids), words, bitmask.numpy().tobytes(), terminated,
+        counts if any(proposals) else None, terminated_at,
+    )
 
 
 @dataclass
@@ -200,18 +234,19 @@ class GrammarBatch:
         shipped: Optional[GrammarBitmask],
         vocab_size: int,
         device: torch.device,
+        positions: Optional[Sequence[int]] = None,
     ) -> Optional[GrammarBatch]:
-        """The shipped masks of the batch rows ``request_ids``; None when no
-        row has one."""
+        """The shipped masks of the batch rows ``request_ids`` (at proposal
+        ``positions``, when verifying); None when no row has one."""
         if shipped is None:
             return None
-        index = {rid: i for i, rid in enumerate(shipped.request_ids)}
+        index = shipped.first_rows()
         rows = [row for row, rid in enumerate(request_ids) if rid in index]
         if not rows:
             return None
         packed = torch.frombuffer(bytearray(shipped.bitmask), dtype=torch.int32)
-        packed = packed.view(len(shipped.request_ids), shipped.num_words)
-        packed = packed[[index[request_ids[row]] for row in rows]]
+        packed = packed.view(-1, shipped.num_words)
+        packed = packed[[index[request_ids[row]] + (positions[row] if positions else 0) for row in rows]]
         shifts = torch.arange(_BITS, dtype=torch.int32)
         bits = (packed.unsqueeze(-1) >> shifts) & 1
         allowed = bits.reshape(len(rows), shipped.num_words * _BITS)[:, :vocab_size].bool()

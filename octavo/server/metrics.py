@@ -33,6 +33,10 @@ _COUNTERS = (
     ("num_preemptions", "Requests preempted (recomputed later).", lambda s: s.num_preemptions),
     ("prompt_tokens", "Prompt tokens processed.", lambda s: s.prompt_tokens),
     ("generation_tokens", "Tokens generated.", lambda s: s.generation_tokens),
+    ("spec_decode_num_drafts", "Speculative verifications (request-steps that carried proposals).",
+     lambda s: s.spec_num_drafts),
+    ("spec_decode_num_draft_tokens", "Speculative proposals verified.", lambda s: s.spec_num_draft_tokens),
+    ("spec_decode_num_accepted_tokens", "Speculative proposals accepted.", lambda s: s.spec_num_accepted_tokens),
 )
 
 
@@ -51,6 +55,14 @@ class _EngineStatsCollector(Collector):
             family = CounterMetricFamily(f"octavo:{name}", doc, labels=["model_name"])
             family.add_metric([self._model_name], float(get(stats)))
             yield family
+        family = CounterMetricFamily(
+            "octavo:spec_decode_num_accepted_tokens_per_pos",
+            "Speculative proposals accepted, by position in the proposal (0 = first).",
+            labels=["model_name", "position"],
+        )
+        for position, count in enumerate(stats.spec_accepted_per_position):
+            family.add_metric([self._model_name, str(position)], float(count))
+        yield family
 
 
 class ServerMetrics:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 
@@ -44,6 +44,7 @@ def num_cache_blocks(
     device: torch.device,
     max_useful_tokens: Optional[int] = None,
     memory_share: float = 1.0,
+    extra_shapes: Sequence[CacheShape] = (),
 ) -> int:
     """Forced ``num_blocks`` first, else ``kv_cache_memory_bytes``, else
     ``memory_fraction`` of the memory available now (after the weights).
@@ -55,9 +56,12 @@ def num_cache_blocks(
 
     An explicit size must fit the memory available (``check_pool_fits``).
     ``memory_share``: this rank's part of the memory budgets, when several
-    ranks draw on one memory (CPU ranks of one machine: 1 / their number)."""
+    ranks draw on one memory (CPU ranks of one machine: 1 / their number).
+    ``extra_shapes``: caches indexed by the same block ids (a draft model's),
+    whose bytes each block costs too."""
+    bytes_per_block = shape.bytes_per_block + sum(s.bytes_per_block for s in extra_shapes)
     if config.num_blocks is not None:
-        check_pool_fits(config.num_blocks * shape.bytes_per_block, device, "num_blocks (--num-blocks)")
+        check_pool_fits(config.num_blocks * bytes_per_block, device, "num_blocks (--num-blocks)")
         return config.num_blocks
     budget = config.kv_cache_memory_bytes
     if budget is not None:
@@ -67,11 +71,11 @@ def num_cache_blocks(
         budget = int(available_memory_bytes(device) * config.memory_fraction * memory_share)
         if max_useful_tokens is not None:
             cap_blocks = 2 * -(-max_useful_tokens // shape.block_size)
-            budget = min(budget, cap_blocks * shape.bytes_per_block)
-    blocks = budget // shape.bytes_per_block
+            budget = min(budget, cap_blocks * bytes_per_block)
+    blocks = budget // bytes_per_block
     if blocks < 1:
         raise ValueError(
-            f"KV cache budget of {budget} bytes is below one block ({shape.bytes_per_block} bytes); "
+            f"KV cache budget of {budget} bytes is below one block ({bytes_per_block} bytes); "
             "raise kv_cache_memory_bytes or memory_fraction"
         )
     return blocks

@@ -2,26 +2,29 @@
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from octavo.attention.kv_quant import KV_QUANT_DTYPES
-from octavo.attention.registry import select_attention_backend
-from octavo.config import CacheConfig, ModelConfig, SchedulerConfig
+from octavo.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from octavo.core.outputs import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from octavo.core.step_state import BatchState, CachedRequestState, ScheduledRow
-from octavo.kernels.fused_ops import FusedOps, fused_ops
-from octavo.model.backends import ModelBackends
 from octavo.model.config import load_arch_config
 from octavo.model.kv_scales import load_static_kv_scales
 from octavo.model.loader import load_model, model_folder, resolve_dtype
 from octavo.outputs import TokenLogprobs
-from octavo.quant.schemes import quantization_scheme
 from octavo.sample.logprobs import token_logprobs
 from octavo.sample.metadata import SamplingMetadata
-from octavo.sample.sampler import Sampler, SamplerOutput
+from octavo.sample.rejection import Drafts, verification_rows, verify
+from octavo.sample.sampler import Sampler
+from octavo.spec_decode.adaptive import SpeculationGovernor
+from octavo.spec_decode.proposer import ProposalInput, ProposerContext
+from octavo.spec_decode.registry import create_proposer
+from octavo.worker.backends import model_backends
+from octavo.worker.draft_runner import DraftModelProposer
 from octavo.worker.input_batch import StepInputs, prepare_inputs
 from octavo.worker.kv_cache import (
     CacheShape,
@@ -38,6 +41,7 @@ class _LogitRows:
     """Which hidden rows need logits this step, and why."""
 
     sample: list[ScheduledRow] = field(default_factory=list)
+    # A sampling request's last row, or with k proposals its last k + 1 rows.
     sample_rows: list[int] = field(default_factory=list)
     # (scheduled request, first row, number of prompt targets)
     prompt: list[tuple[ScheduledRow, int, int]] = field(default_factory=list)
@@ -49,10 +53,14 @@ class _LogitRows:
 
 @dataclass
 class _Draw:
-    """One sampler pass over some of the step's requests."""
+    """One sampler pass over some of the step's requests: request i emitted
+    ``token_ids[i]``, the logits of its j-th token are row ``row_starts[i] + j``
+    of ``logprobs``."""
 
     requests: list[CachedRequestState]
-    result: SamplerOutput
+    token_ids: list[list[int]]
+    row_starts: list[int]
+    logprobs: Optional[torch.Tensor]
     max_num_logprobs: Optional[int]
 
 
@@ -63,6 +71,7 @@ class ModelRunner:
         cache_config: CacheConfig,
         scheduler_config: SchedulerConfig,
         memory_share: float = 1.0,
+        speculative_config: Optional[SpeculativeConfig] = None,
     ) -> None:
         """``memory_share``: this rank's part of the KV cache memory budget
         (see ``num_cache_blocks``)."""
@@ -77,14 +86,8 @@ class ModelRunner:
         cache_dtype = KV_QUANT_DTYPES.get(cache_config.kv_cache_dtype) or resolve_dtype(
             cache_config.cache_dtype, str(self.dtype).removeprefix("torch.")
         )
-        ops = fused_ops() if model_config.fused_ops and FusedOps.supports(self.device, self.dtype) else None
-        self.backends = ModelBackends(
-            quantization=quantization_scheme(model_config, self.device, self.dtype),
-            attention=select_attention_backend(
-                model_config.attention_backend, self.device, self.dtype, cache_dtype, set(arch.layer_windows)
-            ),
-            fused_ops=ops,
-        )
+        self.backends = model_backends(model_config, self.device, self.dtype, cache_dtype, arch.layer_windows)
+        ops = self.backends.fused_ops
         self.model, self.arch = load_model(
             folder, model_config.dtype, self.device, model_config.max_model_len, self.backends
         )
@@ -96,20 +99,49 @@ class ModelRunner:
         layers = self.model.local_layers
         shape = CacheShape(len(layers), self.block_size, layers[0].self_attn.num_kv_heads, self.arch.head_dim,
                            cache_dtype)
+        spec = speculative_config or SpeculativeConfig()
+        # A draft model's cache shares the target's block ids: sized together, per block.
+        self._draft = (
+            DraftModelProposer(spec, model_config, cache_config, self.arch, self.max_model_len)
+            if spec.method == "draft_model" else None
+        )
         self.num_blocks = num_cache_blocks(
-            cache_config, shape, self.device, scheduler_config.max_num_seqs * self.max_model_len, memory_share
+            cache_config, shape, self.device, scheduler_config.max_num_seqs * self.max_model_len, memory_share,
+            extra_shapes=[self._draft.cache_shape] if self._draft is not None else [],
         )
         static_scales = (load_static_kv_scales(self.model, folder, cache_dtype)
                          if cache_config.kv_cache_dtype != "auto" else None)
         self.kv_caches = allocate_kv_caches(shape, self.num_blocks, self.device, static_scales)
+        if self._draft is not None:
+            self._draft.allocate(self.num_blocks)
 
         self.sampler = Sampler(argmax=ops.argmax if ops is not None else None)
         self.batch = BatchState()  # the requests this rank holds, kept across steps
         self._grammar: Optional[GrammarBitmask] = None  # this step's, for the sampler
         self._generators: dict[str, torch.Generator] = {}
         torch.manual_seed(model_config.seed)  # unseeded requests draw from the global RNG
+        self.num_speculative_tokens = spec.num_speculative_tokens
+        self.proposer = self._draft or create_proposer(
+            spec, ProposerContext(model_config, cache_config, self.device, self.num_blocks, self.max_model_len)
+        )
+        # A model proposer's q of the proposals sent back, until verified.
+        self._draft_probs: dict[str, torch.Tensor] = {}
+        self.governor = SpeculationGovernor(spec.speculative_adaptive, spec.speculative_max_batch_size)
+        self._last_end: Optional[float] = None  # CPU time when the previous step left the runner
+        self._last_cost = 0.0  # ... and what that step cost in it
+        self._speculated = False  # the governor's choice in the previous step
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        # The governor's clock is the process's CPU time: on a shared machine
+        # wall time swings with other processes' load, which would decide for
+        # or against speculation at random; CPU time is the work each mode
+        # costs (and an idle engine between steps spends none).
+        start = time.process_time()
+        # A gap far longer than a step is not per-step overhead: the process
+        # was busy with something else (another engine, a request burst's
+        # tokenizing) and would make long steps look cheap.
+        if self.proposer is not None and self._last_end is not None and start - self._last_end <= 4 * self._last_cost:
+            self.governor.record_overhead(start - self._last_end)
         with torch.inference_mode():
             step = self._forward(scheduler_output)
             if step is None:
@@ -128,12 +160,40 @@ class ModelRunner:
             out = ModelRunnerOutput()
             if logits is None:
                 return out
-            num_sample = len(plan.sample)
-            if num_sample:
+            num_sample = len(plan.sample_rows)
+            if plan.sample:
                 self._sample(plan.sample, logits[:num_sample], out)
             if plan.prompt:
                 _prompt_logprobs(plan, logits[num_sample:].float(), out)
+            if self.proposer is not None:
+                self._speculate(plan, inputs, hidden, out, start)
         return out
+
+    def _speculate(
+        self, plan: _LogitRows, inputs: StepInputs, hidden: torch.Tensor, out: ModelRunnerOutput, start: float
+    ) -> None:
+        """Propose when the governor says it pays at this batch size, and tell
+        it what this step cost per emitted token.
+
+        Seeded random requests propose whatever the governor says: their
+        tokens depend on the proposals they were verified against, and a
+        choice made from timings would make them unreproducible."""
+        batch = len(plan.sample)
+        speculate = self.governor.should_propose(batch)
+        if speculate:
+            self._propose(inputs, hidden, out)
+        elif any(_needs_steady_proposals(s.request) for s in plan.sample):
+            self._propose(inputs, hidden, out, only=_needs_steady_proposals)
+        end = self._last_end = time.process_time()
+        self._last_cost = end - start
+        emitted = sum(len(t) for t in out.sampled_token_ids.values())
+        # By the governor's choices (not by the proposals made): a step counts
+        # when it verified and proposed, or did neither, as the choice before it;
+        # and only when it was all decodes: a prompt chunk's cost would be
+        # charged to whichever mode happened to be on.
+        if all(s.num_tokens == 1 + len(s.spec_token_ids) for s in inputs.order):
+            self.governor.record(batch, emitted, end - start, self._speculated, speculate)
+        self._speculated = speculate
 
     def execute_logits(self, scheduler_output: SchedulerOutput) -> dict[str, torch.Tensor]:
         """Run the step like ``execute`` (the K/V are written) but return the
@@ -163,56 +223,137 @@ class ModelRunner:
         # stream, so its seeded output does not depend on the KV pool's size.
         for request_id in scheduler_output.finished_request_ids - scheduler_output.preempted_request_ids:
             self._generators.pop(request_id, None)
+        if self.proposer is not None and scheduler_output.finished_request_ids:
+            for request_id in scheduler_output.finished_request_ids:
+                self._draft_probs.pop(request_id, None)
+            self.proposer.remove_requests(scheduler_output.finished_request_ids)
         rows = self.batch.apply(scheduler_output)
         self._grammar = scheduler_output.grammar
         copy_blocks(self.kv_caches, scheduler_output.block_copies)
+        if self._draft is not None:
+            self._draft.copy_blocks(scheduler_output.block_copies)
         if not rows:
             return None
         inputs = prepare_inputs(rows, self.block_size, self.backends.attention, self.device)
         return inputs, self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
 
     def _sample(self, scheduled: list[ScheduledRow], logits: torch.Tensor, out: ModelRunnerOutput) -> None:
-        """Draw the batch's tokens in one pass. Should building its inputs or
-        the draw raise (one request's penalties, masks or grammar mask), draw
-        row by row instead, so that only the failing requests fail
-        (``out.failed``): a rare, slow path that keeps the common one free of
-        per-row guards. Retrying is safe: the draw changes no request state
-        (grammars advance on the scheduler side, after the step)."""
-        requests = [s.request for s in scheduled]
+        """Draw the batch's tokens (verify its proposals) in one pass. Should
+        building its inputs or the draw raise (one request's penalties, masks
+        or grammar mask), draw request by request instead, so that only the
+        failing requests fail (``out.failed``): a rare, slow path that keeps
+        the common one free of per-row guards. Retrying is safe: the draw
+        changes no request state (grammars advance on the scheduler side,
+        after the step)."""
         try:
-            draws = [self._draw(requests, logits)]
+            draws = [self._draw(scheduled, logits)]
         except Exception:
-            logger.exception("sampling a batch of %d failed; sampling each request alone", len(requests))
+            logger.exception("sampling a batch of %d failed; sampling each request alone", len(scheduled))
             draws = []
-            for i, request in enumerate(requests):
+            first = 0
+            for s in scheduled:
+                num_rows = len(s.spec_token_ids) + 1
                 try:
-                    draws.append(self._draw([request], logits[i : i + 1]))
+                    draws.append(self._draw([s], logits[first : first + num_rows]))
                 except Exception as exc:
-                    out.failed[request.request_id] = f"sampling failed: {type(exc).__name__}: {exc}"
+                    out.failed[s.request.request_id] = f"sampling failed: {type(exc).__name__}: {exc}"
+                first += num_rows
         for draw in draws:
             self._record(draw, out)
+        for s in scheduled:
+            self._draft_probs.pop(s.request.request_id, None)  # verified now, or never
 
-    def _draw(self, requests: list[CachedRequestState], logits: torch.Tensor) -> _Draw:
+    def _draw(self, scheduled: list[ScheduledRow], logits: torch.Tensor) -> _Draw:
+        requests = [s.request for s in scheduled]
         generators = [self._generator(r) for r in requests]
+        if not any(s.spec_token_ids for s in scheduled):
+            meta = SamplingMetadata.from_requests(
+                requests, generators, self.vocab_size, device=self.device, grammar=self._grammar
+            )
+            result = self.sampler(logits, meta)
+            tokens = [[t] for t in result.token_ids.tolist()]
+            return _Draw(requests, tokens, list(range(len(requests))), result.logprobs, meta.max_num_logprobs)
+        rows = verification_rows(scheduled, generators)
         meta = SamplingMetadata.from_requests(
-            requests, generators, self.vocab_size, device=self.device, grammar=self._grammar
+            rows.states, rows.generators, self.vocab_size, device=self.device, grammar=self._grammar,
+            positions=rows.positions,
         )
-        return _Draw(requests, self.sampler(logits, meta), meta.max_num_logprobs)
+        result = verify(logits, meta, self._drafts(scheduled))
+        return _Draw(requests, result.token_ids, rows.row_starts, result.logprobs, meta.max_num_logprobs)
+
+    def _drafts(self, scheduled: list[ScheduledRow]) -> Drafts:
+        specs = [s.spec_token_ids for s in scheduled]
+        ids = torch.tensor([t for spec in specs for t in spec], dtype=torch.int64, device=self.device)
+        probs = None
+        if any(s.request.request_id in self._draft_probs for s in scheduled):
+            # The scheduler may have kept only a prefix of the proposals.
+            parts = []
+            for s, spec in zip(scheduled, specs):
+                q = self._draft_probs.get(s.request.request_id)
+                if q is None:  # no q kept (a deterministic guess): one-hot
+                    q = torch.nn.functional.one_hot(
+                        torch.tensor(spec, dtype=torch.int64, device=self.device), self.vocab_size
+                    ).float()
+                parts.append(q[: len(spec)])
+            probs = torch.cat(parts)
+        return Drafts([len(spec) for spec in specs], ids, probs)
 
     @staticmethod
     def _record(draw: _Draw, out: ModelRunnerOutput) -> None:
-        requests, result = draw.requests, draw.result
-        tokens = result.token_ids.tolist()
-        out.sampled_token_ids.update({r.request_id: [t] for r, t in zip(requests, tokens)})
+        requests = draw.requests
+        out.sampled_token_ids.update({r.request_id: tokens for r, tokens in zip(requests, draw.token_ids)})
         wanted = [i for i, r in enumerate(requests) if r.sampling_params.logprobs is not None]
-        if wanted and result.logprobs is not None:
-            idx = torch.tensor(wanted, device=result.logprobs.device)
-            entries = token_logprobs(
-                result.logprobs.index_select(0, idx), result.token_ids.index_select(0, idx), draw.max_num_logprobs
-            )
-            for i, entry in zip(wanted, entries):
+        if not wanted or draw.logprobs is None:
+            return
+        rows = [draw.row_starts[i] + j for i in wanted for j in range(len(draw.token_ids[i]))]
+        chosen = [t for i in wanted for t in draw.token_ids[i]]
+        device = draw.logprobs.device
+        entries = iter(token_logprobs(
+            draw.logprobs.index_select(0, torch.tensor(rows, device=device)),
+            torch.tensor(chosen, device=device), draw.max_num_logprobs,
+        ))
+        for i in wanted:
+            mine = [next(entries) for _ in draw.token_ids[i]]
+            for entry in mine:
                 entry.top = entry.top[: requests[i].sampling_params.logprobs]
-                out.logprobs[requests[i].request_id] = [entry]
+            out.logprobs[requests[i].request_id] = mine
+
+    def _propose(
+        self,
+        inputs: StepInputs,
+        hidden: torch.Tensor,
+        out: ModelRunnerOutput,
+        only: Optional[Callable[[CachedRequestState], bool]] = None,
+    ) -> None:
+        """Ask the proposer for each sampled request's next tokens (every
+        scheduled row is shown: a draft model follows prompt chunks too);
+        ``only``: the requests that may get proposals (default: all)."""
+        rows = []
+        for s, first in zip(inputs.order, inputs.q_starts):
+            new = out.sampled_token_ids.get(s.request.request_id, [])
+            room = self._max_proposals(s.request, new) if only is None or only(s.request) else 0
+            row = ProposalInput(s.request, s.start_pos, s.num_tokens, new, room)
+            if self.proposer.needs_hidden_states and new:
+                last = first + s.num_tokens - 1 - len(s.spec_token_ids)
+                row.hidden_states = hidden[last : last + len(new)]
+            rows.append(row)
+        for row, proposal in zip(rows, self.proposer.propose(rows)):
+            if proposal.token_ids:
+                out.spec_token_ids[row.request_id] = proposal.token_ids
+                if proposal.probs is not None:
+                    self._draft_probs[row.request_id] = proposal.probs
+
+    def _max_proposals(self, request: CachedRequestState, new: list[int]) -> int:
+        """How many proposals could be verified after ``new``: each verified
+        one is a context position, and the step emits one token past them."""
+        if not new:
+            return 0
+        num_tokens = request.num_tokens + len(new)
+        room = [self.num_speculative_tokens, min(self.max_model_len, self.num_blocks * self.block_size) - num_tokens]
+        max_tokens = request.sampling_params.max_tokens
+        if max_tokens is not None:
+            room.append(max_tokens - request.num_output_tokens - len(new) - 1)
+        return max(0, min(room))
 
     def _generator(self, request: CachedRequestState) -> Optional[torch.Generator]:
         seed = request.sampling_params.seed
@@ -225,12 +366,19 @@ class ModelRunner:
         return gen
 
 
+def _needs_steady_proposals(request: CachedRequestState) -> bool:
+    """A seeded random request: its output must not depend on the governor."""
+    params = request.sampling_params
+    return params.seed is not None and not params.greedy
+
+
 def _plan_logit_rows(inputs: StepInputs) -> _LogitRows:
     plan = _LogitRows()
     for s, first in zip(inputs.order, inputs.q_starts):
         if s.sample:
             plan.sample.append(s)
-            plan.sample_rows.append(first + s.num_tokens - 1)
+            last = first + s.num_tokens - 1
+            plan.sample_rows.extend(range(last - len(s.spec_token_ids), last + 1))
         req = s.request
         # Prompt logprobs come from the first pass only: a recompute after
         # preemption (outputs already exist) would report them twice.

@@ -22,7 +22,9 @@ class Worker:
         # of it, or --kv-cache-memory) is split between them; a GPU rank has
         # its own device's memory.
         share = 1.0 if config.model.device.startswith("cuda") else 1.0 / config.parallel.world_size
-        self.runner = ModelRunner(config.model, config.cache, config.scheduler, share)
+        # Proposals are made where the step's tokens are sampled: the driver.
+        speculative = config.speculative if self.is_driver else None
+        self.runner = ModelRunner(config.model, config.cache, config.scheduler, share, speculative)
 
     def model_info(self) -> ModelInfo:
         return ModelInfo(self.runner.vocab_size, self.runner.max_model_len)

@@ -1,0 +1,110 @@
+"""When to propose: speculation pays while a verified step emits enough
+tokens to cover what it costs over a plain step, and that changes with the
+batch size (a step of 32 requests x (k + 1) tokens is no longer one weight
+read: its matmuls grow with the rows), the acceptance rate (the text) and the
+proposer (a draft model's k forwards, or almost nothing for n-gram).
+
+So the choice is measured, per batch-size bucket (1, 2-3, 4-7, 8-15, ...):
+the cost per emitted token of steps that verified and proposed, and of
+plain steps, each an exponentially weighted mean. A bucket first measures
+speculation, then plain decoding, then takes the cheaper; every
+``probe_every`` steps it runs the other mode for ``probe_steps`` steps again,
+so a change of text or load is noticed: 1% of the steps, which bounds what
+probing costs where speculation loses (a draft model at batch 32: a step costs
+~2.3x per token, so ~1.3%). A step that switches mode (proposes
+without verifying, or verifies without proposing) is not counted: it is half
+of each. Torch-free; the caller passes the times (the model runner: CPU
+time of its process, steadier than wall time on a shared machine).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class _Mean:
+    value: Optional[float] = None
+    count: int = 0
+
+    def add(self, x: float, weight: float) -> None:
+        self.value = x if self.value is None else (1 - weight) * self.value + weight * x
+        self.count += 1
+
+
+@dataclass
+class _Bucket:
+    spec: _Mean = field(default_factory=_Mean)  # seconds per emitted token, speculating
+    plain: _Mean = field(default_factory=_Mean)  # ... without proposals
+    steps: int = 0  # decisions taken in this bucket
+    probe_left: int = 0  # steps of the other mode still to run
+
+
+class SpeculationGovernor:
+    """Decides per step whether to propose; learns from each step's cost."""
+
+    def __init__(
+        self,
+        adaptive: bool = True,
+        max_batch_size: Optional[int] = None,
+        warmup_steps: int = 8,
+        probe_every: int = 400,
+        probe_steps: int = 4,
+        weight: float = 0.1,
+    ) -> None:
+        self.adaptive = adaptive
+        self.max_batch_size = max_batch_size
+        self.warmup_steps = warmup_steps
+        self.probe_every = probe_every
+        self.probe_steps = probe_steps
+        self.weight = weight
+        self._buckets: dict[int, _Bucket] = {}
+        self._overhead = _Mean()  # seconds per step spent outside the model runner
+
+    def should_propose(self, batch_size: int) -> bool:
+        """Whether a step where ``batch_size`` requests decoded should propose."""
+        if batch_size < 1 or (self.max_batch_size is not None and batch_size > self.max_batch_size):
+            return False
+        if not self.adaptive:
+            return True
+        b = self._bucket(batch_size)
+        b.steps += 1
+        if b.spec.count < self.warmup_steps:
+            return True
+        if b.plain.count < self.warmup_steps:
+            return False
+        best = self._cheaper_is_spec(b)
+        if b.probe_left:
+            b.probe_left -= 1
+            return not best
+        if b.steps % self.probe_every == 0:
+            b.probe_left = self.probe_steps
+        return best
+
+    def record(self, batch_size: int, emitted: int, seconds: float, verified: bool, proposed: bool) -> None:
+        """One step's result: ``emitted`` tokens for ``batch_size`` decoding
+        requests in ``seconds`` of the model runner."""
+        if batch_size < 1 or emitted < 1 or verified != proposed:
+            return
+        b = self._bucket(batch_size)
+        per_step = seconds + (self._overhead.value or 0.0)
+        (b.spec if verified else b.plain).add(per_step / emitted, self.weight)
+
+    def record_overhead(self, seconds: float) -> None:
+        """Time between two steps spent outside the runner (scheduling, output
+        processing): a cost per step, which speculation spreads over more tokens."""
+        self._overhead.add(seconds, self.weight)
+
+    def speculation_pays(self, batch_size: int) -> Optional[bool]:
+        """What the measurements say for ``batch_size`` (None: not measured yet)."""
+        b = self._buckets.get(batch_size.bit_length())
+        if b is None or b.spec.value is None or b.plain.value is None:
+            return None
+        return self._cheaper_is_spec(b)
+
+    def _bucket(self, batch_size: int) -> _Bucket:
+        return self._buckets.setdefault(batch_size.bit_length(), _Bucket())
+
+    @staticmethod
+    def _cheaper_is_spec(b: _Bucket) -> bool:
+        return b.spec.value <= b.plain.value

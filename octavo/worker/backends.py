@@ -1,0 +1,30 @@
+"""The kernels a model runs with, chosen from the config for its device and
+dtypes: one choice for the target model and for a draft model alike."""
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import torch
+
+from octavo.attention.registry import select_attention_backend
+from octavo.config import ModelConfig
+from octavo.kernels.fused_ops import FusedOps, fused_ops
+from octavo.model.backends import ModelBackends
+from octavo.quant.schemes import quantization_scheme
+
+
+def model_backends(
+    config: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    cache_dtype: torch.dtype,
+    windows: Iterable[Optional[int]],
+) -> ModelBackends:
+    """Quantization scheme (linear method per layer), attention backend and fused ops for a model of ``dtype``
+    with a KV cache of ``cache_dtype``; ``windows``: its layers' sliding windows."""
+    ops = fused_ops() if config.fused_ops and FusedOps.supports(device, dtype) else None
+    return ModelBackends(
+        quantization=quantization_scheme(config, device, dtype),
+        attention=select_attention_backend(config.attention_backend, device, dtype, cache_dtype, set(windows)),
+        fused_ops=ops,
+    )

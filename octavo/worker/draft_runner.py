@@ -1,0 +1,385 @@
+"""The draft model of speculative decoding: a second, smaller model in the
+target's worker, proposing up to k tokens per request and step.
+
+Its KV cache is paged on the target's block ids: block b of a request holds
+the target's K/V in the target's tensors and the draft's in the draft's
+(shaped for the draft's layers and heads), so the scheduler's allocation,
+prefix sharing, copy-on-write and freeing cover both, and the memory sizing
+counts both per block. The scheduler reserves k lookahead slots past each
+step's positions (``SpeculativeConfig.num_lookahead_slots``): the K/V of the
+draft's own guesses go there.
+
+The draft model is replicated, never split: it is built as a single rank
+(whole, no collective) and only the driver rank, the one that samples, runs
+it. A small draft is cheap to hold whole, and splitting it would add one
+collective per draft layer and per proposal step.
+
+After each target step the draft catches up on what the target accepted
+(prompt chunks during prefill; the accepted proposals and the new token
+during decode) in one forward for all requests, whose last row per request
+gives the first proposal; then k - 1 single-token forwards give the others.
+The K/V the draft wrote for its guesses stay valid as far as the target
+agreed with them (``_Seq``); past that they are overwritten later.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from octavo.attention.base import AttentionBackend, AttentionMetadata, StepLayout
+from octavo.config import CacheConfig, ModelConfig, SpeculativeConfig
+from octavo.core.step_state import CachedRequestState, ScheduledRow
+from octavo.distributed.parallel_state import ParallelState, parallel_state
+from octavo.model.config import ArchConfig, load_arch_config
+from octavo.model.loader import load_model, model_folder, resolve_dtype
+from octavo.sample.metadata import SamplingMetadata
+from octavo.sample.sampler import sample_from_probs, warp_logits
+from octavo.spec_decode.proposer import Proposal, ProposalInput, Proposer
+from octavo.worker.backends import model_backends
+from octavo.worker.input_batch import prepare_inputs
+from octavo.worker.kv_cache import CacheShape, allocate_kv_caches, copy_blocks
+
+
+@dataclass
+class _Seq:
+    """What the draft holds of one request: the K/V of positions
+    ``< computed``. Of those, positions ``guess_start ..`` were fed its own
+    proposals ``guess`` and are valid only as far as the target accepted
+    them, and only while the blocks they were written to (``guess_blocks``,
+    from block index ``guess_start // block_size``) are still the request's."""
+
+    computed: int
+    guess_start: int = 0
+    guess: list[int] = field(default_factory=list)
+    guess_blocks: list[int] = field(default_factory=list)
+
+    def settle(self, tokens: _Tokens, block_ids: list[int], block_size: int) -> None:
+        """Keep the guesses' K/V as far as the request's tokens and blocks confirm them."""
+        if not self.guess:
+            return
+        agreed = 0
+        for guess, token in zip(self.guess, tokens[self.guess_start : self.guess_start + len(self.guess)]):
+            if guess != token:
+                break
+            agreed += 1
+        first = self.guess_start // block_size
+        for i, block in enumerate(self.guess_blocks):
+            if first + i >= len(block_ids) or block_ids[first + i] != block:
+                # The scheduler took that block back: nothing from it on is held.
+                agreed = min(agreed, max((first + i) * block_size - self.guess_start, 0))
+                break
+        self.computed = min(self.computed, self.guess_start + agreed)
+        self.guess = []
+
+
+class _Tokens:
+    """A request's tokens without copying them: the worker's list, then the step's new ones."""
+
+    def __init__(self, base: list[int], extra: Sequence[int]) -> None:
+        self.base, self.extra = base, extra
+
+    def __len__(self) -> int:
+        return len(self.base) + len(self.extra)
+
+    def __getitem__(self, span: slice) -> list[int]:
+        n = len(self.base)
+        start, stop = span.start or 0, span.stop if span.stop is not None else len(self)
+        return self.base[start:min(stop, n)] + list(self.extra[max(start - n, 0):max(stop - n, 0)])
+
+
+@dataclass
+class _Row:
+    """A row of a draft forward, as ``prepare_inputs`` reads it."""
+
+    request_id: str
+    all_token_ids: _Tokens
+
+
+@dataclass
+class _Proposing:
+    """A request the draft proposes for in this step: its tokens continue
+    after ``end`` known ones; ``tokens`` are the step's new tokens, then
+    the proposals so far."""
+
+    input: ProposalInput
+    seq: _Seq
+    row: ScheduledRow  # its row in the catch-up forward
+    end: int
+    cap: int
+    tokens: list[int]
+    proposal: Proposal = field(default_factory=Proposal)
+
+    @property
+    def num_proposed(self) -> int:
+        return len(self.tokens) - len(self.input.new_token_ids)
+
+
+class _DecodeSteps:
+    """The proposal loop's single-token forwards, laid out without
+    ``prepare_inputs`` (a fifth of a draft step's time): the block table is
+    built once per loop, each step only moves the positions on by one.
+    Rows go longest context first, as the decode kernel's metadata wants."""
+
+    def __init__(
+        self, proposing: list[_Proposing], block_size: int, backend: AttentionBackend, device: torch.device
+    ) -> None:
+        self.proposing, self.block_size, self.backend, self.device = proposing, block_size, backend, device
+        self.order = sorted(range(len(proposing)), key=lambda j: -proposing[j].end)
+        # Wide enough for the last guess of every row.
+        width = max(-(-(p.end + p.cap - 1) // block_size) for p in proposing)
+        self._rows = {j: i for i, j in enumerate(self.order)}
+        self._table = torch.tensor(
+            [(proposing[j].input.state.block_ids + [0] * width)[:width] for j in self.order],
+            dtype=torch.int64, device=device,
+        )
+
+    def inputs(self, active: list[int]) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Token ids, positions and attention metadata for feeding each active
+        row's latest proposal (``active`` in ``order``)."""
+        rows = [self.proposing[j] for j in active]
+        positions = [p.end + p.num_proposed - 1 for p in rows]
+        context = [pos + 1 for pos in positions]
+        needed = [-(-c // self.block_size) for c in context]
+        index = torch.tensor([self._rows[j] for j in active], dtype=torch.int64, device=self.device)
+        table = self._table.index_select(0, index)[:, : needed[0]]
+        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        slots = table.gather(1, (pos // self.block_size).unsqueeze(1)).squeeze(1) * self.block_size
+        layout = StepLayout(
+            block_size=self.block_size, num_decodes=len(rows), query_starts=list(range(len(rows))),
+            query_lens=[1] * len(rows), context_lens=context, blocks_needed=needed, block_table=table,
+            slot_mapping=slots + pos % self.block_size, device=self.device,
+        )
+        input_ids = torch.tensor([p.tokens[-1] for p in rows], dtype=torch.int64, device=self.device)
+        return input_ids, pos, self.backend.build_metadata(layout)
+
+
+class _Draw:
+    """The proposals' draws for one step's proposing requests: greedy rows
+    take the draft's argmax; the others draw from the draft's distribution
+    after temperature, top-k, top-p and min-p (the target's penalties, bans
+    and grammar need not apply: rejection sampling corrects any q), whose
+    rows are kept as q."""
+
+    def __init__(
+        self,
+        requests: list[CachedRequestState],
+        generators: list[Optional[torch.Generator]],
+        vocab_size: int,
+        device: torch.device,
+        argmax: Optional[Callable[[torch.Tensor], torch.Tensor]],
+    ) -> None:
+        """``argmax``: the native one for contiguous CPU logits (``FusedOps.argmax``;
+        torch's is several times slower on bf16 rows), None for torch's."""
+        self._argmax = argmax
+        self.request_ids = [r.request_id for r in requests]
+        self.random = [j for j, r in enumerate(requests) if not r.sampling_params.greedy]
+        self.meta: Optional[SamplingMetadata] = None
+        if self.random:
+            meta = SamplingMetadata.from_requests(
+                [requests[j] for j in self.random], [generators[j] for j in self.random], vocab_size, device
+            )
+            self.meta = dataclasses.replace(meta, penalties=None, masks=None, grammars=None)
+        self._q: dict[int, list[torch.Tensor]] = {j: [] for j in self.random}
+
+    def __call__(self, logits: torch.Tensor, rows: list[int]) -> list[int]:
+        """Tokens for ``logits`` [len(rows), V], row i being request ``rows[i]``."""
+        fast = self._argmax is not None and logits.is_contiguous() and logits.device.type == "cpu"
+        tokens = self._argmax(logits) if fast else logits.max(dim=-1).indices
+        at = {j: i for i, j in enumerate(self.random)}
+        mine = [i for i, j in enumerate(rows) if j in at]
+        if mine:
+            meta = _select(self.meta, [at[rows[i]] for i in mine])
+            index = torch.tensor(mine, dtype=torch.int64, device=logits.device)
+            probs = torch.softmax(warp_logits(logits.index_select(0, index).float(), meta), dim=-1)
+            tokens = tokens.index_copy(0, index, sample_from_probs(probs, meta.generators))
+            for i, q in zip(mine, probs):
+                self._q[rows[i]].append(q)
+        return tokens.tolist()
+
+    def probs(self) -> dict[int, torch.Tensor]:
+        """Request index -> its q, one row per proposal drawn."""
+        return {j: torch.stack(qs) for j, qs in self._q.items()}
+
+
+def _select(meta: SamplingMetadata, rows: list[int]) -> SamplingMetadata:
+    """``meta`` for some of its rows, in the given order."""
+    if rows == list(range(len(meta.request_ids))):
+        return meta
+    index = torch.tensor(rows, dtype=torch.int64, device=meta.temperature.device)
+    return dataclasses.replace(
+        meta,
+        request_ids=[meta.request_ids[i] for i in rows],
+        temperature=meta.temperature.index_select(0, index),
+        top_k=meta.top_k.index_select(0, index),
+        top_p=meta.top_p.index_select(0, index),
+        min_p=meta.min_p.index_select(0, index),
+        generators=[meta.generators[i] for i in rows],
+        requests=[meta.requests[i] for i in rows],
+    )
+
+
+def check_compatible(draft: ArchConfig, target: ArchConfig, draft_folder: str, target_folder: str) -> None:
+    """ValueError naming ``speculative_model`` unless the draft's tokens mean
+    the target's: the same vocabulary size and the same tokenizer."""
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"speculative_model {draft_folder!r} has a vocabulary of {draft.vocab_size} tokens, the target "
+            f"model {target_folder!r} {target.vocab_size}: the draft must share the target's tokenizer"
+        )
+    files = [model_folder(f) / "tokenizer.json" for f in (draft_folder, target_folder)]
+    if all(f.is_file() for f in files) and _vocab(files[0]) != _vocab(files[1]):
+        raise ValueError(
+            f"speculative_model {draft_folder!r} has a different tokenizer (tokenizer.json vocabulary) "
+            f"from the target model {target_folder!r}"
+        )
+
+
+def _vocab(path: Path) -> dict:
+    with open(path) as f:
+        data = json.load(f)
+    return {"model": data.get("model", {}).get("vocab"), "added": data.get("added_tokens")}
+
+
+class DraftModelProposer(Proposer):
+    """The draft model, its KV cache on the target's block ids, its proposals."""
+
+    def __init__(
+        self,
+        spec_config: SpeculativeConfig,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        target_arch: ArchConfig,
+        max_model_len: int,
+    ) -> None:
+        """Loads the draft (``spec_config.speculative_model``); its cache comes with ``allocate``."""
+        draft = spec_config.speculative_model
+        if draft is None:
+            raise ValueError("speculative_model must name the draft model folder")
+        folder = model_folder(draft)
+        arch = load_arch_config(folder)
+        check_compatible(arch, target_arch, draft, model_config.model)
+        self.device = torch.device(model_config.device)
+        dtype = resolve_dtype(model_config.dtype, arch.dtype)
+        cache_dtype = resolve_dtype(cache_config.cache_dtype, str(dtype).removeprefix("torch."))
+        self.backends = model_backends(model_config, self.device, dtype, cache_dtype, arch.layer_windows)
+        with parallel_state(ParallelState()):
+            self.model, self.arch = load_model(folder, model_config.dtype, self.device, max_model_len, self.backends)
+        if self.arch.max_model_len() < max_model_len:
+            raise ValueError(
+                f"speculative_model {draft!r} handles {self.arch.max_model_len()} positions, fewer than the "
+                f"model's context length {max_model_len}: lower max_model_len"
+            )
+        self.block_size = cache_config.block_size
+        self.cache_shape = CacheShape(arch.num_layers, self.block_size, arch.num_kv_heads, arch.head_dim,
+                                      cache_dtype)
+        self.kv_caches: list[torch.Tensor] = []
+        self._seqs: dict[str, _Seq] = {}
+        self._generators: dict[str, torch.Generator] = {}
+
+    def allocate(self, num_blocks: int) -> None:
+        """The draft's cache: as many blocks as the target's pool."""
+        self.kv_caches = allocate_kv_caches(self.cache_shape, num_blocks, self.device)
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """The target's copy-on-write, applied to the draft's K/V too."""
+        copy_blocks(self.kv_caches, copies)
+
+    def remove_requests(self, request_ids: set[str]) -> None:
+        for rid in request_ids:
+            self._seqs.pop(rid, None)
+            self._generators.pop(rid, None)
+
+    def propose(self, rows: list[ProposalInput]) -> list[Proposal]:
+        """Catch up on every row's tokens, then propose for those that may."""
+        with torch.inference_mode():
+            forward, proposing = self._catch_up(rows)
+            if not forward:
+                return [Proposal() for _ in rows]
+            logits = self._forward(forward, [p.row for p in proposing])
+            if proposing:
+                self._propose(proposing, logits)
+        by_id = {p.input.request_id: p for p in proposing}
+        out = []
+        for row in rows:
+            p = by_id.get(row.request_id)
+            out.append(Proposal() if p is None else p.proposal)
+        return out
+
+    def _catch_up(self, rows: list[ProposalInput]) -> tuple[list[ScheduledRow], list[_Proposing]]:
+        """The first forward's rows (one per request with tokens to compute),
+        and those of them that propose."""
+        forward: list[ScheduledRow] = []
+        proposing: list[_Proposing] = []
+        for inp in rows:
+            state = inp.state
+            tokens = _Tokens(state.all_token_ids, inp.new_token_ids)
+            # A prompt chunk: its positions; a sampling row: every known token.
+            end = len(tokens) if inp.new_token_ids else inp.start_pos + inp.num_tokens
+            capacity = len(state.block_ids) * self.block_size
+            # The positions written: the known tokens, then the guesses fed back.
+            cap = max(min(inp.max_proposals, capacity - end + 1), 0) if inp.new_token_ids else 0
+            end = min(end, capacity)
+            seq = self._seqs.setdefault(inp.request_id, _Seq(inp.start_pos))
+            seq.settle(tokens, state.block_ids, self.block_size)
+            seq.computed = min(seq.computed, end)
+            start = seq.computed - 1 if cap and seq.computed == end else seq.computed
+            if start >= end:
+                continue
+            row = ScheduledRow(_Row(inp.request_id, tokens), start, end - start, state.block_ids, bool(cap))
+            forward.append(row)
+            seq.computed = end
+            if cap:
+                proposing.append(_Proposing(inp, seq, row, end, cap, list(inp.new_token_ids)))
+        return forward, proposing
+
+    def _forward(self, rows: list[ScheduledRow], sample: list[ScheduledRow]) -> torch.Tensor:
+        """Run the draft on ``rows``; the logits of the last position of each of ``sample``."""
+        inputs = prepare_inputs(rows, self.block_size, self.backends.attention, self.device)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
+        # prepare_inputs reorders the rows (decodes first): find each one's last row.
+        where = {id(s): first + s.num_tokens - 1 for s, first in zip(inputs.order, inputs.q_starts)}
+        last = torch.tensor([where[id(s)] for s in sample], dtype=torch.int64, device=self.device)
+        return self.model.compute_logits(hidden.index_select(0, last))
+
+    def _propose(self, proposing: list[_Proposing], logits: torch.Tensor) -> None:
+        """The first proposal from the catch-up's logits, then one
+        single-token forward per further proposal, for the rows that want it."""
+        requests = [p.input.state for p in proposing]
+        ops = self.backends.fused_ops
+        draw = _Draw(requests, [self._generator(r) for r in requests], self.arch.vocab_size, self.device,
+                     ops.argmax if ops is not None else None)
+        active = list(range(len(proposing)))
+        steps = _DecodeSteps(proposing, self.block_size, self.backends.attention, self.device)
+        while True:
+            for j, token in zip(active, draw(logits, active)):
+                proposing[j].tokens.append(token)
+            active = [j for j in steps.order if proposing[j].num_proposed < proposing[j].cap]
+            if not active:
+                break
+            input_ids, positions, attn = steps.inputs(active)
+            hidden = self.model(input_ids, positions, self.kv_caches, attn)
+            logits = self.model.compute_logits(hidden)
+        probs = draw.probs()
+        for j, p in enumerate(proposing):
+            proposals = p.tokens[len(p.input.new_token_ids):]
+            p.proposal = Proposal(proposals, probs.get(j))
+            # The guesses fed back: all proposals but the last.
+            seq, blocks = p.seq, p.input.state.block_ids
+            seq.guess_start, seq.guess = p.end, proposals[:-1]
+            seq.computed = p.end + len(seq.guess)
+            seq.guess_blocks = blocks[p.end // self.block_size : -(-seq.computed // self.block_size)]
+
+    def _generator(self, request: CachedRequestState) -> Optional[torch.Generator]:
+        seed = request.sampling_params.seed
+        if seed is None or request.sampling_params.greedy:
+            return None
+        gen = self._generators.get(request.request_id)
+        if gen is None:
+            gen = self._generators[request.request_id] = torch.Generator(device=self.device)
+            gen.manual_seed(seed)
+        return gen

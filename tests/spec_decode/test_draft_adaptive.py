@@ -1,0 +1,90 @@
+"""The speculation governor, fed synthetic step costs (no timing here), and
+the engine's output staying exact while it switches modes."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from octavo import LLM, SamplingParams
+from octavo.spec_decode.adaptive import SpeculationGovernor
+from tests.engine.conftest import assert_no_leak, random_prompts
+from tests.model_factory import make_tiny_model
+from tests.spec_decode.draft_models import noisy_copy
+
+
+def drive(gov: SpeculationGovernor, batch: int, steps: int, spec_cost: float, plain_cost: float,
+          accepted: float) -> list[bool]:
+    """Run ``steps`` steady steps: a speculating step costs ``spec_cost`` and
+    emits 1 + ``accepted`` tokens per request; a plain one ``plain_cost``, 1 token."""
+    choices, previous = [], None
+    for _ in range(steps):
+        propose = gov.should_propose(batch)
+        verified = bool(previous)
+        emitted = batch * (1 + accepted) if verified else batch
+        gov.record(batch, round(emitted), spec_cost if propose else plain_cost, verified, propose)
+        choices.append(propose)
+        previous = propose
+    return choices
+
+
+def test_keeps_speculating_where_it_pays():
+    gov = SpeculationGovernor(warmup_steps=4, probe_every=50, probe_steps=3)
+    choices = drive(gov, 1, 400, spec_cost=3.0, plain_cost=2.0, accepted=2.0)  # 1 s/token vs 2
+    assert gov.speculation_pays(1) is True
+    # After the warm-up of both modes, plain steps are only the periodic probes.
+    assert choices[100:].count(False) <= 3 * (300 // 50 + 1)
+
+
+def test_stops_where_it_does_not_pay_and_decides_per_batch_size():
+    gov = SpeculationGovernor(warmup_steps=4, probe_every=50, probe_steps=3)
+    drive(gov, 1, 200, spec_cost=3.0, plain_cost=2.0, accepted=2.0)
+    late = drive(gov, 32, 400, spec_cost=9.0, plain_cost=2.5, accepted=0.5)  # 9/48 vs 2.5/32 per token
+    assert gov.speculation_pays(32) is False and gov.speculation_pays(1) is True
+    assert late[100:].count(True) <= 3 * (300 // 50 + 1)
+    assert drive(gov, 1, 20, spec_cost=3.0, plain_cost=2.0, accepted=2.0).count(True) >= 15
+
+
+def test_notices_when_acceptance_drops():
+    gov = SpeculationGovernor(warmup_steps=4, probe_every=20, probe_steps=4)
+    drive(gov, 1, 200, spec_cost=3.0, plain_cost=2.0, accepted=2.0)
+    assert gov.speculation_pays(1) is True
+    drive(gov, 1, 400, spec_cost=3.0, plain_cost=2.0, accepted=0.1)  # the text changed
+    assert gov.speculation_pays(1) is False
+
+
+def test_limits_without_measuring():
+    assert not SpeculationGovernor(max_batch_size=8).should_propose(9)
+    always = SpeculationGovernor(adaptive=False)
+    drive(always, 4, 50, spec_cost=10.0, plain_cost=1.0, accepted=0.0)
+    assert always.should_propose(4)
+
+
+def test_switching_steps_are_not_measured():
+    gov = SpeculationGovernor(warmup_steps=1)
+    gov.record(1, 1, 100.0, verified=False, proposed=True)  # the first step of speculation
+    gov.record(1, 3, 100.0, verified=True, proposed=False)  # the last
+    assert gov.speculation_pays(1) is None
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    root = tmp_path_factory.mktemp("adaptive")
+    target = make_tiny_model(root, "llama")
+    return target, noisy_copy(target, root)
+
+
+def test_greedy_output_exact_while_proposals_start_and_stop(pair):
+    """Proposals stop while more than 2 requests decode and start again as
+    they finish: every switch keeps the output exact."""
+    torch.set_num_threads(1)
+    target, draft = pair
+    prompts = random_prompts([5, 9, 14, 20, 30])
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (10, 20, 30, 40, 50)]
+    expected = [o.outputs[0].token_ids for o in LLM(target, dtype="float32").generate(prompts, params,
+                                                                                       use_tqdm=False)]
+    llm = LLM(target, dtype="float32", speculative_model=str(draft), speculative_max_batch_size=2)
+    out = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert out == expected
+    stats = llm.engine.scheduler.spec_stats
+    assert stats.num_drafts > 0
+    assert_no_leak(llm)
