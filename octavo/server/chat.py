@@ -24,6 +24,7 @@ from octavo.server.protocol import (
     ChatMessage,
     ChatMessageOut,
     StructuredOutputs,
+    ToolCall,
     Usage,
 )
 from octavo.server.state import ServerState
@@ -136,7 +137,7 @@ def _plain_message(i: int, m: ChatMessage) -> dict[str, Any]:
     return message
 
 
-def _template_call(i: int, j: int, call: Any) -> dict[str, Any]:
+def _template_call(i: int, j: int, call: ToolCall) -> dict[str, Any]:
     """A call as templates read it: arguments as an object (they write it
     with tojson), as vLLM and transformers hand it over."""
     try:

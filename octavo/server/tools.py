@@ -18,7 +18,7 @@ then send its arguments; a named call streams its arguments as they come.
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from octavo.server.config import ServerConfig
@@ -74,7 +74,7 @@ def plan_tools(req: ChatCompletionRequest, config: ServerConfig) -> ToolPlan:
                 "tool_choice",
             )
         return ToolPlan("auto", functions, PARSERS[config.tool_call_parser], parallel=parallel, new_call_id=ids)
-    if req.response_format is not None and req.response_format.type != "text" or req.structured_outputs is not None:
+    if (req.response_format is not None and req.response_format.type != "text") or req.structured_outputs is not None:
         raise bad_request(
             "tool_choice required or a named function constrains the output itself: "
             "it cannot be combined with response_format or structured_outputs",
@@ -129,16 +129,16 @@ class ToolMessage:
     finish_reason: Optional[str]
 
 
-@dataclass
 class ToolOutput:
     """One choice's output read for tool calls, whole (``message``) or as it
     streams (``delta``); both read the same parse, so they agree."""
 
-    plan: ToolPlan
-    parser: Optional[ToolParser]
-    _text: str = ""
-    _content_sent: int = 0
-    _ids: list[str] = field(default_factory=list)
+    def __init__(self, plan: ToolPlan, parser: Optional[ToolParser]) -> None:
+        self.plan = plan
+        self.parser = parser
+        self._text = ""  # streamed so far
+        self._content_sent = 0
+        self._ids: list[str] = []  # one per call announced
 
     def message(self, text: str, finish_reason: Optional[str]) -> ToolMessage:
         if self.plan.choice == "none":
@@ -176,7 +176,7 @@ class ToolOutput:
         return deltas, _finish_reason(finish_reason, bool(self._ids))
 
     def _parse(self, text: str, final: bool) -> Parsed:
-        assert self.parser is not None
+        assert self.parser is not None  # auto and required plans have one
         parsed = self.parser.parse(text, final)
         if not self.plan.parallel:
             parsed.calls = parsed.calls[:1]

@@ -232,6 +232,17 @@ def test_auto_needs_the_servers_opt_in(server):
         jsonschema.validate(json.loads(call["arguments"]), SCHEMAS["get_weather"])
 
 
+def test_tool_schemas_count_against_the_schema_limit(tuned_server):
+    """The tools' parameter schemas become a grammar like any structured-output
+    schema, so --max-schema-bytes bounds them too (2000 on this server)."""
+    wide = {"type": "function", "function": {"name": "wide", "parameters": {
+        "type": "object", "properties": {f"field_{i}": {"type": "integer"} for i in range(200)}}}}
+    with tuned_server.http() as http:
+        r = http.post("/v1/chat/completions", json={"messages": ASK, "tools": [wide], "tool_choice": "required"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
+    assert "more than the limit of 2000" in r.json()["error"]["message"]
+
+
 def test_langchain_bind_tools(tool_server):
     from langchain_openai import ChatOpenAI
 
