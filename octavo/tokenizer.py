@@ -8,7 +8,7 @@ from typing import Any, Optional
 import jinja2
 from tokenizers import Tokenizer as _HFTokenizer
 
-from octavo.chat_template import compile_template, render
+from octavo.chat_template import compile_template, render_conversation
 
 _DEFAULT_CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
@@ -40,6 +40,11 @@ class Tokenizer:
             self.chat_template = jinja_file.read_text()
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
+        # What transformers passes templates as its special_tokens_map.
+        self.special_tokens = {
+            name: text for name in ("bos_token", "eos_token", "unk_token", "pad_token")
+            if (text := _token_text(config.get(name))) is not None
+        }
         self.add_bos_token = bool(config.get("add_bos_token", False))
         self.bos_token_id = self._tok.token_to_id(self.bos_token) if self.bos_token else None
         self.eos_token_id = self._tok.token_to_id(self.eos_token) if self.eos_token else None
@@ -80,22 +85,35 @@ class Tokenizer:
         add_generation_prompt: bool = True,
         chat_template: Optional[str] = None,
         timeout_s: float = 60.0,
+        *,
+        continue_final_message: bool = False,
+        tools: Optional[list[dict[str, Any]]] = None,
+        documents: Optional[list[dict[str, Any]]] = None,
         **kwargs: Any,
     ) -> str:
-        """``ValueError`` when the template is invalid, fails or runs over ``timeout_s``."""
+        """The prompt text as transformers renders it; ``kwargs`` are extra
+        template variables (e.g. ``enable_thinking``). ``ValueError`` when the
+        template is invalid, fails or runs over ``timeout_s``."""
         source = chat_template or self.chat_template or _DEFAULT_CHAT_TEMPLATE
+        template = self.compile_chat_template(source)
+        return render_conversation(
+            template, source, timeout_s, messages,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tools=tools,
+            documents=documents,
+            variables={"bos_token": "", "eos_token": "", **self.special_tokens, **kwargs},
+        )
+
+    def compile_chat_template(self, source: Optional[str] = None) -> Any:
+        """The compiled template (default: the model's); ``ValueError`` with
+        Jinja's message and line when it does not compile."""
         try:
-            template = compile_template(source)
+            return compile_template(source or self.chat_template or _DEFAULT_CHAT_TEMPLATE)
+        except jinja2.TemplateSyntaxError as exc:
+            raise ValueError(f"chat template is not valid Jinja: {exc.message} (line {exc.lineno})") from None
         except jinja2.TemplateError as exc:
-            raise ValueError(f"chat template failed: {exc}") from None
-        variables = {
-            "messages": messages,
-            "add_generation_prompt": add_generation_prompt,
-            "bos_token": self.bos_token or "",
-            "eos_token": self.eos_token or "",
-            **kwargs,
-        }
-        return render(template, timeout_s, variables)
+            raise ValueError(f"chat template is not valid Jinja: {exc}") from None
 
 
 def _read_json(path: Path) -> dict[str, Any]:

@@ -107,7 +107,9 @@ class RequestState:
                 self.metrics.first_token_time = now
             self.metrics.last_token_time = now
             if seq.detokenizer is not None and not self.text_at_end:
-                stop_str, used = seq.detokenizer.update_until_stop(out.new_token_ids)
+                stopped_on_token = out.finish_reason == "stop" and not isinstance(out.stop_reason, str)
+                stop_str, used = seq.detokenizer.update_until_stop(
+                    self._text_ids(out.new_token_ids, stopped_on_token))
                 if stop_str is not None:
                     seq.finish_reason, seq.stop_reason = "stop", stop_str
                     # Several tokens in one step (speculative decoding): the
@@ -140,9 +142,20 @@ class RequestState:
         if seq.detokenizer is None:
             return
         if self.text_at_end:
-            seq.detokenizer.update(seq.token_ids)
+            stopped_on_token = seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str)
+            seq.detokenizer.update(self._text_ids(seq.token_ids, stopped_on_token))
         seq.detokenizer.finish()
         seq.text += seq.detokenizer.get_delta()
+
+    def _text_ids(self, token_ids: list[int], stopped_on_token: bool) -> list[int]:
+        """The tokens whose text the output shows: all but a stop token (EOS or
+        one of stop_token_ids) that ended the sequence, as in vLLM, unless
+        include_stop_str_in_output. With skip_special_tokens false the EOS
+        would otherwise end every answer as text ("...</s>"), which tool-call
+        parsers, reading special tokens, then take for content."""
+        if stopped_on_token and token_ids and not self.params.include_stop_str_in_output:
+            return token_ids[:-1]
+        return token_ids
 
     def make_output(self) -> Optional[RequestOutput]:
         """The output of this step as ``params.output_kind`` asks: with DELTA,

@@ -11,6 +11,7 @@ from typing import Optional, Sequence
 from octavo.entrypoints.engine_args import add_engine_args, engine_config_from_args, engine_options, parse_bytes
 from octavo.server.config import DEFAULT_PUBLIC_ROUTES, ServerConfig
 from octavo.server.limits import RequestLimits
+from octavo.server.tool_parsers import PARSERS
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -36,6 +37,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="file of bearer keys, one a line (# comments); keeps keys out of the process list")
     serve.add_argument("--metrics-api-key", action="append", default=None,
                        help="/metrics needs this key (repeatable) instead of being public or using --api-key")
+    serve.add_argument("--chat-template", default=None,
+                       help="a Jinja chat template, or a file holding one, to use instead of the model's")
+    serve.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='serve tool_choice "auto": calls read from the model\'s text by --tool-call-parser')
+    serve.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
+                       help="how the model writes tool calls (for --enable-auto-tool-choice)")
     serve.add_argument("--trust-request-chat-template", action="store_true",
                        help="accept chat_template (and chat_template_kwargs.chat_template) from requests")
     for f in fields(RequestLimits):  # one option per request limit, named after its field
@@ -81,8 +88,24 @@ def _serve(args: argparse.Namespace) -> None:
         engine_max_restarts=args.engine_max_restarts,
         engine_restart_window_s=args.engine_restart_window,
         request_timeout_s=args.request_timeout,
+        chat_template=_chat_template(args.chat_template),
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
     )
     serve(engine_config_from_args(args), server_config)
+
+
+def _chat_template(value: Optional[str]) -> Optional[str]:
+    """--chat-template: a file's text, or the template itself (vLLM's rule:
+    text with no Jinja or newline in it must be a file)."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value) as f:
+            return f.read()
+    if not any(c in value for c in "{}\n"):
+        raise ValueError(f"--chat-template: no such file: {value}")
+    return value
 
 
 def _api_keys(args: argparse.Namespace) -> tuple[str, ...]:

@@ -80,15 +80,28 @@ class LLM:
         *,
         chat_template: Optional[str] = None,
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: Optional[list[dict[str, Any]]] = None,
+        documents: Optional[list[dict[str, Any]]] = None,
+        chat_template_kwargs: Optional[dict[str, Any]] = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        """Render each conversation with the tokenizer's chat template, then generate."""
+        """Render each conversation with the tokenizer's chat template (as
+        transformers' apply_chat_template does: ``tools`` and ``documents``
+        are template variables, ``chat_template_kwargs`` more of them, e.g.
+        ``enable_thinking``), then generate."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.engine.tokenizer
         prompts: list[PromptType] = []
         for conversation in conversations:
             text = tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=add_generation_prompt, chat_template=chat_template
+                conversation,
+                add_generation_prompt=add_generation_prompt,
+                chat_template=chat_template,
+                continue_final_message=continue_final_message,
+                tools=tools,
+                documents=documents,
+                **(chat_template_kwargs or {}),
             )
             # The template writes the BOS token itself where the model wants one.
             prompts.append(tokenizer.encode(text, add_special_tokens=False))

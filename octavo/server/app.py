@@ -34,12 +34,15 @@ def build_app(
 ) -> FastAPI:
     """The engine process starts with the app (lifespan) and stops after
     the HTTP server has drained. ``on_engine_gave_up`` is called when the
-    engine died more often than ``server_config`` allows restarts."""
+    engine died more often than ``server_config`` allows restarts.
+    ``ValueError`` when the tokenizer or the chat template is unusable."""
+    # Before anything starts: a bad tokenizer folder or a chat template that
+    # does not compile fails `octavo serve` at once with one line, instead
+    # of every chat request after the engine loaded.
+    tokenizer = load_tokenizer(engine_config, server_config)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        # The tokenizer first: a bad folder fails in a second, not after the engine loaded.
-        tokenizer = Tokenizer(engine_config.model.tokenizer or engine_config.model.model)
         policy = RestartPolicy(server_config.engine_max_restarts, server_config.engine_restart_window_s)
         client = await AsyncEngineClient.start(
             engine_config, server_config.engine_start_timeout_s, policy, on_engine_gave_up
@@ -67,6 +70,19 @@ def build_app(
     app.add_middleware(BodyLimitMiddleware, max_bytes=server_config.max_body_bytes)
     app.add_middleware(RequestIdMiddleware)
     return app
+
+
+def load_tokenizer(engine_config: EngineConfig, server_config: ServerConfig) -> Tokenizer:
+    """The model's tokenizer with the chat template the server will use, compiled."""
+    tokenizer = Tokenizer(engine_config.model.tokenizer or engine_config.model.model)
+    if server_config.chat_template is not None:
+        tokenizer.chat_template = server_config.chat_template
+    try:
+        tokenizer.compile_chat_template()
+    except ValueError as exc:
+        where = "--chat-template" if server_config.chat_template is not None else "the model's chat template"
+        raise ValueError(f"{where}: {exc}") from None
+    return tokenizer
 
 
 def _state(request: Request) -> ServerState:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 import uuid
 from typing import Any, AsyncIterator, Optional
@@ -22,11 +23,16 @@ from octavo.server.protocol import (
     ChatCompletionResponse,
     ChatMessage,
     ChatMessageOut,
+    StructuredOutputs,
+    ToolCall,
     Usage,
 )
 from octavo.server.state import ServerState
 from octavo.server.streams import collect, primed, sse, sse_response, until_disconnected
+from octavo.server.tools import ToolPlan, plan_tools
 
+# Template variables a request sets through their own fields, not chat_template_kwargs.
+_RESERVED_TEMPLATE_VARIABLES = ("messages", "tools", "documents", "add_generation_prompt", "continue_final_message")
 
 
 async def create_chat_completion(req: ChatCompletionRequest, raw: Request, state: ServerState) -> Response:
@@ -35,25 +41,26 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, state
     state.config.limits.check(req)
     # Template rendering and tokenization take time in proportion to the
     # request: in a thread, so the event loop keeps serving everyone else.
-    prompt_ids, params = await asyncio.to_thread(_prepare, req, state)
+    prompt_ids, params, plan = await asyncio.to_thread(_prepare, req, state)
     state.admit(1)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
-    stream = state.generate(prompt_ids, params, req.priority, _api_names(req))
+    stream = state.generate(prompt_ids, params, req.priority, _api_names(req, plan))
     if req.stream:
         stream = await primed(raw, stream)
-        return sse_response(_stream(req, state, request_id, len(prompt_ids), stream))
+        return sse_response(_stream(req, state, plan, request_id, len(prompt_ids), stream))
     out = await until_disconnected(raw, collect(stream, prompt_ids))
     choices = []
     for c in out.outputs:
         lp = None
         if req.logprobs and c.logprobs is not None:
             lp = chat_logprobs(state.tokenizer, c.token_ids, c.logprobs, req.top_logprobs or 0)
+        message = plan.output().message(c.text, c.finish_reason)
         choices.append(
             ChatChoice(
                 index=c.index,
-                message=ChatMessageOut(role="assistant", content=c.text),
+                message=ChatMessageOut(role="assistant", content=message.content, tool_calls=message.tool_calls),
                 logprobs=lp,
-                finish_reason=c.finish_reason,
+                finish_reason=message.finish_reason,
                 stop_reason=c.stop_reason,
             )
         )
@@ -67,12 +74,25 @@ def render_messages(
     add_generation_prompt: bool,
     kwargs: Optional[dict[str, Any]],
     chat_template: Optional[str] = None,
+    *,
+    continue_final_message: bool = False,
+    tools: Optional[list[dict[str, Any]]] = None,
+    documents: Optional[list[dict[str, Any]]] = None,
 ) -> list[int]:
     """Chat template -> token ids (also used by /tokenize). Blocking: call it in a thread."""
     if not messages:
         raise bad_request("messages must not be empty", "messages")
+    if continue_final_message and add_generation_prompt:
+        raise bad_request(
+            "continue_final_message and add_generation_prompt cannot both be true "
+            "(set add_generation_prompt to false to continue the final message)",
+            "continue_final_message",
+        )
     plain = [_plain_message(i, m) for i, m in enumerate(messages)]
     kwargs = dict(kwargs or {})
+    reserved = next((k for k in _RESERVED_TEMPLATE_VARIABLES if k in kwargs), None)
+    if reserved is not None:
+        raise bad_request(f"chat_template_kwargs.{reserved}: set it as the request field {reserved}", "chat_template_kwargs")
     # A template may come as its own field (vLLM) or inside chat_template_kwargs.
     for param, template in (("chat_template_kwargs", kwargs.get("chat_template")), ("chat_template", chat_template)):
         if template is not None and not state.config.trust_request_chat_template:
@@ -88,6 +108,9 @@ def render_messages(
             plain,
             add_generation_prompt=add_generation_prompt,
             timeout_s=state.config.limits.max_template_seconds,
+            continue_final_message=continue_final_message,
+            tools=tools,
+            documents=documents,
             **kwargs,
         )
     except (ValueError, TypeError) as exc:
@@ -106,41 +129,72 @@ def _plain_message(i: int, m: ChatMessage) -> dict[str, Any]:
             raise bad_request(f"messages.{i}.content: only text parts are supported, got {bad[0]!r}", "messages")
         content = "\n".join(p.text for p in content)  # type: ignore[misc]
     message: dict[str, Any] = {"role": m.role, "content": content or ""}
-    if m.name is not None:
-        message["name"] = m.name
+    for key in ("name", "tool_call_id", "reasoning_content"):
+        if getattr(m, key) is not None:
+            message[key] = getattr(m, key)
+    if m.tool_calls:
+        message["tool_calls"] = [_template_call(i, j, call) for j, call in enumerate(m.tool_calls)]
     return message
 
 
-def _prepare(req: ChatCompletionRequest, state: ServerState) -> tuple[list[int], Any]:
+def _template_call(i: int, j: int, call: ToolCall) -> dict[str, Any]:
+    """A call as templates read it: arguments as an object (they write it
+    with tojson), as vLLM and transformers hand it over."""
+    try:
+        arguments = json.loads(call.function.arguments)
+    except json.JSONDecodeError as exc:
+        raise bad_request(
+            f"messages.{i}.tool_calls.{j}.function.arguments is not valid JSON: {exc}", "messages"
+        ) from None
+    return {"id": call.id, "type": call.type, "function": {"name": call.function.name, "arguments": arguments}}
+
+
+def _prepare(req: ChatCompletionRequest, state: ServerState) -> tuple[list[int], Any, ToolPlan]:
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
-    ids = render_messages(req.messages, state, req.add_generation_prompt, req.chat_template_kwargs, req.chat_template)
+    plan = plan_tools(req, state.config)
+    ids = render_messages(
+        req.messages, state, req.add_generation_prompt, req.chat_template_kwargs, req.chat_template,
+        continue_final_message=req.continue_final_message,
+        tools=[t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None,
+        documents=req.documents,
+    )
     if req.truncate_prompt_tokens is not None and req.truncate_prompt_tokens > 0:
         ids = ids[-req.truncate_prompt_tokens :]
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     max_tokens = state.check_prompt_ids(ids, requested, param="messages")
+    # The tool plan's grammar and detokenizing are sampling fields like any other.
+    update: dict[str, Any] = {}
+    if plan.schema is not None:
+        update["structured_outputs"] = StructuredOutputs(json=plan.schema)
+    if plan.needs_special_tokens:
+        update["skip_special_tokens"] = False
     params = build_sampling_params(
-        req,
+        req.model_copy(update=update) if update else req,
         max_tokens=max_tokens,
         logprobs=(req.top_logprobs or 0) if req.logprobs else None,
         prompt_logprobs=req.prompt_logprobs,
         defaults=state.client.info.generation_defaults,
         vocab_size=state.client.info.vocab_size,
-        api_names=_api_names(req),
+        api_names=_api_names(req, plan),
     )
-    return ids, params
+    return ids, params, plan
 
 
-def _api_names(req: ChatCompletionRequest) -> dict[str, str]:
+def _api_names(req: ChatCompletionRequest, plan: ToolPlan) -> dict[str, str]:
     renames = {"logprobs": "top_logprobs"}
     if req.max_completion_tokens is not None:
         renames["max_tokens"] = "max_completion_tokens"
-    return request_api_names(req, renames)
+    names = request_api_names(req, renames)
+    if plan.schema is not None:  # a schema the grammar engine refuses is one of the tools'
+        names["structured_outputs"] = "tools"
+    return names
 
 
 async def _stream(
     req: ChatCompletionRequest,
     state: ServerState,
+    plan: ToolPlan,
     request_id: str,
     num_prompt_tokens: int,
     stream: AsyncIterator[RequestOutput],
@@ -154,6 +208,7 @@ async def _stream(
     for i in range(req.n):
         yield chunk([ChatChunkChoice(index=i, delta=ChatMessageOut(role="assistant", content=""))])
     completion_tokens = 0
+    readers = [plan.output() for _ in range(req.n)]
     async with contextlib.aclosing(stream):  # type: ignore[type-var]
         async for out in stream:  # deltas: each choice's new part
             for c in out.outputs:
@@ -161,14 +216,18 @@ async def _stream(
                 lp = None
                 if req.logprobs and c.logprobs is not None:
                     lp = chat_logprobs(state.tokenizer, c.token_ids, c.logprobs, req.top_logprobs or 0)
-                choice = ChatChunkChoice(
-                    index=c.index,
-                    delta=ChatMessageOut(content=c.text),
-                    logprobs=lp,
-                    finish_reason=c.finish_reason,
-                    stop_reason=c.stop_reason,
-                )
-                yield chunk([choice])
+                deltas, finish_reason = readers[c.index].delta(c.text, c.finish_reason)
+                if not deltas and (lp is not None or finish_reason is not None):
+                    deltas = [ChatMessageOut()]  # text held back (a call in the making): still report these
+                for j, delta in enumerate(deltas):
+                    last = j == len(deltas) - 1
+                    yield chunk([ChatChunkChoice(
+                        index=c.index,
+                        delta=delta,
+                        logprobs=lp if j == 0 else None,
+                        finish_reason=finish_reason if last else None,
+                        stop_reason=c.stop_reason if last else None,
+                    )])
     if req.stream_options is not None and req.stream_options.include_usage:
         yield chunk([], _usage(num_prompt_tokens, completion_tokens))
 

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from octavo.server.limits import RequestLimits
+from octavo.server.tool_parsers import PARSERS
 
 DEFAULT_PUBLIC_ROUTES = ("/health", "/metrics")
 
@@ -37,6 +38,12 @@ class ServerConfig:
     engine_restart_window_s: float = 60.0
     # Seconds from arrival after which a request is aborted (504); None: no limit.
     request_timeout_s: Optional[float] = None
+    # The chat template's text, replacing the model's own (--chat-template).
+    chat_template: Optional[str] = None
+    # tool_choice "auto": calls read from the model's text by this parser
+    # (octavo.server.tool_parsers); both must be set, as in vLLM.
+    enable_auto_tool_choice: bool = False
+    tool_call_parser: Optional[str] = None
 
     def __post_init__(self) -> None:
         if not (0 <= self.port <= 65535):
@@ -56,3 +63,7 @@ class ServerConfig:
             raise ValueError(f"engine_restart_window_s must be > 0, got {self.engine_restart_window_s}")
         if self.request_timeout_s is not None and self.request_timeout_s <= 0:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
+        if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {sorted(PARSERS)}, got {self.tool_call_parser!r}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs a tool_call_parser (--tool-call-parser)")

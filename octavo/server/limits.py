@@ -53,6 +53,9 @@ class RequestLimits:
                 _count("prompt", req.prompt, self.max_prompts, "prompts")
         if isinstance(req, (ChatCompletionRequest, TokenizeRequest)):
             _count("messages", req.messages, self.max_messages, "messages")
+        if isinstance(req, ChatCompletionRequest) and req.tools:
+            # With tool_choice "required" the tools' schemas become one grammar.
+            self._check_schema("tools", [t.function.parameters or {} for t in req.tools])
         stop = [req.stop] if isinstance(req.stop, str) else req.stop
         _words("stop", stop, self.max_stop, self.max_word_chars)
         _words("bad_words", req.bad_words, self.max_bad_words, self.max_word_chars)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_serializer, model_validator
 
 from octavo.server.errors import FieldError
 
@@ -135,10 +135,50 @@ class ContentPart(_Request):
     text: Optional[str] = None
 
 
+class FunctionCall(_Request):
+    name: str
+    # A JSON text, as OpenAI sends it (templates get it parsed: see chat.py).
+    arguments: str
+
+
+class ToolCall(_Request):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Request):
     role: str
     content: Optional[Union[str, list[ContentPart]]] = None
     name: Optional[str] = None
+    # Assistant turns that called tools, and the tool turns answering them.
+    tool_calls: Optional[list[ToolCall]] = None
+    tool_call_id: Optional[str] = None
+    # A reasoning model's earlier thinking (vLLM's name; templates read it).
+    reasoning_content: Optional[str] = None
+    # In assistant messages the openai client sends back as it received them.
+    refusal: Optional[str] = None
+
+
+class FunctionDefinition(_Request):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -147,7 +187,16 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: Optional[int] = None
     max_tokens: Optional[int] = None
     max_completion_tokens: Optional[int] = None
+    tools: Optional[list[Tool]] = None
+    # None: "auto" when tools are given, else "none" (OpenAI's defaults).
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], NamedToolChoice]] = None
+    parallel_tool_calls: bool = True
     add_generation_prompt: bool = True
+    # Continue the last (assistant) message instead of starting a new one;
+    # needs add_generation_prompt false (vLLM's rule).
+    continue_final_message: bool = False
+    # Passed to the template as `documents` (retrieval-augmented templates).
+    documents: Optional[list[dict[str, Any]]] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
     # vLLM extension; refused unless the server trusts request templates.
     chat_template: Optional[str] = None
@@ -211,9 +260,31 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] = Field(default_factory=list)
 
 
+class FunctionCallOut(BaseModel):
+    name: Optional[str] = None
+    arguments: Optional[str] = None
+
+
+class ToolCallOut(BaseModel):
+    """A whole call in a message; in a stream's delta, a fragment: the first
+    carries index, id, type and the name, later ones argument text."""
+
+    index: Optional[int] = None
+    id: Optional[str] = None
+    type: Optional[Literal["function"]] = None
+    function: FunctionCallOut
+
+
 class ChatMessageOut(BaseModel):
     role: Optional[str] = None
     content: Optional[str] = None
+    tool_calls: Optional[list[ToolCallOut]] = None
+
+    @field_serializer("tool_calls")
+    def _calls(self, calls: Optional[list[ToolCallOut]]) -> Optional[list[dict[str, Any]]]:
+        # Fragments leave out what they do not carry: clients join fields
+        # by concatenation, and a null is not text to join.
+        return None if calls is None else [c.model_dump(exclude_none=True) for c in calls]
 
 
 class ChatChoice(BaseModel):

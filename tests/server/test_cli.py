@@ -57,3 +57,43 @@ def test_no_model_means_the_built_in_one(tmp_path, monkeypatch):
     config = engine_config_from_args(args)
     assert config.model.model == str(tmp_path)
     assert config.cache.kv_cache_memory_bytes == 2 * 2**30 and not config.cache.enable_prefix_caching
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--chat-template", "/no/such/template.jinja"], "--chat-template: no such file"),
+    (["--enable-auto-tool-choice"], "needs a tool_call_parser"),
+])
+def test_serve_refuses_bad_tool_and_template_options_in_one_line(model_path, capsys, args, words):
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", str(model_path), *args])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert words in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_chat_template_option_takes_a_file_or_the_text(tmp_path):
+    from octavo.entrypoints.cli import _chat_template
+
+    path = tmp_path / "t.jinja"
+    path.write_text("{{ messages[0].content }}")
+    assert _chat_template(str(path)) == "{{ messages[0].content }}"
+    assert _chat_template("{% for m in messages %}{{ m.content }}{% endfor %}").startswith("{% for")
+
+
+def test_models_own_broken_template_fails_before_the_engine_starts(tmp_path):
+    import json
+
+    from octavo.config import EngineConfig, ModelConfig
+    from octavo.server.app import load_tokenizer
+    from octavo.server.config import ServerConfig
+    from tests.model_factory import write_tokenizer
+
+    write_tokenizer(tmp_path)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["chat_template"] = "{% for m in messages %}{{ m.content }"  # unclosed tag
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="the model's chat template: chat template is not valid Jinja"):
+        load_tokenizer(EngineConfig(model=ModelConfig(model=str(tmp_path))), ServerConfig())
+    # --chat-template replaces it, and then the server starts.
+    fixed = ServerConfig(chat_template="{{ messages[0].content }}")
+    assert load_tokenizer(EngineConfig(model=ModelConfig(model=str(tmp_path))), fixed).chat_template == fixed.chat_template
