@@ -67,8 +67,11 @@ def render_messages(
     add_generation_prompt: bool,
     kwargs: Optional[dict[str, Any]],
     chat_template: Optional[str] = None,
+    add_special_tokens: bool = False,
 ) -> list[int]:
-    """Chat template -> token ids (also used by /tokenize). Blocking: call it in a thread."""
+    """Chat template -> token ids (also used by /tokenize). Blocking: call it in a thread.
+    The template writes BOS and role markers itself: by default (as vLLM)
+    the tokenizer adds nothing more."""
     if not messages:
         raise bad_request("messages must not be empty", "messages")
     plain = [_plain_message(i, m) for i, m in enumerate(messages)]
@@ -92,8 +95,7 @@ def render_messages(
         )
     except (ValueError, TypeError) as exc:
         raise bad_request(f"could not apply the chat template: {exc}", "messages") from None
-    # The template writes BOS and role markers itself.
-    return state.tokenizer.encode(text, add_special_tokens=False)
+    return state.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 def _plain_message(i: int, m: ChatMessage) -> dict[str, Any]:
@@ -114,7 +116,8 @@ def _plain_message(i: int, m: ChatMessage) -> dict[str, Any]:
 def _prepare(req: ChatCompletionRequest, state: ServerState) -> tuple[list[int], Any]:
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
-    ids = render_messages(req.messages, state, req.add_generation_prompt, req.chat_template_kwargs, req.chat_template)
+    ids = render_messages(req.messages, state, req.add_generation_prompt, req.chat_template_kwargs, req.chat_template,
+                          add_special_tokens=req.add_special_tokens)
     if req.truncate_prompt_tokens is not None and req.truncate_prompt_tokens > 0:
         ids = ids[-req.truncate_prompt_tokens :]
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
