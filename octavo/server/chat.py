@@ -12,7 +12,7 @@ from fastapi.responses import Response
 
 from octavo.outputs import RequestOutput
 from octavo.server.errors import bad_request
-from octavo.server.logprobs import chat_logprobs
+from octavo.server.logprobs import chat_logprobs, prompt_logprobs_body
 from octavo.server.params import build_sampling_params, request_api_names
 from octavo.server.protocol import (
     ChatChoice,
@@ -58,6 +58,8 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, state
             )
         )
     body = ChatCompletionResponse(id=request_id, model=state.model_name, choices=choices, usage=_usage(len(prompt_ids), sum(len(c.token_ids) for c in out.outputs)))
+    if req.prompt_logprobs is not None:
+        body.prompt_logprobs = prompt_logprobs_body(state.tokenizer, prompt_ids, out.prompt_logprobs)
     return Response(body.model_dump_json(), media_type="application/json")
 
 

@@ -14,7 +14,7 @@ from fastapi.responses import Response
 from octavo.outputs import OutputAccumulator, RequestOutput, TokenLogprobs
 from octavo.sampling_params import SamplingParams
 from octavo.server.errors import bad_request
-from octavo.server.logprobs import LegacyLogprobs, aligned_prompt_logprobs
+from octavo.server.logprobs import LegacyLogprobs, aligned_prompt_logprobs, prompt_logprobs_body
 from octavo.server.params import build_sampling_params, request_api_names
 from octavo.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, Usage
 from octavo.server.state import ServerState
@@ -50,6 +50,8 @@ async def create_completion(req: CompletionRequest, raw: Request, state: ServerS
             choice = _ChoiceStream(req, state, prompt).chunk(out.prompt_logprobs, c.text, c.token_ids, c.logprobs)
             choice.index = i * req.n + c.index
             choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
+            if req.prompt_logprobs is not None:
+                choice.prompt_logprobs = prompt_logprobs_body(state.tokenizer, prompt.ids, out.prompt_logprobs)
             choices.append(choice)
     completion_tokens = sum(len(c.token_ids) for out in finals for c in out.outputs)
     body = CompletionResponse(id=request_id, model=state.model_name, choices=choices,

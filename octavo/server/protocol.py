@@ -159,10 +159,13 @@ class SamplingFields(_Body):
     structured_outputs: Optional[StructuredOutputs] = None
 
     @model_validator(mode="after")
-    def _stream_options_need_stream(self) -> SamplingFields:
+    def _check_stream_fields(self) -> SamplingFields:
         # OpenAI refuses this too: the options describe a stream that will not exist.
         if self.stream_options is not None and not self.stream:
             raise FieldError(["stream_options"], "stream_options is only allowed when stream is true")
+        # As vLLM: stream chunks have no place for them.
+        if self.prompt_logprobs is not None and self.stream:
+            raise FieldError(["prompt_logprobs"], "prompt_logprobs are not available when stream is true")
         return self
 
 
@@ -240,12 +243,26 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's shape for one token at one prompt position."""
+
+    logprob: float
+    rank: Optional[int] = None
+    decoded_token: Optional[str] = None
+
+
+# One per prompt token (None at the first: nothing precedes it): token id -> its logprob.
+PromptLogprobs = list[Optional[dict[int, PromptLogprob]]]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: Optional[CompletionLogprobs] = None
     finish_reason: Optional[str] = None
     stop_reason: Optional[Union[int, str]] = None
+    # vLLM extension, where vLLM puts it: on each choice.
+    prompt_logprobs: Optional[PromptLogprobs] = None
 
 
 class CompletionResponse(BaseModel):
@@ -291,6 +308,8 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Optional[Usage] = None
+    # vLLM extension, where vLLM puts it for chat: once, beside the choices (one prompt for all).
+    prompt_logprobs: Optional[PromptLogprobs] = None
 
 
 class ChatChunkChoice(BaseModel):
