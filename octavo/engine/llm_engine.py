@@ -274,9 +274,11 @@ class LLMEngine:
                 return  # nothing new: wait for the oldest step
             grammar_failed = self._attach_grammar(sched_out) if self._grammar_ids else {}
             submitted = sched_out.needs_workers
+            # Before submitting: the in-process executor runs the forward
+            # inside submit, and the queue time must not include it.
+            self._note_first_scheduled(sched_out)
             if submitted:
                 self.executor.submit(sched_out)
-            self._note_first_scheduled(sched_out)
             self._in_flight.append((sched_out, submitted, grammar_failed))
             if sched_out.is_empty:
                 return

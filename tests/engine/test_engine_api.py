@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
+import time
 
 import pytest
 
@@ -205,3 +206,25 @@ def test_end_tokens_come_from_generation_config_before_config_json(model_dir):
         assert [engine.eos_token_id, *engine._extra_eos_ids] == [EOS_ID, IM_END_ID]
     finally:
         engine.shutdown()
+
+
+def test_queue_time_ends_before_the_first_forward(folder):
+    """first_scheduled_time marks the end of the wait in the queue: a slow first forward counts
+    towards the time to first token, not the queue time."""
+    llm = LLM(folder, dtype="float32", num_blocks=64)
+    executor = llm.engine.executor
+    real = executor.execute_model
+    delay = 1.0
+
+    def slow(step):
+        time.sleep(delay)
+        return real(step)
+
+    executor.execute_model = slow
+    try:
+        out = llm.generate(["hello"], SamplingParams(max_tokens=1), use_tqdm=False)[0]
+    finally:
+        executor.execute_model = real
+    m = out.metrics
+    assert m.first_scheduled_time - m.arrival_time < delay
+    assert m.first_token_time - m.first_scheduled_time >= delay
