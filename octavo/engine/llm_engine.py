@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import logging
 import time
 from collections import deque
@@ -46,7 +47,8 @@ class LLMEngine:
             info = self.executor.model_info
             self.vocab_size = info.vocab_size
             self.max_model_len = info.max_model_len
-            self.model_name = config.model.served_model_name or model_dir.resolve().name
+            # The folder as the user named it: a symlink ("current" -> "v3") is served under its own name.
+            self.model_name = config.model.served_model_name or Path(os.path.abspath(model_dir)).name
             # generation_config.json is read here, from the model folder, not by
             # the workers: its sampling defaults fill the fields a request leaves
             # unset (the server and `octavo generate` apply them), its stop

@@ -228,3 +228,9 @@ def test_queue_time_ends_before_the_first_forward(folder):
     m = out.metrics
     assert m.first_scheduled_time - m.arrival_time < delay
     assert m.first_token_time - m.first_scheduled_time >= delay
+
+
+def test_a_model_folder_reached_by_a_symlink_is_served_under_the_symlinks_name(folder, tmp_path):
+    link = tmp_path / "current-model"
+    link.symlink_to(folder, target_is_directory=True)
+    assert LLM(str(link) + "/", dtype="float32", num_blocks=16).engine.model_name == "current-model"

@@ -57,3 +57,21 @@ def test_no_model_means_the_built_in_one(tmp_path, monkeypatch):
     config = engine_config_from_args(args)
     assert config.model.model == str(tmp_path)
     assert config.cache.kv_cache_memory_bytes == 2 * 2**30 and not config.cache.enable_prefix_caching
+
+
+def test_generate_passes_the_kernel_switches_to_the_engine(model_path, monkeypatch, capsys):
+    """`octavo generate` builds its engine from the same generated options as `serve`."""
+    import octavo.entrypoints.llm as llm_module
+
+    seen = {}
+
+    class Recorder(llm_module.LLM):
+        def __init__(self, model, **kwargs):
+            seen.update(kwargs)
+            super().__init__(model, **kwargs)
+
+    monkeypatch.setattr(llm_module, "LLM", Recorder)
+    main(["generate", str(model_path), "--dtype", "float32", "--num-blocks", "32", "--prompt", "Hi", "--max-tokens", "2",
+          "--attention-backend", "torch", "--linear-backend", "torch", "--no-fused-ops"])
+    assert seen["attention_backend"] == "torch" and seen["linear_backend"] == "torch" and seen["fused_ops"] is False
+    assert capsys.readouterr().out.startswith("### Hi\n")
