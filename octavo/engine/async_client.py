@@ -33,7 +33,7 @@ import zmq
 
 from octavo.config import EngineConfig
 from octavo.engine import messages as msg
-from octavo.engine.engine_process import EngineDeadError, EngineProcess
+from octavo.engine.engine_process import EngineDeadError, EngineProcess, last_line
 from octavo.engine.restart_policy import RestartPolicy
 from octavo.engine.stats import EngineStats
 from octavo.outputs import OutputAccumulator, RequestOutput
@@ -230,7 +230,7 @@ class AsyncEngineClient:
                 stream.fail(EngineRequestError(m.message))
         elif isinstance(m, msg.EngineFailed):
             logger.error("engine process failed:\n%s", m.message)
-            self._lose(engine, f"engine failed: {m.message.strip().splitlines()[-1]}")
+            self._lose(engine, f"engine failed: {last_line(m.message)}")
 
     def _on_delta(self, delta: msg.OutputDelta) -> None:
         stream = self._streams.get(delta.request_id)

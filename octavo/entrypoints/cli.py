@@ -2,13 +2,13 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 from dataclasses import fields
 from typing import Optional, Sequence
 
 from octavo.entrypoints.engine_args import add_engine_args, engine_config_from_args, engine_options, parse_bytes
+from octavo.log import configure_logging
 from octavo.server.config import DEFAULT_PUBLIC_ROUTES, ServerConfig
 from octavo.server.limits import RequestLimits
 
@@ -130,7 +130,7 @@ def _generate(args: argparse.Namespace) -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(getattr(args, "log_level", "info"))
     try:
         if args.command == "serve":
             _serve(args)
