@@ -58,6 +58,12 @@ class EngineInfo:
     max_model_len: int
     vocab_size: int
     generation_defaults: dict[str, Any] = field(default_factory=dict)
+    model_aliases: tuple[str, ...] = ()
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """Every name a request may send; responses carry the first."""
+        return (self.model_name, *self.model_aliases)
 
 
 @dataclass(eq=False)
@@ -195,7 +201,8 @@ class AsyncEngineClient:
     # ---- engine lifecycle ----------------------------------------------
 
     def _adopt(self, engine: EngineProcess, ready: msg.EngineReady) -> None:
-        self.info = EngineInfo(ready.model_name, ready.max_model_len, ready.vocab_size, ready.generation_defaults)
+        self.info = EngineInfo(ready.model_name, ready.max_model_len, ready.vocab_size, ready.generation_defaults,
+                               tuple(ready.model_aliases))
         logger.info("engine process %d ready: model %s, context %d", ready.pid, ready.model_name, ready.max_model_len)
         self._engine = engine
         self.stats = EngineStats()

@@ -129,6 +129,7 @@ class _EngineLoop:
                 vocab_size=e.vocab_size,
                 generation_defaults=dict(e.generation_defaults),
                 pid=os.getpid(),
+                model_aliases=list(e.model_aliases),
             )
         )
 

@@ -18,7 +18,7 @@ from octavo.engine.request_state import RequestState, SequenceState
 from octavo.engine.stats import EngineStats
 from octavo.executor.registry import create_executor
 from octavo.model.config import load_arch_config
-from octavo.model.generation_config import load_generation_defaults
+from octavo.model.generation_config import GenerationDefaults, load_generation_defaults
 from octavo.outputs import RequestMetrics, RequestOutput
 from octavo.sampling_params import RequestOutputKind, SamplingParams
 from octavo.tokenizer import Tokenizer
@@ -48,12 +48,20 @@ class LLMEngine:
             self.vocab_size = info.vocab_size
             self.max_model_len = info.max_model_len
             # The folder as the user named it: a symlink ("current" -> "v3") is served under its own name.
-            self.model_name = config.model.served_model_name or Path(os.path.abspath(model_dir)).name
+            names = config.model.served_model_name or (Path(os.path.abspath(model_dir)).name,)
+            self.model_name, self.model_aliases = names[0], names[1:]
             # generation_config.json is read here, from the model folder, not by
             # the workers: its sampling defaults fill the fields a request leaves
             # unset (the server and `octavo generate` apply them), its stop
             # tokens end sequences (config.json's when it names none).
             defaults = load_generation_defaults(model_dir)
+            source = config.model.generation_config
+            if source in ("vllm", "none"):
+                defaults = GenerationDefaults(eos_token_ids=defaults.eos_token_ids)
+            elif source != "auto":
+                if not (Path(source) / "generation_config.json").is_file():
+                    raise ValueError(f"generation_config: no generation_config.json in {source}")
+                defaults = load_generation_defaults(source)
             self.generation_defaults = {
                 k: v for k, v in dataclasses.asdict(defaults).items() if v is not None and k != "eos_token_ids"
             }

@@ -41,6 +41,7 @@ class EngineReady(msgspec.Struct, tag=True):
     vocab_size: int
     generation_defaults: dict[str, Any]
     pid: int
+    model_aliases: list[str] = []  # further names clients may send (--served-model-name a b)
 
 
 class OutputDelta(msgspec.Struct):

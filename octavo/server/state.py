@@ -37,7 +37,7 @@ class ServerState:
         return self.client.info.max_model_len
 
     def check_model(self, name: Optional[str]) -> None:
-        if name is not None and name != self.model_name:
+        if name is not None and name not in self.client.info.model_names:
             raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
 
     def check_engine(self) -> None:
