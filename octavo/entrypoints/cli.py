@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from dataclasses import fields
 from typing import Optional, Sequence
 
+import octavo
 from octavo.entrypoints.engine_args import add_engine_args, engine_config_from_args, engine_options, parse_bytes
 from octavo.log import configure_logging
 from octavo.server.config import DEFAULT_PUBLIC_ROUTES, ServerConfig
@@ -15,6 +17,7 @@ from octavo.server.limits import RequestLimits
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="octavo", description="Octavo LLM inference engine")
+    parser.add_argument("--version", action="version", version=f"octavo {octavo.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
@@ -49,6 +52,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds (default: %(default)s)")
     serve.add_argument("--request-timeout", type=float, default=ServerConfig.request_timeout_s,
                        help="abort requests older than this many seconds (504); default: no limit")
+    serve.add_argument("--allowed-origins", type=_origins, default=ServerConfig.allowed_origins,
+                       help='browser origins allowed to call the API (CORS): a JSON list as vLLM takes it '
+                            '(\'["*"]\') or comma-separated; default: none')
+    serve.add_argument("--root-path", default=ServerConfig.root_path,
+                       help="path prefix when served behind a reverse proxy (e.g. /api)")
+    serve.add_argument("--ssl-keyfile", default=None, help="TLS private key file (with --ssl-certfile: HTTPS)")
+    serve.add_argument("--ssl-certfile", default=None, help="TLS certificate file")
+    serve.add_argument("--disable-log-requests", "--disable-uvicorn-access-log", dest="access_log",
+                       action="store_false", help="no log line per HTTP request")
 
     gen = sub.add_parser("generate", help="generate offline (no server)")
     add_engine_args(gen)
@@ -81,8 +93,26 @@ def _serve(args: argparse.Namespace) -> None:
         engine_max_restarts=args.engine_max_restarts,
         engine_restart_window_s=args.engine_restart_window,
         request_timeout_s=args.request_timeout,
+        allowed_origins=args.allowed_origins,
+        root_path=args.root_path,
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_certfile=args.ssl_certfile,
+        access_log=args.access_log,
     )
     serve(engine_config_from_args(args), server_config)
+
+
+def _origins(text: str) -> tuple[str, ...]:
+    """'["https://a.example", "*"]' (vLLM's JSON) or 'https://a.example,https://b.example'."""
+    if text.lstrip().startswith("["):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise argparse.ArgumentTypeError(f"not a JSON list: {exc}") from None
+        if not isinstance(value, list) or not all(isinstance(o, str) for o in value):
+            raise argparse.ArgumentTypeError("must be a JSON list of strings")
+        return tuple(value)
+    return tuple(o.strip() for o in text.split(",") if o.strip())
 
 
 def _api_keys(args: argparse.Namespace) -> tuple[str, ...]:

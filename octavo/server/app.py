@@ -7,6 +7,7 @@ import time
 from typing import AsyncIterator, Callable, Optional
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -66,6 +67,11 @@ def build_app(
         )
     app.add_middleware(BodyLimitMiddleware, max_bytes=server_config.max_body_bytes)
     app.add_middleware(RequestIdMiddleware)
+    if server_config.allowed_origins:
+        # Outermost: a browser's preflight (OPTIONS, no API key) is answered here.
+        app.add_middleware(
+            CORSMiddleware, allow_origins=list(server_config.allowed_origins), allow_methods=["*"], allow_headers=["*"]
+        )
     return app
 
 

@@ -1,6 +1,7 @@
 """HTTP server settings (the engine's own settings live in octavo.config)."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -37,6 +38,15 @@ class ServerConfig:
     engine_restart_window_s: float = 60.0
     # Seconds from arrival after which a request is aborted (504); None: no limit.
     request_timeout_s: Optional[float] = None
+    # Browser origins allowed to call the API (CORS); ("*",) for any. Empty: no CORS headers.
+    allowed_origins: tuple[str, ...] = ()
+    # The path prefix a reverse proxy serves the API under ("/api").
+    root_path: str = ""
+    # Both set: HTTPS.
+    ssl_keyfile: Optional[str] = None
+    ssl_certfile: Optional[str] = None
+    # One log line per HTTP request (uvicorn's access log).
+    access_log: bool = True
 
     def __post_init__(self) -> None:
         if not (0 <= self.port <= 65535):
@@ -56,3 +66,11 @@ class ServerConfig:
             raise ValueError(f"engine_restart_window_s must be > 0, got {self.engine_restart_window_s}")
         if self.request_timeout_s is not None and self.request_timeout_s <= 0:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
+        if self.root_path and (not self.root_path.startswith("/") or self.root_path.endswith("/")):
+            raise ValueError(f"root_path must start with / and not end with one, got {self.root_path!r}")
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValueError("ssl_keyfile and ssl_certfile go together: set both or neither")
+        for name in ("ssl_keyfile", "ssl_certfile"):
+            path = getattr(self, name)
+            if path is not None and not os.path.isfile(path):
+                raise ValueError(f"{name}: no such file: {path}")

@@ -95,6 +95,10 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> None:
         log_level=server_config.log_level,
         timeout_graceful_shutdown=server_config.shutdown_timeout_s,
         lifespan="on",
+        root_path=server_config.root_path,
+        ssl_keyfile=server_config.ssl_keyfile,
+        ssl_certfile=server_config.ssl_certfile,
+        access_log=server_config.access_log,
     )
     server = _Server(config, app)
     server.run()
