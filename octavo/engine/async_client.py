@@ -58,12 +58,7 @@ class EngineInfo:
     max_model_len: int
     vocab_size: int
     generation_defaults: dict[str, Any] = field(default_factory=dict)
-    model_aliases: tuple[str, ...] = ()
-
-    @property
-    def model_names(self) -> tuple[str, ...]:
-        """Every name a request may send; responses carry the first."""
-        return (self.model_name, *self.model_aliases)
+    model_aliases: tuple[str, ...] = ()  # further names requests may use
 
 
 @dataclass(eq=False)

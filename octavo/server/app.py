@@ -101,7 +101,7 @@ def _add_routes(app: FastAPI) -> None:
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
         state = _state(request)
-        return JSONResponse({"object": "list", "data": [card(state, n) for n in state.client.info.model_names]})
+        return JSONResponse({"object": "list", "data": [card(state, n) for n in state.model_names]})
 
     @app.get("/v1/models/{model_id:path}")  # names may hold slashes ("org/model")
     async def model(model_id: str, request: Request) -> JSONResponse:
