@@ -81,6 +81,7 @@ class ModelConfig:
     dtype: str = option("auto", "weight and activation type (auto: the checkpoint's)", choices=DTYPES + _DTYPE_ALIASES)
     max_model_len: Optional[int] = option(None, "context length (default: the checkpoint's limit)", unit="tokens")
     seed: int = option(0, "seed of the global sampling RNG (requests without their own seed)")
+    max_logprobs: int = option(20, "most logprobs (and prompt logprobs) one request may ask for")
     device: str = option("cpu", "cpu or cuda")
     served_model_name: Optional[tuple[str, ...]] = option(
         None, "the model name(s) clients send; responses carry the first (default: the folder name)"
@@ -121,6 +122,8 @@ class ModelConfig:
             )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")
         if isinstance(self.served_model_name, str):
             self.served_model_name = (self.served_model_name,)
         if self.served_model_name is not None:

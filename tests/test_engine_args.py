@@ -14,6 +14,7 @@ _NON_DEFAULT = {
     "dtype": ("bfloat16", "bfloat16"),
     "max_model_len": ("77", 77),
     "seed": ("5", 5),
+    "max_logprobs": ("3", 3),
     "device": ("cuda", "cuda"),
     "served_model_name": ("my-model", ("my-model",)),
     "generation_config": ("vllm", "vllm"),

@@ -59,6 +59,7 @@ class EngineInfo:
     vocab_size: int
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     model_aliases: tuple[str, ...] = ()  # further names requests may use
+    max_logprobs: int = 20
 
 
 @dataclass(eq=False)
@@ -197,7 +198,7 @@ class AsyncEngineClient:
 
     def _adopt(self, engine: EngineProcess, ready: msg.EngineReady) -> None:
         self.info = EngineInfo(ready.model_name, ready.max_model_len, ready.vocab_size, ready.generation_defaults,
-                               tuple(ready.model_aliases))
+                               tuple(ready.model_aliases), ready.max_logprobs)
         logger.info("engine process %d ready: model %s, context %d", ready.pid, ready.model_name, ready.max_model_len)
         self._engine = engine
         self.stats = EngineStats()

@@ -130,6 +130,7 @@ class _EngineLoop:
                 generation_defaults=dict(e.generation_defaults),
                 pid=os.getpid(),
                 model_aliases=list(e.model_aliases),
+                max_logprobs=e.config.model.max_logprobs,
             )
         )
 

@@ -382,6 +382,11 @@ class LLMEngine:
     def _check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
         if not prompt_ids:
             raise ValueError("prompt must not be empty")
+        limit = self.config.model.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > limit:
+                raise ValueError(f"{name} must be <= {limit} (the engine's max_logprobs), got {value}")
         requested = len(prompt_ids) + (params.max_tokens or 0)
         if len(prompt_ids) > self.max_model_len or (
             params.max_tokens is not None and requested > self.max_model_len

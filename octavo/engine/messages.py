@@ -42,6 +42,7 @@ class EngineReady(msgspec.Struct, tag=True):
     generation_defaults: dict[str, Any]
     pid: int
     model_aliases: list[str] = []  # further names clients may send (--served-model-name a b)
+    max_logprobs: int = 20
 
 
 class OutputDelta(msgspec.Struct):

@@ -131,6 +131,7 @@ def _prepare(req: ChatCompletionRequest, state: ServerState) -> tuple[list[int],
         prompt_logprobs=req.prompt_logprobs,
         defaults=state.client.info.generation_defaults,
         vocab_size=state.client.info.vocab_size,
+        max_logprobs=state.client.info.max_logprobs,
         api_names=_api_names(req),
     )
     return ids, params

@@ -82,6 +82,7 @@ def _prepare(req: CompletionRequest, state: ServerState) -> list[_Prompt]:
             best_of=req.best_of,
             defaults=state.client.info.generation_defaults,
             vocab_size=state.client.info.vocab_size,
+            max_logprobs=state.client.info.max_logprobs,
             api_names=request_api_names(req, {}),
         )
         prompts.append(_Prompt(text, ids, params))

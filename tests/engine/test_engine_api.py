@@ -234,3 +234,12 @@ def test_a_model_folder_reached_by_a_symlink_is_served_under_the_symlinks_name(f
     link = tmp_path / "current-model"
     link.symlink_to(folder, target_is_directory=True)
     assert LLM(str(link) + "/", dtype="float32", num_blocks=16).engine.model_name == "current-model"
+
+
+def test_max_logprobs_bounds_what_a_request_may_ask_for(folder):
+    llm = LLM(folder, dtype="float32", num_blocks=16, max_logprobs=2)
+    with pytest.raises(ValueError, match="prompt_logprobs must be <= 2"):
+        llm.generate(["hi"], SamplingParams(max_tokens=1, prompt_logprobs=3), use_tqdm=False)
+    out = llm.generate(["hi"], SamplingParams(max_tokens=1, logprobs=2), use_tqdm=False)[0]
+    assert len(out.outputs[0].logprobs[0].top) == 2
+    assert_no_leak(llm)

@@ -22,7 +22,7 @@ from tests.server.conftest import ServerProcess
 @pytest.fixture(scope="module")
 def named_server(model_path, tmp_path_factory):
     srv = ServerProcess(model_path, tmp_path_factory.mktemp("logs") / "named.log", "--num-blocks", "64",
-                        "--served-model-name", "org/main-name", "alias", api_key=None)
+                        "--served-model-name", "org/main-name", "alias", "--max-logprobs", "30", api_key=None)
     yield srv
     srv.stop()
 
@@ -42,6 +42,20 @@ def test_retrieve_a_model_and_several_names(named_server):
         assert r.model == "org/main-name"
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="other", prompt="Hi", max_tokens=1)
+
+
+def test_max_logprobs(named_server, server):
+    messages = [{"role": "user", "content": "hi"}]
+    r = named_server.openai().chat.completions.create(model="alias", messages=messages, max_tokens=1, logprobs=True,
+                                                      top_logprobs=25)
+    assert len(r.choices[0].logprobs.content[0].top_logprobs) == 25
+    with pytest.raises(openai.BadRequestError) as exc:  # the default, vLLM's: 20
+        server.openai().chat.completions.create(model="tiny", messages=messages, max_tokens=1, logprobs=True,
+                                                top_logprobs=21)
+    assert exc.value.body["param"] == "top_logprobs" and "--max-logprobs" in exc.value.body["message"]
+    with server.http() as http:
+        err = http.post("/v1/completions", json={"prompt": "a", "max_tokens": 1, "prompt_logprobs": 21}).json()["error"]
+    assert err["param"] == "prompt_logprobs"
 
 
 def _self_signed(folder: Path) -> tuple[Path, Path]:
