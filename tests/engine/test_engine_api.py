@@ -243,3 +243,20 @@ def test_max_logprobs_bounds_what_a_request_may_ask_for(folder):
     out = llm.generate(["hi"], SamplingParams(max_tokens=1, logprobs=2), use_tqdm=False)[0]
     assert len(out.outputs[0].logprobs[0].top) == 2
     assert_no_leak(llm)
+
+
+def test_generation_config_source(tmp_path):
+    from tests.model_factory import make_tiny_model
+
+    folder = make_tiny_model(tmp_path, "llama", generation_config={"eos_token_id": [1, 4], "temperature": 0.3})
+    auto = LLM(folder, dtype="float32", num_blocks=16).engine
+    assert auto.generation_defaults["temperature"] == 0.3
+    none = LLM(folder, dtype="float32", num_blocks=16, generation_config="vllm").engine
+    # No sampling defaults, but the checkpoint's stop tokens still end sequences.
+    assert none.generation_defaults == {} and none._extra_eos_ids == auto._extra_eos_ids
+    other = tmp_path / "gen"
+    other.mkdir()
+    (other / "generation_config.json").write_text('{"top_k": 7}')
+    assert LLM(folder, dtype="float32", num_blocks=16, generation_config=str(other)).engine.generation_defaults == {"top_k": 7}
+    with pytest.raises(ValueError, match="generation_config"):
+        LLM(folder, dtype="float32", num_blocks=16, generation_config=str(tmp_path / "missing"))
