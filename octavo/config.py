@@ -4,8 +4,9 @@ These fields are the one source of the engine's option names, defaults and
 help: the command line generates ``--field-name`` options from them and
 ``LLM(model, **kwargs)`` takes the same names (``octavo/entrypoints/engine_args.py``).
 A field's ``metadata`` holds its help text, and optionally ``choices``,
-``unit`` ("bytes": the option takes sizes like 2GiB) and ``aliases`` (older
-option spellings that keep working)."""
+``unit`` ("bytes": the option takes sizes like 2GiB; "tokens": counts like
+4k = 4000 or 4K = 4096, as vLLM) and ``aliases`` (older option spellings, and
+vLLM's names where the meaning is the same, that keep working)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -13,6 +14,8 @@ from typing import Any, Optional
 
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DTYPE_ALIASES = ("float", "half")
+# What --generation-config takes besides a folder: the model's own file, or none (vLLM's "vllm").
+GENERATION_CONFIG_SOURCES = ("auto", "vllm", "none")
 ATTENTION_BACKENDS = ("auto", "native", "torch")
 # Quantized KV cache element types (fp8 = float8_e4m3fn); "auto" stores the cache_dtype.
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
@@ -37,12 +40,15 @@ class CacheConfig:
         None, "KV cache size, e.g. 2GiB (default: memory_fraction of the free memory)",
         unit="bytes", aliases=("--kv-cache-memory",),
     )
-    memory_fraction: float = option(0.3, "share of the memory free after loading the weights given to the KV cache")
+    memory_fraction: float = option(
+        0.3, "share of the memory free after loading the weights given to the KV cache",
+        aliases=("--gpu-memory-utilization",),
+    )
     num_blocks: Optional[int] = option(None, "force the KV cache block count (testing); overrides the memory budget")
     enable_prefix_caching: bool = option(
         True, "reuse the KV blocks of shared prompt prefixes", aliases=("--prefix-caching",)
     )
-    cache_dtype: str = option("auto", "KV cache element type (auto: the model's dtype)", choices=DTYPES)
+    cache_dtype: str = option("auto", "KV cache element type (auto: the model's dtype)", choices=DTYPES + _DTYPE_ALIASES)
     # One byte per element plus a float32 scale per token and KV head: ~2x the
     # tokens of a bf16 pool in the same memory, and half the bytes a decode reads.
     kv_cache_dtype: str = option(
@@ -76,7 +82,7 @@ class CacheConfig:
 @dataclass
 class SchedulerConfig:
     max_num_seqs: int = option(256, "most sequences in one step")
-    max_num_batched_tokens: int = option(2048, "most tokens (prompt chunks and decodes) in one step")
+    max_num_batched_tokens: int = option(2048, "most tokens (prompt chunks and decodes) in one step", unit="tokens")
     enable_chunked_prefill: bool = option(True, "split long prompts across steps, mixed with decodes")
 
     def __post_init__(self) -> None:
@@ -92,11 +98,19 @@ class SchedulerConfig:
 class ModelConfig:
     model: str = field(metadata={"help": "model folder (default: the built-in model)"})
     tokenizer: Optional[str] = option(None, "tokenizer folder (default: the model folder)")
-    dtype: str = option("auto", "weight and activation type (auto: the checkpoint's)", choices=DTYPES)
-    max_model_len: Optional[int] = option(None, "context length (default: the checkpoint's limit)")
+    dtype: str = option("auto", "weight and activation type (auto: the checkpoint's)", choices=DTYPES + _DTYPE_ALIASES)
+    max_model_len: Optional[int] = option(None, "context length (default: the checkpoint's limit)", unit="tokens")
     seed: int = option(0, "seed of the global sampling RNG (requests without their own seed)")
+    max_logprobs: int = option(20, "most logprobs (and prompt logprobs) one request may ask for")
     device: str = option("cpu", "cpu or cuda")
-    served_model_name: Optional[str] = option(None, "the model name clients send (default: the folder name)")
+    served_model_name: Optional[tuple[str, ...]] = option(
+        None, "the model name(s) clients send; responses carry the first (default: the folder name)"
+    )
+    generation_config: str = option(
+        "auto", "where request defaults and stop tokens come from: auto (the model's generation_config.json), "
+        "vllm or none (no sampling defaults; stop tokens still the model's), or a folder with a "
+        "generation_config.json",
+    )
     # "native" is the C kernel that reads K/V blocks in place (built on first
     # use; CPU); "auto" takes it when it builds and fits the device and dtypes.
     attention_backend: str = option(
@@ -146,6 +160,14 @@ class ModelConfig:
             )
         if self.max_model_len is not None and self.max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs must be an integer >= 0, got {self.max_logprobs!r}")
+        if isinstance(self.served_model_name, str):
+            self.served_model_name = (self.served_model_name,)
+        if self.served_model_name is not None:
+            self.served_model_name = tuple(self.served_model_name)
+            if not self.served_model_name or not all(isinstance(n, str) and n for n in self.served_model_name):
+                raise ValueError(f"served_model_name must be one or more non-empty names, got {self.served_model_name!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {self.quantization!r}")
         if self.quantization_group_size not in QUANTIZATION_GROUP_SIZES:

@@ -5,8 +5,9 @@ Choices worth knowing:
   same sequence, so ranking them is meaningless. ``n > 1`` with greedy
   decoding (and ``best_of == n``) is allowed and returns n copies.
 - ``top_k`` of 0 or -1 turns top-k off; ``max_tokens=0`` is allowed (prompt
-  logprobs only); ``logprobs`` / ``prompt_logprobs`` go up to 20 like the
-  OpenAI API.
+  logprobs only); how many ``logprobs`` / ``prompt_logprobs`` a request may
+  ask for is the engine's ``max_logprobs`` (20 by default, as vLLM and the
+  OpenAI API).
 - ``bad_words`` are strings; the engine turns them into token sequences with
   ``resolve_bad_words(tokenizer)`` before the request reaches the sampler.
 - ``output_kind``: ``cumulative`` (every step yields the request's output so
@@ -22,7 +23,6 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Optional, Protocol
 
-_MAX_LOGPROBS = 20
 _MAX_LOGIT_BIAS = 100.0
 _SEED_RANGE = (-(2**63), 2**63 - 1)
 # Temperatures below this decode greedily (dividing by them would overflow).
@@ -175,7 +175,7 @@ class SamplingParams:
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None:
-                _check_int(name, value, low=0, high=_MAX_LOGPROBS)
+                _check_int(name, value, low=0)
         if self.logit_bias is not None:
             _check_token_ids("logit_bias", list(self.logit_bias))
             for v in self.logit_bias.values():

@@ -58,15 +58,24 @@ class Tokenizer:
         # huge prompt tokenized in a thread does not stall the server's event
         # loop (7.9 MB: encode holds the GIL 6 s, encode_batch at most 0.13 s).
         ids = self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
-        # Many Llama-style tokenizer.json files add BOS in their post-processor
-        # already; add it here only when the config asks and it is missing.
-        if (
-            add_special_tokens
-            and self.add_bos_token
-            and self.bos_token_id is not None
-            and (not ids or ids[0] != self.bos_token_id)
-        ):
-            ids = [self.bos_token_id] + ids
+        if add_special_tokens and self.bos_token_id is not None:
+            ids = self._one_bos(ids)
+        return ids
+
+    def _one_bos(self, ids: list[int]) -> list[int]:
+        """The tokenizer's BOS rule on ids encoded with special tokens.
+
+        tokenizer.json's post-processor decides (as transformers does); a
+        config with add_bos_token but a post-processor that adds none (older
+        Llama folders: the flag was applied by the tokenizer class) gets it
+        here. A text that already starts with BOS (a rendered chat template, a
+        prompt decoded from ids) keeps one, not two: a doubled BOS only
+        shifts every position and changes what the model sees."""
+        bos = self.bos_token_id
+        if self.add_bos_token and (not ids or ids[0] != bos):
+            return [bos] + ids
+        if len(ids) >= 2 and ids[0] == bos and ids[1] == bos:
+            return ids[1:]
         return ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:

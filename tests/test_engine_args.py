@@ -15,8 +15,10 @@ _NON_DEFAULT = {
     "dtype": ("bfloat16", "bfloat16"),
     "max_model_len": ("77", 77),
     "seed": ("5", 5),
+    "max_logprobs": ("3", 3),
     "device": ("cuda", "cuda"),
-    "served_model_name": ("my-model", "my-model"),
+    "served_model_name": ("my-model", ("my-model",)),
+    "generation_config": ("vllm", "vllm"),
     "attention_backend": ("torch", "torch"),
     "linear_backend": ("onednn", "onednn"),
     "quantization": ("int4", "int4"),
@@ -85,6 +87,21 @@ def test_older_spellings_still_work(tmp_path):
     config = engine_config_from_args(args)
     assert config.cache.kv_cache_memory_bytes == 2 * 2**30
     assert not config.cache.enable_prefix_caching and not config.model.fused_ops
+
+
+def test_vllm_spellings_and_units(tmp_path):
+    """vLLM's flag names where the meaning is the same, its token-count suffixes and dtype names."""
+    args = build_parser().parse_args([
+        "serve", str(tmp_path), "--gpu-memory-utilization", "0.5", "--enable-prefix-caching", "--max-model-len", "4k",
+        "--max-num-batched-tokens", "2K", "--dtype", "half", "--served-model-name", "a", "b",
+    ])
+    config = engine_config_from_args(args)
+    assert config.cache.memory_fraction == 0.5 and config.cache.enable_prefix_caching
+    assert config.model.max_model_len == 4000 and config.scheduler.max_num_batched_tokens == 2048
+    assert config.model.dtype == "half" and config.model.served_model_name == ("a", "b")
+    assert engine_config(tmp_path, served_model_name="a").model.served_model_name == ("a",)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", str(tmp_path), "--max-model-len", "4.5"])
 
 
 def test_unknown_or_invalid_keywords_name_the_field(tmp_path):

@@ -33,7 +33,7 @@ import zmq
 
 from octavo.config import EngineConfig
 from octavo.engine import messages as msg
-from octavo.engine.engine_process import EngineDeadError, EngineProcess
+from octavo.engine.engine_process import EngineDeadError, EngineProcess, last_line
 from octavo.engine.restart_policy import RestartPolicy
 from octavo.engine.stats import EngineStats
 from octavo.outputs import OutputAccumulator, RequestOutput
@@ -58,6 +58,8 @@ class EngineInfo:
     max_model_len: int
     vocab_size: int
     generation_defaults: dict[str, Any] = field(default_factory=dict)
+    model_aliases: tuple[str, ...] = ()  # further names requests may use
+    max_logprobs: int = 20
 
 
 @dataclass(eq=False)
@@ -195,7 +197,8 @@ class AsyncEngineClient:
     # ---- engine lifecycle ----------------------------------------------
 
     def _adopt(self, engine: EngineProcess, ready: msg.EngineReady) -> None:
-        self.info = EngineInfo(ready.model_name, ready.max_model_len, ready.vocab_size, ready.generation_defaults)
+        self.info = EngineInfo(ready.model_name, ready.max_model_len, ready.vocab_size, ready.generation_defaults,
+                               tuple(ready.model_aliases), ready.max_logprobs)
         logger.info("engine process %d ready: model %s, context %d", ready.pid, ready.model_name, ready.max_model_len)
         self._engine = engine
         self.stats = EngineStats()
@@ -230,7 +233,7 @@ class AsyncEngineClient:
                 stream.fail(EngineRequestError(m.message))
         elif isinstance(m, msg.EngineFailed):
             logger.error("engine process failed:\n%s", m.message)
-            self._lose(engine, f"engine failed: {m.message.strip().splitlines()[-1]}")
+            self._lose(engine, f"engine failed: {last_line(m.message)}")
 
     def _on_delta(self, delta: msg.OutputDelta) -> None:
         stream = self._streams.get(delta.request_id)

@@ -46,6 +46,7 @@ import zmq
 from octavo.config import EngineConfig
 from octavo.engine import messages as msg
 from octavo.engine.stats import EngineStats, StatsLogger
+from octavo.log import configure_logging
 
 if TYPE_CHECKING:  # torch: imported in the engine process only
     from octavo.engine.llm_engine import LLMEngine
@@ -56,8 +57,9 @@ STATS_INTERVAL_S = 0.1
 _IDLE_POLL_MS = 1000
 
 
-def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> None:
-    """Process entry point (must be importable for ``spawn``)."""
+def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, log_level: int = logging.INFO) -> None:
+    """Process entry point (must be importable for ``spawn``); logs at the front's level."""
+    configure_logging(log_level)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     parent = os.getppid()
@@ -128,6 +130,8 @@ class _EngineLoop:
                 vocab_size=e.vocab_size,
                 generation_defaults=dict(e.generation_defaults),
                 pid=os.getpid(),
+                model_aliases=list(e.model_aliases),
+                max_logprobs=e.config.model.max_logprobs,
             )
         )
 

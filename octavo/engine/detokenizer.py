@@ -16,9 +16,15 @@ can end the output is the one after the first min_tokens). While no stop
 has matched, ``get_delta`` holds that many trailing characters back, because
 they could still turn out to start a stop string (not needed with
 include_stop_str_in_output: nothing before a stop's end is ever removed).
+
+With stop strings the text length after each token is kept, so that once a
+stop cuts the text, ``tokens_covering`` says how many tokens produced what
+is left: the caller trims token ids and logprobs to exactly the returned
+text (and holds back tokens whose text is held back while streaming).
 """
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from typing import Optional
 
 from octavo.sampling_params import SamplingParams
@@ -54,6 +60,7 @@ class IncrementalDetokenizer:
         self._read = len(self._ids)  # tokens before this are already in ``text``
         self._sent = 0  # characters of ``text`` returned by get_delta
         self.token_ids: list[int] = []
+        self._token_ends: list[int] = []  # len(text) after each token; kept only with stop strings
         self.text = ""
         self.stop_str: Optional[str] = None
         self.finished = False
@@ -63,12 +70,15 @@ class IncrementalDetokenizer:
         if self.finished:
             return None
         start = len(self.text)
-        # One window decode for all of them: the same text as one per token
-        # (the window only moves on once its text is complete), and what
-        # makes decoding a whole output at its end cheap.
-        self._ids.extend(new_token_ids)
-        self.token_ids.extend(new_token_ids)
-        self.text += self._decode_window(flush=False)
+        if self._stops:
+            # Token by token: a stop's cut must map back to a token count.
+            for token_id in new_token_ids:
+                self._append([token_id])
+        else:
+            # One window decode for all of them: the same text as one per
+            # token (the window only moves on once its text is complete), and
+            # what makes decoding a whole output at its end cheap.
+            self._append(new_token_ids)
         return self._find_stop(start)
 
     def update_until_stop(self, new_token_ids: list[int]) -> tuple[Optional[str], int]:
@@ -83,6 +93,29 @@ class IncrementalDetokenizer:
                 return stop, i + 1
         return None, len(new_token_ids)
 
+    @property
+    def has_stops(self) -> bool:
+        return bool(self._stops)
+
+    def tokens_covering(self, num_chars: int) -> int:
+        """How many of ``token_ids`` it takes to produce the first
+        ``num_chars`` characters of ``text`` (tokens whose text is only
+        partly inside count). Meaningful with stop strings only."""
+        if num_chars <= 0:
+            return 0
+        return min(bisect_left(self._token_ends, num_chars) + 1, len(self.token_ids))
+
+    def tokens_within(self, num_chars: int) -> int:
+        """How many leading tokens produced text inside the first ``num_chars`` characters only."""
+        return bisect_right(self._token_ends, num_chars)
+
+    def _append(self, token_ids: list[int]) -> None:
+        self._ids.extend(token_ids)
+        self.token_ids.extend(token_ids)
+        self.text += self._decode_window(flush=False)
+        if self._stops:
+            self._token_ends.extend([len(self.text)] * len(token_ids))
+
     def finish(self) -> Optional[str]:
         """End of the sequence: decode what is pending (an incomplete
         character comes out as U+FFFD) and release the held-back text.
@@ -91,6 +124,8 @@ class IncrementalDetokenizer:
             return None
         start = len(self.text)
         self.text += self._decode_window(flush=True)
+        if self._token_ends:
+            self._token_ends[-1] = len(self.text)  # the flushed text is the last token's
         stop = self._find_stop(start)
         self.finished = True
         return stop

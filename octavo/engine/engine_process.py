@@ -9,7 +9,9 @@ block the event loop on send.
 from __future__ import annotations
 
 import asyncio
+import logging
 import multiprocessing
+import re
 import tempfile
 import time
 from pathlib import Path
@@ -21,6 +23,9 @@ import zmq.asyncio
 from octavo.config import EngineConfig
 from octavo.engine import messages as msg
 from octavo.engine.core_process import run_engine_core
+from octavo.log import current_level
+
+logger = logging.getLogger(__name__)
 
 
 class EngineDeadError(RuntimeError):
@@ -48,7 +53,8 @@ class EngineProcess:
         self._pull.bind(out_addr)
         spawn = multiprocessing.get_context("spawn")
         self.proc = spawn.Process(
-            target=run_engine_core, args=(config, in_addr, out_addr), name="octavo-engine", daemon=True
+            target=run_engine_core, args=(config, in_addr, out_addr, current_level()), name="octavo-engine",
+            daemon=True,
         )
         self.alive = False  # True from EngineReady until the owner sees it die
 
@@ -73,7 +79,9 @@ class EngineProcess:
             if await self._pull.poll(200):
                 m = msg.from_engine_decoder.decode(await self._pull.recv())
                 if isinstance(m, msg.EngineFailed):
-                    raise EngineDeadError(f"engine failed to start:\n{m.message}")
+                    # One line: what failed. The traceback is for whoever debugs.
+                    logger.debug("engine start-up traceback:\n%s", m.message)
+                    raise EngineDeadError(f"engine failed to start: {last_line(m.message)}")
                 if isinstance(m, msg.EngineReady):
                     return m
                 continue
@@ -120,3 +128,16 @@ class EngineProcess:
         if self.proc.is_alive():  # SIGKILL: the engine ignores SIGTERM (see core_process)
             self.proc.kill()
             self.proc.join()
+
+
+def last_line(report: str) -> str:
+    """The exception line that ends a formatted traceback, its exception
+    types without their module paths (``SafetensorError: ...``)."""
+    lines = [line for line in report.strip().splitlines() if line.strip()]
+    if not lines:
+        return "unknown error"
+    return _QUALIFIED_TYPE.sub(lambda m: m.group(1) + ": ", lines[-1].strip())
+
+
+# "package.module.Error: " -> "Error: " wherever an exception line names a type.
+_QUALIFIED_TYPE = re.compile(r"(?<![\w.])(?:[A-Za-z_]\w*\.)+([A-Z]\w*): ")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import logging
 import time
 from collections import deque
@@ -17,7 +18,7 @@ from octavo.engine.request_state import RequestState, SequenceState
 from octavo.engine.stats import EngineStats
 from octavo.executor.registry import create_executor
 from octavo.model.config import load_arch_config
-from octavo.model.generation_config import load_generation_defaults
+from octavo.model.generation_config import GenerationDefaults, load_generation_defaults
 from octavo.outputs import RequestMetrics, RequestOutput
 from octavo.sampling_params import RequestOutputKind, SamplingParams
 from octavo.tokenizer import Tokenizer
@@ -46,12 +47,21 @@ class LLMEngine:
             info = self.executor.model_info
             self.vocab_size = info.vocab_size
             self.max_model_len = info.max_model_len
-            self.model_name = config.model.served_model_name or model_dir.resolve().name
+            # The folder as the user named it: a symlink ("current" -> "v3") is served under its own name.
+            names = config.model.served_model_name or (Path(os.path.abspath(model_dir)).name,)
+            self.model_name, self.model_aliases = names[0], names[1:]
             # generation_config.json is read here, from the model folder, not by
             # the workers: its sampling defaults fill the fields a request leaves
             # unset (the server and `octavo generate` apply them), its stop
             # tokens end sequences (config.json's when it names none).
             defaults = load_generation_defaults(model_dir)
+            source = config.model.generation_config
+            if source in ("vllm", "none"):
+                defaults = GenerationDefaults(eos_token_ids=defaults.eos_token_ids)
+            elif source != "auto":
+                if not (Path(source) / "generation_config.json").is_file():
+                    raise ValueError(f"generation_config: no generation_config.json in {source}")
+                defaults = load_generation_defaults(source)
             self.generation_defaults = {
                 k: v for k, v in dataclasses.asdict(defaults).items() if v is not None and k != "eos_token_ids"
             }
@@ -276,9 +286,11 @@ class LLMEngine:
                 return  # nothing new: wait for the oldest step
             grammar_failed = self._attach_grammar(sched_out) if self._grammar_ids else {}
             submitted = sched_out.needs_workers
+            # Before submitting: the in-process executor runs the forward
+            # inside submit, and the queue time must not include it.
+            self._note_first_scheduled(sched_out)
             if submitted:
                 self.executor.submit(sched_out)
-            self._note_first_scheduled(sched_out)
             self._in_flight.append((sched_out, submitted, grammar_failed))
             if sched_out.is_empty:
                 return
@@ -382,6 +394,11 @@ class LLMEngine:
     def _check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
         if not prompt_ids:
             raise ValueError("prompt must not be empty")
+        limit = self.config.model.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > limit:
+                raise ValueError(f"{name} must be <= {limit} (the engine's max_logprobs), got {value}")
         requested = len(prompt_ids) + (params.max_tokens or 0)
         if len(prompt_ids) > self.max_model_len or (
             params.max_tokens is not None and requested > self.max_model_len

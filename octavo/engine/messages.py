@@ -41,6 +41,8 @@ class EngineReady(msgspec.Struct, tag=True):
     vocab_size: int
     generation_defaults: dict[str, Any]
     pid: int
+    model_aliases: list[str] = []  # further names clients may send (--served-model-name a b)
+    max_logprobs: int = 20
 
 
 class OutputDelta(msgspec.Struct):

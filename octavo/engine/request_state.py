@@ -46,20 +46,38 @@ class SequenceState:
             stop_reason=self.stop_reason,
         )
 
+    def trim_to_text(self) -> None:
+        """After a stop string cut the text: keep only the tokens (and their
+        logprobs) that produced it, so they describe exactly what is returned."""
+        if self.detokenizer is None:
+            return
+        keep = max(self.detokenizer.tokens_covering(len(self.detokenizer.text)), self._sent_tokens)
+        if dropped := self.logprobs[keep:]:
+            self.cumulative_logprob -= sum(lp.logprob for lp in dropped)
+        del self.token_ids[keep:], self.logprobs[keep:]
+
+    def _sendable_tokens(self) -> int:
+        # While text is held back (it may start a stop string), so are the
+        # tokens that make it: a stop may still remove them.
+        detok = self.detokenizer
+        if detok is None or self.finished or not detok.has_stops:
+            return len(self.token_ids)
+        return max(self._sent_tokens, detok.tokens_within(len(self.text)))
+
     def take_delta(self, with_logprobs: bool) -> Optional[CompletionOutput]:
         """What is new since the previous delta (None: nothing is)."""
-        start, self._sent_tokens = self._sent_tokens, len(self.token_ids)
+        start, self._sent_tokens = self._sent_tokens, self._sendable_tokens()
         text, self._sent_chars = self.text[self._sent_chars :], len(self.text)
         ends_now = self.finished and not self._sent_finish
         self._sent_finish = self.finished
-        if start == len(self.token_ids) and not text and not ends_now:
+        if start == self._sent_tokens and not text and not ends_now:
             return None
         return CompletionOutput(
             index=self.index,
             text=text,
-            token_ids=self.token_ids[start:],
+            token_ids=self.token_ids[start : self._sent_tokens],
             cumulative_logprob=self.cumulative_logprob,
-            logprobs=self.logprobs[start:] if with_logprobs else None,
+            logprobs=self.logprobs[start : self._sent_tokens] if with_logprobs else None,
             finish_reason=self.finish_reason,
             stop_reason=self.stop_reason,
         )
@@ -93,6 +111,8 @@ class RequestState:
         when the detokenizer found one (the caller must stop the sequence);
         ``out.new_token_ids`` is then cut after the token that completed it."""
         seq = self.sequences[out.request_id]
+        if seq.finished:
+            return None  # a step in flight when a stop string ended it: nothing of it is returned
         now = time.monotonic()
         if out.prompt_logprobs is not None and self.params.prompt_logprobs is not None:
             if self.prompt_logprobs is None:
@@ -121,6 +141,8 @@ class RequestState:
             for lp in out.new_logprobs or []:
                 seq.logprobs.append(lp)
                 seq.cumulative_logprob += lp.logprob
+            if stop_str is not None:
+                seq.trim_to_text()  # the tokens (and logprobs) describe exactly the returned text
         if out.finish_reason is not None and not seq.finished:
             seq.finish_reason, seq.stop_reason = out.finish_reason, out.stop_reason
         if seq.finished:
@@ -145,6 +167,8 @@ class RequestState:
             stopped_on_token = seq.finish_reason == "stop" and not isinstance(seq.stop_reason, str)
             seq.detokenizer.update(self._text_ids(seq.token_ids, stopped_on_token))
         seq.detokenizer.finish()
+        if seq.detokenizer.stop_str is not None:
+            seq.trim_to_text()
         seq.text += seq.detokenizer.get_delta()
 
     def _text_ids(self, token_ids: list[int], stopped_on_token: bool) -> list[int]:

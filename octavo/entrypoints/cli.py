@@ -2,13 +2,15 @@
 from __future__ import annotations
 
 import argparse
-import logging
+import json
 import os
 import sys
 from dataclasses import fields
 from typing import Optional, Sequence
 
+import octavo
 from octavo.entrypoints.engine_args import add_engine_args, engine_config_from_args, engine_options, parse_bytes
+from octavo.log import configure_logging
 from octavo.server.config import DEFAULT_PUBLIC_ROUTES, ServerConfig
 from octavo.server.limits import RequestLimits
 from octavo.server.tool_parsers import PARSERS
@@ -16,6 +18,7 @@ from octavo.server.tool_parsers import PARSERS
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="octavo", description="Octavo LLM inference engine")
+    parser.add_argument("--version", action="version", version=f"octavo {octavo.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
@@ -56,6 +59,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="seconds (default: %(default)s)")
     serve.add_argument("--request-timeout", type=float, default=ServerConfig.request_timeout_s,
                        help="abort requests older than this many seconds (504); default: no limit")
+    serve.add_argument("--allowed-origins", type=_origins, default=ServerConfig.allowed_origins,
+                       help='browser origins allowed to call the API (CORS): a JSON list as vLLM takes it '
+                            '(\'["*"]\') or comma-separated; default: none')
+    serve.add_argument("--root-path", default=ServerConfig.root_path,
+                       help="path prefix when served behind a reverse proxy (e.g. /api)")
+    serve.add_argument("--ssl-keyfile", default=None, help="TLS private key file (with --ssl-certfile: HTTPS)")
+    serve.add_argument("--ssl-certfile", default=None, help="TLS certificate file")
+    serve.add_argument("--disable-log-requests", "--disable-uvicorn-access-log", dest="access_log",
+                       action="store_false", help="no log line per HTTP request")
 
     gen = sub.add_parser("generate", help="generate offline (no server)")
     add_engine_args(gen)
@@ -91,6 +103,11 @@ def _serve(args: argparse.Namespace) -> None:
         chat_template=_chat_template(args.chat_template),
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
+        allowed_origins=args.allowed_origins,
+        root_path=args.root_path,
+        ssl_keyfile=args.ssl_keyfile,
+        ssl_certfile=args.ssl_certfile,
+        access_log=args.access_log,
     )
     serve(engine_config_from_args(args), server_config)
 
@@ -106,6 +123,19 @@ def _chat_template(value: Optional[str]) -> Optional[str]:
     if not any(c in value for c in "{}\n"):
         raise ValueError(f"--chat-template: no such file: {value}")
     return value
+
+
+def _origins(text: str) -> tuple[str, ...]:
+    """'["https://a.example", "*"]' (vLLM's JSON) or 'https://a.example,https://b.example'."""
+    if text.lstrip().startswith("["):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise argparse.ArgumentTypeError(f"not a JSON list: {exc}") from None
+        if not isinstance(value, list) or not all(isinstance(o, str) for o in value):
+            raise argparse.ArgumentTypeError("must be a JSON list of strings")
+        return tuple(value)
+    return tuple(o.strip() for o in text.split(",") if o.strip())
 
 
 def _api_keys(args: argparse.Namespace) -> tuple[str, ...]:
@@ -153,7 +183,7 @@ def _generate(args: argparse.Namespace) -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure_logging(getattr(args, "log_level", "info"))
     try:
         if args.command == "serve":
             _serve(args)

@@ -13,6 +13,7 @@ import dataclasses
 import os
 import re
 import typing
+from decimal import Decimal
 from pathlib import Path
 from typing import Any, Optional
 
@@ -20,6 +21,9 @@ from octavo.config import EngineConfig
 
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?)?b?\s*$", re.IGNORECASE)
+_COUNT = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtKMGT])?\s*$")
+_COUNT_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY_POWER = {"K": 1, "M": 2, "G": 3, "T": 4}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,8 +112,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         kwargs: dict[str, Any] = {"dest": cf.name, "default": argparse.SUPPRESS, "help": meta.get("help", "") + default}
         if cf.type is bool:
             kwargs["action"] = argparse.BooleanOptionalAction  # --x and --no-x
+        elif typing.get_origin(cf.type) is tuple:  # several values: --name a b
+            kwargs["type"] = typing.get_args(cf.type)[0]
+            kwargs["nargs"] = "+"
         else:
-            kwargs["type"] = parse_bytes if meta.get("unit") == "bytes" else cf.type
+            kwargs["type"] = _PARSERS.get(meta.get("unit"), cf.type)
             kwargs["choices"] = meta.get("choices")
         parser.add_argument(*names, **kwargs)
 
@@ -123,6 +130,18 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
     return engine_config(args.model, **engine_options(args))
 
 
+def parse_count(text: str) -> int:
+    """Token counts as vLLM writes them: '4k' -> 4000, '4K' -> 4096, '1.5m' -> 1500000, '2048' -> 2048."""
+    match = _COUNT.match(text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a count: {text!r} (examples: 2048, 4k, 4K, 1m)")
+    number, unit = Decimal(match.group(1)), match.group(2) or ""
+    value = number * (2 ** (10 * _BINARY_POWER[unit]) if unit.isupper() else _COUNT_UNITS[unit])
+    if value != value.to_integral_value():
+        raise argparse.ArgumentTypeError(f"not a whole count: {text!r}")
+    return int(value)
+
+
 def parse_bytes(text: str) -> int:
     """'2GiB' -> 2147483648, '512M' -> 512000000, '1000' -> 1000."""
     match = _SIZE.match(text)
@@ -132,3 +151,7 @@ def parse_bytes(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"size must be at least 1 byte, got {text!r}")
     return int(value)
+
+
+# Option units -> their parsers (after the parsers are defined).
+_PARSERS: dict[Optional[str], Any] = {"bytes": parse_bytes, "tokens": parse_count}

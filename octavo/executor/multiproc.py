@@ -42,6 +42,7 @@ from octavo.core.outputs import ModelRunnerOutput, SchedulerOutput
 from octavo.executor.base import Executor, ExecutorError
 from octavo.executor.placement import place_ranks
 from octavo.executor.worker_proc import InitArgs, WorkerFailure
+from octavo.log import LOG_LEVEL_ENV, current_level
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,7 @@ class MultiprocExecutor(Executor):
         # The ranks import this very octavo, wherever it was imported from.
         root = str(Path(octavo.__file__).resolve().parent.parent)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        env[LOG_LEVEL_ENV] = str(current_level())
         for rank in range(world):
             sock = self._ctx.socket(zmq.PUSH)
             addr = f"ipc://{self._dir.name}/rank{rank}"

@@ -35,6 +35,7 @@ import zmq
 
 from octavo.config import EngineConfig
 from octavo.executor.placement import RankPlacement
+from octavo.log import configure_from_env
 
 _POLL_MS = 1000  # how often an idle worker checks that its engine still lives
 
@@ -134,6 +135,7 @@ def serve(rank: int, step_addr: str, result_addr: str) -> None:
 
 def main(argv: Optional[list[str]] = None) -> None:
     rank, step_addr, result_addr = (argv or sys.argv[1:])[:3]
+    configure_from_env()
     serve(int(rank), step_addr, result_addr)
 
 

@@ -7,6 +7,7 @@ import time
 from typing import AsyncIterator, Callable, Optional
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -69,6 +70,11 @@ def build_app(
         )
     app.add_middleware(BodyLimitMiddleware, max_bytes=server_config.max_body_bytes)
     app.add_middleware(RequestIdMiddleware)
+    if server_config.allowed_origins:
+        # Outermost: a browser's preflight (OPTIONS, no API key) is answered here.
+        app.add_middleware(
+            CORSMiddleware, allow_origins=list(server_config.allowed_origins), allow_methods=["*"], allow_headers=["*"]
+        )
     return app
 
 
@@ -98,18 +104,26 @@ def _add_routes(app: FastAPI) -> None:
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await create_chat_completion(body, request, _state(request))
 
-    @app.get("/v1/models")
-    async def models(request: Request) -> JSONResponse:
-        state = _state(request)
-        card = {
-            "id": state.model_name,
+    def card(state: ServerState, name: str) -> dict:
+        return {
+            "id": name,
             "object": "model",
             "created": int(_STARTED),
             "owned_by": "octavo",
             "root": state.model_name,  # not the model's path: clients need not know the server's disks
             "max_model_len": state.max_model_len,
         }
-        return JSONResponse({"object": "list", "data": [card]})
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> JSONResponse:
+        state = _state(request)
+        return JSONResponse({"object": "list", "data": [card(state, n) for n in state.model_names]})
+
+    @app.get("/v1/models/{model_id:path}")  # names may hold slashes ("org/model")
+    async def model(model_id: str, request: Request) -> JSONResponse:
+        state = _state(request)
+        state.check_model(model_id)
+        return JSONResponse(card(state, model_id))
 
     @app.get("/health")
     async def health(request: Request) -> Response:

@@ -13,7 +13,7 @@ from fastapi.responses import Response
 
 from octavo.outputs import RequestOutput
 from octavo.server.errors import bad_request
-from octavo.server.logprobs import chat_logprobs
+from octavo.server.logprobs import chat_logprobs, prompt_logprobs_body
 from octavo.server.params import build_sampling_params, request_api_names
 from octavo.server.protocol import (
     ChatChoice,
@@ -65,6 +65,8 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, state
             )
         )
     body = ChatCompletionResponse(id=request_id, model=state.model_name, choices=choices, usage=_usage(len(prompt_ids), sum(len(c.token_ids) for c in out.outputs)))
+    if req.prompt_logprobs is not None:
+        body.prompt_logprobs = prompt_logprobs_body(state.tokenizer, prompt_ids, out.prompt_logprobs)
     return Response(body.model_dump_json(), media_type="application/json")
 
 
@@ -78,8 +80,11 @@ def render_messages(
     continue_final_message: bool = False,
     tools: Optional[list[dict[str, Any]]] = None,
     documents: Optional[list[dict[str, Any]]] = None,
+    add_special_tokens: bool = False,
 ) -> list[int]:
-    """Chat template -> token ids (also used by /tokenize). Blocking: call it in a thread."""
+    """Chat template -> token ids (also used by /tokenize). Blocking: call it in a thread.
+    The template writes BOS and role markers itself: by default (as vLLM)
+    the tokenizer adds nothing more."""
     if not messages:
         raise bad_request("messages must not be empty", "messages")
     if continue_final_message and add_generation_prompt:
@@ -115,8 +120,7 @@ def render_messages(
         )
     except (ValueError, TypeError) as exc:
         raise bad_request(f"could not apply the chat template: {exc}", "messages") from None
-    # The template writes BOS and role markers itself.
-    return state.tokenizer.encode(text, add_special_tokens=False)
+    return state.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
 
 def _plain_message(i: int, m: ChatMessage) -> dict[str, Any]:
@@ -158,6 +162,7 @@ def _prepare(req: ChatCompletionRequest, state: ServerState) -> tuple[list[int],
         continue_final_message=req.continue_final_message,
         tools=[t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None,
         documents=req.documents,
+        add_special_tokens=req.add_special_tokens,
     )
     if req.truncate_prompt_tokens is not None and req.truncate_prompt_tokens > 0:
         ids = ids[-req.truncate_prompt_tokens :]
@@ -176,6 +181,7 @@ def _prepare(req: ChatCompletionRequest, state: ServerState) -> tuple[list[int],
         prompt_logprobs=req.prompt_logprobs,
         defaults=state.client.info.generation_defaults,
         vocab_size=state.client.info.vocab_size,
+        max_logprobs=state.client.info.max_logprobs,
         api_names=_api_names(req, plan),
     )
     return ids, params, plan

@@ -14,7 +14,7 @@ from fastapi.responses import Response
 from octavo.outputs import OutputAccumulator, RequestOutput, TokenLogprobs
 from octavo.sampling_params import SamplingParams
 from octavo.server.errors import bad_request
-from octavo.server.logprobs import LegacyLogprobs, aligned_prompt_logprobs
+from octavo.server.logprobs import LegacyLogprobs, aligned_prompt_logprobs, prompt_logprobs_body
 from octavo.server.params import build_sampling_params, request_api_names
 from octavo.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, Usage
 from octavo.server.state import ServerState
@@ -50,6 +50,8 @@ async def create_completion(req: CompletionRequest, raw: Request, state: ServerS
             choice = _ChoiceStream(req, state, prompt).chunk(out.prompt_logprobs, c.text, c.token_ids, c.logprobs)
             choice.index = i * req.n + c.index
             choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
+            if req.prompt_logprobs is not None:
+                choice.prompt_logprobs = prompt_logprobs_body(state.tokenizer, prompt.ids, out.prompt_logprobs)
             choices.append(choice)
     completion_tokens = sum(len(c.token_ids) for out in finals for c in out.outputs)
     body = CompletionResponse(id=request_id, model=state.model_name, choices=choices,
@@ -80,6 +82,7 @@ def _prepare(req: CompletionRequest, state: ServerState) -> list[_Prompt]:
             best_of=req.best_of,
             defaults=state.client.info.generation_defaults,
             vocab_size=state.client.info.vocab_size,
+            max_logprobs=state.client.info.max_logprobs,
             api_names=request_api_names(req, {}),
         )
         prompts.append(_Prompt(text, ids, params))
@@ -99,7 +102,7 @@ def _tokenized(req: CompletionRequest, state: ServerState) -> list[tuple[str, li
         if not p:
             raise bad_request("prompt must not be empty", "prompt")
         if isinstance(p, str):
-            result.append((p, state.tokenizer.encode(p)))
+            result.append((p, state.tokenizer.encode(p, add_special_tokens=req.add_special_tokens)))
         else:
             state.check_prompt_ids(p, 0)  # decoding needs ids inside the vocabulary
             result.append((state.tokenizer.decode(p, skip_special_tokens=req.skip_special_tokens), list(p)))

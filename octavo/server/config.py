@@ -1,6 +1,7 @@
 """HTTP server settings (the engine's own settings live in octavo.config)."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -44,6 +45,15 @@ class ServerConfig:
     # (octavo.server.tool_parsers); both must be set, as in vLLM.
     enable_auto_tool_choice: bool = False
     tool_call_parser: Optional[str] = None
+    # Browser origins allowed to call the API (CORS); ("*",) for any. Empty: no CORS headers.
+    allowed_origins: tuple[str, ...] = ()
+    # The path prefix a reverse proxy serves the API under ("/api").
+    root_path: str = ""
+    # Both set: HTTPS.
+    ssl_keyfile: Optional[str] = None
+    ssl_certfile: Optional[str] = None
+    # One log line per HTTP request (uvicorn's access log).
+    access_log: bool = True
 
     def __post_init__(self) -> None:
         if not (0 <= self.port <= 65535):
@@ -67,3 +77,11 @@ class ServerConfig:
             raise ValueError(f"tool_call_parser must be one of {sorted(PARSERS)}, got {self.tool_call_parser!r}")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable_auto_tool_choice needs a tool_call_parser (--tool-call-parser)")
+        if self.root_path and (not self.root_path.startswith("/") or self.root_path.endswith("/")):
+            raise ValueError(f"root_path must start with / and not end with one, got {self.root_path!r}")
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValueError("ssl_keyfile and ssl_certfile go together: set both or neither")
+        for name in ("ssl_keyfile", "ssl_certfile"):
+            path = getattr(self, name)
+            if path is not None and not os.path.isfile(path):
+                raise ValueError(f"{name}: no such file: {path}")

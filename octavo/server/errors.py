@@ -53,10 +53,12 @@ class FieldError(ValueError):
     """A request validator's error that knows the path of the bad value
     (pydantic would otherwise place errors of a whole-body check at the body)."""
 
-    def __init__(self, path: Sequence[str | int], message: str) -> None:
+    def __init__(self, path: Sequence[str | int], message: str, named: bool = False) -> None:
         super().__init__(message)
         self.path = [str(p) for p in path]
         self.message = message
+        # The message names the bad key itself: the path before it is enough context.
+        self.named = named
 
 
 def bad_request(message: str, param: Optional[str] = None) -> APIError:
@@ -117,11 +119,14 @@ def install_error_handlers(app: FastAPI) -> None:
             return error_response(bad_request(f"malformed JSON body: {first.get('msg', '')}"))
         cause = (first.get("ctx") or {}).get("error")
         msg = first.get("msg", "invalid value")
+        where_loc = loc
         if isinstance(cause, FieldError):
-            loc, msg = cause.path, cause.message
+            # The error's own path continues the location of the object that raised it.
+            where_loc = loc if cause.named else loc + cause.path
+            loc, msg = loc + cause.path, cause.message
         # The top-level field is the param; the message keeps the full path.
         param = loc[0] if loc else None
-        where = ".".join(loc)
+        where = ".".join(where_loc)
         message = f"{where}: {msg}" if where else msg
         return error_response(bad_request(message, param))
 

@@ -11,12 +11,13 @@ from __future__ import annotations
 import logging
 import signal
 from types import FrameType
-from typing import Callable, Optional
+from typing import Any, Awaitable, Callable, MutableMapping, Optional
 
 import uvicorn
 from fastapi import FastAPI
 
 from octavo.config import EngineConfig
+from octavo.engine.engine_process import last_line
 from octavo.server.app import build_app
 from octavo.server.config import ServerConfig
 
@@ -43,6 +44,31 @@ def _exit_with(code: int) -> Callable[[int, Optional[FrameType]], None]:
     return handler
 
 
+_Message = MutableMapping[str, Any]
+
+
+def _one_line_startup_errors(app: FastAPI) -> Callable[..., Awaitable[None]]:
+    """The ASGI app, except that a failed start (a bad model folder, an engine
+    that cannot load) is reported as one line: Starlette hands uvicorn the
+    whole traceback as the failure message. The traceback goes to the debug log."""
+
+    async def wrapped(scope: _Message, receive: Callable[[], Awaitable[_Message]],
+                      send: Callable[[_Message], Awaitable[None]]) -> None:
+        if scope["type"] != "lifespan":
+            await app(scope, receive, send)
+            return
+
+        async def send_short(message: _Message) -> None:
+            if message["type"] == "lifespan.startup.failed" and message.get("message"):
+                logger.debug("start-up traceback:\n%s", message["message"])
+                message = {**message, "message": f"start-up failed: {last_line(message['message'])}"}
+            await send(message)
+
+        await app(scope, receive, send_short)
+
+    return wrapped
+
+
 def serve(engine_config: EngineConfig, server_config: ServerConfig) -> None:
     # uvicorn re-raises the signal it drained on, through the handlers that
     # were installed before it: after a complete drain, SIGTERM exits 0 (a
@@ -63,12 +89,16 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> None:
 
     app = build_app(engine_config, server_config, engine_gave_up)
     config = uvicorn.Config(
-        app,
+        _one_line_startup_errors(app),
         host=server_config.host,
         port=server_config.port,
         log_level=server_config.log_level,
         timeout_graceful_shutdown=server_config.shutdown_timeout_s,
         lifespan="on",
+        root_path=server_config.root_path,
+        ssl_keyfile=server_config.ssl_keyfile,
+        ssl_certfile=server_config.ssl_certfile,
+        access_log=server_config.access_log,
     )
     server = _Server(config, app)
     server.run()

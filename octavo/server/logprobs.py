@@ -4,7 +4,14 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from octavo.outputs import TokenLogprobs
-from octavo.server.protocol import ChatLogprobs, ChatTokenLogprob, CompletionLogprobs, TopLogprob
+from octavo.server.protocol import (
+    ChatLogprobs,
+    ChatTokenLogprob,
+    CompletionLogprobs,
+    PromptLogprob,
+    PromptLogprobs,
+    TopLogprob,
+)
 from octavo.tokenizer import Tokenizer
 
 
@@ -70,3 +77,24 @@ def aligned_prompt_logprobs(
     if len(entries) < len(prompt_ids):
         entries = [None] * (len(prompt_ids) - len(entries)) + entries
     return entries
+
+
+def prompt_logprobs_body(
+    tokenizer: Tokenizer, prompt_ids: Sequence[int], entries: Optional[Sequence[Optional[TokenLogprobs]]]
+) -> PromptLogprobs:
+    """vLLM's ``prompt_logprobs``: per prompt token, the token itself and the top alternatives."""
+    body: PromptLogprobs = []
+    for entry in aligned_prompt_logprobs(prompt_ids, entries):
+        if entry is None:
+            body.append(None)
+            continue
+        position = {
+            t: PromptLogprob(logprob=lp, rank=rank, decoded_token=token_text(tokenizer, t))
+            for rank, (t, lp) in enumerate(entry.top, start=1)
+        }
+        position.setdefault(
+            entry.token_id,
+            PromptLogprob(logprob=entry.logprob, rank=entry.rank, decoded_token=token_text(tokenizer, entry.token_id)),
+        )
+        body.append(position)
+    return body

@@ -89,7 +89,7 @@ class APIKeyMiddleware:
         self._route_keys = {route: [_digest(k.encode()) for k in keys] for route, keys in route_keys.items()}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        path = scope.get("path", "")
+        path = route_path(scope)
         keys = self._route_keys.get(path)
         if keys is None:
             keys = [] if path in self._public else self._keys
@@ -149,3 +149,13 @@ class BodyLimitMiddleware:
     @property
     def _message(self) -> str:
         return f"request body larger than {self._max} bytes"
+
+
+def route_path(scope: Scope) -> str:
+    """The path as the routes name it: behind a proxy that keeps the
+    --root-path prefix ("/api/v1/models"), without it ("/v1/models")."""
+    path: str = scope.get("path", "")
+    root: str = scope.get("root_path", "")
+    if root and path.startswith(root + "/"):
+        return path[len(root):]
+    return path

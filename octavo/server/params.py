@@ -30,6 +30,7 @@ def build_sampling_params(
     vocab_size: int,
     best_of: Optional[int] = None,
     api_names: dict[str, str],
+    max_logprobs: Optional[int] = None,
 ) -> SamplingParams:
     """``defaults`` (the model's generation_config) fill fields the request
     left unset; ``api_names`` maps SamplingParams fields back to the names
@@ -50,6 +51,11 @@ def build_sampling_params(
     try:
         params = SamplingParams(**kwargs)
         params.check_vocab(vocab_size)
+        if max_logprobs is not None:
+            for name in ("logprobs", "prompt_logprobs"):
+                value = getattr(params, name)
+                if value is not None and value > max_logprobs:
+                    raise ValueError(f"{name} must be <= {max_logprobs} (the server's --max-logprobs), got {value}")
     except ValueError as exc:
         raise param_error(str(exc), api_names) from None
     return params

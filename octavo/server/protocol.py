@@ -1,8 +1,13 @@
-"""OpenAI API request and response bodies (pydantic; unknown request fields are ignored)."""
+"""OpenAI API request and response bodies (pydantic).
+
+An unknown request field is a 400 naming it, never silently dropped: a client
+that sends ``tools`` or ``audio`` and gets plain text with a 200 cannot tell
+that it was ignored. Fields OpenAI documents that Octavo does not implement
+get their own message ("not supported") so the client knows the name is right."""
 from __future__ import annotations
 
 import time
-from typing import Any, Literal, Optional, Union
+from typing import Any, ClassVar, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_serializer, model_validator
 
@@ -12,7 +17,24 @@ _INT64 = 2**63 - 1
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    """Any object of a request body. Its names are checked before its fields:
+    all unknown ones in one 400 (pydantic would report one at a time)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    # Names OpenAI's API has here that Octavo does not implement; a null value
+    # means "not asked for" (clients that echo response objects send nulls).
+    unsupported: ClassVar[frozenset[str]] = frozenset()
+    # Whole bodies also get the raw-value walk (see _Body).
+    check_raw: ClassVar[bool] = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _check_names_first(cls, data: Any) -> Any:
+        if cls.check_raw:
+            _check_raw(data)
+        if isinstance(data, dict):
+            data = _check_names(cls, data)
+        return data
 
 
 class _Body(_Request):
@@ -23,36 +45,53 @@ class _Body(_Request):
     overflow). One walk covers every field, present and future, nested
     schemas and dict keys included, and names the path of the bad value."""
 
-    @model_validator(mode="before")
-    @classmethod
-    def _check_raw(cls, data: Any) -> Any:
-        # Runs on the event loop over bodies of up to --max-body-size: scalars
-        # are checked inline and a path is built only for containers and errors
-        # (2M token ids: 0.1 s; one tuple per value made it 6 s).
-        stack: list[tuple[tuple[str | int, ...], Any]] = [((), data)]
-        while stack:  # iterative: the body's depth is the client's choice
-            path, container = stack.pop()
-            if isinstance(container, dict):
-                for key in container:
-                    if isinstance(key, str) and not key.isascii():
-                        # The path names the key escaped: the error body must itself be valid UTF-8.
-                        _check_text((*path, key.encode("utf-8", "backslashreplace").decode()), key)
-                items: Any = container.items()
-            elif isinstance(container, list):
-                items = enumerate(container)
-            else:
-                continue
-            for key, value in items:
-                kind = type(value)
-                if kind is str:
-                    if not value.isascii():
-                        _check_text((*path, key), value)
-                elif kind is int:
-                    if value > _INT64 or value < -_INT64 - 1:
-                        raise FieldError((*path, key), f"integer out of range (64-bit signed): {value}")
-                elif kind is dict or kind is list:
-                    stack.append(((*path, key), value))
+    check_raw: ClassVar[bool] = True
+
+
+def _check_names(cls: type[_Request], data: dict[Any, Any]) -> dict[Any, Any]:
+    """``data`` less the unsupported names it sets to null."""
+    known = set(cls.model_fields)
+    known.update(f.alias for f in cls.model_fields.values() if f.alias)
+    extra = [k for k in data if k not in known]
+    if not extra:
         return data
+    unsupported = sorted(k for k in extra if k in cls.unsupported and data[k] is not None)
+    unknown = sorted(str(k) for k in extra if k not in cls.unsupported)
+    if unsupported:
+        raise FieldError([unsupported[0]], f"not supported by this server: {', '.join(unsupported)}", named=True)
+    if unknown:
+        plural = "s" if len(unknown) > 1 else ""
+        raise FieldError([unknown[0]], f"unknown field{plural}: {', '.join(unknown)}", named=True)
+    return {k: v for k, v in data.items() if k in known}
+
+
+def _check_raw(data: Any) -> None:
+    # Runs on the event loop over bodies of up to --max-body-size: scalars
+    # are checked inline and a path is built only for containers and errors
+    # (2M token ids: 0.1 s; one tuple per value made it 6 s).
+    stack: list[tuple[tuple[str | int, ...], Any]] = [((), data)]
+    while stack:  # iterative: the body's depth is the client's choice
+        path, container = stack.pop()
+        if isinstance(container, dict):
+            for key in container:
+                if isinstance(key, str) and not key.isascii():
+                    # The path names the key escaped: the error body must itself be valid UTF-8.
+                    _check_text((*path, key.encode("utf-8", "backslashreplace").decode()), key)
+            items: Any = container.items()
+        elif isinstance(container, list):
+            items = enumerate(container)
+        else:
+            continue
+        for key, value in items:
+            kind = type(value)
+            if kind is str:
+                if not value.isascii():
+                    _check_text((*path, key), value)
+            elif kind is int:
+                if value > _INT64 or value < -_INT64 - 1:
+                    raise FieldError((*path, key), f"integer out of range (64-bit signed): {value}")
+            elif kind is dict or kind is list:
+                stack.append(((*path, key), value))
 
 
 def _check_text(path: tuple[str | int, ...], text: str) -> None:
@@ -119,6 +158,16 @@ class SamplingFields(_Body):
     truncate_prompt_tokens: Optional[int] = None
     structured_outputs: Optional[StructuredOutputs] = None
 
+    @model_validator(mode="after")
+    def _check_stream_fields(self) -> SamplingFields:
+        # OpenAI refuses this too: the options describe a stream that will not exist.
+        if self.stream_options is not None and not self.stream:
+            raise FieldError(["stream_options"], "stream_options is only allowed when stream is true")
+        # As vLLM: stream chunks have no place for them.
+        if self.prompt_logprobs is not None and self.stream:
+            raise FieldError(["prompt_logprobs"], "prompt_logprobs are not available when stream is true")
+        return self
+
 
 class CompletionRequest(SamplingFields):
     # A string, token ids, or a batch of either (mixed batches are accepted too).
@@ -128,9 +177,13 @@ class CompletionRequest(SamplingFields):
     logprobs: Optional[int] = None
     max_tokens: Optional[int] = 16
     best_of: Optional[int] = None
+    # vLLM extension: whether text prompts get the tokenizer's special tokens (BOS).
+    add_special_tokens: bool = True
 
 
 class ContentPart(_Request):
+    # Other part types carry other keys; the handler names the type it refuses.
+    model_config = ConfigDict(extra="ignore")
     type: str
     text: Optional[str] = None
 
@@ -148,6 +201,8 @@ class ToolCall(_Request):
 
 
 class ChatMessage(_Request):
+    unsupported = frozenset({"refusal", "audio", "function_call", "tool_calls", "tool_call_id"})
+
     role: str
     content: Optional[Union[str, list[ContentPart]]] = None
     name: Optional[str] = None
@@ -182,6 +237,12 @@ class NamedToolChoice(_Request):
 
 
 class ChatCompletionRequest(SamplingFields):
+    unsupported = frozenset({
+        "audio", "function_call", "functions", "metadata", "modalities", "parallel_tool_calls", "prediction",
+        "prompt_cache_key", "reasoning_effort", "safety_identifier", "service_tier", "store", "tool_choice",
+        "tools", "verbosity", "web_search_options",
+    })
+
     messages: list[ChatMessage]
     logprobs: bool = False
     top_logprobs: Optional[int] = None
@@ -200,6 +261,8 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: Optional[dict[str, Any]] = None
     # vLLM extension; refused unless the server trusts request templates.
     chat_template: Optional[str] = None
+    # vLLM extension: the template writes BOS itself, so by default nothing is added.
+    add_special_tokens: bool = False
 
 
 class TokenizeRequest(_Body):
@@ -229,12 +292,26 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's shape for one token at one prompt position."""
+
+    logprob: float
+    rank: Optional[int] = None
+    decoded_token: Optional[str] = None
+
+
+# One per prompt token (None at the first: nothing precedes it): token id -> its logprob.
+PromptLogprobs = list[Optional[dict[int, PromptLogprob]]]
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: Optional[CompletionLogprobs] = None
     finish_reason: Optional[str] = None
     stop_reason: Optional[Union[int, str]] = None
+    # vLLM extension, where vLLM puts it: on each choice.
+    prompt_logprobs: Optional[PromptLogprobs] = None
 
 
 class CompletionResponse(BaseModel):
@@ -302,6 +379,8 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Optional[Usage] = None
+    # vLLM extension, where vLLM puts it for chat: once, beside the choices (one prompt for all).
+    prompt_logprobs: Optional[PromptLogprobs] = None
 
 
 class ChatChunkChoice(BaseModel):

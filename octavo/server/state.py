@@ -33,11 +33,16 @@ class ServerState:
         return self.client.info.model_name
 
     @property
+    def model_names(self) -> tuple[str, ...]:
+        """Every name requests may use (--served-model-name a b); responses carry the first."""
+        return (self.model_name, *self.client.info.model_aliases)
+
+    @property
     def max_model_len(self) -> int:
         return self.client.info.max_model_len
 
     def check_model(self, name: Optional[str]) -> None:
-        if name is not None and name != self.model_name:
+        if name is not None and name not in self.model_names:
             raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
 
     def check_engine(self) -> None:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
+import time
 
 import pytest
 
@@ -205,3 +206,57 @@ def test_end_tokens_come_from_generation_config_before_config_json(model_dir):
         assert [engine.eos_token_id, *engine._extra_eos_ids] == [EOS_ID, IM_END_ID]
     finally:
         engine.shutdown()
+
+
+def test_queue_time_ends_before_the_first_forward(folder):
+    """first_scheduled_time marks the end of the wait in the queue: a slow first forward counts
+    towards the time to first token, not the queue time."""
+    llm = LLM(folder, dtype="float32", num_blocks=64)
+    executor = llm.engine.executor
+    real = executor.execute_model
+    delay = 1.0
+
+    def slow(step):
+        time.sleep(delay)
+        return real(step)
+
+    executor.execute_model = slow
+    try:
+        out = llm.generate(["hello"], SamplingParams(max_tokens=1), use_tqdm=False)[0]
+    finally:
+        executor.execute_model = real
+    m = out.metrics
+    assert m.first_scheduled_time - m.arrival_time < delay
+    assert m.first_token_time - m.first_scheduled_time >= delay
+
+
+def test_a_model_folder_reached_by_a_symlink_is_served_under_the_symlinks_name(folder, tmp_path):
+    link = tmp_path / "current-model"
+    link.symlink_to(folder, target_is_directory=True)
+    assert LLM(str(link) + "/", dtype="float32", num_blocks=16).engine.model_name == "current-model"
+
+
+def test_max_logprobs_bounds_what_a_request_may_ask_for(folder):
+    llm = LLM(folder, dtype="float32", num_blocks=16, max_logprobs=2)
+    with pytest.raises(ValueError, match="prompt_logprobs must be <= 2"):
+        llm.generate(["hi"], SamplingParams(max_tokens=1, prompt_logprobs=3), use_tqdm=False)
+    out = llm.generate(["hi"], SamplingParams(max_tokens=1, logprobs=2), use_tqdm=False)[0]
+    assert len(out.outputs[0].logprobs[0].top) == 2
+    assert_no_leak(llm)
+
+
+def test_generation_config_source(tmp_path):
+    from tests.model_factory import make_tiny_model
+
+    folder = make_tiny_model(tmp_path, "llama", generation_config={"eos_token_id": [1, 4], "temperature": 0.3})
+    auto = LLM(folder, dtype="float32", num_blocks=16).engine
+    assert auto.generation_defaults["temperature"] == 0.3
+    none = LLM(folder, dtype="float32", num_blocks=16, generation_config="vllm").engine
+    # No sampling defaults, but the checkpoint's stop tokens still end sequences.
+    assert none.generation_defaults == {} and none._extra_eos_ids == auto._extra_eos_ids
+    other = tmp_path / "gen"
+    other.mkdir()
+    (other / "generation_config.json").write_text('{"top_k": 7}')
+    assert LLM(folder, dtype="float32", num_blocks=16, generation_config=str(other)).engine.generation_defaults == {"top_k": 7}
+    with pytest.raises(ValueError, match="generation_config"):
+        LLM(folder, dtype="float32", num_blocks=16, generation_config=str(tmp_path / "missing"))

@@ -119,3 +119,15 @@ def test_prompt_logprobs_skip_the_prefix_cache(folder, hf):
     again = llm.generate([prompt], plain, use_tqdm=False)[0]
     assert again.num_cached_tokens == 48
     assert_no_leak(llm)
+
+
+def test_prompt_logprobs_requests_still_fill_the_prefix_cache(folder, hf):
+    """They cannot read it (a cached position has K/V but no logits: vLLM skips reading for them too),
+    but the blocks they compute serve the requests after them."""
+    llm = LLM(folder, dtype="float32", num_blocks=BLOCKS, enable_prefix_caching=True)
+    prompt = random_prompts([50], seed=26)[0]
+    scored = llm.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=1), use_tqdm=False)[0]
+    assert_prompt_logprobs(hf, prompt, scored.prompt_logprobs, 1)
+    plain = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)[0]
+    assert plain.num_cached_tokens == 48
+    assert_no_leak(llm)

@@ -5,6 +5,7 @@ import os
 import resource
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -48,9 +49,12 @@ class ServerProcess:
         wait: bool = True,
         memory_limit: Optional[int] = None,
         new_session: bool = False,
+        tls: Optional[ssl.SSLContext] = None,
     ) -> None:
+        """``tls``: the server speaks HTTPS (its --ssl-* args are the caller's); clients trust this context."""
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.tls = tls
+        self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
         self.api_key = api_key
         cmd = [sys.executable, "-m", "octavo.entrypoints.cli", "serve", str(model), "--port", str(self.port)]
         cmd += ["--dtype", "float32", "--log-level", "warning", *args]
@@ -76,7 +80,7 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited ({self.proc.returncode}):\n{self.log()}")
             try:
-                if httpx.get(f"{self.url}/health", timeout=1.0).status_code == 200:
+                if httpx.get(f"{self.url}/health", timeout=1.0, verify=self.tls or True).status_code == 200:
                     return
             except httpx.TransportError:
                 pass
@@ -89,10 +93,11 @@ class ServerProcess:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def http(self, **kw) -> httpx.Client:
-        return httpx.Client(base_url=self.url, headers=self.headers, timeout=60.0, **kw)
+        return httpx.Client(base_url=self.url, headers=self.headers, timeout=60.0, verify=self.tls or True, **kw)
 
     def openai(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=self.api_key or "none", max_retries=0, timeout=60.0)
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=self.api_key or "none", max_retries=0, timeout=60.0,
+                             http_client=httpx.Client(verify=self.tls or True))
 
     def async_openai(self) -> openai.AsyncOpenAI:
         return openai.AsyncOpenAI(base_url=f"{self.url}/v1", api_key=self.api_key or "none", max_retries=0, timeout=120.0)

@@ -97,3 +97,21 @@ def test_models_own_broken_template_fails_before_the_engine_starts(tmp_path):
     # --chat-template replaces it, and then the server starts.
     fixed = ServerConfig(chat_template="{{ messages[0].content }}")
     assert load_tokenizer(EngineConfig(model=ModelConfig(model=str(tmp_path))), fixed).chat_template == fixed.chat_template
+
+
+def test_generate_passes_the_kernel_switches_to_the_engine(model_path, monkeypatch, capsys):
+    """`octavo generate` builds its engine from the same generated options as `serve`."""
+    import octavo.entrypoints.llm as llm_module
+
+    seen = {}
+
+    class Recorder(llm_module.LLM):
+        def __init__(self, model, **kwargs):
+            seen.update(kwargs)
+            super().__init__(model, **kwargs)
+
+    monkeypatch.setattr(llm_module, "LLM", Recorder)
+    main(["generate", str(model_path), "--dtype", "float32", "--num-blocks", "32", "--prompt", "Hi", "--max-tokens", "2",
+          "--attention-backend", "torch", "--linear-backend", "torch", "--no-fused-ops"])
+    assert seen["attention_backend"] == "torch" and seen["linear_backend"] == "torch" and seen["fused_ops"] is False
+    assert capsys.readouterr().out.startswith("### Hi\n")

@@ -177,7 +177,7 @@ def test_extensions_are_accepted(server, offline_llm):
             "model": MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "top_k": 5, "min_p": 0.05,
             "repetition_penalty": 1.1, "ignore_eos": True, "min_tokens": 8, "priority": 1,
             "skip_special_tokens": True, "include_stop_str_in_output": False, "stop_token_ids": [],
-            "truncate_prompt_tokens": 3, "some_unknown_field": {"x": 1},
+            "truncate_prompt_tokens": 3, "add_special_tokens": True,
         }
         r = http.post("/v1/completions", json=body)
     assert r.status_code == 200, r.text

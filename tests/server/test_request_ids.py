@@ -21,6 +21,10 @@ class _BrokenState:
     def model_name(self) -> str:
         raise OverflowError("secret detail /srv/models/private")
 
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        return (self.model_name,)
+
 
 def _get(app, path: str, headers: dict | None = None) -> httpx.Response:
     async def go() -> httpx.Response:

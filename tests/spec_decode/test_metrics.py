@@ -2,7 +2,6 @@
 the engine's stats, in /metrics of a server, and in the log line."""
 from __future__ import annotations
 
-import pytest
 
 import octavo.worker.model_runner as model_runner
 from octavo import LLM, SamplingParams
