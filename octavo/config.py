@@ -39,6 +39,10 @@ class CacheConfig:
         True, "reuse the KV blocks of shared prompt prefixes", aliases=("--prefix-caching",)
     )
     cache_dtype: str = option("auto", "KV cache element type (auto: the model's dtype)", choices=DTYPES)
+    kv_events_endpoint: Optional[str] = option(
+        None, "publish prefix-cache events (blocks stored/removed) on this ZMQ PUB endpoint, e.g. "
+        "tcp://*:5557, for kv-aware routing by `octavo gateway`",
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size < 1:

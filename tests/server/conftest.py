@@ -48,8 +48,9 @@ class ServerProcess:
         wait: bool = True,
         memory_limit: Optional[int] = None,
         new_session: bool = False,
+        port: Optional[int] = None,
     ) -> None:
-        self.port = free_port()
+        self.port = port or free_port()  # a given port: a restart at the same address
         self.url = f"http://127.0.0.1:{self.port}"
         self.api_key = api_key
         cmd = [sys.executable, "-m", "octavo.entrypoints.cli", "serve", str(model), "--port", str(self.port)]
