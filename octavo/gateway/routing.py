@@ -41,13 +41,19 @@ class Policy(Protocol):
         """``candidates``: routable replicas, never empty."""
 
 
+_turns = itertools.count()
+
+
 def least_loaded(candidates: list[Replica]) -> Replica:
-    # KV usage breaks ties of queue length: the emptier cache evicts less.
-    return min(candidates, key=lambda r: (r.load, r.kv_usage))
+    """Shortest queue; KV usage breaks ties (the emptier cache evicts less),
+    then turns: idle replicas share the work instead of the first taking it all."""
+    start = next(_turns) % len(candidates)
+    rotated = candidates[start:] + candidates[:start]
+    return min(rotated, key=lambda r: (r.load, r.kv_usage))
 
 
 def _overloaded(replica: Replica, candidates: list[Replica], max_imbalance: int) -> bool:
-    return replica.load - least_loaded(candidates).load > max_imbalance
+    return replica.load - min(r.load for r in candidates) > max_imbalance
 
 
 class RoundRobin:

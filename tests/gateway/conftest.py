@@ -121,9 +121,9 @@ def model_path(tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("gateway-model"))
 
 
-def start_replica(model_path: Path, log_dir: Path, name: str, *args: str) -> ServerProcess:
+def start_replica(model_path: Path, log_dir: Path, name: str, *args: str, port: Optional[int] = None) -> ServerProcess:
     return ServerProcess(model_path, log_dir / f"{name}.log", "--num-blocks", "256", "--served-model-name", "tiny",
-                         *args, api_key=None)
+                         *args, api_key=None, port=port)
 
 
 @pytest.fixture(scope="session")
