@@ -223,15 +223,14 @@ def _generate_route(path: str):
         key = _api_key(gw, request)
         raw = await request.body()
         data = _parse(raw, path)
+        stream = bool(data.get("stream"))
+        hide_usage = False
         if key is not None:
             rejection = await gw.limiter.admit(key)
             if rejection is not None:
                 gw.metrics.rate_limited.labels(rejection.limit).inc()
                 return _rate_limited(rejection.limit, rejection.retry_after_s)
-            if data.get("priority", 0) != key.priority:
-                data["priority"] = key.priority
-                raw = json.dumps(data).encode()
-        stream = bool(data.get("stream"))
+            raw, hide_usage = _for_key(data, raw, key, stream)
         cache_id = None
         if gw.cache is not None and is_deterministic(data) and "no-cache" not in request.headers.get("cache-control", ""):
             cache_id = cache_key(path, {k: v for k, v in data.items() if k not in _NOT_IN_CACHE_KEY})
@@ -260,7 +259,7 @@ def _generate_route(path: str):
                     await gw.cache.put(cache_id, upstream.body)
             return Response(upstream.body, upstream.status, headers=headers)
         return StreamingResponse(
-            _tee(gw, upstream.events, key, cache_id), headers=headers, media_type="text/event-stream"
+            _tee(gw, upstream.events, key, cache_id, hide_usage), headers=headers, media_type="text/event-stream"
         )
 
     return route
@@ -289,16 +288,35 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _tee(gw: Gateway, events: AsyncIterator[bytes], key: Optional[KeyConfig], cache_id: Optional[str]):
+def _for_key(data: dict[str, Any], raw: bytes, key: KeyConfig, stream: bool) -> tuple[bytes, bool]:
+    """The body as sent upstream for this key: its priority class, and a
+    stream's usage asked for when a token budget must be charged (then
+    hidden again if the client did not ask for it). Returns (body, hide usage)."""
+    changed = False
+    if data.get("priority", 0) != key.priority:
+        data["priority"] = key.priority
+        changed = True
+    hide_usage = False
+    if stream and key.tpm is not None and not (data.get("stream_options") or {}).get("include_usage"):
+        data["stream_options"] = {**(data.get("stream_options") or {}), "include_usage": True}
+        changed = hide_usage = True
+    return (json.dumps(data).encode() if changed else raw), hide_usage
+
+
+async def _tee(
+    gw: Gateway, events: AsyncIterator[bytes], key: Optional[KeyConfig], cache_id: Optional[str], hide_usage: bool
+) -> AsyncIterator[bytes]:
     """Passes the stream on, keeping what the cache and the token budget need."""
     kept: list[bytes] = []
     size = 0
     usage = 0
     complete = False
     async for event in events:
-        yield event
         if b'"usage":{' in event:
             usage = _usage_tokens(event[event.find(b"{"):].strip()) or usage
+            if hide_usage and b'"choices":[]' in event:
+                continue  # the usage chunk the gateway asked for, not the client
+        yield event
         complete = event.startswith(b"data: [DONE]")
         if cache_id is not None and size <= gw.config.cache.max_bytes:
             kept.append(event)

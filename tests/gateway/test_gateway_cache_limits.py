@@ -126,7 +126,14 @@ def test_rate_limits(replicas, tmp_path, shared):
         ok = _call(gw, "sk-tokens", max_tokens=20)
         used = ok.json()["usage"]["total_tokens"]
         assert ok.status_code == 200 and 25 <= used < 50
-        assert _call(gw, "sk-tokens", max_tokens=20).status_code == 200  # 50 - used > 0 left: admitted
+        # 50 - used > 0 left: admitted. A stream is charged too, its usage asked for
+        # upstream and kept from a client that did not ask for it.
+        body = {"model": "tiny", "prompt": "abcdefghij", "max_tokens": 20, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{gw.url}/v1/completions", json=body, timeout=60,
+                          headers={"Authorization": "Bearer sk-tokens"}) as r:
+            events = [line for line in r.iter_lines() if line]
+        assert r.status_code == 200 and events[-1] == "data: [DONE]"
+        assert not any('"usage":{' in e for e in events)
         over = _call(gw, "sk-tokens", max_tokens=20)  # 50 - 2 * used <= 0 left
         assert over.status_code == 429 and int(over.headers["Retry-After"]) >= 1
         assert "tokens" in over.json()["error"]["message"]

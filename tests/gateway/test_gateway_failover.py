@@ -43,6 +43,7 @@ def test_kill_one_replica_mid_run(model_path, tmp_path):
         victim.proc.wait()
         killed_at = len(statuses)
         _wait_for(lambda: gw.breaker(victim.url) != "closed", 30, "the breaker to open")
+        assert gw.metrics()[f"octavo_gateway:breaker_state[replica={victim.url}]"] in (1.0, 2.0)  # open / half-open
         _wait_for(lambda: len(statuses) >= killed_at + 24, 120, "requests after the kill")
         stop.set()
         for w in workers:
