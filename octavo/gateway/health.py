@@ -44,8 +44,11 @@ async def probe(client: httpx.AsyncClient, replica: Replica, headers: dict[str, 
         if ok:
             metrics = await client.get(f"{replica.url}/metrics", headers=headers, timeout=timeout_s)
             if metrics.status_code == 200:
-                apply_metrics(replica, metrics.text)
-                replica.in_flight_at_scrape = in_flight
+                try:
+                    apply_metrics(replica, metrics.text)
+                    replica.in_flight_at_scrape = in_flight
+                except ValueError:  # not Prometheus text: the replica is up, its load unknown
+                    logger.debug("replica %s: unreadable /metrics", replica.url)
     except httpx.HTTPError:
         ok = False
     replica.healthy = ok
