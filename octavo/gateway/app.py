@@ -222,6 +222,8 @@ def _generate_route(path: str):
         start = time.monotonic()
         key = _api_key(gw, request)
         raw = await request.body()
+        if len(raw) > gw.config.max_body_bytes:
+            raise APIError(413, f"request body larger than {gw.config.max_body_bytes} bytes")
         data = _parse(raw, path)
         stream = bool(data.get("stream"))
         hide_usage = False

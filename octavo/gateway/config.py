@@ -89,6 +89,8 @@ class GatewayConfig:
     request_timeout_s: float = 600.0
     connect_timeout_s: float = 2.0
     max_connections: int = 1000
+    # Larger request bodies get 413 (a replica's own --max-body-size default).
+    max_body_bytes: int = 8 * 2**20
     breaker: BreakerConfig = field(default_factory=BreakerConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     redis_url: Optional[str] = None
@@ -103,7 +105,7 @@ class GatewayConfig:
             raise ValueError(f"routing must be one of {', '.join(ROUTING_POLICIES)}; got {self.routing!r}")
         if self.routing == "kv-aware" and not self.tokenizer:
             raise ValueError("routing kv-aware needs tokenizer (the replicas' model folder)")
-        for name in ("block_size", "prefix_chunk_bytes", "max_connections"):
+        for name in ("block_size", "prefix_chunk_bytes", "max_connections", "max_body_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_imbalance < 0:

@@ -79,7 +79,7 @@ async def discovery_loop(
 ) -> None:
     """Keeps the replicas discovered through ``name`` equal to its addresses;
     replicas added by hand or on the command line are not touched."""
-    discovered: set[str] = set()
+    owned: set[str] = set()  # the replicas this loop added, and only those it may remove
     while True:
         try:
             addresses = await resolve(name)
@@ -87,9 +87,11 @@ async def discovery_loop(
             logger.warning("discovery: cannot resolve %s: %s", name, exc)
         else:
             urls = {f"http://[{a}]:{port}" if ":" in a else f"http://{a}:{port}" for a in addresses}
-            for url in urls - discovered:
-                replicas.add(url)
-            for url in discovered - urls:
+            for url in urls:
+                if replicas.get(url) is None:
+                    replicas.add(url)
+                    owned.add(url)
+            for url in owned - urls:
                 replicas.remove(url)
-            discovered = urls
+                owned.discard(url)
         await asyncio.sleep(interval_s)

@@ -156,3 +156,19 @@ def test_replica_set_normalizes_urls():
     assert replicas.remove("http://127.0.0.1:8000") and len(replicas) == 0
     with pytest.raises(ValueError, match="http"):
         normalize_url("ftp://x")
+
+
+def test_dns_discovery_adds_addresses_and_leaves_static_replicas_alone():
+    from octavo.gateway.health import discovery_loop
+
+    replicas = ReplicaSet(BreakerConfig())
+    replicas.add("http://static:1")
+
+    async def run():
+        task = asyncio.create_task(discovery_loop("localhost", 1234, replicas, interval_s=0.01))
+        await asyncio.sleep(0.2)
+        task.cancel()
+
+    asyncio.run(run())
+    urls = {r.url for r in replicas}
+    assert "http://static:1" in urls and "http://127.0.0.1:1234" in urls
