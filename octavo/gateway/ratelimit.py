@@ -69,7 +69,8 @@ if tokens >= need then
   allowed = 1
 end
 redis.call('HSET', KEYS[1], 'tokens', tostring(tokens), 'at', tostring(now))
-redis.call('EXPIRE', KEYS[1], 120)
+-- Gone once it would have refilled anyway (a debt is never forgotten early).
+redis.call('EXPIRE', KEYS[1], math.ceil((capacity - tokens) * 60.0 / capacity) + 1)
 return {allowed, math.floor(tokens * 1000)}
 """
 
