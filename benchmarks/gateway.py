@@ -41,6 +41,7 @@ from benchmarks.serve import latency_summary, one_request
 from benchmarks.workload import ordinary_token_ids
 
 POLICIES = ("round-robin", "least-load", "kv-aware")
+_KEY = "sk-bench"
 
 
 def free_port() -> int:
@@ -154,7 +155,8 @@ async def _load(url: str, n: int, concurrency: int) -> tuple[list[float], float]
     latencies: list[float] = []
     body = {"model": "tiny", "prompt": "hi", "max_tokens": 1}
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-    async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits) as client:
+    headers = {"Authorization": f"Bearer {_KEY}"}  # LiteLLM insists on a key; the others ignore it
+    async with httpx.AsyncClient(base_url=url, timeout=60, limits=limits, headers=headers) as client:
         for _ in range(20):  # warm connections and caches
             (await client.post("/v1/completions", json=body)).raise_for_status()
         queue = iter(range(n))
@@ -189,6 +191,7 @@ def _litellm_cmd(upstream: int, port: int, tmp: Path) -> list[str]:
     conf.write_text(f"""model_list:
   - model_name: tiny
     litellm_params: {{model: openai/tiny, api_base: "http://127.0.0.1:{upstream}/v1", api_key: none}}
+general_settings: {{master_key: {_KEY}}}
 """)
     return [shutil.which("litellm") or "litellm", "--config", str(conf), "--port", str(port), "--num_workers", "1"]
 
