@@ -220,7 +220,9 @@ def overhead(args: argparse.Namespace, logs: Path) -> list[dict]:
                 rows.append(_measure(name, url, args))
                 continue
             try:
-                with running_server(cmd, url, logs / f"overhead-{name.split()[0]}.log", 180, 1):
+                # LiteLLM's /v1/models wants the key: its liveness route says when it is up.
+                ready = "/health/liveliness" if name.startswith("litellm") else "/v1/models"
+                with running_server(cmd, url, logs / f"overhead-{name.split()[0]}.log", 240, 1, ready):
                     rows.append(_measure(name, url, args))
             except (RuntimeError, OSError, httpx.HTTPError) as exc:  # one peer failing must not lose the others
                 print(f"{name}: {exc} (log in {logs})")
