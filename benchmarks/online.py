@@ -50,13 +50,13 @@ class Scenario:
         raise ValueError(f"--scenarios: {text!r} is neither cN (concurrency) nor rX (requests/s)")
 
 
-def wait_ready(base_url: str, proc: subprocess.Popen, timeout_s: float) -> None:
+def wait_ready(base_url: str, proc: subprocess.Popen, timeout_s: float, ready_path: str = "/v1/models") -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with code {proc.returncode} before it was ready")
         with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{base_url}/v1/models", timeout=2).status_code == 200:
+            if httpx.get(f"{base_url}{ready_path}", timeout=2).status_code == 200:
                 return
         time.sleep(1)
     raise RuntimeError(f"server at {base_url} not ready after {timeout_s:.0f} s")
@@ -64,16 +64,16 @@ def wait_ready(base_url: str, proc: subprocess.Popen, timeout_s: float) -> None:
 
 @contextlib.contextmanager
 def running_server(
-    cmd: list[str], base_url: str, log: Path, timeout_s: float, threads: int
+    cmd: list[str], base_url: str, log: Path, timeout_s: float, threads: int, ready_path: str = "/v1/models"
 ) -> Iterator[subprocess.Popen]:
-    """Start ``cmd``, wait for /v1/models, and always stop it (its whole process group)."""
+    """Start ``cmd``, wait for ``ready_path`` to answer 200, and always stop it (its whole process group)."""
     log.parent.mkdir(parents=True, exist_ok=True)
     # torch sizes its thread pool from OMP_NUM_THREADS; llama-server gets -t.
     env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env)
         try:
-            wait_ready(base_url, proc, timeout_s)
+            wait_ready(base_url, proc, timeout_s, ready_path)
             yield proc
         finally:
             if proc.poll() is None:

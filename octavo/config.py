@@ -56,6 +56,10 @@ class CacheConfig:
         "(per KV head when the checkpoint has k_scale/v_scale); auto: unquantized, in cache_dtype",
         choices=KV_CACHE_DTYPES,
     )
+    kv_events_endpoint: Optional[str] = option(
+        None, "publish prefix-cache events (blocks stored/removed) on this ZMQ PUB endpoint, e.g. "
+        "tcp://*:5557, for kv-aware routing by `octavo gateway`",
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size < 1:

@@ -30,6 +30,7 @@ _NON_DEFAULT = {
     "num_blocks": ("9", 9),
     "cache_dtype": ("float32", "float32"),
     "kv_cache_dtype": ("int8", "int8"),
+    "kv_events_endpoint": ("tcp://127.0.0.1:5557", "tcp://127.0.0.1:5557"),
     "max_num_seqs": ("3", 3),
     "max_num_batched_tokens": ("99", 99),
     "tensor_parallel_size": ("2", 2),

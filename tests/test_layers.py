@@ -20,10 +20,11 @@ ROOT = "<root>"  # tokenizer.py, config.py, sampling_params.py, outputs.py, ...:
 ALLOWED: dict[str, set[str]] = {
     # Fronts talk to engines only: the engine's async client (ZMQ) or HTTP.
     "server": {"engine", ROOT},
-    "gateway": {ROOT},
+    # The gateway validates with the server's request models and hashes prompts as the prefix cache does.
+    "gateway": {"server.protocol", "server.errors", "core.prefix_hash", ROOT},
     "autoscale": {ROOT},
     # The CLI and LLM(...) build one EngineConfig; `octavo serve` starts the server.
-    "entrypoints": {"engine", "server", "assets", ROOT},
+    "entrypoints": {"engine", "server", "gateway", "assets", ROOT},
     # Scheduler + executor; grammars compile and generation_config.json is read here.
     "engine": {"core", "executor", "sample", "model", ROOT},
     "core": {"kv_offload", ROOT},

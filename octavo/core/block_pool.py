@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Iterable, Optional
 
 from octavo.core.prefix_hash import BlockHash
+from octavo.kv_events import BlockRemoved, KVEvent
 
 
 @dataclass(eq=False)
@@ -33,6 +34,8 @@ class BlockPool:
         # back, and removal from the middle when a prefix hit revives a block.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[BlockHash, int] = {}
+        # KV events for routers outside the engine (--kv-events-endpoint); None: not recorded.
+        self.events: Optional[list[KVEvent]] = None
 
     @property
     def num_total_blocks(self) -> int:
@@ -73,6 +76,8 @@ class BlockPool:
             block = self._blocks[self._free.popitem(last=False)[0]]
             if block.block_hash is not None:
                 del self._cached[block.block_hash]
+                if self.events is not None:
+                    self.events.append(BlockRemoved([block.block_hash]))
                 block.block_hash = None
             block.ref_cnt = 1
             out.append(block.block_id)

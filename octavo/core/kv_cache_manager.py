@@ -7,6 +7,7 @@ from typing import Sequence
 from octavo.core.block_pool import BlockPool
 from octavo.core.prefix_hash import BlockHash, extend_block_hashes
 from octavo.core.request import Request
+from octavo.kv_events import BlockStored, KVEvent
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -137,9 +138,36 @@ class KVCacheManager:
         if num_full <= done:
             return
         hashes = self._block_hashes(request, num_full)
-        for i in range(done, num_full):
-            self.pool.cache_block(table[i], hashes[i])
+        stored = [i for i in range(done, num_full) if self.pool.cache_block(table[i], hashes[i])]
         self._num_registered[rid] = num_full
+        if self.pool.events is not None and stored:
+            self._record_stored(request, hashes, stored)
+
+    def _record_stored(self, request: Request, hashes: list[BlockHash], stored: list[int]) -> None:
+        """One BlockStored per run of consecutive newly registered blocks (a
+        run shares one parent, as the event shape wants)."""
+        bs = self.block_size
+        runs: list[list[int]] = []
+        for i in stored:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        tokens = request.all_token_ids
+        for run in runs:
+            parent = hashes[run[0] - 1] if run[0] > 0 else None
+            ids = list(tokens[run[0] * bs : (run[-1] + 1) * bs])
+            self.pool.events.append(BlockStored([hashes[i] for i in run], parent, ids, bs))
+
+    def enable_events(self) -> None:
+        """Record prefix-cache changes as KV events, for ``take_events``."""
+        self.pool.events = []
+
+    def take_events(self) -> list[KVEvent]:
+        if self.pool.events is None:
+            return []
+        events, self.pool.events = self.pool.events, []
+        return events
 
     def free_unused_blocks(self, request: Request) -> None:
         """Release the blocks past the request's computed tokens: after

@@ -14,6 +14,7 @@ from octavo.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOu
 from octavo.core.request import Request, RequestStatus
 from octavo.core.scheduler import Scheduler
 from octavo.engine.detokenizer import IncrementalDetokenizer
+from octavo.engine.kv_events_publisher import KVEventPublisher
 from octavo.engine.request_state import RequestState, SequenceState
 from octavo.engine.stats import EngineStats
 from octavo.executor.registry import create_executor
@@ -76,6 +77,10 @@ class LLMEngine:
                 config.scheduler, config.cache, self.executor.determine_num_kv_blocks(), self.max_model_len,
                 config.speculative,
             )
+            self._kv_events: Optional[KVEventPublisher] = None
+            if config.cache.kv_events_endpoint:
+                self.scheduler.kv_cache_manager.enable_events()
+                self._kv_events = KVEventPublisher(config.cache.kv_events_endpoint)
         except BaseException:
             self.executor.shutdown()
             raise
@@ -247,6 +252,8 @@ class LLMEngine:
                 out = self._fail(state, exc)
             if out is not None:
                 outputs.append(out)
+        if self._kv_events is not None:
+            self._kv_events.publish(self.scheduler.kv_cache_manager.take_events())
         return outputs
 
     def _apply(self, state: RequestState, core_out: EngineCoreOutput, stopped: list[str]) -> None:
@@ -361,6 +368,9 @@ class LLMEngine:
     def shutdown(self) -> None:
         """Stop the executor's workers (no-op in process); safe to call twice."""
         self.executor.shutdown()
+        if self._kv_events is not None:
+            self._kv_events.close()
+            self._kv_events = None
 
     # ---- helpers --------------------------------------------------------
 

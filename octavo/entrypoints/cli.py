@@ -1,4 +1,4 @@
-"""The ``octavo`` command: ``octavo serve [MODEL]`` and ``octavo generate [MODEL]``."""
+"""The ``octavo`` command: ``octavo serve [MODEL]``, ``octavo gateway`` and ``octavo generate [MODEL]``."""
 from __future__ import annotations
 
 import argparse
@@ -69,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--disable-log-requests", "--disable-uvicorn-access-log", dest="access_log",
                        action="store_false", help="no log line per HTTP request")
 
+    _add_gateway_parser(sub)
+
     gen = sub.add_parser("generate", help="generate offline (no server)")
     add_engine_args(gen)
     gen.add_argument("--prompt", action="append", required=True, help="repeat for several prompts")
@@ -80,6 +82,57 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=None, help="default: the model's, else off")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
     return parser
+
+
+def _add_gateway_parser(sub: argparse._SubParsersAction) -> None:
+    from octavo.gateway.config import ROUTING_POLICIES
+
+    gw = sub.add_parser("gateway", help="one OpenAI-compatible endpoint in front of several `octavo serve` replicas")
+    gw.add_argument("--replica", action="append", default=None, metavar="URL", help="a replica; repeat for several")
+    gw.add_argument("--config", default=None, help="YAML file of gateway settings (keys, limits, breaker, cache)")
+    # Unset options (None) leave the config file's value or the default.
+    gw.add_argument("--host", default=None)
+    gw.add_argument("--port", type=int, default=None)
+    gw.add_argument("--routing", choices=ROUTING_POLICIES, default=None)
+    gw.add_argument("--tokenizer", default=None, help="the replicas' model folder (kv-aware routing tokenizes with it)")
+    gw.add_argument("--kv-events", action="append", default=None, metavar="URL=ENDPOINT",
+                    help="a replica's --kv-events-endpoint, e.g. http://10.0.0.5:8000=tcp://10.0.0.5:5557")
+    gw.add_argument("--discovery-dns", default=None, help="a DNS name whose addresses are replicas")
+    gw.add_argument("--discovery-port", type=int, default=None)
+    gw.add_argument("--redis-url", default=None, help="share the response cache and rate limits through Redis")
+    gw.add_argument("--admin-key", default=None, help="bearer key of the admin API (default: $OCTAVO_GATEWAY_ADMIN_KEY)")
+    gw.add_argument("--upstream-api-key", default=None, help="bearer key sent to the replicas")
+    gw.add_argument("--max-imbalance", type=int, default=None,
+                    help="kv-aware/prefix/session give way to least-load beyond this many queued requests")
+    gw.add_argument("--no-cache", action="store_true", help="turn the response cache off")
+    gw.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"])
+
+
+def _gateway(args: argparse.Namespace) -> None:
+    from octavo.gateway.config import load_config
+    from octavo.gateway.launcher import run
+
+    overrides = {
+        name: getattr(args, name)
+        for name in ("host", "port", "routing", "tokenizer", "discovery_dns", "discovery_port", "redis_url",
+                     "admin_key", "upstream_api_key", "max_imbalance", "log_level")
+        if getattr(args, name) is not None
+    }
+    if args.replica:
+        overrides["replicas"] = args.replica
+    if "admin_key" not in overrides and os.environ.get("OCTAVO_GATEWAY_ADMIN_KEY"):
+        overrides["admin_key"] = os.environ["OCTAVO_GATEWAY_ADMIN_KEY"]
+    if args.kv_events:
+        pairs = [item.rpartition("=") for item in args.kv_events]
+        if any(not url or not endpoint for url, _, endpoint in pairs):
+            raise ValueError("--kv-events: expected URL=ENDPOINT")
+        overrides["kv_events"] = {url: endpoint for url, _, endpoint in pairs}
+    if args.no_cache:
+        overrides["cache"] = {"enabled": False}
+    config = load_config(args.config, overrides)
+    if not config.replicas and not config.discovery_dns and not config.kv_events and not config.admin_key:
+        raise ValueError("no replicas: give --replica, --discovery-dns, or an --admin-key to add them at run time")
+    run(config)
 
 
 def _serve(args: argparse.Namespace) -> None:
@@ -187,6 +240,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     try:
         if args.command == "serve":
             _serve(args)
+        elif args.command == "gateway":
+            _gateway(args)
         else:
             _generate(args)
     except ValueError as exc:  # bad configuration: a message, not a traceback

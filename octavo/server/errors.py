@@ -105,6 +105,27 @@ def sse_error(err: APIError) -> str:
     return f"data: {json.dumps(error_body(err.status, err.message, err.param, err.code))}\n\n"
 
 
+def validation_error(errors: Sequence[dict]) -> APIError:
+    """The 400 for pydantic's errors of a request body: the first one, naming
+    its field (also how the gateway answers bodies it validates itself)."""
+    first = errors[0] if errors else {}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if first.get("type") == "json_invalid":
+        return bad_request(f"malformed JSON body: {first.get('msg', '')}")
+    cause = (first.get("ctx") or {}).get("error")
+    msg = first.get("msg", "invalid value")
+    where_loc = loc
+    if isinstance(cause, FieldError):
+        # The error's own path continues the location of the object that raised it.
+        where_loc = loc if cause.named else loc + cause.path
+        loc, msg = loc + cause.path, cause.message
+    # The top-level field is the param; the message keeps the full path.
+    param = loc[0] if loc else None
+    where = ".".join(where_loc)
+    message = f"{where}: {msg}" if where else msg
+    return bad_request(message, param)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -113,22 +134,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         # FastAPI answers 422; OpenAI clients expect 400 naming the field.
-        first = exc.errors()[0] if exc.errors() else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        if first.get("type") == "json_invalid":
-            return error_response(bad_request(f"malformed JSON body: {first.get('msg', '')}"))
-        cause = (first.get("ctx") or {}).get("error")
-        msg = first.get("msg", "invalid value")
-        where_loc = loc
-        if isinstance(cause, FieldError):
-            # The error's own path continues the location of the object that raised it.
-            where_loc = loc if cause.named else loc + cause.path
-            loc, msg = loc + cause.path, cause.message
-        # The top-level field is the param; the message keeps the full path.
-        param = loc[0] if loc else None
-        where = ".".join(where_loc)
-        message = f"{where}: {msg}" if where else msg
-        return error_response(bad_request(message, param))
+        return error_response(validation_error(exc.errors()))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:

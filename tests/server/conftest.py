@@ -50,9 +50,11 @@ class ServerProcess:
         memory_limit: Optional[int] = None,
         new_session: bool = False,
         tls: Optional[ssl.SSLContext] = None,
+        port: Optional[int] = None,
     ) -> None:
-        """``tls``: the server speaks HTTPS (its --ssl-* args are the caller's); clients trust this context."""
-        self.port = free_port()
+        """``tls``: the server speaks HTTPS (its --ssl-* args are the caller's); clients trust this context.
+        ``port``: a given port, for a restart at the same address."""
+        self.port = port or free_port()
         self.tls = tls
         self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
         self.api_key = api_key

@@ -1,0 +1,449 @@
+"""The gateway's HTTP app: the OpenAI routes of ``octavo serve``, forwarded
+to the replicas, plus /health, /metrics and the admin API.
+
+A /v1 request goes: API key -> JSON parsed and validated with the server's
+own request models (a bad body is answered here, exactly as a replica would,
+without using one) -> rate limits -> response cache -> route and forward.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import json
+import logging
+import time
+from typing import Any, AsyncIterator, Optional
+
+import httpx
+import pydantic
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from octavo.gateway.cache import MemoryCache, RedisCache, ResponseCache, cache_key, is_deterministic
+from octavo.gateway.config import GatewayConfig, KeyConfig
+from octavo.gateway.health import discovery_loop, probe_loop
+from octavo.gateway.kv_index import KVEventSubscriber, KVIndex
+from octavo.gateway.metrics import GatewayMetrics
+from octavo.gateway.proxy import Forwarder, NoReplica, split_events
+from octavo.gateway.ratelimit import Buckets, MemoryBuckets, RateLimiter, RedisBuckets, retry_after_header
+from octavo.gateway.replicas import ReplicaSet, normalize_url
+from octavo.gateway.routing import KVAware, LeastLoad, Policy, PrefixAffinity, RoundRobin, RouteInput, Session
+from octavo.server.errors import APIError, bad_request, error_body, error_response, validation_error
+from octavo.server.protocol import ChatCompletionRequest, CompletionRequest
+from octavo.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+_MODELS: dict[str, type[pydantic.BaseModel]] = {
+    "/v1/completions": CompletionRequest,
+    "/v1/chat/completions": ChatCompletionRequest,
+}
+# Fields that do not change a response's content: left out of the cache key.
+_NOT_IN_CACHE_KEY = ("priority", "user")
+_FORWARDED_HEADERS = ("x-request-id", "accept")
+
+
+class Gateway:
+    """Everything a request needs, built once in the app's lifespan."""
+
+    def __init__(self, config: GatewayConfig, redis: Any) -> None:
+        self.config = config
+        self.replicas = ReplicaSet(config.breaker)
+        for url in config.replicas:
+            self.replicas.add(url)
+        self.metrics = GatewayMetrics(self.replicas)
+        self.keys: dict[str, KeyConfig] = {k.key: k for k in config.keys}
+        self.tokenizer = Tokenizer(config.tokenizer) if config.routing == "kv-aware" else None
+        self.kv_index = KVIndex()
+        self.policy = self._policy()
+        limits = httpx.Limits(max_connections=config.max_connections, max_keepalive_connections=config.max_connections)
+        timeout = httpx.Timeout(config.request_timeout_s, connect=config.connect_timeout_s)
+        self.client = httpx.AsyncClient(limits=limits, timeout=timeout)
+        auth = {"Authorization": f"Bearer {config.upstream_api_key}"} if config.upstream_api_key else {}
+        self.forwarder = Forwarder(self.client, self.replicas, self.policy, self.metrics, auth)
+        self.cache: Optional[ResponseCache] = None
+        if config.cache.enabled:
+            self.cache = RedisCache(redis, config.cache) if redis is not None else MemoryCache(config.cache)
+        buckets: Buckets = RedisBuckets(redis) if redis is not None else MemoryBuckets()
+        self.limiter = RateLimiter(buckets)
+
+    def _policy(self) -> Policy:
+        c = self.config
+        if c.routing == "round-robin":
+            return RoundRobin()
+        if c.routing == "prefix":
+            return PrefixAffinity(c.prefix_chunk_bytes, c.max_imbalance)
+        if c.routing == "session":
+            return Session(c.max_imbalance)
+        if c.routing == "kv-aware":
+            return KVAware(self.kv_index, c.block_size, c.max_imbalance)
+        return LeastLoad()
+
+
+def build_app(config: GatewayConfig) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        redis = None
+        if config.redis_url:
+            import redis.asyncio as aioredis  # optional: pip install 'octavo[gateway]'
+
+            redis = aioredis.from_url(config.redis_url)
+            await redis.ping()  # a wrong URL fails the start, not the first request
+        gw = Gateway(config, redis)
+        app.state.gateway = gw
+        tasks = [asyncio.create_task(probe_loop(gw.client, gw.replicas, gw.forwarder.auth_headers,
+                                                config.probe_interval_s, config.probe_timeout_s))]
+        if config.discovery_dns:
+            tasks.append(asyncio.create_task(discovery_loop(config.discovery_dns, config.discovery_port,
+                                                            gw.replicas, config.discovery_interval_s)))
+        subscribers = []
+        if config.kv_events:
+            import zmq.asyncio
+
+            ctx = zmq.asyncio.Context()
+            subscribers = [KVEventSubscriber(ctx, gw.kv_index, gw.replicas.add(url).url, endpoint)
+                           for url, endpoint in config.kv_events.items()]
+        # Startup's objects (FastAPI, pydantic, prometheus) never die: out of the
+        # collector's sight, collections get cheap enough to stop showing up in per-request latency.
+        gc.freeze()
+        try:
+            yield
+        finally:
+            for task in tasks:
+                task.cancel()
+            for sub in subscribers:
+                await sub.close()
+            if subscribers:
+                ctx.term()
+            await gw.client.aclose()
+            if redis is not None:
+                await redis.aclose()
+
+    app = FastAPI(title="Octavo gateway", lifespan=lifespan)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc)
+
+    for path in _MODELS:
+        app.add_api_route(path, _generate_route(path), methods=["POST"])
+    for path in ("/tokenize", "/detokenize"):
+        app.add_api_route(path, _passthrough_route(path), methods=["POST"])
+    app.add_api_route("/v1/models", _passthrough_route("/v1/models"), methods=["GET"])
+    app.add_api_route("/version", _passthrough_route("/version"), methods=["GET"])
+    _add_own_routes(app)
+    return app
+
+
+def _gateway(request: Request) -> Gateway:
+    return request.app.state.gateway
+
+
+def _api_key(gw: Gateway, request: Request) -> Optional[KeyConfig]:
+    """The caller's key config; None when the gateway has no keys (open)."""
+    if not gw.keys:
+        return None
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    key = gw.keys.get(token.strip()) if scheme.lower() == "bearer" else None
+    if key is None:
+        raise APIError(401, "missing or unknown API key", code="invalid_api_key")
+    return key
+
+
+def _forward_headers(request: Request) -> dict[str, str]:
+    headers = {"content-type": "application/json"}
+    for name in _FORWARDED_HEADERS:
+        if name in request.headers:
+            headers[name] = request.headers[name]
+    return headers
+
+
+def _parse(raw: bytes, path: str) -> dict[str, Any]:
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise bad_request(f"malformed JSON body: {exc}") from None
+    if not isinstance(data, dict):
+        raise bad_request("the body must be a JSON object")
+    try:
+        _MODELS[path].model_validate(data)
+    except pydantic.ValidationError as exc:
+        raise validation_error(exc.errors()) from None
+    return data
+
+
+def _plain_messages(data: dict[str, Any]) -> list[dict[str, str]]:
+    """Messages with their content as one string (text parts joined), as templates take them."""
+    messages = []
+    for m in data["messages"]:
+        content = m.get("content")
+        if isinstance(content, list):
+            content = "".join(p.get("text") or "" for p in content if isinstance(p, dict))
+        messages.append({"role": m.get("role") or "", "content": content or ""})
+    return messages
+
+
+def _prompt_text(data: dict[str, Any]) -> str:
+    if "messages" in data:
+        return "".join(f"{m['role']}\n{m['content']}\n" for m in _plain_messages(data))
+    prompt = data.get("prompt")
+    return prompt if isinstance(prompt, str) else json.dumps(prompt)
+
+
+def _token_ids(tokenizer: Tokenizer, data: dict[str, Any]) -> list[int]:
+    """The prompt as the replica tokenizes it (the first prompt of a batch)."""
+    if "messages" in data:
+        try:
+            text = tokenizer.apply_chat_template(_plain_messages(data), add_generation_prompt=data.get("add_generation_prompt", True))
+        except (ValueError, TypeError):
+            return []  # the replica answers the error; routing needs no ids for that
+        return tokenizer.encode(text, add_special_tokens=False)
+    prompt = data.get("prompt")
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return tokenizer.encode(prompt)
+    return list(prompt or [])
+
+
+async def _route_input(gw: Gateway, request: Request, data: dict[str, Any]) -> RouteInput:
+    route = RouteInput()
+    routing = gw.config.routing
+    if routing == "prefix":
+        route.prompt_bytes = _prompt_text(data).encode("utf-8", "surrogatepass")
+    elif routing == "session":
+        route.session = request.headers.get(gw.config.session_header) or data.get("user")
+    elif routing == "kv-aware" and gw.tokenizer is not None:
+        # Long prompts take milliseconds to tokenize: off the event loop.
+        route.token_ids = await asyncio.to_thread(_token_ids, gw.tokenizer, data)
+    return route
+
+
+def _generate_route(path: str):
+    async def route(request: Request) -> Response:
+        gw = _gateway(request)
+        start = time.monotonic()
+        key = _api_key(gw, request)
+        raw = await request.body()
+        if len(raw) > gw.config.max_body_bytes:
+            raise APIError(413, f"request body larger than {gw.config.max_body_bytes} bytes")
+        data = _parse(raw, path)
+        stream = bool(data.get("stream"))
+        hide_usage = False
+        if key is not None:
+            rejection = await gw.limiter.admit(key)
+            if rejection is not None:
+                gw.metrics.rate_limited.labels(rejection.limit).inc()
+                return _rate_limited(rejection.limit, rejection.retry_after_s)
+            raw, hide_usage = _for_key(data, raw, key, stream)
+        cache_id = None
+        if gw.cache is not None and is_deterministic(data) and "no-cache" not in request.headers.get("cache-control", ""):
+            cache_id = cache_key(path, {k: v for k, v in data.items() if k not in _NOT_IN_CACHE_KEY})
+            hit = await gw.cache.get(cache_id)
+            gw.metrics.cache.labels("hit" if hit is not None else "miss").inc()
+            if hit is not None:
+                gw.metrics.added_latency.observe(time.monotonic() - start)
+                return _cached_response(hit, stream)
+        route_input = await _route_input(gw, request, data)
+        try:
+            upstream = await _until_disconnected(
+                request, gw.forwarder.send("POST", path, raw, _forward_headers(request), route_input, stream)
+            )
+        except NoReplica:
+            gw.metrics.unavailable.inc()
+            return _unavailable()
+        if upstream is None:  # the client left first
+            return Response(status_code=499)
+        headers = {**upstream.headers, "x-octavo-replica": upstream.replica.url}
+        gw.metrics.added_latency.observe(max(0.0, time.monotonic() - start - upstream.waited_s))
+        if upstream.events is None:
+            if upstream.status == 200:
+                if key is not None:
+                    await gw.limiter.charge_tokens(key, _usage_tokens(upstream.body))
+                if cache_id is not None:
+                    await gw.cache.put(cache_id, upstream.body)
+            return Response(upstream.body, upstream.status, headers=headers)
+        return StreamingResponse(
+            _tee(gw, upstream.events, key, cache_id, hide_usage), headers=headers, media_type="text/event-stream"
+        )
+
+    return route
+
+
+async def _until_disconnected(request: Request, work: Any) -> Any:
+    """``work``'s result, or None (and ``work`` cancelled, closing its upstream
+    connection) when the client disconnects before it is done."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return None
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    # The body is read, so the next ASGI message can only be the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _for_key(data: dict[str, Any], raw: bytes, key: KeyConfig, stream: bool) -> tuple[bytes, bool]:
+    """The body as sent upstream for this key: its priority class, and a
+    stream's usage asked for when a token budget must be charged (then
+    hidden again if the client did not ask for it). Returns (body, hide usage)."""
+    changed = False
+    if data.get("priority", 0) != key.priority:
+        data["priority"] = key.priority
+        changed = True
+    hide_usage = False
+    if stream and key.tpm is not None and not (data.get("stream_options") or {}).get("include_usage"):
+        data["stream_options"] = {**(data.get("stream_options") or {}), "include_usage": True}
+        changed = hide_usage = True
+    return (json.dumps(data).encode() if changed else raw), hide_usage
+
+
+async def _tee(
+    gw: Gateway, events: AsyncIterator[bytes], key: Optional[KeyConfig], cache_id: Optional[str], hide_usage: bool
+) -> AsyncIterator[bytes]:
+    """Passes the stream on, keeping what the cache and the token budget need."""
+    kept: list[bytes] = []
+    size = 0
+    usage = 0
+    complete = False
+    async for event in events:
+        if b'"usage":{' in event:
+            usage = _usage_tokens(event[event.find(b"{"):].strip()) or usage
+            if hide_usage and b'"choices":[]' in event:
+                continue  # the usage chunk the gateway asked for, not the client
+        yield event
+        complete = event.startswith(b"data: [DONE]")
+        if cache_id is not None and size <= gw.config.cache.max_bytes:
+            kept.append(event)
+            size += len(event)
+    if key is not None:
+        await gw.limiter.charge_tokens(key, usage)
+    if cache_id is not None and complete and size <= gw.config.cache.max_bytes:
+        await gw.cache.put(cache_id, b"".join(kept))
+
+
+def _usage_tokens(body: bytes) -> int:
+    try:
+        usage = json.loads(body).get("usage") or {}
+        return int(usage.get("total_tokens") or 0)
+    except (ValueError, AttributeError, TypeError):
+        return 0
+
+
+def _cached_response(hit: bytes, stream: bool) -> Response:
+    headers = {"x-octavo-cache": "hit"}
+    if not stream:
+        return Response(hit, 200, headers=headers, media_type="application/json")
+
+    async def replay() -> AsyncIterator[bytes]:
+        for event in split_events(hit):
+            yield event
+
+    return StreamingResponse(replay(), headers=headers, media_type="text/event-stream")
+
+
+def _rate_limited(limit: str, retry_after_s: float) -> JSONResponse:
+    body = error_body(429, f"rate limit exceeded: {limit} per minute for this API key", code="rate_limit_exceeded")
+    body["error"]["type"] = "rate_limit_error"
+    body["error"]["param"] = None
+    return JSONResponse(body, 429, headers={"Retry-After": retry_after_header(retry_after_s)})
+
+
+def _unavailable() -> JSONResponse:
+    body = error_body(503, "no replica could serve the request (all failed or none is available)",
+                      code="no_replica_available")
+    return JSONResponse(body, 503)
+
+
+def _passthrough_route(path: str):
+    async def route(request: Request) -> Response:
+        gw = _gateway(request)
+        _api_key(gw, request)
+        raw = await request.body()
+        try:
+            upstream = await gw.forwarder.send(request.method, path, raw, _forward_headers(request), RouteInput(), False)
+        except NoReplica:
+            gw.metrics.unavailable.inc()
+            return _unavailable()
+        return Response(upstream.body, upstream.status, headers=upstream.headers)
+
+    return route
+
+
+def _admin(gw: Gateway, request: Request) -> None:
+    expected = gw.config.admin_key
+    if expected is None:
+        raise APIError(404, "the admin API is off (set admin_key)")
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or token.strip() != expected:
+        raise APIError(401, "the admin API needs the admin key", code="invalid_api_key")
+
+
+def _replica_view(gw: Gateway) -> list[dict[str, Any]]:
+    return [
+        {"url": r.url, "breaker": r.breaker.state.name.lower(), "load": r.load, "in_flight": r.in_flight,
+         "kv_blocks": gw.kv_index.num_blocks(r.url)}
+        for r in gw.replicas
+    ]
+
+
+def _add_own_routes(app: FastAPI) -> None:
+    @app.get("/health")
+    async def health(request: Request) -> JSONResponse:
+        gw = _gateway(request)
+        if not gw.replicas.routable():
+            return JSONResponse(error_body(503, "no replica is available", code="no_replica_available"), 503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        return Response(_gateway(request).metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/admin/replicas")
+    async def list_replicas(request: Request) -> JSONResponse:
+        gw = _gateway(request)
+        _admin(gw, request)
+        return JSONResponse({"replicas": _replica_view(gw)})
+
+    @app.post("/admin/replicas")
+    async def add_replica(request: Request) -> JSONResponse:
+        gw = _gateway(request)
+        _admin(gw, request)
+        url = await _admin_url(request)
+        gw.replicas.add(url)
+        return JSONResponse({"replicas": _replica_view(gw)})
+
+    @app.delete("/admin/replicas")
+    async def remove_replica(request: Request) -> JSONResponse:
+        gw = _gateway(request)
+        _admin(gw, request)
+        url = await _admin_url(request)
+        if not gw.replicas.remove(url):
+            raise APIError(404, f"no replica {url}", param="url")
+        gw.kv_index.forget(url)
+        return JSONResponse({"replicas": _replica_view(gw)})
+
+
+async def _admin_url(request: Request) -> str:
+    try:
+        data = json.loads(await request.body())
+    except ValueError:
+        raise bad_request("malformed JSON body") from None
+    url = data.get("url") if isinstance(data, dict) else None
+    if not isinstance(url, str) or not url.strip():
+        raise bad_request("url: a replica URL is required", "url")
+    try:
+        return normalize_url(url)
+    except ValueError as exc:
+        raise bad_request(f"url: {exc}", "url") from None
