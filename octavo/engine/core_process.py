@@ -56,8 +56,9 @@ STATS_INTERVAL_S = 0.1
 _IDLE_POLL_MS = 1000
 
 
-def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str) -> None:
+def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, log_level: int = logging.WARNING) -> None:
     """Process entry point (must be importable for ``spawn``)."""
+    logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     parent = os.getppid()

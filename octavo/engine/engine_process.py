@@ -9,6 +9,7 @@ block the event loop on send.
 from __future__ import annotations
 
 import asyncio
+import logging
 import multiprocessing
 import tempfile
 import time
@@ -47,8 +48,11 @@ class EngineProcess:
         self._pull.setsockopt(zmq.RCVHWM, 0)
         self._pull.bind(out_addr)
         spawn = multiprocessing.get_context("spawn")
+        # A spawned process starts with logging unconfigured: it logs at the
+        # front's level (its periodic stats line is INFO).
+        log_level = logging.getLogger().getEffectiveLevel()
         self.proc = spawn.Process(
-            target=run_engine_core, args=(config, in_addr, out_addr), name="octavo-engine", daemon=True
+            target=run_engine_core, args=(config, in_addr, out_addr, log_level), name="octavo-engine", daemon=True
         )
         self.alive = False  # True from EngineReady until the owner sees it die
 
