@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import octavo.worker.model_runner as model_runner
 from octavo import LLM, SamplingParams
-from octavo.engine.stats import EngineStats, format_stats_line
+from octavo.engine.stats import EngineStats, StatsLogger, format_stats_line
 from tests.engine.conftest import assert_no_leak, random_prompts
 from tests.server.conftest import ServerProcess
 
@@ -59,6 +59,18 @@ def test_log_line_shows_the_mean_acceptance_length():
     assert "mean acceptance length 2.50" in line and "acceptance rate 50.0%" in line
     assert "per position 0.60, 0.45, 0.20" in line
     assert "spec decode" not in format_stats_line(EngineStats(), EngineStats(), 1.0)
+
+
+def test_stats_logger_logs_once_per_interval_while_busy(caplog):
+    stats_logger = StatsLogger(interval_s=10.0)
+    busy = EngineStats(num_running=1, generation_tokens=100, spec_num_drafts=10, spec_num_accepted_tokens=20)
+    with caplog.at_level("INFO", logger="octavo.engine.stats"):
+        assert stats_logger.maybe_log(EngineStats(), 0.0) is None  # the first snapshot: nothing to compare
+        assert stats_logger.maybe_log(busy, 5.0) is None  # within the interval
+        line = stats_logger.maybe_log(busy, 10.0)
+        assert "generation 10.0 tok/s" in line and "mean acceptance length 3.00" in line
+        assert stats_logger.maybe_log(EngineStats(generation_tokens=100), 30.0) is None  # idle since
+    assert [r.getMessage() for r in caplog.records] == [line]
 
 
 def test_server_metrics_equal_the_offline_counts(model_dir, monkeypatch, tmp_path):
