@@ -175,9 +175,9 @@ class ModelRunner:
         """Propose when the governor says it pays at this batch size, and tell
         it what this step cost per emitted token.
 
-        Seeded random requests propose whatever the governor says: their
-        tokens depend on the proposals they were verified against, and a
-        choice made from timings would make them unreproducible."""
+        Seeded random requests propose even when the governor says not to:
+        their tokens depend on the proposals they were verified against, and
+        a choice made from timings would make them unreproducible."""
         batch = len(plan.sample)
         speculate = self.governor.should_propose(batch)
         if speculate:
