@@ -150,6 +150,21 @@ class ModelConfig:
         "lm_head", "comma-separated fnmatch patterns of linear layers' checkpoint paths kept unquantized "
         "under --quantization (e.g. 'lm_head,model.layers.0.*'; empty: none); the embedding never is"
     )
+    # Embedding models (octavo/model/pooler_config.py, octavo/pooling.py): one server serves one task.
+    task: str = option(
+        "auto", "generate (text) or embed (one vector per input, /v1/embeddings); auto: embed for a checkpoint "
+        "without an LM head (e.g. Qwen3Model) or a sentence-transformers folder, else generate",
+        choices=("auto", "generate", "embed"),
+    )
+    pooling_type: Optional[str] = option(
+        None, "embed: hidden states pooled into one vector by the last token, their mean, or the first (cls) "
+        "token (default: the folder's sentence-transformers Pooling config, else last)",
+        choices=("last", "mean", "cls"),
+    )
+    normalize: Optional[bool] = option(
+        None, "embed: L2-normalize the vectors (default: as the folder's sentence-transformers modules say, "
+        "else on)",
+    )
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES + _DTYPE_ALIASES:

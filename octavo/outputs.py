@@ -61,6 +61,9 @@ class RequestOutput:
     num_cached_tokens: int = 0
     metrics: Optional[RequestMetrics] = None
     error: Optional[str] = None
+    # An embedding request's vector (octavo/pooling.py), in its final output;
+    # its one CompletionOutput then holds no tokens.
+    embedding: Optional[list[float]] = None
 
 
 @dataclass
@@ -131,6 +134,8 @@ class OutputAccumulator:
         base.num_cached_tokens = delta.num_cached_tokens
         base.metrics = delta.metrics
         base.error = delta.error
+        if delta.embedding is not None:
+            base.embedding = delta.embedding
 
     def take(self) -> RequestOutput:
         outputs = [self._choices[i].build() for i in sorted(self._choices)]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from pathlib import Path
 from typing import Any, Optional
 
@@ -115,6 +116,7 @@ def make_tiny_model(
     dtype: str = "float32",
     seed: int = 0,
     generation_config: Optional[dict[str, Any]] = None,
+    headless: bool = False,
     **overrides: Any,
 ) -> Path:
     """Write a tiny random ``arch`` checkpoint under ``tmp_path`` and return its folder.
@@ -122,7 +124,9 @@ def make_tiny_model(
     ``overrides`` are config.json fields (e.g. ``tie_word_embeddings=True``,
     ``rope_parameters={...}``, ``num_hidden_layers=1``); ``dtype`` is the stored
     weight dtype ("float32", "bfloat16", "float16"); ``generation_config``
-    replaces the default generation_config.json fields.
+    replaces the default generation_config.json fields. ``headless``: the
+    decoder without its LM head (``Qwen3Model``, as ``AutoModel`` saves it: an
+    embedding checkpoint).
     """
     if arch not in _ARCHS:
         raise ValueError(f"arch must be one of {sorted(_ARCHS)}, got {arch!r}")
@@ -136,7 +140,9 @@ def make_tiny_model(
         "eos_token_id": [EOS_ID, IM_END_ID],
     }
 
-    key = json.dumps([arch, dtype, seed, gen, fields], sort_keys=True, default=str)
+    if headless:
+        model_cls = model_cls.replace("ForCausalLM", "Model")
+    key = json.dumps([arch, dtype, seed, gen, fields] + (["headless"] if headless else []), sort_keys=True, default=str)
     folder = Path(tmp_path) / f"{arch}-{hashlib.sha1(key.encode()).hexdigest()[:10]}"
     if (folder / "model.safetensors").is_file():
         return folder
@@ -189,3 +195,48 @@ def load_hf_model(folder: str | Path, dtype: torch.dtype = torch.float32) -> tor
     """The transformers reference model for a folder written by make_tiny_model."""
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
     return model.eval()
+
+
+_ST_POOLING_KEYS = {"last": "pooling_mode_lasttoken", "mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token"}
+
+
+def make_sentence_transformers_model(
+    tmp_path: str | Path, pooling: str, normalize: bool = True, arch: str = "qwen3", **overrides: Any
+) -> Path:
+    """A headless checkpoint laid out as sentence-transformers publishes
+    embedding models: modules.json, 1_Pooling/config.json, and a Normalize
+    module when ``normalize``."""
+    base = make_tiny_model(tmp_path, arch, headless=True, **overrides)
+    folder = Path(tmp_path) / f"st-{pooling}-{int(normalize)}-{base.name}"
+    if (folder / "modules.json").is_file():
+        return folder
+    shutil.copytree(base, folder, dirs_exist_ok=True)
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+    ]
+    if normalize:
+        modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+        (folder / "2_Normalize").mkdir(exist_ok=True)
+    (folder / "1_Pooling").mkdir(exist_ok=True)
+    hidden = json.loads((folder / "config.json").read_text())["hidden_size"]
+    pooling_config = {"word_embedding_dimension": hidden, "include_prompt": True}
+    pooling_config.update({key: mode == pooling for mode, key in _ST_POOLING_KEYS.items()})
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps(pooling_config, indent=2))
+    (folder / "modules.json").write_text(json.dumps(modules, indent=2))
+    return folder
+
+
+def hf_embeddings(folder: str | Path, prompts: list[list[int]], pooling: str, normalize: bool) -> list[list[float]]:
+    """The reference: transformers' AutoModel ``last_hidden_state`` pooled
+    with torch, one prompt at a time (no padding to get wrong)."""
+    model = transformers.AutoModel.from_pretrained(folder, dtype=torch.float32).eval()
+    vectors = []
+    with torch.no_grad():
+        for ids in prompts:
+            hidden = model(torch.tensor([ids])).last_hidden_state[0]
+            vector = {"last": hidden[-1], "mean": hidden.mean(dim=0), "cls": hidden[0]}[pooling]
+            if normalize:
+                vector = torch.nn.functional.normalize(vector, dim=-1)
+            vectors.append(vector.tolist())
+    return vectors

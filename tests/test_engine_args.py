@@ -24,6 +24,8 @@ _NON_DEFAULT = {
     "quantization": ("int4", "int4"),
     "quantization_group_size": ("64", 64),
     "unquantized_modules": ("lm_head,model.layers.0.*", "lm_head,model.layers.0.*"),
+    "task": ("embed", "embed"),
+    "pooling_type": ("mean", "mean"),
     "block_size": ("32", 32),
     "kv_cache_memory_bytes": ("3MiB", 3 * 2**20),
     "memory_fraction": ("0.5", 0.5),
@@ -63,7 +65,9 @@ def test_every_config_field_is_a_cli_option_and_an_llm_keyword(command, tmp_path
     extra = ["--prompt", "x"] if command == "generate" else []
     for cf in _fields():
         if cf.type is bool:
-            cli_args, value = [f"--no-{cf.flag[2:]}"], not cf.field.default
+            # Flipped from the default; a switch left unset by default (None: decided later) is turned on.
+            value = not cf.field.default
+            cli_args = [cf.flag if value else f"--no-{cf.flag[2:]}"]
         else:
             assert cf.name in _NON_DEFAULT, f"add a test value for the new field {cf.name}"
             text, value = _NON_DEFAULT[cf.name]

@@ -52,9 +52,10 @@ class KVCacheManager:
         return self._tables.get(request.request_id, [])
 
     def _can_hit(self, request: Request) -> bool:
-        # Prompt logprobs need the logits of every prompt position, so nothing
-        # of the prompt may be skipped.
-        return self.enable_prefix_caching and request.sampling_params.prompt_logprobs is None
+        # Prompt logprobs need the logits of every prompt position, and mean or
+        # cls pooling its hidden states, so nothing of the prompt may be skipped.
+        return (self.enable_prefix_caching and request.sampling_params.prompt_logprobs is None
+                and request.pooling in (None, "last"))
 
     def _block_hashes(self, request: Request, num_blocks: int) -> list[BlockHash]:
         hashes = self._hashes.setdefault(request.request_id, [])

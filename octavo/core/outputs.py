@@ -131,6 +131,9 @@ class ModelRunnerOutput:
     # logprobs): request id -> message. They sampled nothing; the
     # scheduler ends them with an error, the rest of the step stands.
     failed: dict[str, str] = field(default_factory=dict)
+    # Embedding models: a request's pooled hidden state, once its prompt's
+    # last chunk is computed (octavo/worker/pooler.py).
+    pooled: dict[str, list[float]] = field(default_factory=dict)
 
 
 @dataclass
@@ -145,6 +148,7 @@ class EngineCoreOutput:
     stop_reason: Optional[int | str] = None
     num_cached_tokens: int = 0
     error: Optional[str] = None  # set with finish_reason "error"
+    pooled: Optional[list[float]] = None  # an embedding request's vector, with its finish
 
     @property
     def finished(self) -> bool:

@@ -63,6 +63,10 @@ class Request:
     # loosely so this module stays torch-free. The sampler masks with it and
     # advances it after every sampled token.
     grammar: Optional[Any] = None
+    # An embedding request's pooling type (octavo/pooling.py): it computes its
+    # prompt and ends. Mean and cls pooling read every prompt position's
+    # hidden state, so those requests take no prefix-cache hits.
+    pooling: Optional[str] = None
 
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0

@@ -372,6 +372,7 @@ class Scheduler:
             finish_reason=status.finish_reason if status is not None else None,
             stop_reason=request.stop_reason,
             num_cached_tokens=request.num_cached_tokens,
+            pooled=runner_output.pooled.get(rid),
         )
 
     def _apply_verification(self, request: Request, scheduled: ScheduledRequest, num_sampled: int) -> None:

@@ -37,6 +37,7 @@ from octavo.engine.engine_process import EngineDeadError, EngineProcess, last_li
 from octavo.engine.restart_policy import RestartPolicy
 from octavo.engine.stats import EngineStats
 from octavo.outputs import OutputAccumulator, RequestOutput
+from octavo.pooling import PoolerConfig, PoolingParams
 from octavo.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -60,6 +61,7 @@ class EngineInfo:
     generation_defaults: dict[str, Any] = field(default_factory=dict)
     model_aliases: tuple[str, ...] = ()  # further names requests may use
     max_logprobs: int = 20
+    pooler: Optional[PoolerConfig] = None  # set when the model serves embeddings
 
 
 @dataclass(eq=False)
@@ -137,23 +139,28 @@ class AsyncEngineClient:
         self,
         request_id: str,
         prompt_token_ids: list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         priority: int = 0,
         arrival_time: Optional[float] = None,
         deadline: Optional[float] = None,
     ) -> AsyncIterator[RequestOutput]:
         """``deadline``: a ``time.monotonic()`` instant after which the request
-        is aborted and ``RequestTimeoutError`` raised."""
+        is aborted and ``RequestTimeoutError`` raised. ``PoolingParams``: an
+        embedding request, whose one output carries ``embedding``."""
         engine = self._engine
         if self.dead_reason is not None or engine is None:
             raise EngineDeadError(self.dead_reason or "the engine is not running")
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in flight")
         try:
-            if params.output_kind is RequestOutputKind.CUMULATIVE:
-                # Cumulative outputs over the wire would cost quadratic time in the output length.
-                params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
-            add = msg.encoder.encode(msg.AddRequest(request_id, list(prompt_token_ids), params, priority, arrival_time))
+            if isinstance(params, PoolingParams):
+                add_msg = msg.AddRequest(request_id, list(prompt_token_ids), None, priority, arrival_time, params)
+            else:
+                if params.output_kind is RequestOutputKind.CUMULATIVE:
+                    # Cumulative outputs over the wire would cost quadratic time in the output length.
+                    params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
+                add_msg = msg.AddRequest(request_id, list(prompt_token_ids), params, priority, arrival_time)
+            add = msg.encoder.encode(add_msg)
         except RecursionError:
             raise EngineRequestError("the request is too deeply nested to send to the engine") from None
         stream = _Stream(OutputAccumulator(list(prompt_token_ids)), engine)
@@ -198,7 +205,7 @@ class AsyncEngineClient:
 
     def _adopt(self, engine: EngineProcess, ready: msg.EngineReady) -> None:
         self.info = EngineInfo(ready.model_name, ready.max_model_len, ready.vocab_size, ready.generation_defaults,
-                               tuple(ready.model_aliases), ready.max_logprobs)
+                               tuple(ready.model_aliases), ready.max_logprobs, ready.pooler)
         logger.info("engine process %d ready: model %s, context %d", ready.pid, ready.model_name, ready.max_model_len)
         self._engine = engine
         self.stats = EngineStats()

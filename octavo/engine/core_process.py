@@ -94,7 +94,8 @@ def add_request(engine: LLMEngine, m: msg.AddRequest) -> Optional[msg.FromEngine
     else is an engine fault, but confined to this request, which
     ``LLMEngine.add_request`` leaves no trace of."""
     try:
-        engine.add_request(m.request_id, m.prompt_token_ids, m.params, priority=m.priority, arrival_time=m.arrival_time)
+        params = m.pooling if m.pooling is not None else m.params
+        engine.add_request(m.request_id, m.prompt_token_ids, params, priority=m.priority, arrival_time=m.arrival_time)
     except ValueError as exc:
         return msg.RequestRejected(m.request_id, str(exc))
     except Exception as exc:
@@ -132,6 +133,7 @@ class _EngineLoop:
                 pid=os.getpid(),
                 model_aliases=list(e.model_aliases),
                 max_logprobs=e.config.model.max_logprobs,
+                pooler=e.pooler_config,
             )
         )
 

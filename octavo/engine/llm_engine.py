@@ -20,7 +20,9 @@ from octavo.engine.stats import EngineStats
 from octavo.executor.registry import create_executor
 from octavo.model.config import load_arch_config
 from octavo.model.generation_config import GenerationDefaults, load_generation_defaults
+from octavo.model.pooler_config import resolve_pooler
 from octavo.outputs import RequestMetrics, RequestOutput
+from octavo.pooling import PoolingParams
 from octavo.sampling_params import RequestOutputKind, SamplingParams
 from octavo.tokenizer import Tokenizer
 
@@ -42,6 +44,8 @@ class LLMEngine:
         if not model_dir.is_dir():
             raise ValueError(f"model folder not found: {config.model.model}")
         self.config = config
+        # Set when the model serves embeddings (--task): then every request is one.
+        self.pooler_config = resolve_pooler(config.model)
         self.tokenizer = Tokenizer(config.model.tokenizer or config.model.model)
         self.executor = create_executor(config)
         try:
@@ -101,11 +105,13 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: str | list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         priority: int = 0,
         arrival_time: Optional[float] = None,
     ) -> None:
         """Queue one request; raises ValueError for input the engine cannot serve.
+        ``PoolingParams``: an embedding request (the model must serve embeddings),
+        whose final output carries ``embedding``.
 
         All or nothing: whatever it raises, no part of the request stays queued."""
         if request_id in self._requests:
@@ -125,13 +131,13 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: str | list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         priority: int,
         arrival_time: Optional[float],
     ) -> None:
         # A copy validates again (fields may have been set since construction)
         # and keeps later changes by the caller away from the running request.
-        params = dataclasses.replace(params)
+        params, pooling = self._for_task(dataclasses.replace(params))
         prompt_text, prompt_ids = self._tokenize(prompt)
         if params.truncate_prompt_tokens is not None:
             prompt_ids = prompt_ids[-params.truncate_prompt_tokens :]
@@ -148,6 +154,7 @@ class LLMEngine:
             child_ids=[],
             sequences={},
             metrics=RequestMetrics(arrival_time=arrival_time or time.monotonic()),
+            pooling=pooling,
         )
         num_seqs = params.best_of or params.n
         seq_params = params
@@ -171,6 +178,7 @@ class LLMEngine:
                     priority=priority,
                     arrival_time=state.metrics.arrival_time,
                     fork_of=children[0].request_id if i > 0 else None,
+                    pooling=self.pooler_config.pooling_type if pooling is not None else None,
                 )
             )
             if grammars is not None:
@@ -259,6 +267,10 @@ class LLMEngine:
     def _apply(self, state: RequestState, core_out: EngineCoreOutput, stopped: list[str]) -> None:
         if core_out.error is not None:
             raise RequestFailedError(core_out.error)
+        if state.pooling is not None and core_out.finish_reason == "length":  # its prompt is computed
+            if core_out.pooled is None:
+                raise RequestFailedError("the model runner returned no embedding")
+            state.embedding = self.pooler_config.shorten(core_out.pooled, state.pooling.dimensions)
         stop = state.apply(core_out)  # may cut new_token_ids at a stop string
         self._generation_tokens += len(core_out.new_token_ids)
         if stop is not None:
@@ -400,6 +412,23 @@ class LLMEngine:
                 f"prompt contains token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}"
             )
         return None, list(prompt)
+
+    def _for_task(self, params: SamplingParams | PoolingParams) -> tuple[SamplingParams, Optional[PoolingParams]]:
+        """The request's sampling parameters, and its pooling ones for an
+        embedding request; ValueError when the model serves the other task."""
+        if isinstance(params, PoolingParams):
+            if self.pooler_config is None:
+                raise ValueError("this model serves text generation (task generate), not embeddings; "
+                                 "serve an embedding model, or this one with --task embed")
+            self.pooler_config.check_dimensions(params.dimensions)
+            # Prefill only: the scheduler computes the prompt and ends the
+            # request (max_tokens 0), whose one output is the final one.
+            sampling = SamplingParams(max_tokens=0, detokenize=False, output_kind=RequestOutputKind.FINAL_ONLY)
+            return sampling, params
+        if self.pooler_config is not None:
+            raise ValueError("this model serves embeddings (task embed), not text generation: "
+                             "use LLM.embed or /v1/embeddings")
+        return params, None
 
     def _check_prompt(self, prompt_ids: list[int], params: SamplingParams) -> None:
         if not prompt_ids:

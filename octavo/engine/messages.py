@@ -14,6 +14,7 @@ import msgspec
 
 from octavo.engine.stats import EngineStats
 from octavo.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
+from octavo.pooling import PoolerConfig, PoolingParams
 from octavo.sampling_params import SamplingParams
 
 
@@ -21,9 +22,10 @@ from octavo.sampling_params import SamplingParams
 class AddRequest(msgspec.Struct, tag=True):
     request_id: str
     prompt_token_ids: list[int]
-    params: SamplingParams
+    params: Optional[SamplingParams]  # None for an embedding request
     priority: int = 0
     arrival_time: Optional[float] = None
+    pooling: Optional[PoolingParams] = None  # an embedding request's parameters
 
 
 class AbortRequests(msgspec.Struct, tag=True):
@@ -43,6 +45,7 @@ class EngineReady(msgspec.Struct, tag=True):
     pid: int
     model_aliases: list[str] = []  # further names clients may send (--served-model-name a b)
     max_logprobs: int = 20
+    pooler: Optional[PoolerConfig] = None  # set when the model serves embeddings
 
 
 class OutputDelta(msgspec.Struct):
@@ -55,6 +58,7 @@ class OutputDelta(msgspec.Struct):
     num_cached_tokens: int = 0
     metrics: Optional[RequestMetrics] = None
     error: Optional[str] = None
+    embedding: Optional[list[float]] = None
 
 
 class StepOutputs(msgspec.Struct, tag=True):
@@ -96,6 +100,7 @@ def to_message(out: RequestOutput) -> OutputDelta:
         num_cached_tokens=out.num_cached_tokens,
         metrics=out.metrics,
         error=out.error,
+        embedding=out.embedding,
     )
 
 
@@ -112,6 +117,7 @@ def from_message(delta: OutputDelta) -> RequestOutput:
         num_cached_tokens=delta.num_cached_tokens,
         metrics=delta.metrics,
         error=delta.error,
+        embedding=delta.embedding,
     )
 
 

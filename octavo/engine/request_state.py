@@ -9,6 +9,7 @@ from typing import Optional
 from octavo.core.outputs import EngineCoreOutput
 from octavo.engine.detokenizer import IncrementalDetokenizer
 from octavo.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenLogprobs
+from octavo.pooling import PoolingParams
 from octavo.sampling_params import RequestOutputKind, SamplingParams
 
 
@@ -95,6 +96,9 @@ class RequestState:
     prompt_logprobs: Optional[list[Optional[TokenLogprobs]]] = None
     num_cached_tokens: int = 0
     _sent_prompt_logprobs: int = 0  # entries already in a delta
+    # An embedding request: what it asked for, and its vector once pooled.
+    pooling: Optional[PoolingParams] = None
+    embedding: Optional[list[float]] = None
 
     @property
     def finished(self) -> bool:
@@ -215,4 +219,5 @@ class RequestState:
             prompt_logprobs=prompt_logprobs,
             num_cached_tokens=self.num_cached_tokens,
             metrics=self.metrics,
+            embedding=self.embedding,
         )

@@ -12,6 +12,7 @@ from tqdm import tqdm
 from octavo.engine.llm_engine import LLMEngine
 from octavo.entrypoints.engine_args import engine_config
 from octavo.outputs import RequestOutput
+from octavo.pooling import PoolingParams
 from octavo.sampling_params import RequestOutputKind, SamplingParams
 from octavo.tokenizer import Tokenizer
 
@@ -61,6 +62,30 @@ class LLM:
         priorities = list(priority) if priority is not None else [0] * len(prompt_list)
         if len(priorities) != len(prompt_list):
             raise ValueError("priority must have one entry per prompt")
+        return self._submit(prompt_list, params_list, priorities, use_tqdm)
+
+    def embed(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        pooling_params: Optional[PoolingParams | Sequence[PoolingParams]] = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """One vector per prompt, in ``RequestOutput.embedding``, in the order
+        of ``prompts``; the model must serve embeddings (``task="embed"``, or
+        an embedding checkpoint). ``PoolingParams(dimensions=N)`` shortens a
+        Matryoshka model's vectors."""
+        prompt_list = _as_prompt_list(prompts)
+        params_list = _broadcast(pooling_params or PoolingParams(), len(prompt_list), "pooling_params")
+        return self._submit(prompt_list, params_list, [0] * len(prompt_list), use_tqdm)
+
+    def _submit(
+        self,
+        prompt_list: list[PromptType],
+        params_list: list[SamplingParams] | list[PoolingParams],
+        priorities: list[int],
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
         request_ids: list[str] = []
         try:
             for prompt, params, prio in zip(prompt_list, params_list, priorities):

@@ -109,6 +109,7 @@ def load_model(
     device: str | torch.device = "cpu",
     max_model_len: Optional[int] = None,
     backends: Optional[ModelBackends] = None,
+    lm_head: bool = True,
 ) -> tuple[DecoderForCausalLM, ArchConfig]:
     """Build the model for ``model``'s config.json with ``backends`` (default:
     torch ops throughout) and fill it from its safetensors.
@@ -121,6 +122,11 @@ def load_model(
     copies this rank's part of it. Missing or unexpected tensors raise
     ValueError naming them before any is read; then every linear layer's
     method prepares its weights for its kernel.
+
+    ``lm_head`` False builds an embedding model (no output layer; a
+    checkpoint's ``lm_head.weight`` is then not read). A checkpoint saved
+    without its head (``Qwen3Model``) names its tensors without the
+    ``model.`` prefix; they load all the same.
     """
     folder = model_folder(model)
     arch = load_arch_config(folder)
@@ -132,9 +138,13 @@ def load_model(
         backends = replace(backends, quantization=CheckpointScheme(
             arch.quantization, DecoderForCausalLM.packed_modules_mapping, backends.quantization))
     with default_dtype(torch_dtype), torch.device(device):
-        net = DecoderForCausalLM(arch, arch.max_model_len(max_model_len), backends)
+        net = DecoderForCausalLM(arch, arch.max_model_len(max_model_len), backends, lm_head=lm_head)
     wanted = _checkpoint_name_map(net)
     stored = _stored_names(files, arch)
+    if not lm_head:
+        stored.discard("lm_head.weight")
+    if not any(n.startswith("model.") for n in stored):
+        wanted = {n.removeprefix("model."): target for n, target in wanted.items()}
     missing = sorted(set(wanted) - set(stored))
     # Layers of other pipeline stages are in the checkpoint but not here.
     here = net.model.layer_range
@@ -156,8 +166,9 @@ def load_model(
 
 
 def _layer_index(name: str) -> Optional[int]:
-    """N for a tensor of ``model.layers.N``, else None."""
-    prefix = "model.layers."
+    """N for a tensor of ``model.layers.N`` (or ``layers.N``: a headless checkpoint), else None."""
+    name = name.removeprefix("model.")
+    prefix = "layers."
     if not name.startswith(prefix):
         return None
     index = name[len(prefix):].split(".", 1)[0]

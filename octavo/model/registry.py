@@ -45,7 +45,14 @@ ARCHITECTURES: dict[str, Callable[[dict[str, Any]], ArchSwitches]] = {
     "MistralForCausalLM": _mistral,
     "Qwen2ForCausalLM": _qwen2,
     "Qwen3ForCausalLM": _qwen3,
+    # The same decoders saved without their LM head (transformers' AutoModel,
+    # embedding checkpoints): their tensors lack the "model." prefix.
+    "LlamaModel": _llama,
+    "MistralModel": _mistral,
+    "Qwen2Model": _qwen2,
+    "Qwen3Model": _qwen3,
 }
+HEADLESS_ARCHITECTURES = frozenset({"LlamaModel", "MistralModel", "Qwen2Model", "Qwen3Model"})
 
 
 def switches_for(architecture: str, raw: dict[str, Any]) -> ArchSwitches:

@@ -15,6 +15,7 @@ from octavo.core.step_state import BatchState, CachedRequestState, ScheduledRow
 from octavo.model.config import load_arch_config
 from octavo.model.kv_scales import load_static_kv_scales
 from octavo.model.loader import load_model, model_folder, resolve_dtype
+from octavo.model.pooler_config import resolve_pooler
 from octavo.outputs import TokenLogprobs
 from octavo.sample.logprobs import token_logprobs
 from octavo.sample.metadata import SamplingMetadata
@@ -26,6 +27,7 @@ from octavo.spec_decode.registry import create_proposer
 from octavo.worker.backends import model_backends
 from octavo.worker.draft_runner import DraftModelProposer
 from octavo.worker.input_batch import StepInputs, prepare_inputs
+from octavo.worker.pooler import Pooler
 from octavo.worker.kv_cache import (
     CacheShape,
     allocate_kv_caches,
@@ -88,8 +90,12 @@ class ModelRunner:
         )
         self.backends = model_backends(model_config, self.device, self.dtype, cache_dtype, arch.layer_windows)
         ops = self.backends.fused_ops
+        # An embedding model: every request pools its prompt's hidden states, no logits.
+        pooler_config = resolve_pooler(model_config)
+        self.pooler = Pooler(pooler_config) if pooler_config is not None else None
         self.model, self.arch = load_model(
-            folder, model_config.dtype, self.device, model_config.max_model_len, self.backends
+            folder, model_config.dtype, self.device, model_config.max_model_len, self.backends,
+            lm_head=self.pooler is None,
         )
         self.max_model_len = self.arch.max_model_len(model_config.max_model_len)
         self.vocab_size = self.arch.vocab_size
@@ -149,6 +155,9 @@ class ModelRunner:
             inputs, hidden = step
             if hidden is None:
                 return ModelRunnerOutput()  # a pipeline stage before the last
+            if self.pooler is not None:
+                pooled = self.pooler.pool(inputs.order, inputs.q_starts, hidden, self.model.final_hidden)
+                return ModelRunnerOutput(pooled=pooled)
             plan = _plan_logit_rows(inputs)
             row_ids = plan.rows()
             if not row_ids:
@@ -227,6 +236,8 @@ class ModelRunner:
             for request_id in scheduler_output.finished_request_ids:
                 self._draft_probs.pop(request_id, None)
             self.proposer.remove_requests(scheduler_output.finished_request_ids)
+        if self.pooler is not None:
+            self.pooler.forget(scheduler_output.finished_request_ids)
         rows = self.batch.apply(scheduler_output)
         self._grammar = scheduler_output.grammar
         copy_blocks(self.kv_caches, scheduler_output.block_copies)

@@ -78,13 +78,18 @@ class DecoderForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, arch: ArchConfig, max_len: int, backends: ModelBackends) -> None:
+    def __init__(self, arch: ArchConfig, max_len: int, backends: ModelBackends, lm_head: bool = True) -> None:
+        """``lm_head`` False: an embedding model, which needs the final norm's
+        output only (``final_hidden``), not logits."""
         super().__init__()
         self.arch = arch
         self.model = DecoderModel(arch, backends)
-        self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, backends.linear_method("lm_head"), "lm_head")
-        if arch.tie_word_embeddings:
-            self.lm_head.tie_to(self.model.embed_tokens)
+        self.lm_head: Optional[ParallelLMHead] = None
+        if lm_head:
+            self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, backends.linear_method("lm_head"),
+                                          "lm_head")
+            if arch.tie_word_embeddings:
+                self.lm_head.tie_to(self.model.embed_tokens)
         self.rotary = RotaryEmbedding(arch.rope, arch.head_dim, max_len)
         state = get_parallel_state()
         self.first_stage = state.pp_rank == 0
@@ -126,4 +131,8 @@ class DecoderForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
         """Logits of ``hidden``'s rows; None on a tensor-parallel rank other
         than the driver (the vocabulary shards are gathered on the driver only)."""
-        return self.lm_head(self.model.norm(hidden))
+        return self.lm_head(self.final_hidden(hidden))
+
+    def final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The final norm's output: transformers' ``last_hidden_state``."""
+        return self.model.norm(hidden)
