@@ -37,6 +37,7 @@ _RESERVED_TEMPLATE_VARIABLES = ("messages", "tools", "documents", "add_generatio
 
 async def create_chat_completion(req: ChatCompletionRequest, raw: Request, state: ServerState) -> Response:
     state.check_model(req.model)
+    state.check_task(embeddings=False)
     state.check_engine()
     state.config.limits.check(req)
     # Template rendering and tokenization take time in proportion to the

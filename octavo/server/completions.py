@@ -32,6 +32,7 @@ class _Prompt:
 
 async def create_completion(req: CompletionRequest, raw: Request, state: ServerState) -> Response:
     state.check_model(req.model)
+    state.check_task(embeddings=False)
     state.check_engine()
     state.config.limits.check(req)
     # Tokenizing a long prompt takes seconds: in a thread, off the event loop.

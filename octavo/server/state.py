@@ -9,6 +9,7 @@ from typing import AsyncIterator, Optional
 
 from octavo.engine.async_client import AsyncEngineClient, EngineDeadError, EngineRequestError, RequestTimeoutError
 from octavo.outputs import RequestOutput
+from octavo.pooling import PoolingParams
 from octavo.sampling_params import SamplingParams
 from octavo.server.config import ServerConfig
 from octavo.server.errors import APIError, bad_request
@@ -44,6 +45,16 @@ class ServerState:
     def check_model(self, name: Optional[str]) -> None:
         if name is not None and name not in self.model_names:
             raise APIError(404, f"The model `{name}` does not exist.", param="model", code="model_not_found")
+
+    def check_task(self, embeddings: bool) -> None:
+        """A server serves one task (--task): a request for the other is a 400."""
+        serves_embeddings = self.client.info.pooler is not None
+        if embeddings and not serves_embeddings:
+            raise bad_request(f"the model `{self.model_name}` generates text; it serves no embeddings "
+                              "(serve an embedding model, or this one with --task embed)", "model")
+        if not embeddings and serves_embeddings:
+            raise bad_request(f"the model `{self.model_name}` is an embedding model (task embed): it serves "
+                              "/v1/embeddings only, not text generation", "model")
 
     def check_engine(self) -> None:
         if not self.client.is_alive:
@@ -91,10 +102,11 @@ class ServerState:
         return resolved
 
     async def generate(
-        self, prompt_ids: list[int], params: SamplingParams, priority: int, api_names: dict[str, str]
+        self, prompt_ids: list[int], params: SamplingParams | PoolingParams, priority: int, api_names: dict[str, str]
     ) -> AsyncIterator[RequestOutput]:
         """One engine request with metrics; engine failures become APIErrors
-        (``api_names`` as for ``build_sampling_params``)."""
+        (``api_names`` as for ``build_sampling_params``). ``PoolingParams``:
+        an embedding request."""
         arrival = time.monotonic()
         timeout = self.config.request_timeout_s
         deadline = arrival + timeout if timeout is not None else None
