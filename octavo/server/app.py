@@ -18,6 +18,7 @@ from octavo.engine.restart_policy import RestartPolicy
 from octavo.server.chat import create_chat_completion, render_messages
 from octavo.server.completions import create_completion
 from octavo.server.embeddings import EmbeddingRequest, create_embedding
+from octavo.server.responses import ResponsesRequest, create_response
 from octavo.server.config import ServerConfig
 from octavo.server.errors import bad_request, error_body, install_error_handlers
 from octavo.server.metrics import ServerMetrics
@@ -104,6 +105,10 @@ def _add_routes(app: FastAPI) -> None:
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await create_chat_completion(body, request, _state(request))
+
+    @app.post("/v1/responses")
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        return await create_response(body, request, _state(request))
 
     @app.post("/v1/embeddings")
     async def embeddings(body: EmbeddingRequest, request: Request) -> Response:

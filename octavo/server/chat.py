@@ -42,7 +42,7 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, state
     state.config.limits.check(req)
     # Template rendering and tokenization take time in proportion to the
     # request: in a thread, so the event loop keeps serving everyone else.
-    prompt_ids, params, plan = await asyncio.to_thread(_prepare, req, state)
+    prompt_ids, params, plan = await asyncio.to_thread(prepare_chat, req, state)
     state.admit(1)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     stream = state.generate(prompt_ids, params, req.priority, _api_names(req, plan))
@@ -154,7 +154,8 @@ def _template_call(i: int, j: int, call: ToolCall) -> dict[str, Any]:
     return {"id": call.id, "type": call.type, "function": {"name": call.function.name, "arguments": arguments}}
 
 
-def _prepare(req: ChatCompletionRequest, state: ServerState) -> tuple[list[int], Any, ToolPlan]:
+def prepare_chat(req: ChatCompletionRequest, state: ServerState) -> tuple[list[int], Any, ToolPlan]:
+    """Prompt ids, sampling parameters and tool plan of a chat request (/v1/responses too). Blocking."""
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     plan = plan_tools(req, state.config)

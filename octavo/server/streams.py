@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import AsyncIterator, Awaitable, TypeVar
+from typing import AsyncIterator, Awaitable, Callable, Optional, TypeVar
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
@@ -95,7 +95,14 @@ def sse(chunk: BaseModel) -> str:
     return f"data: {chunk.model_dump_json()}\n\n"
 
 
-def sse_response(events: AsyncIterator[str]) -> StreamingResponse:
+def sse_response(
+    events: AsyncIterator[str],
+    error_event: Callable[[APIError], str] = sse_error,
+    done: Optional[str] = "data: [DONE]\n\n",
+) -> StreamingResponse:
+    """``error_event`` and ``done`` (None: nothing) end the stream: the
+    Responses API has its own error event and no [DONE] marker."""
+
     async def body() -> AsyncIterator[str]:
         try:
             async with contextlib.aclosing(events):  # type: ignore[type-var]
@@ -103,8 +110,9 @@ def sse_response(events: AsyncIterator[str]) -> StreamingResponse:
                     yield event
         except APIError as err:
             # Headers (200) are gone already: report in-band, like OpenAI does.
-            yield sse_error(err)
-        yield "data: [DONE]\n\n"
+            yield error_event(err)
+        if done is not None:
+            yield done
 
     return StreamingResponse(body(), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
