@@ -1,12 +1,13 @@
 """Octavo: an LLM inference and serving engine."""
 from octavo.sampling_params import RequestOutputKind, SamplingParams, StructuredOutputParams
 from octavo.outputs import CompletionOutput, OutputAccumulator, RequestOutput
+from octavo.pooling import PoolingParams
 
 __version__ = "0.1.0"
 
 __all__ = [
     "LLM", "SamplingParams", "StructuredOutputParams", "RequestOutputKind", "CompletionOutput", "RequestOutput",
-    "OutputAccumulator", "__version__",
+    "OutputAccumulator", "PoolingParams", "__version__",
 ]
 
 
