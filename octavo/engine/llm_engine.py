@@ -46,6 +46,9 @@ class LLMEngine:
         self.config = config
         # Set when the model serves embeddings (--task): then every request is one.
         self.pooler_config = resolve_pooler(config.model)
+        if self.pooler_config is not None and config.speculative.enabled:
+            raise ValueError("speculative decoding does not apply to an embedding model (task embed): "
+                             "leave speculative_method and speculative_model unset")
         self.tokenizer = Tokenizer(config.model.tokenizer or config.model.model)
         self.executor = create_executor(config)
         try:

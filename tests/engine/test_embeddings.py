@@ -115,8 +115,11 @@ def test_one_task_per_model(tmp_path_factory):
 
 def test_bad_embedding_folders_fail_at_start(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("emb")
+    headless = make_tiny_model(tmp, "qwen3", headless=True)
     with pytest.raises(ValueError, match="task generate needs a language-model head"):
-        LLM(make_tiny_model(tmp, "qwen3", headless=True), task="generate", num_blocks=16)
+        LLM(headless, task="generate", num_blocks=16)
+    with pytest.raises(ValueError, match="speculative decoding does not apply"):
+        LLM(headless, speculative_method="ngram", num_blocks=16)
     folder = make_sentence_transformers_model(tmp, "mean")
     modules = json.loads((folder / "modules.json").read_text())
     modules.append({"idx": 3, "name": "3", "path": "3_Dense", "type": "sentence_transformers.models.Dense"})
