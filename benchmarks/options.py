@@ -27,8 +27,11 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--kv-cache-memory-bytes", type=int, default=2 * 2**30,
                         help="Octavo's KV cache budget (default 2 GiB: the machine is shared)")
-    parser.add_argument("--attention-backend", default="auto", choices=["auto", "native", "torch"],
-                        help="Octavo's decode attention (native kernel or torch gather + SDPA)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                        help="where Octavo and transformers run (llama.cpp stays a CPU peer)")
+    parser.add_argument("--enforce-eager", action="store_true", help="Octavo on CUDA without decode CUDA graphs")
+    parser.add_argument("--attention-backend", default="auto", choices=["auto", "native", "triton", "torch"],
+                        help="Octavo's decode attention (native CPU kernel, Triton on CUDA, or torch gather + SDPA)")
     parser.add_argument("--linear-backend", default="auto", choices=["auto", "native", "onednn", "torch"],
                         help="Octavo's bf16 matmuls (see octavo serve --help)")
     parser.add_argument("--no-fused-ops", action="store_true", help="Octavo with torch ops instead of its fused kernels")

@@ -42,7 +42,7 @@ def run_peer(name: str, args: argparse.Namespace, workload: Workload,
         sizes = sorted({subset_size(args, p, workload) for p in peers} - {len(workload.prompts)})
         return full, [timed_runs(lambda: peer.run(workload.head(k)), args.repeats) for k in sizes]
     if name == "hf":
-        hf = HFPeer(args.model, args.dtype)
+        hf = HFPeer(args.model, args.dtype, args.device)
         hf.warmup()
         sub = workload.head(subset_size(args, "hf", workload))
         best, sweep = hf.sweep(sub, args.hf_batch_sizes)

@@ -16,7 +16,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DTYPE_ALIASES = ("float", "half")
 # What --generation-config takes besides a folder: the model's own file, or none (vLLM's "vllm").
 GENERATION_CONFIG_SOURCES = ("auto", "vllm", "none")
-ATTENTION_BACKENDS = ("auto", "native", "torch")
+ATTENTION_BACKENDS = ("auto", "native", "triton", "torch")
 # Quantized KV cache element types (fp8 = float8_e4m3fn); "auto" stores the cache_dtype.
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 LINEAR_BACKENDS = ("auto", "native", "onednn", "torch")
@@ -116,11 +116,15 @@ class ModelConfig:
         "generation_config.json",
     )
     # "native" is the C kernel that reads K/V blocks in place (built on first
-    # use; CPU); "auto" takes it when it builds and fits the device and dtypes.
+    # use; CPU), "triton" its CUDA counterpart; "auto" takes the first that
+    # builds and fits the device and dtypes.
     attention_backend: str = option(
-        "auto", "decode attention: native C kernel over the KV blocks, or torch gather + SDPA",
+        "auto", "decode attention: native C kernel over the KV blocks (CPU), Triton kernel over them (CUDA), "
+        "or torch gather + SDPA",
         choices=ATTENTION_BACKENDS,
     )
+    # vLLM's name. Graphs need the triton backend, one rank and no speculation; elsewhere steps run eagerly anyway.
+    enforce_eager: bool = option(False, "never replay decode steps from captured CUDA graphs (CUDA only)")
     # "native" = onednn plus products of few rows (small-batch decode) through
     # the AMX kernel reading the same packed bytes; "auto" = native where the
     # CPU has AMX, else onednn, else torch.

@@ -21,11 +21,13 @@ from benchmarks.workload import Workload
 class HFPeer:
     name = "hf"
 
-    def __init__(self, model: Path, dtype: str) -> None:
+    def __init__(self, model: Path, dtype: str, device: str = "cpu") -> None:
         import transformers
 
         self.model_path = model
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).eval()
+        self.device = torch.device(device)
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(
+            model, dtype=getattr(torch, dtype)).eval().to(self.device)
         self.pad_id = self.model.config.pad_token_id or 0
 
     @torch.inference_mode()
@@ -37,7 +39,7 @@ class HFPeer:
             ids[row, width - len(p):] = torch.tensor(p)
             mask[row, width - len(p):] = 1
         out = self.model.generate(
-            input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=output_len,
+            input_ids=ids.to(self.device), attention_mask=mask.to(self.device), do_sample=False, max_new_tokens=output_len,
             min_new_tokens=output_len, pad_token_id=self.pad_id,
         )
         if out.shape[1] != width + output_len:

@@ -31,6 +31,7 @@ class OctavoPeer:
                        "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
                        "attention_backend": args.attention_backend,
                        "linear_backend": args.linear_backend, "fused_ops": not args.no_fused_ops,
+                       "device": args.device, "enforce_eager": args.enforce_eager,
                        **overrides}
         return cls(args.model, args.dtype, **engine_args)
 

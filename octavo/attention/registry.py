@@ -1,6 +1,6 @@
 """Attention backends by name (``ModelConfig.attention_backend``), and the
 choice behind "auto": the first registered backend that fits the device and
-dtypes and builds here (the native kernel, else torch)."""
+dtypes and builds here (the native kernel on CPU, Triton on CUDA, else torch)."""
 from __future__ import annotations
 
 from typing import Iterable, Optional
@@ -10,9 +10,12 @@ import torch
 from octavo.attention.base import AttentionBackend
 from octavo.attention.native_cpu import NativeCpuBackend
 from octavo.attention.torch_sdpa import TorchSdpaBackend
+from octavo.attention.triton_cuda import TritonBackend
 
 # In "auto"'s order of preference.
-ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {b.name: b for b in (NativeCpuBackend, TorchSdpaBackend)}
+ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {
+    b.name: b for b in (NativeCpuBackend, TritonBackend, TorchSdpaBackend)
+}
 
 
 def select_attention_backend(

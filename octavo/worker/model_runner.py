@@ -9,9 +9,11 @@ from typing import Callable, Optional
 import torch
 
 from octavo.attention.kv_quant import KV_QUANT_DTYPES
+from octavo.attention.triton_cuda import TritonBackend
 from octavo.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from octavo.core.outputs import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from octavo.core.step_state import BatchState, CachedRequestState, ScheduledRow
+from octavo.distributed.parallel_state import get_parallel_state
 from octavo.model.config import load_arch_config
 from octavo.model.kv_scales import load_static_kv_scales
 from octavo.model.loader import load_model, model_folder, resolve_dtype
@@ -25,6 +27,7 @@ from octavo.spec_decode.adaptive import SpeculationGovernor
 from octavo.spec_decode.proposer import ProposalInput, ProposerContext
 from octavo.spec_decode.registry import create_proposer
 from octavo.worker.backends import model_backends
+from octavo.worker.decode_graphs import DecodeGraphs
 from octavo.worker.draft_runner import DraftModelProposer
 from octavo.worker.input_batch import StepInputs, prepare_inputs
 from octavo.worker.pooler import Pooler
@@ -117,7 +120,9 @@ class ModelRunner:
         )
         static_scales = (load_static_kv_scales(self.model, folder, cache_dtype)
                          if cache_config.kv_cache_dtype != "auto" else None)
-        self.kv_caches = allocate_kv_caches(shape, self.num_blocks, self.device, static_scales)
+        use_graphs = self._can_use_graphs(model_config, spec)
+        # CUDA graphs pad batches with rows that write into one extra block the scheduler never hands out.
+        self.kv_caches = allocate_kv_caches(shape, self.num_blocks + use_graphs, self.device, static_scales)
         if self._draft is not None:
             self._draft.allocate(self.num_blocks)
 
@@ -133,6 +138,7 @@ class ModelRunner:
         # A model proposer's q of the proposals sent back, until verified.
         self._draft_probs: dict[str, torch.Tensor] = {}
         self.governor = SpeculationGovernor(spec.speculative_adaptive, spec.speculative_max_batch_size)
+        self._graphs = self._capture_graphs(scheduler_config.max_num_seqs) if use_graphs else None
         self._last_end: Optional[float] = None  # CPU time when the previous step left the runner
         self._last_cost = 0.0  # ... and what that step cost in it
         self._speculated = False  # the governor's choice in the previous step
@@ -246,7 +252,28 @@ class ModelRunner:
         if not rows:
             return None
         inputs = prepare_inputs(rows, self.block_size, self.backends.attention, self.device)
+        graphs = self._graphs
+        if graphs is not None and not inputs.attn.prefills and inputs.attn.num_decodes <= graphs.max_batch:
+            return inputs, graphs.run(inputs.input_ids, inputs.positions, inputs.attn)
         return inputs, self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
+
+    def _can_use_graphs(self, model_config: ModelConfig, spec: SpeculativeConfig) -> bool:
+        """Decode steps replay CUDA graphs on CUDA with the Triton backend, at one rank (no collectives or
+        stage hand-offs inside the graph), without speculation (its steps are multi-token rows)."""
+        state = get_parallel_state()
+        return (self.device.type == "cuda" and not model_config.enforce_eager
+                and isinstance(self.backends.attention, TritonBackend)
+                and state.tp_size == 1 and state.pp_size == 1 and not spec.enabled)
+
+    def _capture_graphs(self, max_num_seqs: int) -> Optional[DecodeGraphs]:
+        """Graphs for decode batches up to max_num_seqs (at most 256); a capture that fails leaves the engine
+        eager, with the reason logged, rather than not starting."""
+        try:
+            return DecodeGraphs(self.model, self.kv_caches, self.num_blocks, self.block_size,
+                                min(max_num_seqs, 256), self.max_model_len, self.device, capture=True)
+        except Exception:
+            logger.exception("capturing decode CUDA graphs failed; running every step eagerly")
+            return None
 
     def _sample(self, scheduled: list[ScheduledRow], logits: torch.Tensor, out: ModelRunnerOutput) -> None:
         """Draw the batch's tokens (verify its proposals) in one pass. Should

@@ -12,6 +12,7 @@ from octavo.attention.kv_quant import allocate_layer_cache, dequantize, write_kv
 from octavo.attention.native_cpu import NativeCpuBackend
 from octavo.attention.registry import ATTENTION_BACKENDS, select_attention_backend
 from octavo.attention.torch_sdpa import TorchSdpaBackend
+from octavo.attention.triton_cuda import TritonBackend
 from octavo.core.step_state import ScheduledRow
 from octavo.core.request import Request
 from octavo.sampling_params import SamplingParams
@@ -23,7 +24,7 @@ BLOCK, HEADS, KV_HEADS, DIM, NUM_BLOCKS = 4, 4, 2, 8, 40
 
 
 def test_registry_names_both_backends():
-    assert ATTENTION_BACKENDS == {"native": NativeCpuBackend, "torch": TorchSdpaBackend}
+    assert ATTENTION_BACKENDS == {"native": NativeCpuBackend, "triton": TritonBackend, "torch": TorchSdpaBackend}
     assert isinstance(select_attention_backend("torch", CPU, F32, F32, {None}), TorchSdpaBackend)
     native = select_attention_backend("native", CPU, torch.bfloat16, F32, {None, 8})
     assert isinstance(native, NativeCpuBackend) and native.windows == {None, 8}
@@ -42,10 +43,12 @@ def test_auto_skips_a_backend_that_does_not_fit(monkeypatch):
 
 
 def test_refusals_name_the_field():
-    with pytest.raises(ValueError, match="attention_backend must be one of auto, native, torch; got 'flash'"):
+    with pytest.raises(ValueError, match="attention_backend must be one of auto, native, triton, torch; got 'flash'"):
         select_attention_backend("flash", CPU, F32, F32, {None})
     with pytest.raises(ValueError, match="attention_backend 'native' runs on CPU"):
         select_attention_backend("native", CPU, F32, torch.int16, {None})
+    with pytest.raises(ValueError, match="attention_backend 'triton' runs on CUDA"):
+        select_attention_backend("triton", CPU, F32, F32, {None})
     with pytest.raises(TypeError):
         AttentionBackend({None})  # type: ignore[abstract]
 
