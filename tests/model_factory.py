@@ -91,7 +91,7 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     # Phi-4-mini's shape: a quarter of each head unrotated, tied embeddings,
     # LongRoPE. Both lengths equal, so the short factors hold at every length
     # (as in transformers); the explicit factor still sets the attention factor.
-    # The long factors: tests/model/test_phi3_longrope.py.
+    # The long factors: tests/worker/test_longrope.py.
     "phi4_mini": ("phi3", {
         "tie_word_embeddings": True,
         "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
