@@ -192,9 +192,10 @@ def parse_rope(
     if rope_type not in ROPE_TYPES:
         raise ValueError(f"rope_type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
     partial = float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
-    if partial != 1.0 and not (partial_ok and 0.0 < partial < 1.0):
-        raise ValueError(f"partial_rotary_factor {partial} is not supported for {raw['architectures'][0]}"
-                         if not partial_ok else f"partial_rotary_factor must be in (0, 1], got {partial}")
+    if partial != 1.0 and not partial_ok:
+        raise ValueError(f"partial_rotary_factor {partial} is not supported for {raw['architectures'][0]}")
+    if not 0.0 < partial <= 1.0:
+        raise ValueError(f"partial_rotary_factor must be in (0, 1], got {partial}")
     if rope_type == "default":
         return RopeConfig(theta=theta, partial_rotary_factor=partial)
     original = (
