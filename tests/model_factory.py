@@ -26,7 +26,25 @@ _ARCHS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "mistral": ("MistralConfig", "MistralForCausalLM", {"sliding_window": 8}),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {}),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM", {}),
+    # head_dim 32 with hidden 64 / 4 heads: independent of hidden / heads;
+    # query_pre_attn_scalar other than head_dim; soft caps small enough to
+    # change the numbers of random weights (the checkpoints' 50 / 30 would not).
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", {
+        "head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 8, "attn_logit_softcapping": 2.0,
+        "final_logit_softcapping": 4.0, "num_hidden_layers": 3,
+    }),
+    # Layers 0, 1 slide with their own rope; layer 2 is global, with linear scaling.
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM", {
+        "head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 8, "num_hidden_layers": 3,
+        "layer_types": ["sliding_attention", "sliding_attention", "full_attention"],
+        "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
+                            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+    }),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", {"sliding_window": 12}),
 }
+# Gemma's norms scale by (1 + weight) and start at zero: random weights make
+# every norm (and a wrong one) show in the logits.
+_RANDOM_NORMS = {"gemma2", "gemma3"}
 
 _COMMON: dict[str, Any] = {
     "hidden_size": 64,
@@ -68,6 +86,21 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
             }
         },
     ),
+    "gemma2": ("gemma2", {}),
+    "gemma3": ("gemma3", {}),
+    "phi3": ("phi3", {}),
+    # Phi-4-mini's shape: a quarter of each head unrotated, tied embeddings,
+    # LongRoPE. Both lengths equal, so the short factors hold at every length
+    # (as in transformers); the explicit factor still sets the attention factor.
+    # The long factors: tests/worker/test_longrope.py.
+    "phi4_mini": ("phi3", {
+        "tie_word_embeddings": True,
+        "rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                            "factor": 4.0, "original_max_position_embeddings": 512,
+                            "short_factor": [1.0, 1.3, 1.9, 2.6, 3.1, 4.0],
+                            "long_factor": [1.5, 2.5, 4.0, 6.0, 9.0, 13.0]},
+        "original_max_position_embeddings": 512,
+    }),
     "qwen2_rope_yarn": (
         "qwen2",
         {
@@ -150,7 +183,13 @@ def make_tiny_model(
 
     config = getattr(transformers, config_cls)(**fields)
     torch.manual_seed(seed)
-    model = getattr(transformers, model_cls)(config).to(getattr(torch, dtype)).eval()
+    model = getattr(transformers, model_cls)(config)
+    if arch in _RANDOM_NORMS:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.normal_(0.0, 0.3)
+    model = model.to(getattr(torch, dtype)).eval()
     model.save_pretrained(folder)
     # save_pretrained writes its own generation_config.json from the config;
     # ours replaces it so tests control exactly what the engine reads.

@@ -99,11 +99,16 @@ class AttentionBackend(ABC):
         kv_cache: LayerKVCache,
         meta: AttentionMetadata,
         window: Optional[int],
+        scale: Optional[float] = None,
+        softcap: Optional[float] = None,
     ) -> torch.Tensor:
         """Causal attention of q [T, heads, D] over each request's cached
         context, within the last ``window`` positions if set. k, v [T,
         kv_heads, D] are this step's, already in ``kv_cache`` (``write_kv``
-        or a fused kernel put them there). Returns [T, heads, D]."""
+        or a fused kernel put them there). Scores are q.k * ``scale``
+        (default D ** -0.5), then ``softcap * tanh(score / softcap)`` when
+        ``softcap`` is set (Gemma 2), before the mask and softmax. Every
+        backend honours all of these. Returns [T, heads, D]."""
 
     def write_kv(self, kv_cache: LayerKVCache, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
         """k, v [T, kv_heads, D] of this step into the cache (quantized when it is)."""

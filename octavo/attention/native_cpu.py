@@ -1,6 +1,7 @@
 """Decode attention through Octavo's C kernel, which walks each sequence's
 block table and reads K/V in place (no gather, no padding, no masks: the
-kernel applies the window itself); prefill chunks through torch's SDPA."""
+kernel applies the window and the soft cap itself); prefill chunks through
+torch's SDPA."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -54,7 +55,10 @@ class NativeCpuBackend(AttentionBackend):
         kv_cache: LayerKVCache,
         meta: NativeCpuMetadata,
         window: Optional[int],
+        scale: Optional[float] = None,
+        softcap: Optional[float] = None,
     ) -> torch.Tensor:
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
         n = meta.num_decodes
         if not n:
             out = torch.empty_like(q)
@@ -62,11 +66,11 @@ class NativeCpuBackend(AttentionBackend):
             scales = kv_cache.scales
             o = self.kernel(
                 q[:n], kv_cache.data[0], kv_cache.data[1], meta.decode_block_table, meta.decode_context_lens, window,
-                q.shape[-1] ** -0.5, None if scales is None else scales[0], None if scales is None else scales[1],
+                scale, None if scales is None else scales[0], None if scales is None else scales[1], softcap,
             )
             if not meta.prefills:
                 return o
             out = torch.empty_like(q)
             out[:n] = o
-        attend_prefills(q, k, v, kv_cache, meta.prefills, window, out)
+        attend_prefills(q, k, v, kv_cache, meta.prefills, window, out, scale, softcap)
         return out

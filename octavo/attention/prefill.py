@@ -44,6 +44,33 @@ def build_prefills(layout: StepLayout, windows: Iterable[Optional[int]]) -> list
     return chunks
 
 
+def attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: Optional[torch.Tensor],
+    scale: float,
+    softcap: Optional[float],
+) -> torch.Tensor:
+    """q [B, heads, Q, D] over k, v [B, kv_heads, K, D] (query head h reads
+    KV head h // (heads / kv_heads)); ``mask`` broadcast to [B, heads, Q, K],
+    True where a query attends; None: the causal square (Q == K). SDPA,
+    except with a soft cap, which SDPA cannot apply between the product and
+    the softmax: then the scores are formed explicitly, in float32."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                              enable_gqa=True)
+    b, heads, q_len, d = q.shape
+    kv_heads, k_len = k.shape[1], k.shape[2]
+    grouped = q.reshape(b, kv_heads, heads // kv_heads * q_len, d)
+    scores = (grouped @ k.transpose(-1, -2)).float().view(b, heads, q_len, k_len) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is None:
+        mask = torch.ones(q_len, k_len, dtype=torch.bool, device=q.device).tril()
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).to(v.dtype)
+    return (probs.view(b, kv_heads, -1, k_len) @ v).view(b, heads, q_len, d)
+
+
 def attend_prefills(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -52,8 +79,11 @@ def attend_prefills(
     prefills: list[PrefillChunk],
     window: Optional[int],
     out: torch.Tensor,
+    scale: float,
+    softcap: Optional[float] = None,
 ) -> None:
-    """Each chunk's attention into its rows of ``out``."""
+    """Each chunk's attention into its rows of ``out`` (``scale`` and
+    ``softcap`` as ``AttentionBackend.forward`` takes them)."""
     for chunk in prefills:
         rows = slice(chunk.q_start, chunk.q_end)
         if chunk.fresh:
@@ -66,12 +96,12 @@ def attend_prefills(
         mask = chunk.masks[window]
         # 4-D inputs: torch's CPU flash kernel takes only those (3-D ones go
         # to the unfused math path: 6x slower on a 64-request offline run).
-        o = F.scaled_dot_product_attention(
+        o = attend(
             q[rows].transpose(0, 1).unsqueeze(0),
             keys.transpose(0, 1).unsqueeze(0),
             values.transpose(0, 1).unsqueeze(0),
-            attn_mask=mask,
-            is_causal=mask is None,
-            enable_gqa=True,
+            mask,
+            scale,
+            softcap,
         )
         out[rows] = o.squeeze(0).transpose(0, 1)

@@ -7,11 +7,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-from torch.nn import functional as F
 
 from octavo.attention.base import AttentionBackend, AttentionMetadata, MaskByWindow, StepLayout
 from octavo.attention.kv_quant import LayerKVCache, gather_blocks
-from octavo.attention.prefill import attend_prefills, build_prefills, window_mask
+from octavo.attention.prefill import attend, attend_prefills, build_prefills, window_mask
 
 
 @dataclass
@@ -72,15 +71,16 @@ class TorchSdpaBackend(AttentionBackend):
         kv_cache: LayerKVCache,
         meta: TorchSdpaMetadata,
         window: Optional[int],
+        scale: Optional[float] = None,
+        softcap: Optional[float] = None,
     ) -> torch.Tensor:
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
         out = torch.empty_like(q)
         for group in meta.decode_groups:
             rows = slice(group.row_start, group.row_end)
             keys = gather_blocks(kv_cache, 0, group.block_table, q.dtype).transpose(1, 2)
             values = gather_blocks(kv_cache, 1, group.block_table, q.dtype).transpose(1, 2)
-            o = F.scaled_dot_product_attention(
-                q[rows].unsqueeze(2), keys, values, attn_mask=group.masks[window], enable_gqa=True
-            )
+            o = attend(q[rows].unsqueeze(2), keys, values, group.masks[window], scale, softcap)
             out[rows] = o.squeeze(2)
-        attend_prefills(q, k, v, kv_cache, meta.prefills, window, out)
+        attend_prefills(q, k, v, kv_cache, meta.prefills, window, out, scale, softcap)
         return out

@@ -50,21 +50,24 @@ class TritonBackend(AttentionBackend):
         kv_cache: LayerKVCache,
         meta: TritonMetadata,
         window: Optional[int],
+        scale: Optional[float] = None,
+        softcap: Optional[float] = None,
     ) -> torch.Tensor:
         # Imported here: importing triton costs a second, and only CUDA runs reach this.
         from octavo.kernels.triton_paged_decode import paged_decode
 
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
         n = meta.num_decodes
         out = torch.empty_like(q) if meta.prefills or not n else None
         if n:
             scales = kv_cache.scales
             o = paged_decode(
                 q[:n], kv_cache.data[0], kv_cache.data[1], meta.decode_block_table, meta.decode_context_lens,
-                meta.max_decode_context, q.shape[-1] ** -0.5, window,
+                meta.max_decode_context, scale, window, softcap,
                 key_scales=None if scales is None else scales[0], value_scales=None if scales is None else scales[1],
             )
             if out is None:
                 return o
             out[:n] = o
-        attend_prefills(q, k, v, kv_cache, meta.prefills, window, out)
+        attend_prefills(q, k, v, kv_cache, meta.prefills, window, out, scale, softcap)
         return out

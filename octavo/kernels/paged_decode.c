@@ -41,6 +41,9 @@
  *   block_tables  [num_seqs, table_width] int64
  *   context_lens  [num_seqs] int64: the query attends to positions 0..len-1
  * window > 0 keeps only the last `window` positions (sliding window).
+ * softcap > 0 caps the scaled scores to softcap * tanh(score / softcap)
+ * (Gemma 2) in one pass over them before the softmax; the score loops are
+ * untouched, so models without a cap run exactly as before.
  */
 #include <math.h>
 #include <omp.h>
@@ -164,13 +167,28 @@ static void softmax_rows(float *scores, int64_t group, int64_t n) {
     }
 }
 
+/* softcap * tanh(x / softcap), from exp_nonpositive: tanh|t| = (1 - e) / (1 + e)
+ * with e = exp(-2|t|). */
+ALWAYS_INLINE float softcap_one(float x, float softcap) {
+    const float t = x / softcap, e = exp_nonpositive(-2.0f * fabsf(t));
+    const float th = (1.0f - e) / (1.0f + e);
+    return softcap * (t < 0.0f ? -th : th);
+}
+
+/* scores[0 .. n-1] capped in place (generic path). */
+static void softcap_scores(float *scores, int64_t n, float softcap) {
+#pragma omp simd
+    for (int64_t t = 0; t < n; t++) scores[t] = softcap_one(scores[t], softcap);
+}
+
 /* One (sequence, KV head) item, any dtypes: rows converted to float32 first.
  * k_sc, v_sc: the item's KV head's scales (quantized caches; else NULL), a
  * block's at block * scale_stride. */
 static void attend_generic(const float *qf, const char *k_base, const char *v_base, int kv_dtype,
                            const float *k_sc, const float *v_sc, int64_t scale_stride,
                            const int64_t *table, int64_t begin, int64_t n, int64_t group, int64_t head_dim,
-                           int64_t block_size, int64_t row_bytes, float *row, float *scores, float *acc) {
+                           int64_t block_size, int64_t row_bytes, float softcap, float *row, float *scores,
+                           float *acc) {
     for (int pass = 0; pass < 2; pass++) {
         const char *base = pass == 0 ? k_base : v_base;
         const float *sc = pass == 0 ? k_sc : v_sc;
@@ -199,7 +217,10 @@ static void attend_generic(const float *qf, const char *k_base, const char *v_ba
             }
             pos += count;
         }
-        if (pass == 0) softmax_rows(scores, group, n);
+        if (pass == 0) {
+            if (softcap > 0.0f) softcap_scores(scores, group * n, softcap);
+            softmax_rows(scores, group, n);
+        }
     }
 }
 
@@ -425,6 +446,33 @@ static void exponentiate_rows(float *scores, const float *peaks, int64_t heads, 
     }
 }
 
+/* softcap_one on 16 lanes. */
+ALWAYS_INLINE __m512 softcap16(__m512 x, float softcap) {
+    const __m512 t = _mm512_div_ps(x, _mm512_set1_ps(softcap));
+    const __m512 magnitude = _mm512_abs_ps(t);
+    const __m512 e = exp16_nonpositive(_mm512_mul_ps(magnitude, _mm512_set1_ps(-2.0f)));
+    const __m512 one = _mm512_set1_ps(1.0f);
+    const __m512 th = _mm512_div_ps(_mm512_sub_ps(one, e), _mm512_add_ps(one, e));
+    /* tanh is odd: the sign of t onto |tanh t|. */
+    const __m512i sign = _mm512_and_si512(_mm512_castps_si512(t), _mm512_set1_epi32((int)0x80000000u));
+    return _mm512_mul_ps(_mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(th), sign)),
+                         _mm512_set1_ps(softcap));
+}
+
+/* The heads' scores [heads][n] and their lane-wise peaks [heads][16]
+ * capped in place: tanh is increasing, so a capped peak is the peak of the
+ * capped scores. */
+static void softcap_rows(float *scores, float *peaks, int64_t heads, int64_t n, float softcap) {
+    for (int64_t h = 0; h < heads; h++) {
+        float *sh = scores + h * n;
+        for (int64_t t = 0; t < n; t += 16) {
+            const __mmask16 m = n - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (n - t)) - 1u);
+            _mm512_mask_storeu_ps(sh + t, m, softcap16(_mm512_maskz_loadu_ps(m, sh + t), softcap));
+        }
+        _mm512_storeu_ps(peaks + h * 16, softcap16(_mm512_loadu_ps(peaks + h * 16), softcap));
+    }
+}
+
 /* One item: scores, their exponentials, then the values into
  * acc[head][head_dim] for the item's heads (buffers are indexed by the head's
  * number in the sequence). `peaks` holds num_heads * 16 floats, `inv`
@@ -436,7 +484,7 @@ static void exponentiate_rows(float *scores, const float *peaks, int64_t heads, 
 ALWAYS_INLINE void sequence_avx512(const void *q, const float *qscale, float scale, const char *k_cache,
                                    const char *v_cache, const float *k_scales, const float *v_scales,
                                    const seq_view *sv, read_ahead *ra, int kind, int64_t group, int64_t head_dim,
-                                   float *tile, float *scores,
+                                   float softcap, float *tile, float *scores,
                                    float *peaks, float *inv, float *acc) {
     const int64_t n = sv->n, h0 = sv->kv0 * group, heads = (sv->kv1 - sv->kv0) * group;
     int64_t count;
@@ -450,6 +498,7 @@ ALWAYS_INLINE void sequence_avx512(const void *q, const float *qscale, float sca
             span_scores_quant(q, qscale, span, span_scales(sv, k_scales, t), count, t, n, sv->kv0, sv->kv1, group,
                               head_dim, sv->row_bytes, sv->block_size, kind, tile, scores, peaks, ra);
     }
+    if (softcap > 0.0f) softcap_rows(scores + h0 * n, peaks + h0 * 16, heads, n, softcap);
     exponentiate_rows(scores + h0 * n, peaks + h0 * 16, heads, n, inv + h0);
     memset(acc + h0 * head_dim, 0, sizeof(float) * (size_t)(heads * head_dim));
     for (int64_t t = 0; t < n; t += count) {
@@ -465,8 +514,8 @@ ALWAYS_INLINE void sequence_avx512(const void *q, const float *qscale, float sca
 
 #define OCTAVO_SHAPE(KIND, G, D)                                                                                  \
     if (group == G && head_dim == D) {                                                                            \
-        sequence_avx512(q, qscale, scale, k_cache, v_cache, k_scales, v_scales, sv, ra, KIND, G, D, tile, scores, \
-                        peaks, inv, acc);                                                                         \
+        sequence_avx512(q, qscale, scale, k_cache, v_cache, k_scales, v_scales, sv, ra, KIND, G, D, softcap,      \
+                        tile, scores, peaks, inv, acc);                                                           \
         return;                                                                                                   \
     }
 #define OCTAVO_SHAPES(KIND)                                                                                       \
@@ -474,13 +523,13 @@ ALWAYS_INLINE void sequence_avx512(const void *q, const float *qscale, float sca
     OCTAVO_SHAPE(KIND, 5, 64) OCTAVO_SHAPE(KIND, 6, 64) OCTAVO_SHAPE(KIND, 7, 64) OCTAVO_SHAPE(KIND, 8, 64)       \
     OCTAVO_SHAPE(KIND, 1, 128) OCTAVO_SHAPE(KIND, 2, 128) OCTAVO_SHAPE(KIND, 3, 128) OCTAVO_SHAPE(KIND, 4, 128)   \
     OCTAVO_SHAPE(KIND, 5, 128) OCTAVO_SHAPE(KIND, 6, 128) OCTAVO_SHAPE(KIND, 7, 128) OCTAVO_SHAPE(KIND, 8, 128)   \
-    sequence_avx512(q, qscale, scale, k_cache, v_cache, k_scales, v_scales, sv, ra, KIND, group, head_dim, tile,  \
-                    scores, peaks, inv, acc);
+    sequence_avx512(q, qscale, scale, k_cache, v_cache, k_scales, v_scales, sv, ra, KIND, group, head_dim,        \
+                    softcap, tile, scores, peaks, inv, acc);
 #define OCTAVO_ATTEND(NAME, KIND)                                                                                 \
     static void NAME(const void *q, const float *qscale, float scale, const char *k_cache, const char *v_cache,   \
                      const float *k_scales, const float *v_scales, const seq_view *sv, read_ahead *ra,            \
-                     int64_t group, int64_t head_dim, float *tile, float *scores, float *peaks, float *inv,       \
-                     float *acc) {                                                                                \
+                     int64_t group, int64_t head_dim, float softcap, float *tile, float *scores, float *peaks,     \
+                     float *inv, float *acc) {                                                                    \
         OCTAVO_SHAPES(KIND)                                                                                       \
     }
 OCTAVO_ATTEND(attend_bf16, BF16)
@@ -518,7 +567,7 @@ int octavo_paged_decode(const void *q, void *out, int q_dtype,
                         const int64_t *block_tables, int64_t table_width,
                         const int64_t *context_lens, int64_t num_seqs,
                         int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                        int64_t block_size, int64_t window, float scale) {
+                        int64_t block_size, int64_t window, float scale, float softcap) {
     const int64_t group = num_heads / num_kv_heads;
     const int64_t q_elem = element_size(q_dtype), kv_elem = element_size(kv_dtype);
     const int64_t row_bytes = num_kv_heads * head_dim * kv_elem; /* between consecutive tokens */
@@ -592,11 +641,11 @@ int octavo_paged_decode(const void *q, void *out, int q_dtype,
                         q_in = qf;
                     }
                     void (*attend)(const void *, const float *, float, const char *, const char *, const float *,
-                                   const float *, const seq_view *, read_ahead *, int64_t, int64_t, float *, float *,
-                                   float *, float *, float *) =
+                                   const float *, const seq_view *, read_ahead *, int64_t, int64_t, float, float *,
+                                   float *, float *, float *, float *) =
                         fast_bf16 ? attend_bf16 : kv_dtype == I8 ? attend_i8 : attend_fp8;
-                    attend(q_in, qscale, scale, k_cache, v_cache, k_scales, v_scales, &sv, &ra, group, head_dim, tile,
-                           scores, peaks, inv, acc);
+                    attend(q_in, qscale, scale, k_cache, v_cache, k_scales, v_scales, &sv, &ra, group, head_dim,
+                           softcap, tile, scores, peaks, inv, acc);
                 } else
 #endif
                 {
@@ -612,7 +661,7 @@ int octavo_paged_decode(const void *q, void *out, int q_dtype,
                                        (const char *)v_cache + g * head_dim * kv_elem, kv_dtype,
                                        k_scales ? k_scales + g * block_size : NULL,
                                        v_scales ? v_scales + g * block_size : NULL, num_kv_heads * block_size, table,
-                                       begin, n, group, head_dim, block_size, row_bytes, row, scores,
+                                       begin, n, group, head_dim, block_size, row_bytes, softcap, row, scores,
                                        acc + g * group * head_dim);
                     }
                 }

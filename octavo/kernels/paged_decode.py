@@ -20,6 +20,7 @@ _ARGTYPES = [
     ctypes.c_void_p, ctypes.c_int64,  # context lens, num seqs
     ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,  # heads, kv heads, head dim
     ctypes.c_int64, ctypes.c_int64, ctypes.c_float,  # block size, window, scale
+    ctypes.c_float,  # soft cap (0: none)
 ]
 _FAIL_MEMORY, _FAIL_EMPTY_CONTEXT = -1, -2
 
@@ -47,13 +48,15 @@ class PagedDecodeKernel:
         scale: float,
         k_scales: Optional[torch.Tensor] = None,
         v_scales: Optional[torch.Tensor] = None,
+        softcap: Optional[float] = None,
     ) -> torch.Tensor:
         """q [seqs, heads, D]; k/v_cache [blocks, block_size, kv_heads, D];
         block_tables [seqs, width] int64; context_lens [seqs] int64 (each
         query attends to positions 0 .. len-1, or the last ``window`` of them).
         An int8 / float8_e4m3fn cache needs its k/v_scales [blocks, kv_heads,
-        block_size] float32 (value = stored * scale). Returns [seqs, heads, D]
-        in q's dtype."""
+        block_size] float32 (value = stored * scale). ``softcap``: scores
+        (already times ``scale``) become softcap * tanh(score / softcap)
+        before the softmax. Returns [seqs, heads, D] in q's dtype."""
         num_seqs, num_heads, head_dim = q.shape
         _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
         if cache_head_dim != head_dim or num_heads % num_kv_heads:
@@ -62,6 +65,8 @@ class PagedDecodeKernel:
             raise ValueError("block_tables and context_lens must be int64")
         if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
             raise ValueError("the K/V cache views must be contiguous")
+        if softcap is not None and not softcap > 0:
+            raise ValueError(f"softcap must be > 0 or None, got {softcap}")
         quantized = k_cache.dtype in _QUANT_CODES
         if quantized:
             want = (k_cache.shape[0], num_kv_heads, block_size)
@@ -79,7 +84,7 @@ class PagedDecodeKernel:
             block_tables.data_ptr(), block_tables.shape[1],
             context_lens.data_ptr(), num_seqs,
             num_heads, num_kv_heads, head_dim,
-            block_size, window or 0, scale,
+            block_size, window or 0, scale, softcap or 0.0,
         )
         if status == _FAIL_EMPTY_CONTEXT:
             raise ValueError("every sequence's context length must be at least 1")

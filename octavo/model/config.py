@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -9,7 +10,9 @@ from typing import Any, Optional
 from octavo.model.registry import ArchSwitches, switches_for
 from octavo.quant.checkpoint_config import CheckpointQuantization, parse_quantization_config
 
-ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
+# Older Phi-3 configs name LongRoPE "su" (and some "yarn" with short/long factors).
+_ROPE_ALIASES = {"su": "longrope"}
 
 
 @dataclass(frozen=True)
@@ -30,6 +33,12 @@ class RopeConfig:
     mscale_all_dim: Optional[float] = None
     attention_factor: Optional[float] = None
     truncate: bool = True
+    # longrope: per-frequency divisors for contexts within / beyond
+    # original_max_position_embeddings.
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
+    # The leading fraction of each head that is rotated (Phi-4-mini: 0.75).
+    partial_rotary_factor: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -57,6 +66,20 @@ class ArchConfig:
     # How the checkpoint's linear layers are stored (config.json's
     # quantization_config); None: unquantized.
     quantization: Optional[CheckpointQuantization] = None
+    # Softmax scale of q.k (Gemma: query_pre_attn_scalar ** -0.5); None: head_dim ** -0.5.
+    attention_scale: Optional[float] = None
+    # cap * tanh(x / cap) on attention scores / final logits (Gemma 2); None: off.
+    attn_logit_softcap: Optional[float] = None
+    final_logit_softcap: Optional[float] = None
+    # The rotary embedding of sliding-window layers where it differs from
+    # ``rope`` (Gemma 3: rope_local_base_freq, unscaled); None: ``rope`` everywhere.
+    local_rope: Optional[RopeConfig] = None
+
+    def layer_rope(self, layer_idx: int) -> RopeConfig:
+        """The rotary embedding layer ``layer_idx`` uses."""
+        if self.local_rope is not None and self.layer_windows[layer_idx] is not None:
+            return self.local_rope
+        return self.rope
 
     def max_model_len(self, cap: Optional[int] = None) -> int:
         """The checkpoint's context length, lowered to ``cap`` when given."""
@@ -88,6 +111,10 @@ def parse_arch_config(raw: dict[str, Any]) -> ArchConfig:
     head_dim = raw.get("head_dim") or hidden // heads
     num_layers = _positive_int(raw, "num_hidden_layers")
     window = raw.get("sliding_window") if switches.sliding_window_enabled else None
+    if raw.get("use_bidirectional_attention"):
+        raise ValueError("use_bidirectional_attention (an encoder layout) is not supported by a causal LM")
+    rope, local_rope = _ropes(raw, switches)
+    scalar = raw.get("query_pre_attn_scalar") if switches.query_pre_attn_scalar else None
     return ArchConfig(
         architecture=architecture,
         hidden_size=hidden,
@@ -100,37 +127,86 @@ def parse_arch_config(raw: dict[str, Any]) -> ArchConfig:
         max_position_embeddings=int(raw.get("max_position_embeddings") or 2048),
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        hidden_act=raw.get("hidden_act", "silu"),
-        rope=parse_rope(raw),
+        # Gemma names it hidden_activation (its hidden_act, where present, is stale).
+        hidden_act=raw.get("hidden_activation") or raw.get("hidden_act", "silu"),
+        rope=rope,
         switches=switches,
-        layer_windows=_layer_windows(raw, num_layers, window),
+        layer_windows=_layer_windows(raw, num_layers, window, switches.sliding_pattern),
         dtype=raw.get("dtype") or raw.get("torch_dtype"),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=token_id_list(raw.get("eos_token_id")),
         quantization=parse_quantization_config(raw),
+        attention_scale=float(scalar) ** -0.5 if scalar else None,
+        attn_logit_softcap=_positive_or_none(raw, "attn_logit_softcapping"),
+        final_logit_softcap=_positive_or_none(raw, "final_logit_softcapping"),
+        local_rope=local_rope,
     )
 
 
-def parse_rope(raw: dict[str, Any]) -> RopeConfig:
+def _ropes(raw: dict[str, Any], switches: ArchSwitches) -> tuple[RopeConfig, Optional[RopeConfig]]:
+    """(the rope of full-attention layers, that of sliding layers if it
+    differs). Gemma 3 gives sliding layers their own: transformers v5 writes
+    ``rope_parameters`` per layer type, older files ``rope_local_base_freq``
+    beside ``rope_theta`` / ``rope_scaling`` (which then apply to global layers only)."""
+    if not switches.local_rope:
+        return parse_rope(raw, partial_ok=switches.partial_rotary), None
+    params = raw.get("rope_parameters") or {}
+    if "full_attention" in params or "sliding_attention" in params:
+        full, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}
+        return (parse_rope(raw, full, default_theta=1_000_000.0),
+                parse_rope(raw, local, default_theta=10_000.0))
+    local = RopeConfig(theta=float(raw.get("rope_local_base_freq", 10_000.0)))
+    return parse_rope(raw, default_theta=1_000_000.0), local
+
+
+def _positive_or_none(raw: dict[str, Any], key: str) -> Optional[float]:
+    value = raw.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ValueError(f"config.json: {key} must be a positive number or null, got {value!r}")
+    return float(value)
+
+
+def parse_rope(
+    raw: dict[str, Any],
+    section: Optional[dict[str, Any]] = None,
+    default_theta: float = 10000.0,
+    partial_ok: bool = False,
+) -> RopeConfig:
     """transformers v5 writes ``rope_parameters`` (theta inside); older files
     write ``rope_theta`` and an optional ``rope_scaling`` (type under "type"
-    or "rope_type"). Both are merged, the v5 keys winning."""
-    params = {**(raw.get("rope_scaling") or {}), **(raw.get("rope_parameters") or {})}
+    or "rope_type"). Both are merged, the v5 keys winning. ``section``: the
+    parameters to read instead (one layer type's); ``partial_ok``: whether
+    the architecture rotates only part of each head."""
+    if section is None:
+        params = {**(raw.get("rope_scaling") or {}), **(raw.get("rope_parameters") or {})}
+        theta = float(params.get("rope_theta", raw.get("rope_theta", default_theta)))
+    else:
+        params = section
+        theta = float(params.get("rope_theta", default_theta))
     rope_type = params.get("rope_type") or params.get("type") or "default"
+    rope_type = _ROPE_ALIASES.get(rope_type, rope_type)
+    if rope_type == "yarn" and "short_factor" in params:  # Phi-3's older spelling of LongRoPE
+        rope_type = "longrope"
     if rope_type not in ROPE_TYPES:
         raise ValueError(f"rope_type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
-    if float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))) != 1.0:
-        raise ValueError("partial_rotary_factor other than 1.0 is not supported")
-    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    partial = float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
+    if partial != 1.0 and not partial_ok:
+        raise ValueError(f"partial_rotary_factor {partial} is not supported for {raw['architectures'][0]}")
+    if not 0.0 < partial <= 1.0:
+        raise ValueError(f"partial_rotary_factor must be in (0, 1], got {partial}")
     if rope_type == "default":
-        return RopeConfig(theta=theta)
-    if "factor" not in params and rope_type != "yarn":
-        raise ValueError(f"rope scaling {rope_type!r} needs a 'factor'")
+        return RopeConfig(theta=theta, partial_rotary_factor=partial)
     original = (
         raw.get("original_max_position_embeddings")
         or params.get("original_max_position_embeddings")
         or raw.get("max_position_embeddings")
     )
+    if rope_type == "longrope":
+        return _longrope(raw, params, theta, partial, original)
+    if "factor" not in params and rope_type != "yarn":
+        raise ValueError(f"rope scaling {rope_type!r} needs a 'factor'")
     factor = params.get("factor")
     if factor is None:  # yarn may leave it implicit in the two lengths
         if not (original and raw.get("max_position_embeddings")):
@@ -149,6 +225,37 @@ def parse_rope(raw: dict[str, Any]) -> RopeConfig:
         mscale_all_dim=params.get("mscale_all_dim"),
         attention_factor=params.get("attention_factor"),
         truncate=bool(params.get("truncate", True)),
+        partial_rotary_factor=partial,
+    )
+
+
+def _longrope(raw: dict[str, Any], params: dict[str, Any], theta: float, partial: float,
+              original: Optional[int]) -> RopeConfig:
+    """Phi-3.5 / Phi-4-mini's LongRoPE: a divisor per frequency, one list for
+    contexts within the trained length and one beyond; the attention factor
+    defaults to sqrt(1 + ln(factor) / ln(original)) with factor = the two
+    lengths' ratio, as transformers computes it."""
+    factors = {}
+    for key in ("short_factor", "long_factor"):
+        values = params.get(key)
+        if not isinstance(values, list) or not values:
+            raise ValueError(f"rope scaling 'longrope' needs a list {key}")
+        factors[key] = tuple(float(v) for v in values)
+    if not original:
+        raise ValueError("rope scaling 'longrope' needs original_max_position_embeddings")
+    factor = params.get("factor") or (raw.get("max_position_embeddings") or original) / original
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    return RopeConfig(
+        rope_type="longrope",
+        theta=theta,
+        factor=float(factor),
+        original_max_position_embeddings=int(original),
+        attention_factor=float(attention_factor),
+        short_factor=factors["short_factor"],
+        long_factor=factors["long_factor"],
+        partial_rotary_factor=partial,
     )
 
 
@@ -161,10 +268,15 @@ def token_id_list(value: Any) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
 
 
-def _layer_windows(raw: dict[str, Any], num_layers: int, window: Optional[int]) -> tuple[Optional[int], ...]:
+def _layer_windows(
+    raw: dict[str, Any], num_layers: int, window: Optional[int], pattern: int
+) -> tuple[Optional[int], ...]:
     if not window:
         return (None,) * num_layers
     layer_types = raw.get("layer_types")
+    if layer_types is None and pattern:
+        # Gemma without layer_types: every pattern-th layer is global.
+        layer_types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(num_layers)]
     if layer_types is None:
         # Qwen2/3 without layer_types: sliding from max_window_layers on;
         # Mistral has no such key and slides everywhere.

@@ -66,12 +66,16 @@ def safetensors_files(folder: Path) -> list[Path]:
 
 
 ShardId = Union[int, str, None]
+# The shard id of a checkpoint tensor that holds all of a fused module's
+# parts (Phi-3's qkv_proj, gate_up_proj): split into them on load.
+_ALL_PARTS = "all parts"
 
 
-def _checkpoint_name_map(net: DecoderForCausalLM) -> dict[str, tuple[str, ShardId]]:
+def _checkpoint_name_map(net: DecoderForCausalLM, fused_stored: bool) -> dict[str, tuple[str, ShardId]]:
     """Checkpoint tensor name -> (parameter name, shard id) for every tensor
     the model needs: a fused module's parameter is expected once per part
-    (``q_proj`` ... for ``qkv_proj``), as ``packed_modules_mapping`` says."""
+    (``q_proj`` ... for ``qkv_proj``), as ``packed_modules_mapping`` says,
+    or, where the checkpoint stores it fused (``fused_stored``), once whole."""
     parts: dict[str, list[tuple[str, Union[int, str]]]] = {}
     for part, (fused, shard_id) in net.packed_modules_mapping.items():
         parts.setdefault(fused, []).append((part, shard_id))
@@ -80,7 +84,9 @@ def _checkpoint_name_map(net: DecoderForCausalLM) -> dict[str, tuple[str, ShardI
     for param_name in dict(net.named_parameters()):
         module_path, _, leaf = param_name.rpartition(".")
         parent, _, module = module_path.rpartition(".")
-        if module in parts:
+        if module in parts and fused_stored:
+            names[param_name] = (param_name, _ALL_PARTS)
+        elif module in parts:
             for part, shard_id in parts[module]:
                 names[f"{parent}.{part}.{leaf}"] = (param_name, shard_id)
         else:
@@ -139,7 +145,11 @@ def load_model(
             arch.quantization, DecoderForCausalLM.packed_modules_mapping, backends.quantization))
     with default_dtype(torch_dtype), torch.device(device):
         net = DecoderForCausalLM(arch, arch.max_model_len(max_model_len), backends, lm_head=lm_head)
-    wanted = _checkpoint_name_map(net)
+    fused_stored = arch.switches.fused_checkpoint
+    if fused_stored and arch.quantization is not None:
+        raise ValueError(f"{arch.architecture} stores qkv_proj / gate_up_proj fused; splitting them is supported "
+                         f"for unquantized checkpoints only, not quantization_config {arch.quantization.method!r}")
+    wanted = _checkpoint_name_map(net, fused_stored)
     stored = _stored_names(files, arch)
     if not lm_head:
         stored.discard("lm_head.weight")
@@ -200,7 +210,10 @@ def _load_tensors(
                 loader = getattr(param, "weight_loader", _default_weight_loader)
                 tensor = f.get_tensor(name)
                 try:
-                    if shard_id is None:
+                    if shard_id == _ALL_PARTS:
+                        module = net.get_submodule(param_name.rpartition(".")[0])
+                        _load_fused(param, tensor, module.checkpoint_parts())
+                    elif shard_id is None:
                         loader(param, tensor)
                     else:
                         loader(param, tensor, shard_id)
@@ -208,6 +221,17 @@ def _load_tensors(
                     raise ValueError(
                         f"checkpoint in {file.parent} has a tensor that does not fit: {name}: {exc}"
                     ) from exc
+
+
+def _load_fused(param: torch.nn.Parameter, tensor: torch.Tensor, parts: list[tuple[Union[int, str], int]]) -> None:
+    """A fused checkpoint tensor cut into its parts along the outputs, each
+    handed to the parameter's loader as if stored apart (so tensor
+    parallelism shards each part as usual)."""
+    sizes = [size for _, size in parts]
+    if tensor.shape[0] != sum(sizes):
+        raise ValueError(f"{tuple(tensor.shape[:1])} outputs, expected {sum(sizes)} (parts {sizes})")
+    for (shard_id, _), piece in zip(parts, tensor.split(sizes, dim=0)):
+        param.weight_loader(param, piece, shard_id)
 
 
 def _process_weights_after_loading(net: torch.nn.Module, scheme: str) -> dict[str, int]:

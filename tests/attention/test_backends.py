@@ -1,6 +1,6 @@
 """Attention backends: the registry's choices and refusals, and both backends
-giving plain causal (and sliding-window) attention over a paged cache for a
-step that mixes decodes, a fresh prefill and a chunk after a cached prefix,
+giving plain causal (and sliding-window, and soft-capped with another softmax
+scale: Gemma 2) attention over a paged cache for a step that mixes decodes, a fresh prefill and a chunk after a cached prefix,
 over float and quantized (int8, fp8) caches."""
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ def _dense_cache(cache):
     return flat
 
 
-def _reference(q, k, v, cache, inputs, window):
+def _reference(q, k, v, cache, inputs, window, scale=DIM**-0.5, softcap=None):
     """Dense attention per request over its cached positions, head by head; a
     fresh prompt attends over its own k, v (as the backends do), the others
     over what the cache holds."""
@@ -94,15 +94,19 @@ def _reference(q, k, v, cache, inputs, window):
             lo = 0 if window is None else max(0, pos - window + 1)
             for h in range(HEADS):
                 kv = h // (HEADS // KV_HEADS)
-                scores = keys[lo : pos + 1, kv] @ q[first + row, h] / DIM**0.5
+                scores = keys[lo : pos + 1, kv] @ q[first + row, h] * scale
+                if softcap is not None:
+                    scores = torch.tanh(scores / softcap) * softcap
                 out[first + row, h] = torch.softmax(scores, 0) @ values[lo : pos + 1, kv]
     return out
 
 
+@pytest.mark.parametrize("scoring", [None, (0.6, 1.5)])
 @pytest.mark.parametrize("cache_dtype", [F32, torch.int8, torch.float8_e4m3fn])
 @pytest.mark.parametrize("window", [None, 3])
 @pytest.mark.parametrize("name", ["native", "torch"])
-def test_backends_attend_over_the_paged_cache(name, window, cache_dtype):
+def test_backends_attend_over_the_paged_cache(name, window, cache_dtype, scoring):
+    """``scoring``: (softmax scale, soft cap), large enough that the cap bends the scores."""
     backend = select_attention_backend(name, CPU, F32, cache_dtype, {None, 3})
     inputs = _step(backend)
     gen = torch.Generator().manual_seed(1)
@@ -120,5 +124,10 @@ def test_backends_attend_over_the_paged_cache(name, window, cache_dtype):
     tol = 0 if cache_dtype == F32 else {torch.int8: 0.5 / 127, torch.float8_e4m3fn: 2**-4}[cache_dtype]
     for stored, want in ((flat[0][slots], k), (flat[1][slots], v)):
         assert ((stored - want).abs() <= tol * want.abs().amax(-1, keepdim=True) + 1e-7).all()
-    out = backend.forward(q, k, v, cache, inputs.attn, window)
-    torch.testing.assert_close(out, _reference(q, k, v, cache, inputs, window), rtol=1e-5, atol=1e-5)
+    if scoring is None:
+        out, ref = backend.forward(q, k, v, cache, inputs.attn, window), _reference(q, k, v, cache, inputs, window)
+    else:
+        out = backend.forward(q, k, v, cache, inputs.attn, window, *scoring)
+        ref = _reference(q, k, v, cache, inputs, window, *scoring)
+        assert (ref - _reference(q, k, v, cache, inputs, window, scoring[0])).abs().max() > 1e-2
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)

@@ -89,8 +89,9 @@ def test_kernel_reads_a_quantized_cache_through_its_scales():
 
 
 @pytest.mark.skipif(ON_GPU, reason="CPU (interpreter) check of the backend; on a GPU tests/cuda run it in the engine")
+@pytest.mark.parametrize("scoring", [(), (0.2, 3.0)])  # default scale; Gemma-style scale and soft cap
 @pytest.mark.parametrize("window", [None, 3])
-def test_backend_attends_over_a_mixed_step_like_the_reference(window):
+def test_backend_attends_over_a_mixed_step_like_the_reference(window, scoring):
     from octavo.attention.triton_cuda import TritonBackend
 
     backend = TritonBackend({None, 3})
@@ -103,8 +104,8 @@ def test_backend_attends_over_a_mixed_step_like_the_reference(window):
     q = torch.randn(tokens, 4, 8, generator=gen)
     k, v = (torch.randn(tokens, KV_HEADS, 8, generator=gen) for _ in range(2))
     backend.write_kv(cache, k, v, inputs.attn)
-    out = backend.forward(q, k, v, cache, inputs.attn, window)
-    torch.testing.assert_close(out, _reference(q, k, v, cache, inputs, window), rtol=1e-5, atol=1e-5)
+    out = backend.forward(q, k, v, cache, inputs.attn, window, *scoring)
+    torch.testing.assert_close(out, _reference(q, k, v, cache, inputs, window, *scoring), rtol=1e-5, atol=1e-5)
 
 
 def test_backend_only_claims_cuda():

@@ -211,3 +211,53 @@ def test_build_is_cached_by_source_and_cpu(monkeypatch, tmp_path):
         assert built[0].stat().st_mtime_ns == stamp  # loaded, not rebuilt
     finally:
         build.load_kernel.cache_clear()
+
+
+def _capped_reference(q, keys_of, values_of, lens, window, scale, softcap):
+    """Scores times scale, capped to softcap * tanh(score / softcap), softmax, values: in float64."""
+    rows = []
+    for i, n in enumerate(lens.tolist()):
+        start = max(0, n - window) if window is not None else 0
+        keys, values = keys_of(i)[start:n].double(), values_of(i)[start:n].double()  # [n, kv_heads, D]
+        group = q.shape[1] // keys.shape[1]
+        keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,thd->ht", q[i].double(), keys) * scale
+        probs = torch.softmax(torch.tanh(scores / softcap) * softcap, dim=-1)
+        rows.append(torch.einsum("ht,thd->hd", probs, values))
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("cache_dtype", [None, torch.int8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(8, 4, 32, 16, None), (8, 2, 64, 8, 9), (4, 2, 40, 16, None)])
+def test_soft_cap(kernel, shape, dtype, cache_dtype):
+    """Gemma 2's attention soft cap on every path: bf16 vdpbf16ps (head_dim
+    32/64), float32 and head_dim 40 generic, an int8 cache; with a window.
+    Queries scaled up so that the cap (2.0) bends most scores."""
+    heads, kv_heads, head_dim, block_size, window = shape
+    lens = [1, 9, 30, 64, 17]
+    q, kc, vc, tables, ctx = _case(heads, kv_heads, head_dim, block_size, dtype, lens, seed=7)
+    q = (q.float() * 3).to(dtype)
+    scale, softcap = 0.2, 2.0
+    if cache_dtype is None:
+        kd, vd, ks, vs = kc, vc, None, None
+        dense_k, dense_v = kc.float(), vc.float()
+    else:
+        kd, ks, dense_k = _quantized(kc.float(), cache_dtype)
+        vd, vs, dense_v = _quantized(vc.float(), cache_dtype)
+    out = kernel(q, kd, vd, tables, ctx, window, scale, ks, vs, softcap=softcap)
+    ref = _capped_reference(q, lambda i: dense_k[tables[i]].flatten(0, 1), lambda i: dense_v[tables[i]].flatten(0, 1),
+                            ctx, window, scale, softcap)
+    uncapped = _capped_reference(q, lambda i: dense_k[tables[i]].flatten(0, 1),
+                                 lambda i: dense_v[tables[i]].flatten(0, 1), ctx, window, scale, 1e9)
+    diff = (out.double() - ref).abs().max().item()
+    # int8: the query in 15 bits (see the test above); measured 1.1e-4 in float32.
+    tol = TOL[dtype] if cache_dtype is None else max(TOL[dtype], 1e-3)
+    assert diff < tol, f"max abs diff {diff}"
+    assert (uncapped - ref).abs().max().item() > 10 * tol  # the cap really changes these numbers
+
+
+def test_soft_cap_must_be_positive(kernel):
+    q, kc, vc, tables, ctx = _case(4, 2, 32, 16, torch.float32, [5])
+    with pytest.raises(ValueError, match="softcap"):
+        kernel(q, kc, vc, tables, ctx, None, 0.1, softcap=0.0)

@@ -10,7 +10,7 @@ from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from octavo.model.config import parse_arch_config
 from octavo.model.generation_config import load_generation_defaults
-from octavo.model.layers.rotary import inverse_frequencies
+from octavo.model.layers.rotary import inverse_frequencies, rotary_dim
 
 BASE = {
     "architectures": ["LlamaForCausalLM"],
@@ -112,7 +112,13 @@ def test_architecture_switches_and_windows():
         ({"architectures": []}, "architectures"),
         ({"hidden_size": 0}, "hidden_size"),
         ({"num_key_value_heads": 3}, "num_key_value_heads"),
-        ({"rope_scaling": {"type": "su", "factor": 2.0}}, "rope_type"),
+        ({"rope_scaling": {"type": "magic", "factor": 2.0}}, "rope_type"),
+        ({"rope_scaling": {"type": "su", "factor": 2.0}}, "short_factor"),
+        ({"rope_scaling": {"type": "longrope", "short_factor": [1.0] * 8, "long_factor": [1.0] * 8},
+          "original_max_position_embeddings": None, "max_position_embeddings": None}, "original_max_position_embeddings"),
+        ({"architectures": ["Gemma3ForCausalLM"], "use_bidirectional_attention": True}, "use_bidirectional_attention"),
+        ({"architectures": ["Gemma2ForCausalLM"], "attn_logit_softcapping": -1.0}, "attn_logit_softcapping"),
+        ({"architectures": ["Phi3ForCausalLM"], "partial_rotary_factor": 1.5}, "partial_rotary_factor"),
         ({"rope_scaling": {"type": "linear"}}, "factor"),
         ({"rope_parameters": {"rope_type": "default", "partial_rotary_factor": 0.5}}, "partial_rotary_factor"),
         ({"layer_types": ["full_attention"], "architectures": ["Qwen2ForCausalLM"],
@@ -134,3 +140,81 @@ def test_generation_defaults(tmp_path):
     assert (gen.temperature, gen.top_p, gen.top_k, gen.min_p) == (0.6, 0.9, 20, None)
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
     assert load_generation_defaults(tmp_path).eos_token_ids == (2,)
+
+
+def test_gemma2_alternates_windows_without_layer_types():
+    """Gemma 2 checkpoints on the Hub carry no layer_types: even layers slide."""
+    arch = parse_arch_config({**BASE, "architectures": ["Gemma2ForCausalLM"], "num_hidden_layers": 4,
+                              "head_dim": 32, "sliding_window": 16, "query_pre_attn_scalar": 144,
+                              "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+                              "hidden_act": "gelu", "hidden_activation": "gelu_pytorch_tanh"})
+    assert arch.layer_windows == (16, None, 16, None)
+    assert arch.head_dim == 32 and arch.attention_scale == pytest.approx(144**-0.5)
+    assert (arch.attn_logit_softcap, arch.final_logit_softcap) == (50.0, 30.0)
+    assert arch.hidden_act == "gelu_pytorch_tanh" and arch.local_rope is None
+    sw = arch.switches
+    assert sw.gemma_norm and sw.sandwich_norms and sw.scale_embeddings and not sw.qk_norm
+
+
+def test_gemma3_ropes_in_both_layouts():
+    """The older config.json (rope_local_base_freq, rope_scaling for global
+    layers, sliding_window_pattern) and transformers v5's per-layer-type
+    rope_parameters give the same layers and ropes."""
+    common = {**BASE, "architectures": ["Gemma3ForCausalLM"], "num_hidden_layers": 6, "sliding_window": 512}
+    old = parse_arch_config({**common, "sliding_window_pattern": 3, "rope_theta": 1e6, "rope_local_base_freq": 1e4,
+                             "rope_scaling": {"rope_type": "linear", "factor": 8.0}})
+    v5 = parse_arch_config({**common, "layer_types": ["sliding_attention", "sliding_attention", "full_attention"] * 2,
+                            "rope_parameters": {
+                                "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+                                "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}})
+    for arch in (old, v5):
+        assert arch.layer_windows == (512, 512, None, 512, 512, None)
+        assert (arch.rope.rope_type, arch.rope.theta, arch.rope.factor) == ("linear", 1e6, 8.0)
+        assert (arch.local_rope.rope_type, arch.local_rope.theta) == ("default", 1e4)
+        assert arch.layer_rope(0) is arch.local_rope and arch.layer_rope(2) is arch.rope
+        assert arch.switches.qk_norm
+    # Neither theta written: transformers' defaults (1e6 global, 1e4 local).
+    bare = parse_arch_config(common)
+    assert (bare.rope.theta, bare.local_rope.theta) == (1e6, 1e4)
+    assert bare.layer_windows == (512,) * 5 + (None,)  # pattern 6 by default
+
+
+PHI_LONGROPE = {"short_factor": [1.0, 1.2, 1.5, 2.0, 2.5, 3.0], "long_factor": [2.0, 3.0, 5.0, 8.0, 12.0, 20.0]}
+
+
+@pytest.mark.parametrize("max_len", [1024, 4096])
+@pytest.mark.parametrize("layout", ["v5", "su"])
+def test_longrope_partial_rotary_frequencies_match_transformers(layout, max_len):
+    """Phi-4-mini's shape (partial rotary over 12 of 16 dims, LongRoPE):
+    short factors for an engine within the trained 1024 positions, long
+    beyond, the attention factor from the two lengths, as transformers."""
+    raw = {**BASE, "architectures": ["Phi3ForCausalLM"], "original_max_position_embeddings": 1024,
+           "partial_rotary_factor": 0.75, "rope_theta": 10000.0}
+    if layout == "v5":
+        raw["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 10000.0, **PHI_LONGROPE}
+    else:  # the Phi-3 / Phi-3.5 files on the Hub
+        raw["rope_scaling"] = {"type": "su", **PHI_LONGROPE}
+    arch = parse_arch_config(raw)
+    config = transformers.Phi3Config(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=512, max_position_embeddings=4096, original_max_position_embeddings=1024,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                         **PHI_LONGROPE},
+    )
+    seq_len = max_len if max_len > 1024 else None
+    ref_freq, ref_factor = ROPE_INIT_FUNCTIONS["longrope"](config, "cpu", seq_len=seq_len)
+    rotated = rotary_dim(arch.rope, arch.head_dim)
+    assert rotated == 12
+    freq, factor = inverse_frequencies(arch.rope, rotated, max_len)
+    torch.testing.assert_close(freq, ref_freq, rtol=1e-6, atol=0)
+    assert factor == pytest.approx(ref_factor) and factor > 1.0
+    short = parse_arch_config({**raw, "max_position_embeddings": 1024})
+    assert inverse_frequencies(short.rope, rotated, 1024)[1] == 1.0  # no extension: no attention factor
+
+
+def test_longrope_factor_lists_must_fit_the_rotated_dims():
+    raw = {**BASE, "architectures": ["Phi3ForCausalLM"], "original_max_position_embeddings": 1024,
+           "rope_scaling": {"type": "longrope", "short_factor": [1.0] * 3, "long_factor": [1.0] * 3}}
+    arch = parse_arch_config(raw)
+    with pytest.raises(ValueError, match="short_factor has 3 entries"):
+        inverse_frequencies(arch.rope, rotary_dim(arch.rope, arch.head_dim), 512)

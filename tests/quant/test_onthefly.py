@@ -25,9 +25,11 @@ from octavo.quant.onthefly import OnTheFlyScheme, quantize_int4, quantize_int8
 from octavo.quant.quantized import QuantizedLinearMethod
 from tests.worker.runner_utils import Blocks, make_request, make_runner, step
 
-ARCHS = ["llama", "mistral", "qwen2", "qwen3", "llama_tied"]
+# phi4_mini: its checkpoint stores qkv_proj and gate_up_proj fused.
+ARCHS = ["llama", "mistral", "qwen2", "qwen3", "llama_tied", "gemma2", "phi4_mini"]
 GROUP = 32  # the tiny models' in-features are 64 and 128
-_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# Both quantizers work row by row, so a fused tensor quantizes as its parts do.
+_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj")
 
 
 def test_int8_rounds_each_weight_to_the_nearest_step_of_its_row():

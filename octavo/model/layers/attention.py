@@ -1,5 +1,6 @@
 """The self-attention block: q/k/v column-parallel by heads, optional q/k
-norm, rotary, the attention backend over the paged cache, o_proj
+norm, rotary (whole heads or their leading part), the attention backend over
+the paged cache (per layer: window, softmax scale, soft cap), o_proj
 row-parallel (one all-reduce for the block under tensor parallelism)."""
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from octavo.model.backends import ModelBackends
 from octavo.model.config import ArchConfig
 from octavo.model.layers.linear import QKVParallelLinear, RowParallelLinear
 from octavo.model.layers.norm import RMSNorm
-from octavo.model.layers.rotary import RotaryEmbedding
+from octavo.model.layers.rotary import RotaryEmbedding, rotary_dim
 
 
 class Attention(nn.Module):
@@ -31,13 +32,17 @@ class Attention(nn.Module):
                                         backends.linear_method(f"{prefix}.o_proj"), f"{prefix}.o_proj")
         self.qk_norm = sw.qk_norm
         if sw.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, backends.fused_ops)
-            self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, backends.fused_ops)
+            self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, backends.fused_ops, sw.gemma_norm)
+            self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, backends.fused_ops, sw.gemma_norm)
         self.window = arch.layer_windows[layer_idx]
+        self.scale = arch.attention_scale if arch.attention_scale is not None else self.head_dim**-0.5
+        self.softcap = arch.attn_logit_softcap
         self.backend = backends.attention
         # The native rotary kernel also writes K/V into the cache, in the one
-        # layout every backend shares; q/k norm must run before rotary, so not then.
-        self.ops = None if sw.qk_norm else backends.fused_ops
+        # layout every backend shares; q/k norm must run before rotary, so not
+        # then, and it rotates whole heads, so not with partial rotary either.
+        partial = rotary_dim(arch.layer_rope(layer_idx), self.head_dim) < self.head_dim
+        self.ops = None if sw.qk_norm or partial else backends.fused_ops
 
     def forward(
         self,
@@ -65,7 +70,7 @@ class Attention(nn.Module):
             q = RotaryEmbedding.apply(q, cos, sin)
             k = RotaryEmbedding.apply(k, cos, sin)
             self.backend.write_kv(kv_cache, k, v, meta)
-        out = self.backend.forward(q, k, v, kv_cache, meta, self.window)
+        out = self.backend.forward(q, k, v, kv_cache, meta, self.window, self.scale, self.softcap)
         return self.o_proj(out.view(n, self.num_heads * self.head_dim))
 
     def _heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -141,6 +141,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def _rank_sizes(self, output_size: int) -> list[int]:
         return [divide(size, self.tp_size, "output features") for size in self.full_output_sizes]
 
+    def checkpoint_parts(self) -> list[tuple[Union[int, str], int]]:
+        """(shard id, output features) of each part of the full fused tensor, in order."""
+        return list(enumerate(self.full_output_sizes))
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Union[int, str, None] = None) -> None:
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
             raise ValueError(f"shard_id must be a part index in [0, {len(self.output_sizes)}); got {shard_id!r}")
@@ -160,6 +164,7 @@ class QKVParallelLinear(ColumnParallelLinear):
                  linear_method: Optional[LinearMethod] = None, prefix: str = "") -> None:
         tp_size = get_parallel_state().tp_size
         self.head_dim = head_dim
+        self.total_heads, self.total_kv_heads = num_heads, num_kv_heads
         self.num_heads = divide(num_heads, tp_size, "num_attention_heads")
         if tp_size >= num_kv_heads:
             if tp_size % num_kv_heads:
@@ -175,6 +180,11 @@ class QKVParallelLinear(ColumnParallelLinear):
     def _rank_sizes(self, output_size: int) -> list[int]:
         kv = self.num_kv_heads * self.head_dim
         return [self.num_heads * self.head_dim, kv, kv]
+
+    def checkpoint_parts(self) -> list[tuple[Union[int, str], int]]:
+        """(shard id, output features) of q, k and v in the full fused tensor."""
+        kv = self.total_kv_heads * self.head_dim
+        return [("q", self.total_heads * self.head_dim), ("k", kv), ("v", kv)]
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Union[int, str, None] = None) -> None:
         if shard_id not in ("q", "k", "v"):

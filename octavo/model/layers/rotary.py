@@ -4,6 +4,7 @@ The inverse frequencies follow transformers' ``ROPE_INIT_FUNCTIONS`` so that
 logits match the reference implementation."""
 from __future__ import annotations
 
+import logging
 import math
 from typing import Optional
 
@@ -11,9 +12,17 @@ import torch
 
 from octavo.model.config import RopeConfig
 
+logger = logging.getLogger(__name__)
+
+
+def rotary_dim(rope: RopeConfig, head_dim: int) -> int:
+    """How many leading dims of each head are rotated."""
+    return int(head_dim * rope.partial_rotary_factor)
+
 
 def inverse_frequencies(rope: RopeConfig, head_dim: int, max_len: int) -> tuple[torch.Tensor, float]:
-    """(inv_freq [head_dim // 2] float32, attention factor scaling cos/sin).
+    """(inv_freq [head_dim // 2] float32, attention factor scaling cos/sin);
+    ``head_dim``: the rotated dims (``rotary_dim``).
 
     Built on the CPU explicitly: the model is constructed under its device's
     context for loading, and ``cos_sin`` moves them where the positions are."""
@@ -29,6 +38,8 @@ def inverse_frequencies(rope: RopeConfig, head_dim: int, max_len: int) -> tuple[
         return _llama3(rope, inv_freq), 1.0
     if rope.rope_type == "yarn":
         return _yarn(rope, head_dim)
+    if rope.rope_type == "longrope":
+        return _longrope(rope, exponents, max_len), float(rope.attention_factor)
     raise ValueError(f"unsupported rope_type {rope.rope_type!r}")
 
 
@@ -41,6 +52,25 @@ def _dynamic(rope: RopeConfig, head_dim: int, exponents: torch.Tensor, max_len: 
     seq_len = max(max_len, trained)
     base = rope.theta * ((rope.factor * seq_len / trained) - (rope.factor - 1)) ** (head_dim / (head_dim - 2))
     return 1.0 / (base**exponents)
+
+
+def _longrope(rope: RopeConfig, exponents: torch.Tensor, max_len: int) -> torch.Tensor:
+    # transformers picks the short or the long factors per forward, by the
+    # longest position in it, so one sequence's early keys can be rotated
+    # with other factors than its later queries. Here, as for "dynamic", the
+    # choice is made once for the engine's max_model_len: positions mean the
+    # same in every batch, and a sequence scored in one pass gets exactly
+    # transformers' numbers (short factors within the trained context).
+    long = max_len > rope.original_max_position_embeddings
+    factors = rope.long_factor if long else rope.short_factor
+    if len(factors) != exponents.numel():
+        which = "long_factor" if long else "short_factor"
+        raise ValueError(f"rope scaling 'longrope': {which} has {len(factors)} entries, the rotated head dims "
+                         f"need {exponents.numel()}")
+    logger.info("longrope: %s factors for max_model_len %d (trained context %d)", "long" if long else "short",
+                max_len, rope.original_max_position_embeddings)
+    ext = torch.tensor(factors, dtype=torch.float32, device="cpu")
+    return 1.0 / (ext * rope.theta**exponents)
 
 
 def _llama3(rope: RopeConfig, inv_freq: torch.Tensor) -> torch.Tensor:
@@ -89,11 +119,12 @@ class RotaryEmbedding:
     shared by every layer (``cos_sin``), then applied per layer (``apply``)."""
 
     def __init__(self, rope: RopeConfig, head_dim: int, max_len: int) -> None:
-        self.inv_freq, self.attention_factor = inverse_frequencies(rope, head_dim, max_len)
+        self.rotary_dim = rotary_dim(rope, head_dim)
+        self.inv_freq, self.attention_factor = inverse_frequencies(rope, self.rotary_dim, max_len)
         self._device_inv_freq: Optional[torch.Tensor] = None
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """[T] positions -> cos, sin of shape [T, 1, head_dim] (broadcast over heads)."""
+        """[T] positions -> cos, sin of shape [T, 1, rotary_dim] (broadcast over heads)."""
         inv_freq = self._device_inv_freq
         if inv_freq is None or inv_freq.device != positions.device:
             inv_freq = self._device_inv_freq = self.inv_freq.to(positions.device)
@@ -105,7 +136,11 @@ class RotaryEmbedding:
 
     @staticmethod
     def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [T, heads, head_dim] rotated by the half-split convention."""
+        """x [T, heads, head_dim] rotated by the half-split convention, over
+        its first cos.shape[-1] dims (the rest pass through: partial rotary)."""
+        dim = cos.shape[-1]
+        if dim < x.shape[-1]:
+            return torch.cat((RotaryEmbedding.apply(x[..., :dim], cos, sin), x[..., dim:]), dim=-1)
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin

@@ -1,8 +1,10 @@
-"""The decoder-only transformer shared by Llama, Mistral, Qwen2 and Qwen3.
+"""The decoder-only transformer shared by Llama, Mistral, Qwen2, Qwen3,
+Gemma 2, Gemma 3 and Phi-3; the registry's switches say where they differ.
 
 Module names mirror Hugging Face checkpoints (``model.layers.0.self_attn.o_proj``
 ...) so loading is a name match; the fused projections (``qkv_proj``,
-``gate_up_proj``) take their parts' tensors through ``packed_modules_mapping``."""
+``gate_up_proj``) take their parts' tensors through ``packed_modules_mapping``
+(Phi-3 stores them fused; the loader splits them into those parts)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -26,13 +28,26 @@ from octavo.model.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbe
 class DecoderLayer(nn.Module):
     def __init__(self, arch: ArchConfig, layer_idx: int, backends: ModelBackends) -> None:
         super().__init__()
-        ops = backends.fused_ops
-        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
+        ops, sw = backends.fused_ops, arch.switches
+
+        def norm() -> RMSNorm:
+            return RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops, sw.gemma_norm)
+
+        self.input_layernorm = norm()
         prefix = f"model.layers.{layer_idx}"
         self.self_attn = Attention(arch, layer_idx, backends, f"{prefix}.self_attn")
-        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops)
-        self.mlp = GatedMLP(arch.hidden_size, arch.intermediate_size, arch.hidden_act, arch.switches.mlp_bias,
+        # Without sandwich norms this one is the MLP's input norm; with them
+        # (Gemma) it normalises the attention output, pre_feedforward_layernorm
+        # the MLP's input and post_feedforward_layernorm its output.
+        self.post_attention_layernorm = norm()
+        self.sandwich = sw.sandwich_norms
+        if self.sandwich:
+            self.pre_feedforward_layernorm = norm()
+            self.post_feedforward_layernorm = norm()
+        self.mlp = GatedMLP(arch.hidden_size, arch.intermediate_size, arch.hidden_act, sw.mlp_bias,
                             backends, f"{prefix}.mlp")
+        # Which of the model's rotary tables this layer reads (Gemma 3's sliding layers: their own).
+        self.rope_index = int(arch.layer_rope(layer_idx) is not arch.rope)
 
     def forward(
         self,
@@ -50,8 +65,11 @@ class DecoderLayer(nn.Module):
         else:
             h, residual = self.input_layernorm.add_forward(h, residual)
         h = self.self_attn(h, cos, sin, kv_cache, meta)
-        h, residual = self.post_attention_layernorm.add_forward(h, residual)
-        return self.mlp(h), residual
+        if not self.sandwich:
+            h, residual = self.post_attention_layernorm.add_forward(h, residual)
+            return self.mlp(h), residual
+        h, residual = self.pre_feedforward_layernorm.add_forward(self.post_attention_layernorm(h), residual)
+        return self.post_feedforward_layernorm(self.mlp(h)), residual
 
 
 class DecoderModel(nn.Module):
@@ -65,7 +83,15 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(arch, i, backends) if i in self.layer_range else nn.Module() for i in range(arch.num_layers)
         )
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, backends.fused_ops)
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, backends.fused_ops, arch.switches.gemma_norm)
+        # Gemma multiplies the embeddings by sqrt(hidden_size) rounded to the model dtype.
+        self.embed_scale = arch.hidden_size**0.5 if arch.switches.scale_embeddings else None
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        if self.embed_scale is not None:
+            h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
+        return h
 
 
 class DecoderForCausalLM(nn.Module):
@@ -90,7 +116,9 @@ class DecoderForCausalLM(nn.Module):
                                           "lm_head")
             if arch.tie_word_embeddings:
                 self.lm_head.tie_to(self.model.embed_tokens)
-        self.rotary = RotaryEmbedding(arch.rope, arch.head_dim, max_len)
+        # One table per distinct rope (index 1: Gemma 3's sliding layers').
+        self.rotaries = [RotaryEmbedding(rope, arch.head_dim, max_len)
+                         for rope in (arch.rope, arch.local_rope) if rope is not None]
         state = get_parallel_state()
         self.first_stage = state.pp_rank == 0
         self.last_stage = state.pp_rank == state.pp_size - 1
@@ -115,13 +143,14 @@ class DecoderForCausalLM(nn.Module):
         residual stream from the previous stage, and a stage before the last
         sends them on and returns None."""
         if self.first_stage:
-            h = self.model.embed_tokens(input_ids)
+            h = self.model.embed(input_ids)
             residual: Optional[torch.Tensor] = None
         else:
             shape = (input_ids.shape[0], self.arch.hidden_size)
             h, residual = pipeline_recv(2, shape, self.model.norm.weight.dtype, input_ids.device)
-        cos, sin = self.rotary.cos_sin(positions, h.dtype)
+        tables = [rotary.cos_sin(positions, h.dtype) for rotary in self.rotaries]
         for layer, kv_cache in zip(self.local_layers, kv_caches):
+            cos, sin = tables[layer.rope_index]
             h, residual = layer(h, residual, cos, sin, kv_cache, meta)
         if not self.last_stage:
             pipeline_send([h, residual])
@@ -130,8 +159,13 @@ class DecoderForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
         """Logits of ``hidden``'s rows; None on a tensor-parallel rank other
-        than the driver (the vocabulary shards are gathered on the driver only)."""
-        return self.lm_head(self.final_hidden(hidden))
+        than the driver (the vocabulary shards are gathered on the driver only).
+        Gemma 2's final soft cap applies to the gathered logits."""
+        logits = self.lm_head(self.final_hidden(hidden))
+        cap = self.arch.final_logit_softcap
+        if logits is None or cap is None:
+            return logits
+        return torch.tanh(logits / cap) * cap
 
     def final_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
         """The final norm's output: transformers' ``last_hidden_state``."""
