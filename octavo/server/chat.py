@@ -38,7 +38,7 @@ _RESERVED_TEMPLATE_VARIABLES = ("messages", "tools", "documents", "add_generatio
 async def create_chat_completion(req: ChatCompletionRequest, raw: Request, state: ServerState) -> Response:
     state.check_model(req.model)
     state.check_engine()
-    state.config.limits.check(req)
+    state.check_limits(req)
     # Template rendering and tokenization take time in proportion to the
     # request: in a thread, so the event loop keeps serving everyone else.
     prompt_ids, params, plan = await asyncio.to_thread(_prepare, req, state)

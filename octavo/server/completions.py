@@ -33,7 +33,7 @@ class _Prompt:
 async def create_completion(req: CompletionRequest, raw: Request, state: ServerState) -> Response:
     state.check_model(req.model)
     state.check_engine()
-    state.config.limits.check(req)
+    state.check_limits(req)
     # Tokenizing a long prompt takes seconds: in a thread, off the event loop.
     prompts = await asyncio.to_thread(_prepare, req, state)
     state.admit(len(prompts))
