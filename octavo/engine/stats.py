@@ -3,9 +3,10 @@
 Per-step distributions (tokens per step, batch efficiency) are histograms
 kept in the engine process: the front only sees a snapshot every 0.1 s, so
 shipping the latest value would lose every step in between. Each step adds
-one count to a bucket (a bisect over ~13 bounds, well under a microsecond
-against a step of milliseconds); the snapshot carries the cumulative counts,
-which the front exposes as a Prometheus histogram without re-counting.
+one count to a bucket of each of three histograms (a bisect over ~13 bounds:
+4 us for the three, `python -m timeit` on a busy 2-core Xeon, against steps
+of milliseconds); the snapshot carries the cumulative counts, which the front
+exposes as Prometheus histograms without re-counting.
 """
 from __future__ import annotations
 
