@@ -30,6 +30,20 @@ def documented() -> dict[str, set[str]]:
     return sections
 
 
+def documented_buckets() -> dict[str, tuple[float, ...]]:
+    """Histogram name -> the upper bounds its row's bucket set lists (sets with fixed bounds only)."""
+    text = METRICS_DOC.read_text()
+    sets = {}
+    for m in re.finditer(r"^\| ([A-Z_]+) \| ([0-9., ]+)(?: s| tokens)? \|$", text, re.M):
+        sets[m.group(1)] = tuple(float(v) for v in m.group(2).split(","))
+    buckets = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) >= 5 and cells[1] == "histogram" and cells[4] in sets:
+            buckets[cells[0].strip("`")] = sets[cells[4]]
+    return buckets
+
+
 def names_in(promql: str) -> set[str]:
     """Metric names a query reads, with histogram series mapped to their metric."""
     # Label values and matchers in quotes are not names.

@@ -16,7 +16,7 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.deploy.monitoring import DEPLOY, documented, names_in, require_binary
+from tests.deploy.monitoring import DEPLOY, documented, documented_buckets, names_in, require_binary
 from tests.gateway.conftest import GatewayProcess
 from tests.model_factory import make_tiny_model
 from tests.server.conftest import ServerProcess, free_port
@@ -102,11 +102,23 @@ def exported(url: str) -> set[str]:
 
 def test_metrics_doc_lists_exactly_what_is_exported(stack):
     serve, gateway = stack
+    assert httpx.get(f"{serve.url}/v1/models", timeout=30).status_code == 200  # the HTTP histogram's first series
     doc = documented()
     for section, url in (("serve", serve.url), ("gateway", gateway.url)):
         live = exported(url)
         assert sorted(live - doc[section]) == [], f"exported by {section} but not in docs/METRICS.md"
         assert sorted(doc[section] - live) == [], f"in docs/METRICS.md but not exported by {section}"
+    # The bucket bounds the doc gives are the ones exported.
+    buckets = documented_buckets()
+    assert len(buckets) >= 12
+    live_bounds: dict[str, set[float]] = {}
+    for url in (serve.url, gateway.url):
+        for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=10).text):
+            for sample in family.samples:
+                if sample.name.endswith("_bucket") and sample.labels["le"] != "+Inf":
+                    live_bounds.setdefault(family.name, set()).add(float(sample.labels["le"]))
+    for name, bounds in buckets.items():
+        assert live_bounds[name] == set(bounds), name
 
 
 def _load(gateway: GatewayProcess, seconds: float) -> list[int]:

@@ -67,7 +67,8 @@ def test_per_request_and_per_step_histograms(srv):
 
 
 def test_queue_time_is_the_wait_for_the_engine(srv):
-    """The engine stopped for a second: the request's queue time holds the second."""
+    """The engine stopped for 2 s: the request's queue time holds most of them (the front stamps
+    its arrival after parsing and tokenizing it, which on a loaded machine takes a moment)."""
     before = srv.wait_idle()
     engine = srv.engine_pid()
     os.kill(engine, signal.SIGSTOP)
@@ -75,7 +76,7 @@ def test_queue_time_is_the_wait_for_the_engine(srv):
     worker = threading.Thread(target=lambda: result.append(complete(srv, prompt="stopped engine", max_tokens=2)))
     try:
         worker.start()
-        time.sleep(1.0)
+        time.sleep(2.0)
     finally:
         os.kill(engine, signal.SIGCONT)
     worker.join(120)
@@ -83,7 +84,7 @@ def test_queue_time_is_the_wait_for_the_engine(srv):
     after = srv.wait_idle()
     assert delta(after, before, "octavo:request_queue_time_seconds_count") == 1
     queue = delta(after, before, "octavo:request_queue_time_seconds_sum")
-    assert queue >= 0.9  # the request may reach the server a little after the stop
+    assert queue >= 1.0
     assert queue <= delta(after, before, "octavo:time_to_first_token_seconds_sum")
 
 
