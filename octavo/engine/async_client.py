@@ -132,6 +132,11 @@ class AsyncEngineClient:
         return self.dead_reason is None
 
     @property
+    def engine_pid(self) -> Optional[int]:
+        """The running engine process's id (None while there is none)."""
+        return self._engine.proc.pid if self._engine is not None and self._engine.alive else None
+
+    @property
     def num_in_flight(self) -> int:
         return len(self._streams)
 

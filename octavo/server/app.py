@@ -21,7 +21,8 @@ from octavo.server.embeddings import EmbeddingRequest, create_embedding
 from octavo.server.responses import ResponsesRequest, create_response
 from octavo.server.config import ServerConfig
 from octavo.server.errors import bad_request, error_body, install_error_handlers
-from octavo.server.metrics import ServerMetrics
+from octavo.server.engine_collector import EngineSource
+from octavo.server.metrics import ServerMetrics, instrument_http, new_registry
 from octavo.server.middleware import APIKeyMiddleware, BodyLimitMiddleware, RequestIdMiddleware
 from octavo.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from octavo.server.state import ServerState
@@ -43,6 +44,7 @@ def build_app(
     # does not compile fails `octavo serve` at once with one line, instead
     # of every chat request after the engine loaded.
     tokenizer = load_tokenizer(engine_config, server_config)
+    registry = new_registry()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -51,7 +53,9 @@ def build_app(
             engine_config, server_config.engine_start_timeout_s, policy, on_engine_gave_up
         )
         try:
-            metrics = ServerMetrics(client.info.model_name, lambda: client.stats)
+            source = EngineSource(client.info.model_name, engine_config.cache, lambda: client.stats,
+                                  lambda: client.num_restarts, lambda: client.engine_pid)
+            metrics = ServerMetrics(registry, source, client.info.max_model_len)
             app.state.server = ServerState(client, tokenizer, server_config, metrics)
             yield
         finally:
@@ -72,6 +76,8 @@ def build_app(
         )
     app.add_middleware(BodyLimitMiddleware, max_bytes=server_config.max_body_bytes)
     app.add_middleware(RequestIdMiddleware)
+    # Outside the others: their refusals (401, 413) and 500s are counted too.
+    instrument_http(app, registry)
     if server_config.allowed_origins:
         # Outermost: a browser's preflight (OPTIONS, no API key) is answered here.
         app.add_middleware(

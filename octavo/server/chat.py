@@ -39,7 +39,7 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, state
     state.check_model(req.model)
     state.check_task(embeddings=False)
     state.check_engine()
-    state.config.limits.check(req)
+    state.check_limits(req)
     # Template rendering and tokenization take time in proportion to the
     # request: in a thread, so the event loop keeps serving everyone else.
     prompt_ids, params, plan = await asyncio.to_thread(prepare_chat, req, state)

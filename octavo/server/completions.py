@@ -34,7 +34,7 @@ async def create_completion(req: CompletionRequest, raw: Request, state: ServerS
     state.check_model(req.model)
     state.check_task(embeddings=False)
     state.check_engine()
-    state.config.limits.check(req)
+    state.check_limits(req)
     # Tokenizing a long prompt takes seconds: in a thread, off the event loop.
     prompts = await asyncio.to_thread(_prepare, req, state)
     state.admit(len(prompts))

@@ -13,7 +13,9 @@ from octavo.pooling import PoolingParams
 from octavo.sampling_params import SamplingParams
 from octavo.server.config import ServerConfig
 from octavo.server.errors import APIError, bad_request
+from octavo.server import metrics
 from octavo.server.metrics import ServerMetrics
+from octavo.server.protocol import SamplingFields
 from octavo.server.params import param_error
 from octavo.tokenizer import Tokenizer
 
@@ -58,9 +60,19 @@ class ServerState:
 
     def check_engine(self) -> None:
         if not self.client.is_alive:
+            self.metrics.refused(metrics.REFUSED_ENGINE_DEAD)
             raise APIError(503, f"the engine is not running ({self.client.dead_reason})", code="engine_dead")
         if self.shutting_down:
+            self.metrics.refused(metrics.REFUSED_SHUTTING_DOWN)
             raise APIError(503, "the server is shutting down", code="shutting_down")
+
+    def check_limits(self, req: SamplingFields) -> None:
+        """The per-field request limits (a 400 naming the field)."""
+        try:
+            self.config.limits.check(req)
+        except APIError:
+            self.metrics.refused(metrics.REFUSED_REQUEST_LIMIT)
+            raise
 
     def admit(self, count: int) -> None:
         """Overload answers 503 (the server, not the client, is over its
@@ -68,6 +80,7 @@ class ServerState:
         which OpenAI clients and load balancers honour."""
         limit = self.config.max_waiting_requests
         if limit is not None and self.num_pending + count > limit:
+            self.metrics.refused(metrics.REFUSED_QUEUE_FULL)
             raise APIError(
                 503,
                 f"too many requests waiting ({self.num_pending}, limit {limit}); retry later",
@@ -92,6 +105,7 @@ class ServerState:
             resolved = max_tokens
             requested = len(ids) + max(max_tokens, 0)  # a negative max_tokens is SamplingParams' 400
         if requested > limit:
+            self.metrics.refused(metrics.REFUSED_CONTEXT_LENGTH)
             where = "messages" if param == "messages" else "prompt"
             raise bad_request(
                 f"This model's maximum context length is {limit} tokens. However, you requested "
@@ -110,9 +124,10 @@ class ServerState:
         arrival = time.monotonic()
         timeout = self.config.request_timeout_s
         deadline = arrival + timeout if timeout is not None else None
-        tracker = self.metrics.tracker(arrival)
+        tracker = self.metrics.tracker(arrival, len(prompt_ids))
         self.num_pending += 1
         pending, finished = True, False
+        error: Optional[str] = None  # why it failed (metrics.ERROR_*)
         try:
             stream = self.client.generate(uuid.uuid4().hex, prompt_ids, params, priority, arrival, deadline)
             # aclosing: when our consumer stops, the engine request aborts now, not at garbage collection.
@@ -122,6 +137,7 @@ class ServerState:
                         pending = False
                         self.num_pending -= 1
                     if out.error is not None:
+                        error = metrics.ERROR_ENGINE
                         raise APIError(500, f"the engine failed this request: {out.error}", code="engine_error")
                     now = time.monotonic()
                     tracker.on_output(out, now)
@@ -132,16 +148,19 @@ class ServerState:
         except EngineDeadError as exc:
             # The engine died under this request and is being restarted (or the
             # server is about to exit): a retry may well succeed.
+            error = metrics.ERROR_ENGINE_DEAD
             raise APIError(503, f"the engine failed while serving this request: {exc}", code="engine_dead",
                            headers={"Retry-After": "1"}) from None
         except RequestTimeoutError:
             # 504: the server gave up waiting on its own engine, the client did nothing wrong.
+            error = metrics.ERROR_TIMEOUT
             raise APIError(504, f"the request did not finish within {timeout} s (--request-timeout)",
                            code="timeout") from None
         except EngineRequestError as exc:
+            error = metrics.ERROR_REJECTED
             raise param_error(str(exc), api_names) from None
         finally:
             if pending:
                 self.num_pending -= 1
             if not finished:
-                tracker.on_finish(None, time.monotonic())
+                tracker.on_finish(None, time.monotonic(), error)

@@ -167,3 +167,12 @@ def test_500_concurrent_requests_complete_or_are_refused_fast(loaded_server):
     key = "octavo:request_success_total[finished_reason=length]"
     assert after[key] - before.get(key, 0) == len(ok)
     assert after["octavo:generation_tokens_total"] - before["octavo:generation_tokens_total"] == len(ok) * MAX_TOKENS
+    # Every refusal counted once, by reason and by HTTP status.
+    key = "octavo:requests_refused_total[reason=queue_full]"
+    assert after[key] - before.get(key, 0) == len(refused)
+    refused_http = sum(v - before.get(k, 0) for k, v in after.items()
+                       if k.startswith("http_requests_total[") and k.endswith("[status=503]"))
+    assert refused_http == len(refused)
+    # A burst of 500 on 4 seats: some steps ran with the batch full (the bucket above 0.95 is 1.0).
+    full = "octavo:batch_seq_utilization_bucket[le=1.0]", "octavo:batch_seq_utilization_bucket[le=0.95]"
+    assert (after[full[0]] - after[full[1]]) - (before[full[0]] - before[full[1]]) > 0

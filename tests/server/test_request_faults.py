@@ -54,6 +54,7 @@ def test_a_too_deep_schema_is_a_4xx_and_the_server_serves_on(srv, depth, message
 
 
 def test_a_request_past_its_deadline_gets_504_and_frees_its_blocks(srv):
+    before = srv.wait_idle()
     engine = srv.engine_pid()
     os.kill(engine, signal.SIGSTOP)  # the engine makes no progress: only the deadline can end the request
     try:
@@ -64,7 +65,9 @@ def test_a_request_past_its_deadline_gets_504_and_frees_its_blocks(srv):
         os.kill(engine, signal.SIGCONT)
     assert r.status_code == 504 and r.json()["error"]["code"] == "timeout", r.text
     assert TIMEOUT_S - 0.1 <= waited < TIMEOUT_S + 30
-    srv.wait_idle()
+    after = srv.wait_idle()
+    key = "octavo:request_errors_total[reason=timeout]"
+    assert after[key] - before.get(key, 0) == 1
 
 
 def test_a_stream_past_its_deadline_ends_with_an_in_band_error(srv):

@@ -50,7 +50,11 @@ def test_a_killed_engine_is_restarted(model_path, logs):
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 5}, headers=srv.headers,
                        timeout=60)
         assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
-        srv.wait_idle()
+        metrics = srv.wait_idle()
+        # The stream that died with the engine failed; the request sent while it was down was refused.
+        assert metrics["octavo:engine_restarts_total"] == 1
+        assert metrics["octavo:request_errors_total[reason=engine_dead]"] == 1
+        assert metrics["octavo:requests_refused_total[reason=engine_dead]"] == 1
     finally:
         srv.stop()
 
