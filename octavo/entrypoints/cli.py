@@ -6,7 +6,7 @@ import json
 import os
 import sys
 from dataclasses import fields
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import octavo
 from octavo.entrypoints.engine_args import add_engine_args, engine_config_from_args, engine_options, parse_bytes
@@ -14,6 +14,9 @@ from octavo.log import configure_logging
 from octavo.server.config import DEFAULT_PUBLIC_ROUTES, ServerConfig
 from octavo.server.limits import RequestLimits
 from octavo.server.tool_parsers import PARSERS
+
+if TYPE_CHECKING:
+    from octavo.gateway.config import GatewayConfig
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -109,8 +112,14 @@ def _add_gateway_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _gateway(args: argparse.Namespace) -> None:
-    from octavo.gateway.config import load_config
     from octavo.gateway.launcher import run
+
+    run(gateway_config(args))
+
+
+def gateway_config(args: argparse.Namespace) -> GatewayConfig:
+    """The validated gateway settings of `octavo gateway`'s command line (and its --config file)."""
+    from octavo.gateway.config import load_config
 
     overrides = {
         name: getattr(args, name)
@@ -132,7 +141,7 @@ def _gateway(args: argparse.Namespace) -> None:
     config = load_config(args.config, overrides)
     if not config.replicas and not config.discovery_dns and not config.kv_events and not config.admin_key:
         raise ValueError("no replicas: give --replica, --discovery-dns, or an --admin-key to add them at run time")
-    run(config)
+    return config
 
 
 def _serve(args: argparse.Namespace) -> None:
