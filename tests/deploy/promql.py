@@ -1,21 +1,14 @@
 """Check PromQL expressions with promtool, the parser Prometheus itself uses."""
 from __future__ import annotations
 
-import shutil
 import subprocess
 import tempfile
 from pathlib import Path
 from typing import Sequence
 
-import pytest
 import yaml
 
-
-def promtool() -> str:
-    path = shutil.which("promtool")
-    if path is None:
-        pytest.fail("promtool is missing: apt-get install prometheus (.ci/run does)")
-    return path
+from tests.deploy.monitoring import require_binary
 
 
 def check_expressions(expressions: Sequence[str]) -> None:
@@ -24,5 +17,5 @@ def check_expressions(expressions: Sequence[str]) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "rules.yaml"
         path.write_text(yaml.safe_dump({"groups": [{"name": "check", "rules": rules}]}))
-        result = subprocess.run([promtool(), "check", "rules", str(path)], capture_output=True, text=True)
+        result = subprocess.run([require_binary("promtool"), "check", "rules", str(path)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -12,6 +12,7 @@ import yaml
 from tests.deploy.manifests import (
     DEPLOY, check_octavo_command, dockerfile_instructions, exec_form, k8s_objects, octavo_args, yaml_documents,
 )
+from tests.deploy.monitoring import documented, names_in
 from tests.deploy.promql import check_expressions
 
 K8S = DEPLOY / "k8s"
@@ -112,16 +113,18 @@ def test_hpa_metrics_are_octavo_gauges_renamed_by_the_adapter_rules() -> None:
     rule = rules["rules"]["custom"][0]
     series = re.search(r'__name__=~"([^"]+)"', rule["seriesQuery"]).group(1)
     pattern, rename = rule["name"]["matches"], rule["name"]["as"].replace("${1}", r"\1")
-    exported = {name for name in _octavo_gauges() if re.fullmatch(series, name)}
+    exported = {name for name in documented()["serve"] if re.fullmatch(series, name)}
     renamed = {re.sub(pattern, rename, name) for name in exported}
     for hpa in _of_kind("HorizontalPodAutoscaler"):
         for metric in hpa["spec"]["metrics"]:
             assert metric["pods"]["metric"]["name"] in renamed
 
 
-def test_keda_queries_parse() -> None:
+def test_keda_queries_parse_and_read_exported_metrics() -> None:
     queries = [trigger["metadata"]["query"] for trigger in _of_kind("ScaledObject")[0]["spec"]["triggers"]]
     check_expressions(queries)
+    for query in queries:
+        assert names_in(query) <= documented()["serve"], query
 
 
 def test_service_monitors_scrape_a_named_port_and_set_the_job_label() -> None:
@@ -143,8 +146,3 @@ def test_prometheus_rule_is_generated_from_the_tested_alert_rules() -> None:
     assert (K8S / "monitoring" / "prometheusrule.yaml").read_text() == module.render(), \
         "prometheusrule.yaml is stale: run python deploy/k8s/monitoring/render_prometheusrule.py"
 
-
-def _octavo_gauges() -> set[str]:
-    from octavo.server.metrics import _GAUGES
-
-    return {f"octavo:{name}" for name, _, _ in _GAUGES}
