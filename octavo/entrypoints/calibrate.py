@@ -13,7 +13,9 @@ is read from the ``SchedulerOutput`` that step scheduled.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -39,13 +41,30 @@ class Probe:
     stagger: bool = False
 
 
-def default_probes(max_model_len: int) -> list[Probe]:
-    longest = min(1536, max_model_len - 32)
-    probes = [Probe(1, n, 1) for n in (16, 64, 256, 512, 1024, longest)]
-    probes += [Probe(b, 128, 1) for b in (2, 4, 8)] + [Probe(4, 480, 1)]
-    probes += [Probe(b, n, 24) for n in (32, 512) for b in (1, 2, 4, 8, 16, 32, 64)]
-    probes += [Probe(b, longest, 16) for b in (1, 4, 16)]
-    probes += [Probe(24, 128, 32, stagger=True), Probe(12, 400, 24, stagger=True)]
+def _fit(n: int, max_model_len: int) -> int:
+    """A prompt length cut to the context, leaving room for the outputs."""
+    return max(2, min(n, max_model_len - 32))
+
+
+def warmup_probes(max_model_len: int) -> list[Probe]:
+    return [Probe(2, _fit(64, max_model_len), 4), Probe(1, _fit(512, max_model_len), 2)]
+
+
+def default_probes(max_model_len: int, max_batch: int = 64) -> list[Probe]:
+    """The probe set; ``max_batch`` caps the batch sizes (a quicker, coarser calibration)."""
+
+    def fit(n: int) -> int:
+        return _fit(n, max_model_len)
+
+    def batches(*sizes: int) -> list[int]:
+        return sorted({min(b, max_batch) for b in sizes})
+
+    probes = [Probe(1, fit(n), 1) for n in (16, 64, 256, 512, 1024, 1536)]
+    probes += [Probe(b, fit(128), 1) for b in batches(2, 4, 8)] + [Probe(min(4, max_batch), fit(480), 1)]
+    probes += [Probe(b, fit(n), 24) for n in (32, 512) for b in batches(1, 2, 4, 8, 16, 32, 64)]
+    probes += [Probe(b, fit(1536), 16) for b in batches(1, 4, 16)]
+    probes += [Probe(min(24, max_batch), fit(128), 32, stagger=True),
+               Probe(min(12, max_batch), fit(400), 24, stagger=True)]
     return probes
 
 
@@ -77,12 +96,13 @@ def measure(engine, probes: list[Probe], repeats: int) -> tuple[list[StepWork], 
         params = SamplingParams(max_tokens=probe.output_len, ignore_eos=True, temperature=0.0)
         engine.add_request(f"cal-{rid}", prompt, params)
 
-    for _ in range(repeats):
-        for probe in probes:
+    for repeat in range(repeats):
+        for i, probe in enumerate(probes):
+            logger.info("calibration %d/%d, probe %d/%d: %s", repeat + 1, repeats, i + 1, len(probes), probe)
             pending = probe.batch
             if not probe.stagger:
-                for i in range(probe.batch):
-                    add(probe, i)
+                for j in range(probe.batch):
+                    add(probe, j)
                 pending = 0
             while engine.has_unfinished_requests() or pending:
                 if pending:
@@ -111,7 +131,8 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
-def calibrate(model: Optional[str], options: dict, repeats: int = 2, warmup: bool = True) -> CostModel:
+def calibrate(model: Optional[str], options: dict, repeats: int = 2, max_batch: int = 64,
+              steps_out: Optional[Path] = None) -> CostModel:
     import torch
 
     from octavo.entrypoints.llm import LLM
@@ -119,9 +140,9 @@ def calibrate(model: Optional[str], options: dict, repeats: int = 2, warmup: boo
     llm = LLM(model, **options)
     engine = llm.engine
     try:
-        probes = default_probes(engine.max_model_len)
-        if warmup:  # kernels build and caches fill on the first steps: not timed
-            measure(engine, [Probe(2, 64, 4), Probe(1, 512, 2)], 1)
+        probes = default_probes(engine.max_model_len, max_batch)
+        # Kernels build and caches fill on the first steps: not timed.
+        measure(engine, warmup_probes(engine.max_model_len), 1)
         works, seconds = measure(engine, probes, repeats)
     finally:
         llm.shutdown()
@@ -142,6 +163,10 @@ def calibrate(model: Optional[str], options: dict, repeats: int = 2, warmup: boo
         max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
         enable_chunked_prefill=config.scheduler.enable_chunked_prefill,
     )
+    if steps_out is not None:
+        with open(steps_out, "w") as f:
+            for work, t in zip(works, seconds):
+                f.write(json.dumps({**dataclasses.asdict(work), "seconds": t}) + "\n")
     return CostModel.fit_steps(works, seconds, machine, shape)
 
 
@@ -149,12 +174,16 @@ def add_calibrate_args(p: argparse.ArgumentParser) -> None:
     add_engine_args(p)
     p.add_argument("-o", "--output", type=Path, required=True, help="the cost model JSON to write")
     p.add_argument("--repeats", type=int, default=2, help="times to run the probe set (default: %(default)s)")
+    p.add_argument("--max-batch", type=int, default=64, help="largest probe batch (default: %(default)s)")
+    p.add_argument("--steps-out", type=Path, default=None, help="also write every timed step (JSONL)")
 
 
 def run_calibrate(args: argparse.Namespace) -> CostModel:
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
-    cost = calibrate(args.model, engine_options(args), args.repeats)
+    if args.max_batch < 1:
+        raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
+    cost = calibrate(args.model, engine_options(args), args.repeats, args.max_batch, args.steps_out)
     cost.save(args.output)
     fit = cost.fit
     print(f"cost model: {args.output} ({fit.num_steps} steps; |error| mean {100 * fit.mean_abs_rel_error:.1f}%, "

@@ -19,10 +19,10 @@ terms and why each is there:
 - ``decode_context_ktokens``: decode attention reads every cached token of
   every decoding sequence (in thousands).
 
-The fit is least squares on relative error (each step weighs the same
-whatever its length, so millisecond decode steps are fitted as well as long
-prefills) with every coefficient kept >= 0: a negative cost would let the
-simulator predict a step faster for having more work.
+The fit is least squares on error relative to the predicted time (each step
+weighs the same whatever its length, so millisecond decode steps are fitted
+as well as long prefills) with every coefficient kept >= 0: a negative cost
+would let the simulator predict a step faster for having more work.
 """
 from __future__ import annotations
 
@@ -197,21 +197,32 @@ class CostModel:
             raise ValueError(f"cost_model: {path} is not a cost model file: {exc}") from None
 
 
-def _nonnegative_relative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """argmin_c sum(((x c - y) / y)^2) subject to c >= 0.
+def _nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """argmin_c |a c - b|^2 subject to c >= 0.
 
     Active set, the simple way: solve unconstrained on the free features,
     pin the most negative coefficient to zero, repeat. Features with no
     variation in the data (all zero) get zero and are left out."""
-    a = x / y[:, None]
-    b = np.ones_like(y)
-    free = [j for j in range(x.shape[1]) if np.any(x[:, j] != 0)]
-    while True:
-        coef = np.zeros(x.shape[1])
-        if not free:
-            return coef
+    free = [j for j in range(a.shape[1]) if np.any(a[:, j] != 0)]
+    coef = np.zeros(a.shape[1])
+    while free:
         sol, *_ = np.linalg.lstsq(a[:, free], b, rcond=None)
         if np.all(sol >= 0):
             coef[free] = sol
-            return coef
+            break
         free.pop(int(np.argmin(sol)))
+    return coef
+
+
+def _nonnegative_relative_lstsq(x: np.ndarray, y: np.ndarray, rounds: int = 8) -> np.ndarray:
+    """Least squares with each step weighted by 1 / its predicted time
+    (iteratively reweighted, as a gamma GLM with identity link): the fit is
+    of the mean step time, with errors counted relative to it. Weighting by
+    the measured time instead would bias the fit low on a loaded machine,
+    where the same step is sometimes much slower but never much faster."""
+    coef = _nonnegative_lstsq(x, y)
+    floor = max(float(np.percentile(y, 1)), 1e-6)
+    for _ in range(rounds):
+        w = 1.0 / np.maximum(x @ coef, floor)
+        coef = _nonnegative_lstsq(x * w[:, None], y * w)
+    return coef
