@@ -6,13 +6,13 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
-from typing import Optional
-
+from octavo.autoscale.policy import Autoscaler, AutoscalerConfig, PredictiveConfig, ReactiveConfig
 from octavo.config import CacheConfig, SchedulerConfig
+from octavo.simulate.autoscaling import PolicyScaler
 from octavo.simulate.cost_model import CostModel
 from octavo.simulate.replica import ReplicaShape
 from octavo.simulate.report import SLO, summarize
-from octavo.simulate.simulator import ROUTING_POLICIES, FleetConfig, Scaler, Simulator
+from octavo.simulate.simulator import ROUTING_POLICIES, FleetConfig, Simulator
 from octavo.simulate.traces import TRACE_KINDS, LengthDist, TraceRequest, TraceSpec, generate, load_jsonl
 
 
@@ -40,6 +40,18 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     f.add_argument("--interval", type=float, default=10.0, help="seconds between fleet samples / scaler decisions")
     f.add_argument("--request-overhead", type=float, default=0.0,
                    help="seconds each request spends outside engine steps (HTTP, tokenizing)")
+    a = p.add_argument_group("autoscaling (octavo/autoscale's policy on the simulated clock)")
+    a.add_argument("--autoscale", choices=("none", "reactive", "predictive"), default="none",
+                   help="predictive: max(reactive, Holt-Winters forecast / --capacity-per-replica)")
+    a.add_argument("--min-replicas", type=int, default=1)
+    a.add_argument("--max-replicas", type=int, default=8)
+    a.add_argument("--scale-on", action="append", default=None, metavar="SIGNAL=TARGET",
+                   help="reactive signal and its per-replica target, repeatable (default: in_flight=8)")
+    a.add_argument("--scale-down-window", type=float, default=300.0, help="seconds (HPA's stabilisation)")
+    a.add_argument("--capacity-per-replica", type=float, default=None,
+                   help="predictive: requests/s one replica serves within the SLO")
+    a.add_argument("--forecast-bucket", type=float, default=60.0, help="predictive: seconds per forecast point")
+    a.add_argument("--headroom", type=float, default=1.2, help="predictive: forecast multiplier")
     e = p.add_argument_group("each replica (default: the calibrated engine's)")
     e.add_argument("--max-num-seqs", type=int, default=None)
     e.add_argument("--max-num-batched-tokens", type=int, default=None)
@@ -92,15 +104,44 @@ def replica_shape(cost_model: CostModel, args: argparse.Namespace) -> ReplicaSha
     )
 
 
-def run(args: argparse.Namespace, scaler: Optional[Scaler] = None) -> dict:
+def autoscaler_config(args: argparse.Namespace) -> AutoscalerConfig:
+    targets = {}
+    for item in args.scale_on or ["in_flight=8"]:
+        signal, _, value = item.partition("=")
+        try:
+            targets[signal] = float(value)
+        except ValueError:
+            raise ValueError(f"--scale-on: expected SIGNAL=NUMBER, got {item!r}") from None
+    predictive = args.autoscale == "predictive"
+    return AutoscalerConfig(
+        min_replicas=args.min_replicas, max_replicas=args.max_replicas,
+        scale_down_window_s=args.scale_down_window,
+        reactive=ReactiveConfig(targets=targets),
+        predictive=PredictiveConfig(
+            enabled=predictive, capacity_per_replica=args.capacity_per_replica,
+            horizon_s=max(args.cold_start, args.interval), headroom=args.headroom, bucket_s=args.forecast_bucket,
+            # The trace's (compressed) day is the season; history enough for a few of them.
+            seasonal_periods_s=(args.period,), history_s=10 * args.period,
+            refit_interval_s=max(args.interval, args.forecast_bucket),
+        ),
+    )
+
+
+def run(args: argparse.Namespace) -> dict:
     cost_model = CostModel.load(args.cost_model)
     shape = replica_shape(cost_model, args)
     fleet = FleetConfig(routing=args.routing, initial_replicas=args.replicas, cold_start_s=args.cold_start,
                         interval_s=args.interval, request_overhead_s=args.request_overhead)
     slo = SLO(args.slo_ttft, args.slo_tpot)
     trace = build_trace(args)
+    scaler = None
+    if args.autoscale != "none":
+        scaler = PolicyScaler(Autoscaler(autoscaler_config(args)), args.interval)
     result = Simulator(cost_model, shape, fleet, scaler, seed=args.seed).run(trace)
     summary = summarize(result, slo)
+    if scaler is not None:
+        summary["scale_decisions"] = [{"time_s": t, "from": a, "to": b, "reason": d.reason}
+                                      for (t, a, b), d in zip(result.scale_events, scaler.decisions)]
     summary["config"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
                          if k not in ("func",)}
     summary["machine"] = vars(cost_model.machine)
