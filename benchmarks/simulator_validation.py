@@ -54,12 +54,12 @@ def workloads(duration: float) -> list[Workload]:
         return {"prompt": LengthDist.parse(p), "output": LengthDist.parse(o)}
 
     return [
-        Workload("poisson-light", TraceSpec("poisson", duration, 0.5, **lengths("lognormal:128:0.6:16:512",
+        Workload("poisson-light", TraceSpec("poisson", duration, 0.3, **lengths("lognormal:128:0.6:16:512",
                                                                                   "uniform:16:64"))),
-        Workload("poisson-busy", TraceSpec("poisson", duration, 1.5, **lengths("lognormal:96:0.5:16:384",
+        Workload("poisson-busy", TraceSpec("poisson", duration, 1.0, **lengths("lognormal:96:0.5:16:384",
                                                                                  "uniform:32:96"))),
-        Workload("long-prompts", TraceSpec("poisson", duration, 0.4, **lengths("uniform:600:1200", "fixed:16"))),
-        Workload("bursty", TraceSpec("bursty", duration, 0.3, burst_rate=3.0, on_s=8.0, off_s=20.0,
+        Workload("long-prompts", TraceSpec("poisson", duration, 0.2, **lengths("uniform:600:1200", "fixed:16"))),
+        Workload("bursty", TraceSpec("bursty", duration, 0.2, burst_rate=2.0, on_s=8.0, off_s=20.0,
                                      **lengths("lognormal:128:0.6:16:512", "uniform:16:64"))),
     ]
 
@@ -155,8 +155,12 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--kv-cache-memory", default="1GiB")
     p.add_argument("--cost-model", type=Path, default=None, help="reuse this calibration instead of running one")
-    p.add_argument("--calibration-repeats", type=int, default=2)
-    p.add_argument("--duration", type=float, default=90.0, help="seconds of arrivals per workload")
+    p.add_argument("--calibration-repeats", type=int, default=1)
+    p.add_argument("--calibration-max-batch", type=int, default=32)
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads of the calibrated engine and the server (OMP_NUM_THREADS); one thread "
+                        "degrades more gracefully than a spinning pool when other work shares the cores")
+    p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per workload")
     p.add_argument("--only", default=None, help="comma-separated workload names")
     p.add_argument("--overhead-probes", type=int, default=5)
     p.add_argument("--port", type=int, default=8571)
@@ -172,7 +176,9 @@ def main() -> None:
     if cost_path is None:
         cost_path = args.out_dir / "cost.json"
         subprocess.run(cli + ["simulate", "calibrate", str(args.model), *engine_flags, "-o", str(cost_path),
-                              "--repeats", str(args.calibration_repeats)], check=True)
+                              "--repeats", str(args.calibration_repeats), "--max-batch", str(args.calibration_max_batch),
+                              "--steps-out", str(args.out_dir / "steps.jsonl")],
+                       check=True, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
         loads["after_calibration"] = load_avg()
     cost = CostModel.load(cost_path)
     vocab = ordinary_token_ids(args.model)
@@ -180,7 +186,7 @@ def main() -> None:
     rows = []
     base_url = f"http://127.0.0.1:{args.port}"
     cmd = cli + ["serve", str(args.model), *engine_flags, "--port", str(args.port), "--log-level", "warning"]
-    with running_server(cmd, base_url, args.out_dir / "serve.log", 600, os.cpu_count() or 1):
+    with running_server(cmd, base_url, args.out_dir / "serve.log", 600, args.threads):
         model = httpx.get(f"{base_url}/v1/models").json()["data"][0]["id"]
         asyncio.run(replay(base_url, model, [TraceRequest(0.0, 256, 8)] * 4, vocab, seed=99))  # warm up
         overhead = request_overhead(base_url, model, cost, vocab, args.overhead_probes)

@@ -91,3 +91,14 @@ def test_jsonl_round_trip_and_errors(tmp_path):
         load_jsonl(tmp_path / "neg.jsonl")
     with pytest.raises(ValueError, match="trace"):
         TraceSpec("sawtooth", 10.0, 1.0, FIXED, FIXED)
+
+
+def test_the_serving_benchmark_records_a_loadable_trace(tmp_path):
+    """benchmarks/serve.py --trace-out: what a real server served, replayable in the simulator."""
+    from benchmarks.serve import Result, write_trace
+
+    results = [Result(ok=True, prompt_tokens=30, output_tokens=8, sent=105.5),
+               Result(ok=True, prompt_tokens=12, output_tokens=64, sent=100.25),
+               Result(ok=False, error="HTTP 503", sent=101.0)]
+    write_trace(results, str(tmp_path / "rec.jsonl"))
+    assert load_jsonl(tmp_path / "rec.jsonl") == [TraceRequest(0.0, 12, 64), TraceRequest(5.25, 30, 8)]
