@@ -16,7 +16,7 @@ import itertools
 import math
 import random
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Optional, Protocol, Sequence
 
 from octavo.gateway.routing import LeastLoad, Policy, RoundRobin, RouteInput
@@ -97,7 +97,7 @@ class Simulator:
         self._gateway_queue: deque[RequestRecord] = deque()
         self._records: list[RequestRecord] = []
         self._unfinished = 0
-        self._arrivals_in_interval, self._interval_ttfts = 0, []
+        self._arrivals_in_interval = 0
         self._interval_ttfts: list[float] = []  # first tokens since the last tick
         self._samples: list[FleetSample] = []
         self._scale_events: list[tuple[float, int, int]] = []
@@ -233,7 +233,7 @@ class Simulator:
             self._samples.pop()
             self._scale_to(target)
             live = sum(r.state in (ReplicaState.ACTIVE, ReplicaState.STARTING) for r in self._replicas)
-            sample = FleetSample(**{**sample.__dict__, "target": live})
+            sample = replace(sample, target=live)
         self._samples.append(sample)
 
 
