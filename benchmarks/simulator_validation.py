@@ -7,9 +7,11 @@ Steps, back to back (the machine is shared: the load average is recorded
 around each one):
 1. `octavo simulate calibrate` on the model (or --cost-model to reuse one);
 2. one `octavo serve` with the calibrated engine's limits; a few lone
-   requests measure the latency outside engine steps (HTTP, tokenizing the
-   id list, streaming): their TTFT minus the cost model's prefill time. The
-   simulator adds that median as --request-overhead;
+   requests measure what serving adds to the calibrated engine steps: per
+   step (the output message, the HTTP front streaming each token on the
+   same cores: their TPOT minus the cost model's decode step) and per request
+   (HTTP, tokenizing the id list: their TTFT minus the prefill step). The
+   simulator adds them as --step-overhead and --request-overhead;
 3. per workload: a seeded trace (octavo/simulate/traces.py), saved as JSONL,
    replayed against the server at its arrival times (streaming
    /v1/completions, the prompt as token ids, ``ignore_eos``), and simulated;
@@ -122,26 +124,33 @@ def measured_summary(results: list[Measured]) -> dict:
             "tpot_p50": percentile([(m.e2e - m.ttft) / (m.tokens - 1) for m in results if m.tokens > 1], 50)}
 
 
-def request_overhead(base_url: str, model: str, cost: CostModel, vocab: list[int], n: int) -> float:
-    """Median of (lone request's TTFT - the cost model's time for its prefill step)."""
-    gaps = []
+def serving_overheads(base_url: str, model: str, cost: CostModel, vocab: list[int], n: int) -> tuple[float, float]:
+    """What a served request costs beyond the calibrated engine steps, from lone requests (nothing
+    else in flight): per step, the median of (TPOT - the cost model's batch-1 decode step); per
+    request, the median of (TTFT - its prefill step - that step overhead)."""
+    ttft_gaps, step_gaps = [], []
+    out = 16
     for i in range(n):
         length = 64 + 64 * i
-        m = asyncio.run(replay(base_url, model, [TraceRequest(0.0, length, 2)], vocab, seed=100 + i))[0]
+        m = asyncio.run(replay(base_url, model, [TraceRequest(0.0, length, out)], vocab, seed=100 + i))[0]
         prefill = cost.predict(StepWork(length, 1, length * (length + 1) / 2, 0, 0))
-        gaps.append(m.ttft - prefill)
+        decode = sum(cost.predict(StepWork(decode_seqs=1, decode_context_tokens=length + j + 1))
+                     for j in range(out - 1)) / (out - 1)
+        step_gaps.append((m.e2e - m.ttft) / (m.tokens - 1) - decode)
+        ttft_gaps.append(m.ttft - prefill)
         time.sleep(0.2)
-    return max(0.0, median(gaps))
+    step = max(0.0, median(step_gaps))
+    return max(0.0, median(ttft_gaps) - step), step
 
 
 # ---- the simulated replica ---------------------------------------------
 
 
-def simulate(cost: CostModel, trace: list[TraceRequest], overhead: float, seed: int) -> dict:
+def simulate(cost: CostModel, trace: list[TraceRequest], overhead: float, step_overhead: float, seed: int) -> dict:
     e = cost.engine
     shape = ReplicaShape(SchedulerConfig(e.max_num_seqs, e.max_num_batched_tokens, e.enable_chunked_prefill),
                          CacheConfig(block_size=e.block_size), e.num_kv_blocks, e.max_model_len)
-    result = Simulator(cost, shape, FleetConfig(request_overhead_s=overhead), seed=seed).run(trace)
+    result = Simulator(cost, shape, FleetConfig(request_overhead_s=overhead, step_overhead_s=step_overhead), seed=seed).run(trace)
     s = summarize(result, SLO())
     return {"ttft_p50": s["ttft_s"]["p50"], "ttft_p99": s["ttft_s"]["p99"],
             "output_tokens_per_s": s["throughput"]["output_tokens_per_s"], "tpot_p50": s["tpot_s"]["p50"],
@@ -189,14 +198,14 @@ def main() -> None:
     with running_server(cmd, base_url, args.out_dir / "serve.log", 600, args.threads):
         model = httpx.get(f"{base_url}/v1/models").json()["data"][0]["id"]
         asyncio.run(replay(base_url, model, [TraceRequest(0.0, 256, 8)] * 4, vocab, seed=99))  # warm up
-        overhead = request_overhead(base_url, model, cost, vocab, args.overhead_probes)
-        print(f"request overhead outside engine steps: {overhead * 1e3:.1f} ms")
+        overhead, step_overhead = serving_overheads(base_url, model, cost, vocab, args.overhead_probes)
+        print(f"serving overheads: {overhead * 1e3:.1f} ms per request, {step_overhead * 1e3:.1f} ms per step")
         for w in chosen:
             trace = generate(w.spec, args.seed)
             save_jsonl(trace, args.out_dir / f"{w.name}.jsonl")
             before = load_avg()
             measured = measured_summary(asyncio.run(replay(base_url, model, trace, vocab, args.seed)))
-            predicted = simulate(cost, trace, overhead, args.seed)
+            predicted = simulate(cost, trace, overhead, step_overhead, args.seed)
             row = {"workload": w.name, "requests": len(trace), "load": f"{before} -> {load_avg()}",
                    "measured": measured, "predicted": predicted,
                    "error": {k: predicted[k] / measured[k] - 1 for k in ("ttft_p50", "ttft_p99",
@@ -205,6 +214,7 @@ def main() -> None:
             print(json.dumps(row))
     loads["end"] = load_avg()
     report = {"model": str(args.model), "cost_model": cost.to_json(), "request_overhead_s": overhead,
+              "step_overhead_s": step_overhead,
               "loads": loads, "rows": rows, "args": {k: str(v) for k, v in vars(args).items()}}
     (args.out_dir / "validation.json").write_text(json.dumps(report, indent=2) + "\n")
     print("| workload | requests | TTFT p50 meas / sim (ms) | TTFT p99 meas / sim (ms) | "

@@ -40,6 +40,8 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     f.add_argument("--interval", type=float, default=10.0, help="seconds between fleet samples / scaler decisions")
     f.add_argument("--request-overhead", type=float, default=0.0,
                    help="seconds each request spends outside engine steps (HTTP, tokenizing)")
+    f.add_argument("--step-overhead", type=float, default=0.0,
+                   help="seconds a served step costs beyond the calibrated engine step (streaming, the HTTP front)")
     a = p.add_argument_group("autoscaling (octavo/autoscale's policy on the simulated clock)")
     a.add_argument("--autoscale", choices=("none", "reactive", "predictive"), default="none",
                    help="predictive: max(reactive, Holt-Winters forecast / --capacity-per-replica)")
@@ -131,7 +133,8 @@ def run(args: argparse.Namespace) -> dict:
     cost_model = CostModel.load(args.cost_model)
     shape = replica_shape(cost_model, args)
     fleet = FleetConfig(routing=args.routing, initial_replicas=args.replicas, cold_start_s=args.cold_start,
-                        interval_s=args.interval, request_overhead_s=args.request_overhead)
+                        interval_s=args.interval, request_overhead_s=args.request_overhead,
+                        step_overhead_s=args.step_overhead)
     slo = SLO(args.slo_ttft, args.slo_tpot)
     trace = build_trace(args)
     scaler = None

@@ -81,7 +81,7 @@ class ReplicaShape:
 
 class SimReplica:
     def __init__(self, name: str, shape: ReplicaShape, cost_model: CostModel, created_s: float, ready_s: float,
-                 rng: random.Random) -> None:
+                 rng: random.Random, step_overhead_s: float = 0.0) -> None:
         self.name = name
         self.scheduler = Scheduler(shape.scheduler, shape.cache, shape.num_blocks, shape.max_model_len)
         # What the gateway's routing policies read: the replica's /metrics, scraped.
@@ -93,6 +93,7 @@ class SimReplica:
         self.busy_s = 0.0
         self.num_steps = 0
         self._cost = cost_model
+        self._step_overhead_s = step_overhead_s
         self._rng = rng
         self._records: dict[str, RequestRecord] = {}
         self._step: Optional[SchedulerOutput] = None
@@ -125,7 +126,7 @@ class SimReplica:
         out = self.scheduler.schedule()
         if out.is_empty:
             return None
-        duration = self._cost.predict(step_work(out))
+        duration = self._cost.predict(step_work(out)) + self._step_overhead_s
         self._step, self.step_end_s = out, now + duration
         self.busy_s += duration
         self.num_steps += 1

@@ -38,13 +38,16 @@ class FleetConfig:
     interval_s: float = 10.0
     # Latency outside the engine's steps (HTTP, tokenization, streaming): added before a request reaches a replica.
     request_overhead_s: float = 0.0
+    # What a served step costs beyond the calibrated engine step (its output message, the HTTP front
+    # streaming each token on the same cores): added to every step.
+    step_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.routing not in ROUTING_POLICIES:
             raise ValueError(f"routing must be one of {sorted(ROUTING_POLICIES)}, got {self.routing!r}")
         if self.initial_replicas < 0:
             raise ValueError(f"initial_replicas must be >= 0, got {self.initial_replicas}")
-        for name in ("cold_start_s", "request_overhead_s"):
+        for name in ("cold_start_s", "request_overhead_s", "step_overhead_s"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not self.interval_s > 0:
@@ -177,7 +180,8 @@ class Simulator:
 
     def _add_replica(self, now: float, cold: bool = True) -> None:
         ready_s = now + (self.fleet.cold_start_s if cold else 0.0)
-        replica = SimReplica(f"replica-{len(self._replicas)}", self.shape, self.cost_model, now, ready_s, self._rng)
+        replica = SimReplica(f"replica-{len(self._replicas)}", self.shape, self.cost_model, now, ready_s, self._rng,
+                             self.fleet.step_overhead_s)
         self._replicas.append(replica)
         if replica.state is ReplicaState.STARTING:
             self._post(ready_s, "ready", replica)

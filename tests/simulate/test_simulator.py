@@ -31,10 +31,11 @@ def test_a_lone_request_takes_the_cost_models_prefill_then_decodes():
     assert record.tokens_done == 5
 
 
-def test_request_overhead_adds_to_the_first_token():
-    fleet = FleetConfig(request_overhead_s=0.25)
-    (record,) = simulate([TraceRequest(0.0, 100, 2)], COST, fleet=fleet).records
-    assert record.ttft == pytest.approx(0.25 + _prefill_time(100), rel=1e-9)
+def test_request_and_step_overheads_add_where_they_belong():
+    fleet = FleetConfig(request_overhead_s=0.25, step_overhead_s=0.03)
+    (record,) = simulate([TraceRequest(0.0, 100, 3)], COST, fleet=fleet).records
+    assert record.ttft == pytest.approx(0.25 + _prefill_time(100) + 0.03, rel=1e-9)
+    assert record.tpot == pytest.approx((_decode_time(101) + _decode_time(102)) / 2 + 0.03, rel=1e-9)
 
 
 def test_long_prompts_are_chunked_as_the_scheduler_chunks_them():
