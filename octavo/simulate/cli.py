@@ -64,6 +64,8 @@ def add_run_args(p: argparse.ArgumentParser) -> None:
     o = p.add_argument_group("output")
     o.add_argument("--slo-ttft", type=float, default=1.0, help="seconds")
     o.add_argument("--slo-tpot", type=float, default=0.1, help="seconds")
+    o.add_argument("--slo-from", type=float, default=None,
+                   help="also report the SLO attainment of the requests arriving from this second on")
     o.add_argument("--summary", type=Path, default=None, help="write the JSON summary here (default: stdout)")
     o.add_argument("--plot", type=Path, default=None, help="write a PNG of load, replicas and latency over time")
 
@@ -141,7 +143,7 @@ def run(args: argparse.Namespace) -> dict:
     if args.autoscale != "none":
         scaler = PolicyScaler(Autoscaler(autoscaler_config(args)), args.interval)
     result = Simulator(cost_model, shape, fleet, scaler, seed=args.seed).run(trace)
-    summary = summarize(result, slo)
+    summary = summarize(result, slo, args.slo_from)
     if scaler is not None:
         summary["scale_decisions"] = [{"time_s": t, "from": a, "to": b, "reason": d.reason}
                                       for (t, a, b), d in zip(result.scale_events, scaler.decisions)]

@@ -12,6 +12,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Optional, Sequence
 
+from octavo.simulate.replica import RequestRecord
 from octavo.simulate.simulator import SimResult
 
 PERCENTILES = (50, 90, 99)
@@ -41,13 +42,21 @@ def _stats(values: list[float]) -> dict[str, Optional[float]]:
     return out
 
 
-def summarize(result: SimResult, slo: SLO) -> dict:
+def attainment(records: Sequence[RequestRecord], slo: SLO) -> Optional[float]:
+    """The share of ``records`` whose TTFT and TPOT met the SLO (unserved ones missed it)."""
+    met = sum(1 for r in records if r.finish_s is not None and r.ttft <= slo.ttft_s
+              and (r.tpot is None or r.tpot <= slo.tpot_s))
+    return met / len(records) if records else None
+
+
+def summarize(result: SimResult, slo: SLO, slo_from_s: Optional[float] = None) -> dict:
+    """``slo_from_s``: also the attainment of the requests arriving from then on
+    (e.g. the last day of a diurnal trace, once a forecaster has history)."""
     records = result.records
     done = [r for r in records if r.finish_s is not None]
     ttft = [r.ttft for r in records if r.ttft is not None]
     tpot = [r.tpot for r in records if r.tpot is not None]
     e2e = [r.e2e for r in done]
-    met = sum(1 for r in done if r.ttft <= slo.ttft_s and (r.tpot is None or r.tpot <= slo.tpot_s))
     first = min((r.arrival_s for r in records), default=0.0)
     # As a benchmark client measures it: first arrival to last completion.
     span = max(max((r.finish_s for r in done), default=first) - first, 1e-9)
@@ -62,7 +71,7 @@ def summarize(result: SimResult, slo: SLO) -> dict:
         "ttft_s": _stats(ttft),
         "tpot_s": _stats(tpot),
         "e2e_s": _stats(e2e),
-        "slo": {**asdict(slo), "attainment": met / len(records) if records else None},
+        "slo": {**asdict(slo), "attainment": attainment(records, slo)},
         "throughput": {
             "requests_per_s": len(done) / span,
             "output_tokens_per_s": sum(r.tokens_done for r in records) / span,
@@ -75,4 +84,5 @@ def summarize(result: SimResult, slo: SLO) -> dict:
             "busy_fraction": busy_s / replica_s if replica_s else 0.0,
             "scale_events": len(result.scale_events),
         },
-    }
+    } | ({} if slo_from_s is None else {"slo_from": {
+        "from_s": slo_from_s, "attainment": attainment([r for r in records if r.arrival_s >= slo_from_s], slo)}})

@@ -37,10 +37,11 @@ def test_run_writes_summary_and_plot(cost_file, tmp_path):
     summary, plot = tmp_path / "summary.json", tmp_path / "timeline.png"
     main(["simulate", "run", "--cost-model", str(cost_file), "--trace", "diurnal", "--rate", "2",
           "--duration", "120", "--period", "120", "--prompt-len", "uniform:8:120", "--output-len", "fixed:8",
-          "--replicas", "2", "--slo-ttft", "0.5", "--summary", str(summary), "--plot", str(plot)])
+          "--replicas", "2", "--slo-ttft", "0.5", "--slo-from", "60", "--summary", str(summary), "--plot", str(plot)])
     data = json.loads(summary.read_text())
     assert data["requests"] > 100 and data["finished"] == data["requests"]
     assert 0 <= data["slo"]["attainment"] <= 1 and data["slo"]["ttft_s"] == 0.5
+    assert data["slo_from"]["from_s"] == 60 and 0 <= data["slo_from"]["attainment"] <= 1
     assert data["ttft_s"]["p50"] <= data["ttft_s"]["p99"]
     assert data["replicas"]["started"] == 2 and data["replicas"]["replica_hours"] > 0
     assert data["machine"]["model"].startswith("llama")
