@@ -53,6 +53,7 @@ class RequestRecord:
     finish_s: Optional[float] = None
     tokens_done: int = 0
     preemptions: int = 0
+    error: Optional[str] = None  # refused by the replica (e.g. longer than its context), as a server's 400
 
     @property
     def ttft(self) -> Optional[float]:
@@ -102,6 +103,7 @@ class SimReplica:
     # ---- requests -------------------------------------------------------
 
     def add(self, record: RequestRecord, now: float) -> None:
+        """Queue a request; ValueError (the scheduler's) for one the replica cannot serve."""
         prompt = [self._rng.randrange(*_PROMPT_TOKEN_RANGE) for _ in range(record.prompt_tokens)]
         params = SamplingParams(max_tokens=record.output_tokens, ignore_eos=True, temperature=0.0)
         self.scheduler.add_request(Request(record.request_id, prompt, params, arrival_time=now))

@@ -66,6 +66,7 @@ def summarize(result: SimResult, slo: SLO, slo_from_s: Optional[float] = None) -
         "requests": len(records),
         "finished": len(done),
         "unfinished": len(records) - len(done),
+        "refused": sum(1 for r in records if r.error is not None),
         "preemptions": sum(r.preemptions for r in records),
         "duration_s": span,
         "ttft_s": _stats(ttft),

@@ -157,7 +157,12 @@ class Simulator:
         by_url = {r.name: r for r in ready}
         decision = self._policy.choose(RouteInput(), [r.view for r in ready])
         replica = by_url[decision.replica.url]
-        replica.add(record, self._now)
+        try:
+            replica.add(record, self._now)
+        except ValueError as exc:  # as the server's 400: this request fails, the run goes on
+            record.error = str(exc)
+            self._unfinished -= 1
+            return
         self._kick(replica)
 
     def _kick(self, replica: SimReplica) -> None:

@@ -110,3 +110,11 @@ def test_fleet_config_errors_name_the_field():
         FleetConfig(routing="kv-aware")
     with pytest.raises(ValueError, match="initial_replicas"):
         simulate([TraceRequest(0.0, 5, 5)], COST, fleet=FleetConfig(initial_replicas=0))
+
+
+def test_a_request_longer_than_the_context_fails_alone():
+    trace = [TraceRequest(0.0, 50, 5), TraceRequest(0.1, 5000, 5), TraceRequest(0.2, 60, 5)]
+    result = simulate(trace, COST, shape(max_model_len=1024))
+    summary = summarize(result, SLO())
+    assert summary["refused"] == 1 and summary["finished"] == 2
+    assert "context length" in result.records[1].error
