@@ -43,6 +43,7 @@ class Result:
     output_tokens: int = 0
     prompt_tokens: int = 0
     error: str = ""
+    sent: float = 0.0  # perf_counter() when the request went out
 
     @property
     def tpot(self) -> Optional[float]:
@@ -90,7 +91,7 @@ def _chunk_text(event: dict) -> str:
 async def one_request(client: httpx.AsyncClient, path: str, body: dict) -> Result:
     start = time.perf_counter()
     last = start
-    result = Result(ok=False)
+    result = Result(ok=False, sent=start)
     chunks = 0
     try:
         async with client.stream("POST", path, json=body) as r:
@@ -154,6 +155,17 @@ async def run(args: argparse.Namespace) -> tuple[list[Result], float]:
         return results, time.perf_counter() - start
 
 
+def write_trace(results: list[Result], path: str) -> None:
+    """The successful requests as a recorded trace for `octavo simulate run --trace FILE.jsonl`
+    (docs/SIMULATOR.md): send time from the first request, token counts from the server's usage."""
+    ok = sorted((r for r in results if r.ok), key=lambda r: r.sent)
+    t0 = min((r.sent for r in results), default=0.0)
+    with open(path, "w") as f:
+        for r in ok:
+            f.write(json.dumps({"arrival_s": round(r.sent - t0, 6), "prompt_tokens": r.prompt_tokens,
+                                "output_tokens": r.output_tokens}) + "\n")
+
+
 def latency_summary(values: list[float]) -> dict[str, float]:
     """Mean and p50/p90/p99 of `values` (empty: {})."""
     if not values:
@@ -212,6 +224,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--json", default=None, help="also write the report to this file")
+    p.add_argument("--trace-out", default=None,
+                   help="write the requests sent as a JSONL trace for `octavo simulate run --trace`")
     args = p.parse_args(argv)
     if args.request_rate <= 0:
         p.error("--request-rate must be > 0")
@@ -227,6 +241,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rep, f, indent=2, default=str)
+    if args.trace_out:
+        write_trace(results, args.trace_out)
     return rep
 
 

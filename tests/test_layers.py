@@ -23,8 +23,10 @@ ALLOWED: dict[str, set[str]] = {
     # The gateway validates with the server's request models and hashes prompts as the prefix cache does.
     "gateway": {"server.protocol", "server.errors", "core.prefix_hash", ROOT},
     "autoscale": {ROOT},
+    # The capacity simulator drives the real scheduler, the gateway's routing policies and the autoscaler's policy.
+    "simulate": {"core", "gateway", "autoscale", ROOT},
     # The CLI and LLM(...) build one EngineConfig; `octavo serve` starts the server.
-    "entrypoints": {"engine", "server", "gateway", "assets", ROOT},
+    "entrypoints": {"engine", "server", "gateway", "simulate", "assets", ROOT},
     # Scheduler + executor; grammars compile and generation_config.json is read here.
     "engine": {"core", "executor", "sample", "model", ROOT},
     "core": {"kv_offload", ROOT},

@@ -1,4 +1,5 @@
-"""The ``octavo`` command: ``octavo serve [MODEL]``, ``octavo gateway`` and ``octavo generate [MODEL]``."""
+"""The ``octavo`` command: ``octavo serve [MODEL]``, ``octavo gateway``, ``octavo generate [MODEL]`` and
+``octavo simulate run|calibrate``."""
 from __future__ import annotations
 
 import argparse
@@ -73,6 +74,7 @@ def build_parser() -> argparse.ArgumentParser:
                        action="store_false", help="no log line per HTTP request")
 
     _add_gateway_parser(sub)
+    _add_simulate_parser(sub)
 
     gen = sub.add_parser("generate", help="generate offline (no server)")
     add_engine_args(gen)
@@ -109,6 +111,27 @@ def _add_gateway_parser(sub: argparse._SubParsersAction) -> None:
                     help="kv-aware/prefix/session give way to least-load beyond this many queued requests")
     gw.add_argument("--no-cache", action="store_true", help="turn the response cache off")
     gw.add_argument("--log-level", default=None, choices=["debug", "info", "warning", "error"])
+
+
+def _add_simulate_parser(sub: argparse._SubParsersAction) -> None:
+    from octavo.entrypoints.calibrate import add_calibrate_args
+    from octavo.simulate.cli import add_run_args
+
+    sim = sub.add_parser("simulate", help="capacity simulator: a fleet of replicas on this machine's step costs")
+    what = sim.add_subparsers(dest="simulate_command", required=True)
+    add_run_args(what.add_parser("run", help="simulate a trace; write a JSON summary and a PNG (docs/SIMULATOR.md)"))
+    add_calibrate_args(what.add_parser("calibrate", help="time the real engine's steps and fit the cost model"))
+
+
+def _simulate(args: argparse.Namespace) -> None:
+    if args.simulate_command == "calibrate":
+        from octavo.entrypoints.calibrate import run_calibrate
+
+        run_calibrate(args)
+    else:
+        from octavo.simulate.cli import run
+
+        run(args)
 
 
 def _gateway(args: argparse.Namespace) -> None:
@@ -251,6 +274,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             _serve(args)
         elif args.command == "gateway":
             _gateway(args)
+        elif args.command == "simulate":
+            _simulate(args)
         else:
             _generate(args)
     except ValueError as exc:  # bad configuration: a message, not a traceback

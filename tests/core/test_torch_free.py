@@ -1,5 +1,5 @@
 """The torch-free parts of the design (DESIGN.md): octavo/core, the fronts
-that run without torch (gateway/, autoscale/) and the package-root modules
+that run without torch (gateway/, autoscale/, simulate/) and the package-root modules
 every layer uses. Each is imported in a fresh interpreter, since any earlier
 test may have imported torch into this one."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "octavo"
-TORCH_FREE_FOLDERS = ("core", "gateway", "autoscale")
+TORCH_FREE_FOLDERS = ("core", "gateway", "autoscale", "simulate")
 
 
 def _torch_free_modules() -> list[str]:

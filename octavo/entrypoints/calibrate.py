@@ -1,0 +1,193 @@
+"""``octavo simulate calibrate``: time the real engine's steps on this machine
+and fit the simulator's cost model to them (octavo/simulate/cost_model.py).
+
+The engine runs in this process (``LLM``); a designed set of probes puts
+known work in its steps: prompts alone at several lengths (prefill), batches
+of prompts (several chunks per step), batches decoding at several context
+lengths, and a staggered probe where a new prompt joins a decoding batch
+every step (mixed steps, as under online load). Each ``LLMEngine.step()`` is
+timed whole (scheduling, forward, sampling, the scheduler's update and
+detokenizing: what the engine's loop spends per step), and the step's work
+is read from the ``SchedulerOutput`` that step scheduled.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import octavo
+from octavo.entrypoints.engine_args import add_engine_args, engine_options
+from octavo.sampling_params import SamplingParams
+from octavo.simulate.cost_model import CostModel, EngineShape, MachineInfo, StepWork, step_work
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Probe:
+    """``batch`` requests of ``prompt_len`` tokens generating ``output_len``;
+    ``stagger``: one request joins before each step instead of all at once."""
+
+    batch: int
+    prompt_len: int
+    output_len: int
+    stagger: bool = False
+
+
+def _fit(n: int, max_model_len: int) -> int:
+    """A prompt length cut to the context, leaving room for the outputs."""
+    return max(2, min(n, max_model_len - 32))
+
+
+def warmup_probes(max_model_len: int) -> list[Probe]:
+    return [Probe(2, _fit(64, max_model_len), 4), Probe(1, _fit(512, max_model_len), 2)]
+
+
+def default_probes(max_model_len: int, max_batch: int = 64) -> list[Probe]:
+    """The probe set; ``max_batch`` caps the batch sizes (a quicker, coarser calibration)."""
+
+    def fit(n: int) -> int:
+        return _fit(n, max_model_len)
+
+    def batches(*sizes: int) -> list[int]:
+        return sorted({min(b, max_batch) for b in sizes})
+
+    probes = [Probe(1, fit(n), 1) for n in (16, 64, 256, 512, 1024, 1536)]
+    probes += [Probe(b, fit(128), 1) for b in batches(2, 4, 8)] + [Probe(min(4, max_batch), fit(480), 1)]
+    probes += [Probe(b, fit(n), 24) for n in (32, 512) for b in batches(1, 2, 4, 8, 16, 32, 64)]
+    probes += [Probe(b, fit(1536), 16) for b in batches(1, 4, 16)]
+    probes += [Probe(min(24, max_batch), fit(128), 32, stagger=True),
+               Probe(min(12, max_batch), fit(400), 24, stagger=True)]
+    return probes
+
+
+class _StepRecorder:
+    """Stands in for ``scheduler.schedule`` and keeps what it returned last:
+    the engine's step calls it once."""
+
+    def __init__(self, schedule: Callable[[], Any]) -> None:
+        self._schedule = schedule
+        self.last: Any = None  # the SchedulerOutput
+
+    def __call__(self) -> Any:
+        self.last = self._schedule()
+        return self.last
+
+
+def measure(engine, probes: list[Probe], repeats: int) -> tuple[list[StepWork], list[float]]:
+    recorder = _StepRecorder(engine.scheduler.schedule)
+    engine.scheduler.schedule = recorder
+    works: list[StepWork] = []
+    seconds: list[float] = []
+    ids = iter(range(10**9))
+    vocab = engine.vocab_size
+
+    def add(probe: Probe, i: int) -> None:
+        # Distinct token ids per request: no prefix-cache hit shortens a probe.
+        rid = next(ids)
+        prompt = [(rid * 7919 + j * 31 + i) % (vocab - 10) + 5 for j in range(probe.prompt_len)]
+        params = SamplingParams(max_tokens=probe.output_len, ignore_eos=True, temperature=0.0)
+        engine.add_request(f"cal-{rid}", prompt, params)
+
+    for repeat in range(repeats):
+        for i, probe in enumerate(probes):
+            logger.info("calibration %d/%d, probe %d/%d: %s", repeat + 1, repeats, i + 1, len(probes), probe)
+            pending = probe.batch
+            if not probe.stagger:
+                for j in range(probe.batch):
+                    add(probe, j)
+                pending = 0
+            while engine.has_unfinished_requests() or pending:
+                if pending:
+                    add(probe, pending)
+                    pending -= 1
+                start = time.perf_counter()
+                engine.step()
+                elapsed = time.perf_counter() - start
+                work = step_work(recorder.last) if recorder.last is not None else StepWork()
+                if not work.is_empty:
+                    works.append(work)
+                    seconds.append(elapsed)
+    return works, seconds
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def calibrate(model: Optional[str], options: dict, repeats: int = 2, max_batch: int = 64,
+              steps_out: Optional[Path] = None) -> CostModel:
+    import torch
+
+    from octavo.entrypoints.llm import LLM
+
+    llm = LLM(model, **options)
+    engine = llm.engine
+    try:
+        probes = default_probes(engine.max_model_len, max_batch)
+        # Kernels build and caches fill on the first steps: not timed.
+        measure(engine, warmup_probes(engine.max_model_len), 1)
+        works, seconds = measure(engine, probes, repeats)
+    finally:
+        llm.shutdown()
+    config = engine.config
+    machine = MachineInfo(
+        cpu=cpu_model(),
+        threads=torch.get_num_threads(),
+        model=Path(config.model.model).name,
+        dtype=config.model.dtype,
+        octavo_version=octavo.__version__,
+        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+    )
+    shape = EngineShape(
+        num_kv_blocks=engine.scheduler.kv_cache_manager.num_total_blocks,
+        block_size=config.cache.block_size,
+        max_model_len=engine.max_model_len,
+        max_num_seqs=config.scheduler.max_num_seqs,
+        max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
+        enable_chunked_prefill=config.scheduler.enable_chunked_prefill,
+    )
+    if steps_out is not None:
+        with open(steps_out, "w") as f:
+            for work, t in zip(works, seconds):
+                f.write(json.dumps({**dataclasses.asdict(work), "seconds": t}) + "\n")
+    return CostModel.fit_steps(works, seconds, machine, shape)
+
+
+def add_calibrate_args(p: argparse.ArgumentParser) -> None:
+    add_engine_args(p)
+    p.add_argument("-o", "--output", type=Path, required=True, help="the cost model JSON to write")
+    p.add_argument("--repeats", type=int, default=2, help="times to run the probe set (default: %(default)s)")
+    p.add_argument("--max-batch", type=int, default=64, help="largest probe batch (default: %(default)s)")
+    p.add_argument("--steps-out", type=Path, default=None, help="also write every timed step (JSONL)")
+
+
+def run_calibrate(args: argparse.Namespace) -> CostModel:
+    if args.repeats < 1:
+        raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
+    if args.max_batch < 1:
+        raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
+    cost = calibrate(args.model, engine_options(args), args.repeats, args.max_batch, args.steps_out)
+    cost.save(args.output)
+    fit = cost.fit
+    print(f"cost model: {args.output} ({fit.num_steps} steps; |error| mean {100 * fit.mean_abs_rel_error:.1f}%, "
+          f"p90 {100 * fit.p90_abs_rel_error:.1f}%)")
+    for name, value in cost.coefficients.items():
+        print(f"  {name:>26}: {value * 1e3:.4f} ms")
+    return cost
