@@ -201,39 +201,14 @@ class CostModel:
             raise ValueError(f"cost_model: {path} is not a cost model file: {exc}") from None
 
 
-def _nonnegative_lstsq(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """argmin_c |a c - b|^2 subject to c >= 0 (Lawson and Hanson's active set).
-
-    Columns are scaled to unit norm first: the features differ by orders of
-    magnitude, and the optimality test compares their gradients."""
-    norms = np.linalg.norm(a, axis=0)
-    usable = norms > 0
-    scaled = np.where(usable, a / np.where(usable, norms, 1.0), 0.0)
-    n = a.shape[1]
-    x = np.zeros(n)
-    free = np.zeros(n, dtype=bool)
-    tol = 1e-10 * max(1.0, float(np.abs(scaled.T @ b).max()))
-    for _ in range(3 * n):
-        grad = scaled.T @ (b - scaled @ x)
-        candidates = ~free & usable & (grad > tol)
-        if not candidates.any():
-            break
-        free[int(np.argmax(np.where(candidates, grad, -np.inf)))] = True
-        while True:
-            trial = np.zeros(n)
-            trial[free], *_ = np.linalg.lstsq(scaled[:, free], b, rcond=None)
-            if np.all(trial[free] > 0):
-                x = trial
-                break
-            # Move toward the trial solution until a coefficient hits zero; it leaves the free set.
-            blocked = free & (trial <= 0)
-            alpha = np.min(x[blocked] / (x[blocked] - trial[blocked]))
-            x = x + alpha * (trial - x)
-            free &= x > tol
-            x[~free] = 0.0
-    return np.where(usable, x / np.where(usable, norms, 1.0), 0.0)
-
-
 def _nonnegative_relative_lstsq(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """argmin_c sum(((x c - y) / y)^2) subject to c >= 0."""
-    return _nonnegative_lstsq(x / y[:, None], np.ones_like(y))
+    """argmin_c sum(((x c - y) / y)^2) subject to c >= 0: scipy's NNLS (Lawson and Hanson's active set) on the
+    rows divided by y. Columns are scaled to unit norm first: the features differ by orders of magnitude, and the
+    active-set test compares their gradients."""
+    from scipy.optimize import nnls  # scipy comes with the simulate extra (statsmodels needs it too)
+
+    a = x / y[:, None]
+    norms = np.linalg.norm(a, axis=0)
+    norms[norms == 0] = 1.0  # a feature no step exercised keeps coefficient 0
+    coef, _residual = nnls(a / norms, np.ones_like(y))
+    return coef / norms
