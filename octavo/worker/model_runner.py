@@ -14,7 +14,7 @@ from octavo.core.outputs import GrammarBitmask, ModelRunnerOutput, SchedulerOutp
 from octavo.core.step_state import BatchState, CachedRequestState, ScheduledRow
 from octavo.model.config import load_arch_config
 from octavo.model.kv_scales import load_static_kv_scales
-from octavo.model.loader import load_model, model_folder, resolve_dtype
+from octavo.model.loader import load_model, model_path, resolve_dtype
 from octavo.outputs import TokenLogprobs
 from octavo.sample.logprobs import token_logprobs
 from octavo.sample.metadata import SamplingMetadata
@@ -75,7 +75,7 @@ class ModelRunner:
     ) -> None:
         """``memory_share``: this rank's part of the KV cache memory budget
         (see ``num_cache_blocks``)."""
-        folder = model_folder(model_config.model)
+        folder = model_path(model_config.model)
         self.device = torch.device(model_config.device)
         arch = load_arch_config(folder)
         if arch.quantization is not None and model_config.quantization is not None:
