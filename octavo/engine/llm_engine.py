@@ -20,6 +20,7 @@ from octavo.engine.stats import EngineStats
 from octavo.executor.registry import create_executor
 from octavo.model.config import load_arch_config
 from octavo.model.generation_config import GenerationDefaults, load_generation_defaults
+from octavo.model.loader import model_path
 from octavo.outputs import RequestMetrics, RequestOutput
 from octavo.sampling_params import RequestOutputKind, SamplingParams
 from octavo.tokenizer import Tokenizer
@@ -38,9 +39,7 @@ class LLMEngine:
     ``step``; ``shutdown`` stops the workers."""
 
     def __init__(self, config: EngineConfig) -> None:
-        model_dir = Path(config.model.model)
-        if not model_dir.is_dir():
-            raise ValueError(f"model folder not found: {config.model.model}")
+        model_dir = model_path(config.model.model)
         self.config = config
         self.tokenizer = Tokenizer(config.model.tokenizer or config.model.model)
         self.executor = create_executor(config)
