@@ -91,6 +91,7 @@ def test_unreachable_hub_is_one_line_naming_the_id(hf_home, monkeypatch):
 
 
 def test_serve_a_hub_id(hf_home, tmp_path):
+    """`octavo serve org/name` end to end (~20 s: the CLI's own resolution in a real server process)."""
     srv = ServerProcess("octavo-test/tiny-llama", tmp_path / "server.log", api_key=None)
     try:
         models = httpx.get(f"{srv.url}/v1/models", timeout=30).json()

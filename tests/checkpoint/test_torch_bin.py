@@ -84,7 +84,7 @@ def test_bin_with_code_is_refused_unrun(safetensors_model, tmp_path):
             return (shutil.copy, (str(folder / "config.json"), str(marker)))
 
     with open(folder / "pytorch_model.bin", "wb") as f:
-        pickle.dump({"model.norm.weight": Payload()}, f)
+        pickle.dump({"model.norm.weight": Payload()}, f, protocol=2)
     with pytest.raises(ValueError, match="pytorch_model.bin"):
         load_model(folder)
     assert not marker.exists()
