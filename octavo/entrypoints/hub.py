@@ -48,7 +48,7 @@ def resolve_hub_model(model_id: str, what: str = "model") -> str:
         cached_error = exc
     if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in _TRUE:
         raise ValueError(f"{what} {model_id!r} is not a local path and not in the Hugging Face cache {cache} "
-                         f"(HF_HUB_OFFLINE is set, so it was not downloaded): {_one_line(cached_error)}")
+                         f"(HF_HUB_OFFLINE is set, so it was not downloaded; {type(cached_error).__name__})")
     try:
         return _download(snapshot_download, model_id, cache)
     except Exception as exc:  # no network, no such repository, gated: all one line for the user

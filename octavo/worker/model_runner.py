@@ -80,8 +80,8 @@ class ModelRunner:
         arch = load_arch_config(folder)
         if arch.quantization is not None and model_config.quantization is not None:
             raise ValueError(f"quantization {model_config.quantization!r} quantizes a float checkpoint while "
-                             f"loading it; {folder} is already quantized ({arch.quantization.method}, its "
-                             "config.json's quantization_config): leave quantization unset")
+                             f"loading it; {folder} is already quantized ({arch.quantization.method}, as its "
+                             "config.json or GGUF file says): leave quantization unset")
         self.dtype = resolve_dtype(model_config.dtype, arch.dtype)
         cache_dtype = KV_QUANT_DTYPES.get(cache_config.kv_cache_dtype) or resolve_dtype(
             cache_config.cache_dtype, str(self.dtype).removeprefix("torch.")

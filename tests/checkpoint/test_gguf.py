@@ -218,3 +218,9 @@ def test_missing_metadata_is_named(files, tmp_path):
     other = _rewrite(path, tmp_path / "short.gguf", drop=("llama.block_count",))
     with pytest.raises(ValueError, match="GGUF metadata has no 'llama.block_count'"):
         load_arch_config(other)
+
+
+def test_quantizing_a_quantized_file_again_is_refused(files):
+    path, _ = files("qwen2", "Q8_0")
+    with pytest.raises(ValueError, match=r"already quantized \(gguf, as its config.json or GGUF file says\)"):
+        make_runner(path, quantization="int8")
