@@ -46,7 +46,10 @@ def resolve_dtype(requested: str, checkpoint: Optional[str]) -> torch.dtype:
 def model_path(model: str | Path) -> Path:
     """The model's checkpoint folder or GGUF file; ValueError when it is neither."""
     path = Path(model)
-    if not (path.is_dir() or is_gguf(path)):
+    if path.is_file() and not is_gguf(path):
+        raise ValueError(f"model {str(model)!r} is a file but not a GGUF file (expected a checkpoint folder "
+                         "or a .gguf file)")
+    if not (path.is_dir() or path.is_file()):
         raise ValueError(f"model {str(model)!r} does not exist (expected a checkpoint folder or a .gguf file)")
     return path
 

@@ -199,6 +199,12 @@ def _rewrite(src, dst, drop=(), **fields):
     return dst
 
 
+def test_a_file_that_is_not_gguf_is_named(tmp_path):
+    (tmp_path / "model.gguf").write_text("not a model")
+    with pytest.raises(ValueError, match="model.gguf' is a file but not a GGUF file"):
+        LLM(tmp_path / "model.gguf")
+
+
 def test_unsupported_architecture_is_named(files, tmp_path):
     path, _ = files("llama", "F32")
     other = _rewrite(path, tmp_path / "falcon.gguf", **{"general.architecture": "falcon"})
