@@ -75,9 +75,6 @@ def engine_config(model: Optional[str | Path] = None, **options: Any) -> EngineC
     if model is not None and not os.path.exists(model):
         # A hub id: served (and reported) under the id the user typed, not the snapshot's hash folder.
         model_section.setdefault("served_model_name", (str(model),))
-    tokenizer = model_section.get("tokenizer")
-    if tokenizer is not None and not os.path.exists(tokenizer) and looks_like_hub_id(str(tokenizer)):
-        model_section["tokenizer"] = resolve_hub_model(str(tokenizer), "tokenizer")
     speculative = by_section.get("speculative", {})
     if speculative.get("speculative_model") is not None:
         speculative["speculative_model"] = resolve_draft_path(speculative["speculative_model"])

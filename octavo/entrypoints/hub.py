@@ -32,14 +32,14 @@ def hub_cache_dir() -> Path:
     return Path(home) / "hub"
 
 
-def resolve_hub_model(model_id: str, what: str = "model") -> str:
+def resolve_hub_model(model_id: str) -> str:
     """The local snapshot folder of hub id ``model_id``; ValueError in one
     line naming the id and the cache searched when it is neither cached nor
-    downloadable. ``what`` names the option in the error."""
+    downloadable."""
     try:
         from huggingface_hub import snapshot_download
     except ImportError:  # a declared dependency; only a broken install lacks it
-        raise ValueError(f"{what} {model_id!r} is not a local path, and huggingface_hub is not installed "
+        raise ValueError(f"model {model_id!r} is not a local path, and huggingface_hub is not installed "
                          "to look it up") from None
     cache = hub_cache_dir()
     try:
@@ -47,12 +47,12 @@ def resolve_hub_model(model_id: str, what: str = "model") -> str:
     except Exception as exc:  # not cached (or a broken ref): try the network below
         cached_error = exc
     if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in _TRUE:
-        raise ValueError(f"{what} {model_id!r} is not a local path and not in the Hugging Face cache {cache} "
+        raise ValueError(f"model {model_id!r} is not a local path and not in the Hugging Face cache {cache} "
                          f"(HF_HUB_OFFLINE is set, so it was not downloaded; {type(cached_error).__name__})")
     try:
         return _download(snapshot_download, model_id, cache)
     except Exception as exc:  # no network, no such repository, gated: all one line for the user
-        raise ValueError(f"{what} {model_id!r} is not a local path, not in the Hugging Face cache {cache}, "
+        raise ValueError(f"model {model_id!r} is not a local path, not in the Hugging Face cache {cache}, "
                          f"and could not be downloaded: {_one_line(exc)}") from None
 
 

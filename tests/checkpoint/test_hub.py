@@ -58,12 +58,6 @@ def test_hub_id_loads_from_the_cache_under_its_id(hf_home, models):
     assert got[0].outputs[0].token_ids == want[0].outputs[0].token_ids
 
 
-def test_tokenizer_may_be_a_hub_id_too(hf_home, models):
-    config = engine_config(models[1], tokenizer="octavo-test/tiny-llama")
-    assert config.model.tokenizer.endswith(f"snapshots/{REVISION}")
-    assert config.model.served_model_name is None  # the model itself was a local folder
-
-
 def test_hf_hub_cache_overrides_hf_home(hf_home, monkeypatch):
     monkeypatch.setenv("HF_HOME", str(hf_home.parent / "elsewhere"))
     monkeypatch.setenv("HF_HUB_CACHE", str(hf_home / "hub"))
