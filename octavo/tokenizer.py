@@ -1,14 +1,15 @@
-"""A Hugging Face tokenizer folder (tokenizer.json + tokenizer_config.json) behind a small API."""
+"""A model's tokenizer behind a small API: a Hugging Face folder
+(tokenizer.json or tokenizer.model, with tokenizer_config.json) or a GGUF
+file (octavo/checkpoint/tokenizer_files.py)."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Optional
 
 import jinja2
-from tokenizers import Tokenizer as _HFTokenizer
 
 from octavo.chat_template import compile_template, render_conversation
+from octavo.checkpoint.tokenizer_files import load_tokenizer_files
 
 _DEFAULT_CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
@@ -25,19 +26,15 @@ def _token_text(value: Any) -> Optional[str]:
 
 class Tokenizer:
     def __init__(self, path: str | Path) -> None:
-        path = Path(path)
-        tok_file = path / "tokenizer.json"
-        if not tok_file.is_file():
-            raise ValueError(f"no tokenizer.json in {path}")
-        self._tok = _HFTokenizer.from_file(str(tok_file))
-        config = _read_json(path / "tokenizer_config.json")
+        files = load_tokenizer_files(path)
+        self._tok = files.tokenizer
+        config = files.config
         self.chat_template: Optional[str] = config.get("chat_template")
         if isinstance(self.chat_template, list):  # named templates: take "default"
             named = {t["name"]: t["template"] for t in self.chat_template}
             self.chat_template = named.get("default", next(iter(named.values())))
-        jinja_file = path / "chat_template.jinja"
-        if self.chat_template is None and jinja_file.is_file():
-            self.chat_template = jinja_file.read_text()
+        if self.chat_template is None:
+            self.chat_template = files.jinja_template
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
         # What transformers passes templates as its special_tokens_map.
@@ -124,9 +121,3 @@ class Tokenizer:
         except jinja2.TemplateError as exc:
             raise ValueError(f"chat template is not valid Jinja: {exc}") from None
 
-
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        return {}
-    with open(path) as f:
-        return json.load(f)

@@ -37,7 +37,8 @@ ALLOWED: dict[str, set[str]] = {
                "distributed", "kernels", ROOT},
     # The proposer reads the rank's request state (core/step_state.py), as the sampler does.
     "spec_decode": {"core.step_state", "model", "sample", "attention", "quant", "distributed", "kernels", ROOT},
-    "model": {"attention", "quant", "distributed", "kernels", ROOT},
+    # GGUF metadata and vocabularies are read through checkpoint/ (torch-free, shared with the tokenizer).
+    "model": {"attention", "quant", "distributed", "kernels", "checkpoint", ROOT},
     "attention": {"distributed", "kernels", ROOT},
     "quant": {"distributed", "kernels", ROOT},
     # The sampler reads the rank's request state; the grammar bitmask travels in the step contract.
@@ -46,7 +47,9 @@ ALLOWED: dict[str, set[str]] = {
     "distributed": {ROOT},
     "kernels": set(),
     "assets": set(),
-    ROOT: {ROOT},
+    # Checkpoint files read without torch (GGUF, SentencePiece): below the package root's tokenizer.
+    "checkpoint": set(),
+    ROOT: {ROOT, "checkpoint"},
 }
 
 def _layer(module: str) -> str:

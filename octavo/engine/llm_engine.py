@@ -21,6 +21,7 @@ from octavo.executor.registry import create_executor
 from octavo.model.config import load_arch_config
 from octavo.model.generation_config import GenerationDefaults, load_generation_defaults
 from octavo.model.pooler_config import resolve_pooler
+from octavo.model.loader import model_path
 from octavo.outputs import RequestMetrics, RequestOutput
 from octavo.pooling import PoolingParams
 from octavo.sampling_params import RequestOutputKind, SamplingParams
@@ -40,9 +41,7 @@ class LLMEngine:
     ``step``; ``shutdown`` stops the workers."""
 
     def __init__(self, config: EngineConfig) -> None:
-        model_dir = Path(config.model.model)
-        if not model_dir.is_dir():
-            raise ValueError(f"model folder not found: {config.model.model}")
+        model_dir = model_path(config.model.model)
         self.config = config
         # Set when the model serves embeddings (--task): then every request is one.
         self.pooler_config = resolve_pooler(config.model)

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from octavo.config import EngineConfig
+from octavo.entrypoints.hub import looks_like_hub_id, resolve_hub_model
 
 _UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]i?)?b?\s*$", re.IGNORECASE)
@@ -69,7 +70,11 @@ def engine_config(model: Optional[str | Path] = None, **options: Any) -> EngineC
         if name not in known:
             raise ValueError(f"unknown engine option {name!r} (the options are the fields of octavo.config)")
         by_section.setdefault(known[name].section, {})[name] = value
-    by_section.setdefault("model", {})["model"] = resolve_model_path(model)
+    model_section = by_section.setdefault("model", {})
+    model_section["model"] = resolve_model_path(model)
+    if model is not None and not os.path.exists(model):
+        # A hub id: served (and reported) under the id the user typed, not the snapshot's hash folder.
+        model_section.setdefault("served_model_name", (str(model),))
     speculative = by_section.get("speculative", {})
     if speculative.get("speculative_model") is not None:
         speculative["speculative_model"] = resolve_draft_path(speculative["speculative_model"])
@@ -89,14 +94,18 @@ def resolve_draft_path(draft: str | Path) -> str:
 
 
 def resolve_model_path(model: Optional[str | Path]) -> str:
+    """The local checkpoint for ``model``: a folder or GGUF file as given, a
+    hub id from the Hugging Face cache (or downloaded), None the built-in model."""
     if model is None:
         from octavo.assets import DEFAULT_MODEL_PATH
 
         model = DEFAULT_MODEL_PATH
     # Checked here so a typo is one line of error, not an engine start-up traceback.
-    if not os.path.isdir(model):
-        raise ValueError(f"model folder not found: {model}")
-    return str(model)
+    if os.path.isdir(model) or os.path.isfile(model):
+        return str(model)
+    if looks_like_hub_id(str(model)):
+        return resolve_hub_model(str(model))
+    raise ValueError(f"model folder not found: {model}")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

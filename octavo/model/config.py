@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from octavo.checkpoint.gguf_file import is_gguf, open_gguf
+from octavo.model.gguf.config import gguf_config_json
 from octavo.model.registry import ArchSwitches, switches_for
 from octavo.quant.checkpoint_config import CheckpointQuantization, parse_quantization_config
 
@@ -87,6 +89,9 @@ class ArchConfig:
 
 
 def load_arch_config(folder: str | Path) -> ArchConfig:
+    """The config of a checkpoint folder (config.json) or a GGUF file (its metadata)."""
+    if is_gguf(folder):
+        return parse_arch_config(gguf_config_json(open_gguf(folder)))
     path = Path(folder) / "config.json"
     if not path.is_file():
         raise ValueError(f"no config.json in {folder}")

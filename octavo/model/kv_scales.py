@@ -12,10 +12,9 @@ from pathlib import Path
 from typing import Optional
 
 import torch
-from safetensors import safe_open
 
 from octavo.attention.kv_quant import QMAX
-from octavo.model.loader import safetensors_files
+from octavo.model.loader import checkpoint_source
 from octavo.model.models.decoder import DecoderForCausalLM
 
 SCALE_NAMES = ("k_scale", "v_scale")
@@ -55,13 +54,9 @@ def load_static_kv_scales(
 
 
 def _read_scales(folder: Path) -> dict[str, torch.Tensor]:
-    scales = {}
-    for file in safetensors_files(folder):
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            for name in f.keys():
-                if name.endswith(tuple(f"self_attn.{n}" for n in SCALE_NAMES)):
-                    scales[name] = f.get_tensor(name)
-    return scales
+    source = checkpoint_source(folder)
+    wanted = {n for n in source.names() if n.endswith(tuple(f"self_attn.{n}" for n in SCALE_NAMES))}
+    return dict(source.tensors(wanted, "cpu"))
 
 
 def _per_head(values: torch.Tensor, heads: int, name: str) -> torch.Tensor:

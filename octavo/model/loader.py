@@ -1,7 +1,7 @@
-"""Load a Hugging Face safetensors checkpoint folder into the decoder."""
+"""Load a checkpoint into the decoder: a Hugging Face folder (safetensors or
+pytorch_model.bin) or a GGUF file."""
 from __future__ import annotations
 
-import json
 import logging
 from collections import Counter
 from contextlib import contextmanager
@@ -10,10 +10,12 @@ from pathlib import Path
 from typing import Iterator, Optional, Union
 
 import torch
-from safetensors import safe_open
 
 from octavo.model.backends import ModelBackends
+from octavo.model.checkpoint_tensors import TensorSource, folder_source
+from octavo.checkpoint.gguf_file import is_gguf
 from octavo.model.config import ArchConfig, load_arch_config
+from octavo.model.gguf.tensors import GgufSource
 from octavo.model.layers.linear import load_shard
 from octavo.model.models.decoder import DecoderForCausalLM
 from octavo.quant.prequantized import CheckpointScheme
@@ -41,28 +43,20 @@ def resolve_dtype(requested: str, checkpoint: Optional[str]) -> torch.dtype:
     return _DTYPES[name]
 
 
-def model_folder(model: str | Path) -> Path:
-    folder = Path(model)
-    if not folder.is_dir():
-        raise ValueError(f"model folder {str(model)!r} does not exist (only local folders are supported)")
-    return folder
+def model_path(model: str | Path) -> Path:
+    """The model's checkpoint folder or GGUF file; ValueError when it is neither."""
+    path = Path(model)
+    if path.is_file() and not is_gguf(path):
+        raise ValueError(f"model {str(model)!r} is a file but not a GGUF file (expected a checkpoint folder "
+                         "or a .gguf file)")
+    if not (path.is_dir() or path.is_file()):
+        raise ValueError(f"model {str(model)!r} does not exist (expected a checkpoint folder or a .gguf file)")
+    return path
 
 
-def safetensors_files(folder: Path) -> list[Path]:
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        with open(index) as f:
-            names = sorted(set(json.load(f)["weight_map"].values()))
-        missing = [n for n in names if not (folder / n).is_file()]
-        if missing:
-            raise ValueError(f"{index} lists shards that are missing: {missing}")
-        return [folder / n for n in names]
-    single = folder / "model.safetensors"
-    if single.is_file():
-        return [single]
-    raise ValueError(
-        f"no safetensors weights in {folder}: expected model.safetensors or model.safetensors.index.json"
-    )
+def checkpoint_source(path: Path) -> TensorSource:
+    """The tensors of the checkpoint at ``path`` (see ``model_path``)."""
+    return GgufSource(path) if is_gguf(path) else folder_source(path)
 
 
 ShardId = Union[int, str, None]
@@ -117,11 +111,12 @@ def load_model(
     backends: Optional[ModelBackends] = None,
     lm_head: bool = True,
 ) -> tuple[DecoderForCausalLM, ArchConfig]:
-    """Build the model for ``model``'s config.json with ``backends`` (default:
-    torch ops throughout) and fill it from its safetensors.
+    """Build the model for ``model``'s config (config.json, or a GGUF file's
+    metadata) with ``backends`` (default: torch ops throughout) and fill it
+    from its tensors (octavo/model/checkpoint_tensors.py).
 
     A checkpoint with a ``quantization_config`` (GPTQ, AWQ,
-    compressed-tensors) loads its quantized layers as stored
+    compressed-tensors; a GGUF file's Q8_0/Q4_0 layers) loads its quantized layers as stored
     (octavo/quant/prequantized.py). Parameters are created empty on
     ``device`` for this rank's shard; each
     checkpoint tensor is read once and its parameter's ``weight_loader``
@@ -134,10 +129,10 @@ def load_model(
     without its head (``Qwen3Model``) names its tensors without the
     ``model.`` prefix; they load all the same.
     """
-    folder = model_folder(model)
+    folder = model_path(model)
     arch = load_arch_config(folder)
     torch_dtype = resolve_dtype(dtype, arch.dtype)
-    files = safetensors_files(folder)
+    source = checkpoint_source(folder)
     backends = backends or ModelBackends()
     if arch.quantization is not None:
         # The checkpoint's quantized layers load as stored; the rest as ``backends`` says.
@@ -150,7 +145,7 @@ def load_model(
         raise ValueError(f"{arch.architecture} stores qkv_proj / gate_up_proj fused; splitting them is supported "
                          f"for unquantized checkpoints only, not quantization_config {arch.quantization.method!r}")
     wanted = _checkpoint_name_map(net, fused_stored)
-    stored = _stored_names(files, arch)
+    stored = _stored_names(source, arch)
     if not lm_head:
         stored.discard("lm_head.weight")
     if not any(n.startswith("model.") for n in stored):
@@ -165,7 +160,7 @@ def load_model(
             f"missing tensors {missing[:10]}, unexpected tensors {unexpected[:10]}"
         )
     with torch.no_grad():
-        _load_tensors(net, files, wanted, device)
+        _load_tensors(net, source, wanted, device)
         kernels = _process_weights_after_loading(net, backends.quantization.describe())
     net.eval()
     logger.info(
@@ -185,42 +180,33 @@ def _layer_index(name: str) -> Optional[int]:
     return int(index) if index.isdigit() else None
 
 
-def _stored_names(files: list[Path], arch: ArchConfig) -> set[str]:
+def _stored_names(source: TensorSource, arch: ArchConfig) -> set[str]:
     """The checkpoint's tensor names, less those recomputed or tied."""
-    names: set[str] = set()
-    for file in files:
-        with safe_open(str(file), framework="pt", device="cpu") as f:
-            names.update(n for n in f.keys() if not n.endswith(_IGNORED_SUFFIXES)
-                         and not (arch.tie_word_embeddings and n == "lm_head.weight"))
-    return names
+    return {n for n in source.names() if not n.endswith(_IGNORED_SUFFIXES)
+            and not (arch.tie_word_embeddings and n == "lm_head.weight")}
 
 
 def _load_tensors(
-    net: torch.nn.Module, files: list[Path], wanted: dict[str, tuple[str, ShardId]], device: str | torch.device
+    net: torch.nn.Module, source: TensorSource, wanted: dict[str, tuple[str, ShardId]], device: str | torch.device
 ) -> None:
     """Read each wanted tensor once and hand it to its parameter's loader."""
     params = dict(net.named_parameters())
-    for file in files:
-        with safe_open(str(file), framework="pt", device=str(device)) as f:
-            for name in f.keys():
-                if name not in wanted:
-                    continue
-                param_name, shard_id = wanted[name]
-                param = params[param_name]
-                loader = getattr(param, "weight_loader", _default_weight_loader)
-                tensor = f.get_tensor(name)
-                try:
-                    if shard_id == _ALL_PARTS:
-                        module = net.get_submodule(param_name.rpartition(".")[0])
-                        _load_fused(param, tensor, module.checkpoint_parts())
-                    elif shard_id is None:
-                        loader(param, tensor)
-                    else:
-                        loader(param, tensor, shard_id)
-                except ValueError as exc:
-                    raise ValueError(
-                        f"checkpoint in {file.parent} has a tensor that does not fit: {name}: {exc}"
-                    ) from exc
+    for name, tensor in source.tensors(set(wanted), device):
+        param_name, shard_id = wanted[name]
+        param = params[param_name]
+        loader = getattr(param, "weight_loader", _default_weight_loader)
+        try:
+            if shard_id == _ALL_PARTS:
+                module = net.get_submodule(param_name.rpartition(".")[0])
+                _load_fused(param, tensor, module.checkpoint_parts())
+            elif shard_id is None:
+                loader(param, tensor)
+            else:
+                loader(param, tensor, shard_id)
+        except ValueError as exc:
+            raise ValueError(
+                f"checkpoint in {source.where} has a tensor that does not fit: {name}: {exc}"
+            ) from exc
 
 
 def _load_fused(param: torch.nn.Parameter, tensor: torch.Tensor, parts: list[tuple[Union[int, str], int]]) -> None:

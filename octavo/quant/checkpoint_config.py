@@ -16,10 +16,11 @@ from typing import Any, Callable, Optional
 from octavo.quant.formats.awq import AwqFormat
 from octavo.quant.formats.base import PackedFormat
 from octavo.quant.formats.compressed_tensors import PackQuantizedFormat
+from octavo.quant.formats.gguf import GGUF_TYPES, GgufBlockFormat
 from octavo.quant.formats.gptq import CHECKPOINT_FORMATS, GptqFormat
 from octavo.quant.formats.packing import SUPPORTED_BITS
 
-METHODS = ("gptq", "awq", "compressed-tensors")
+METHODS = ("gptq", "awq", "compressed-tensors", "gguf")
 _KEY = "quantization_config"
 
 
@@ -54,6 +55,8 @@ def parse_quantization_config(raw_config: dict[str, Any]) -> Optional[Checkpoint
         return _awq(qc)
     if method == "compressed-tensors":
         return _compressed_tensors(qc)
+    if method == "gguf":
+        return _gguf(qc)
     raise ValueError(f"{_KEY}.quant_method {method!r} is not supported; supported: {', '.join(METHODS)}")
 
 
@@ -106,6 +109,16 @@ class _CtTargets:
                    for t in self.targets)
 
 
+@dataclass(frozen=True)
+class _Named:
+    """Exactly the modules named (a GGUF file says each tensor's type)."""
+
+    names: frozenset[str]
+
+    def __call__(self, name: str) -> bool:
+        return name in self.names
+
+
 def _not_convert(qc: dict[str, Any]) -> _NotConvert:
     return _NotConvert(tuple(qc.get("modules_to_not_convert") or ()))
 
@@ -136,6 +149,19 @@ def _awq(qc: dict[str, Any]) -> CheckpointQuantization:
     _field(qc, "zero_point", True, (True,))
     fmt = AwqFormat(bits, _group_size(qc, "group_size" if "group_size" in qc else "q_group_size"))
     return CheckpointQuantization("awq", ((_InDecoderBlocks(), fmt),), _not_convert(qc))
+
+
+def _gguf(qc: dict[str, Any]) -> CheckpointQuantization:
+    """Written by the GGUF reader (octavo/model/gguf/config.py), not read
+    from a file: ``modules`` maps each linear layer kept quantized to its
+    block type; every other layer is stored (or dequantized) as float."""
+    modules = qc.get("modules") or {}
+    by_type: dict[str, set[str]] = {}
+    for module, type_name in modules.items():
+        _field({"type": type_name}, "type", None, tuple(GGUF_TYPES), f"{_KEY}.modules.{module}")
+        by_type.setdefault(type_name, set()).add(module)
+    rules = tuple((_Named(frozenset(names)), GgufBlockFormat(t)) for t, names in sorted(by_type.items()))
+    return CheckpointQuantization("gguf", rules, _Named(frozenset()))
 
 
 def _compressed_tensors(qc: dict[str, Any]) -> CheckpointQuantization:

@@ -36,7 +36,7 @@ from octavo.config import CacheConfig, ModelConfig, SpeculativeConfig
 from octavo.core.step_state import CachedRequestState, ScheduledRow
 from octavo.distributed.parallel_state import ParallelState, parallel_state
 from octavo.model.config import ArchConfig, load_arch_config
-from octavo.model.loader import load_model, model_folder, resolve_dtype
+from octavo.model.loader import load_model, model_path, resolve_dtype
 from octavo.sample.metadata import SamplingMetadata
 from octavo.sample.sampler import sample_from_probs, warp_logits
 from octavo.spec_decode.proposer import Proposal, ProposalInput, Proposer
@@ -231,7 +231,7 @@ def check_compatible(draft: ArchConfig, target: ArchConfig, draft_folder: str, t
             f"speculative_model {draft_folder!r} has a vocabulary of {draft.vocab_size} tokens, the target "
             f"model {target_folder!r} {target.vocab_size}: the draft must share the target's tokenizer"
         )
-    files = [model_folder(f) / "tokenizer.json" for f in (draft_folder, target_folder)]
+    files = [model_path(f) / "tokenizer.json" for f in (draft_folder, target_folder)]
     if all(f.is_file() for f in files) and _vocab(files[0]) != _vocab(files[1]):
         raise ValueError(
             f"speculative_model {draft_folder!r} has a different tokenizer (tokenizer.json vocabulary) "
@@ -260,7 +260,7 @@ class DraftModelProposer(Proposer):
         draft = spec_config.speculative_model
         if draft is None:
             raise ValueError("speculative_model must name the draft model folder")
-        folder = model_folder(draft)
+        folder = model_path(draft)
         arch = load_arch_config(folder)
         check_compatible(arch, target_arch, draft, model_config.model)
         self.device = torch.device(model_config.device)

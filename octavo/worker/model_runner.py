@@ -16,7 +16,7 @@ from octavo.core.step_state import BatchState, CachedRequestState, ScheduledRow
 from octavo.distributed.parallel_state import get_parallel_state
 from octavo.model.config import load_arch_config
 from octavo.model.kv_scales import load_static_kv_scales
-from octavo.model.loader import load_model, model_folder, resolve_dtype
+from octavo.model.loader import load_model, model_path, resolve_dtype
 from octavo.model.pooler_config import resolve_pooler
 from octavo.outputs import TokenLogprobs
 from octavo.sample.logprobs import token_logprobs
@@ -80,13 +80,13 @@ class ModelRunner:
     ) -> None:
         """``memory_share``: this rank's part of the KV cache memory budget
         (see ``num_cache_blocks``)."""
-        folder = model_folder(model_config.model)
+        folder = model_path(model_config.model)
         self.device = torch.device(model_config.device)
         arch = load_arch_config(folder)
         if arch.quantization is not None and model_config.quantization is not None:
             raise ValueError(f"quantization {model_config.quantization!r} quantizes a float checkpoint while "
-                             f"loading it; {folder} is already quantized ({arch.quantization.method}, its "
-                             "config.json's quantization_config): leave quantization unset")
+                             f"loading it; {folder} is already quantized ({arch.quantization.method}, as its "
+                             "config.json or GGUF file says): leave quantization unset")
         self.dtype = resolve_dtype(model_config.dtype, arch.dtype)
         cache_dtype = KV_QUANT_DTYPES.get(cache_config.kv_cache_dtype) or resolve_dtype(
             cache_config.cache_dtype, str(self.dtype).removeprefix("torch.")

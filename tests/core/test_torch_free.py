@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "octavo"
-TORCH_FREE_FOLDERS = ("core", "gateway", "autoscale", "simulate")
+TORCH_FREE_FOLDERS = ("core", "gateway", "autoscale", "simulate", "checkpoint")
 
 
 def _torch_free_modules() -> list[str]:

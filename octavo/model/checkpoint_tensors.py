@@ -1,0 +1,128 @@
+"""Where a checkpoint's tensors come from: one small interface over the file
+formats, so the loader matches names and fills parameters the same way for
+all of them.
+
+A folder holds safetensors (``model.safetensors`` or shards named by
+``model.safetensors.index.json``) or PyTorch pickles (``pytorch_model.bin``
+or shards named by ``pytorch_model.bin.index.json``); when both are present
+the safetensors are read: they need no unpickling and map without copying.
+GGUF files have their own source (octavo/model/gguf/).
+"""
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors import safe_open
+
+_SAFETENSORS = ("model.safetensors", "model.safetensors.index.json")
+_TORCH_BIN = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+class TensorSource(ABC):
+    """A checkpoint's tensors under their Hugging Face names."""
+
+    #: what to name in errors: the folder or file the tensors are in
+    where: Path
+
+    @abstractmethod
+    def names(self) -> set[str]:
+        """Every tensor name the checkpoint holds (read without reading the tensors where the format allows)."""
+
+    @abstractmethod
+    def tensors(self, wanted: set[str], device: str | torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, tensor) for each name of ``wanted`` the checkpoint holds, each read once."""
+
+
+class SafetensorsSource(TensorSource):
+    def __init__(self, files: list[Path]) -> None:
+        self.files, self.where = files, files[0].parent
+
+    def names(self) -> set[str]:
+        names: set[str] = set()
+        for file in self.files:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                names.update(f.keys())
+        return names
+
+    def tensors(self, wanted: set[str], device: str | torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+        for file in self.files:
+            with safe_open(str(file), framework="pt", device=str(device)) as f:
+                for name in f.keys():
+                    if name in wanted:
+                        yield name, f.get_tensor(name)
+
+
+class TorchBinSource(TensorSource):
+    """``pytorch_model.bin`` files, loaded with ``weights_only=True``: only
+    tensors and plain containers unpickle, so a checkpoint cannot run code."""
+
+    def __init__(self, files: list[Path], index_names: set[str] | None) -> None:
+        self.files, self.where, self._index_names = files, files[0].parent, index_names
+
+    def names(self) -> set[str]:
+        if self._index_names is not None:
+            return set(self._index_names)
+        return {name for file in self.files for name in _load_bin(file)}
+
+    def tensors(self, wanted: set[str], device: str | torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+        for file in self.files:
+            state = _load_bin(file)
+            for name, tensor in state.items():
+                if name in wanted:
+                    yield name, tensor.to(device)
+            del state  # one shard's mapping open at a time
+
+
+def _load_bin(file: Path) -> dict[str, torch.Tensor]:
+    """A state dict from ``file``, memory-mapped (tensors are paged in as they
+    are copied into parameters, not all read first). Files in torch's legacy
+    (pre-1.6, not zip) format cannot be mapped and are read whole."""
+    try:
+        try:
+            state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as exc:
+            if "mmap" not in str(exc):
+                raise
+            state = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as exc:  # pickle errors, truncated zips, forbidden globals: all mean "not loadable"
+        raise ValueError(f"cannot read {file} as a PyTorch checkpoint (weights only): {exc}") from None
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise ValueError(f"{file} does not hold a state dict of tensors")
+    return state
+
+
+def folder_source(folder: Path) -> TensorSource:
+    """The tensors of a Hugging Face checkpoint folder (safetensors preferred)."""
+    files = _indexed_files(folder, *_SAFETENSORS)
+    if files is not None:
+        return SafetensorsSource(files[0])
+    files = _indexed_files(folder, *_TORCH_BIN)
+    if files is not None:
+        return TorchBinSource(*files)
+    raise ValueError(
+        f"no weights in {folder}: expected model.safetensors, model.safetensors.index.json, "
+        "pytorch_model.bin or pytorch_model.bin.index.json"
+    )
+
+
+def _indexed_files(folder: Path, single: str, index_name: str) -> tuple[list[Path], set[str] | None] | None:
+    """([files], names from the index or None) for one format, None when the folder has neither file."""
+    index = folder / index_name
+    if index.is_file():
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ValueError(f"{index} is not a weight index (a JSON object with a 'weight_map'): {exc}") from None
+        names = sorted(set(weight_map.values()))
+        missing = [n for n in names if not (folder / n).is_file()]
+        if missing:
+            raise ValueError(f"{index} lists shards that are missing: {missing}")
+        return [folder / n for n in names], set(weight_map)
+    if (folder / single).is_file():
+        return [folder / single], None
+    return None

@@ -1,0 +1,116 @@
+"""A GGUF file's metadata as the config.json fields Octavo reads.
+
+The converter writes a model's shape under ``<arch>.*`` keys (llama.cpp's
+names); this maps them back, so the rest of Octavo builds the model from
+the same ``ArchConfig`` as for a Hugging Face folder. Tied embeddings are
+read from the tensors (no ``output.weight``), the vocabulary size from the
+embedding, the stop tokens from the tokenizer metadata. Linear layers whose
+blocks are Q8_0 or Q4_0 become a ``quantization_config`` of method "gguf"
+(octavo/quant/checkpoint_config.py) so they run on the int8/int4 kernels.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+from octavo.checkpoint.gguf_file import GgufFile
+from octavo.checkpoint.gguf_vocab import end_token_ids
+from octavo.model.gguf.names import ARCHITECTURES, FUSED_GROUPS, hf_name
+
+# Block types the int8/int4 kernels run as stored (octavo/quant/formats/gguf.py).
+KERNEL_TYPES = {"Q8_0": "q8_0", "Q4_0": "q4_0"}
+FLOAT_TYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
+_ROPE_SCALING = ("none", "linear", "yarn")
+
+
+def gguf_config_json(file: GgufFile) -> dict[str, Any]:
+    """config.json's fields for ``file``; ValueError naming an unsupported architecture or setting."""
+    arch = file.architecture
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"{file.path}: GGUF architecture {arch!r} is not supported; supported: "
+                         f"{', '.join(sorted(ARCHITECTURES))}")
+    tensors = {t.name: t for t in file.tensors}
+    if "token_embd.weight" not in tensors:
+        raise ValueError(f"{file.path} has no token_embd.weight tensor")
+    if "rope_freqs.weight" in tensors:
+        raise ValueError(f"{file.path}: per-dimension rope frequency factors (rope_freqs.weight, Llama 3.1 "
+                         "rope scaling) are not supported in GGUF files; load the Hugging Face folder instead")
+    heads = int(file.arch_key("attention.head_count"))
+    hidden = int(file.arch_key("embedding_length"))
+    raw: dict[str, Any] = {
+        "architectures": [ARCHITECTURES[arch]],
+        "hidden_size": hidden,
+        "num_hidden_layers": int(file.arch_key("block_count")),
+        "num_attention_heads": heads,
+        "num_key_value_heads": int(file.arch_key("attention.head_count_kv", heads)),
+        "head_dim": int(file.arch_key("attention.key_length", hidden // heads)),
+        "intermediate_size": int(file.arch_key("feed_forward_length")),
+        # GGUF dims are innermost first: token_embd is [hidden, vocab].
+        "vocab_size": int(tensors["token_embd.weight"].shape[-1]),
+        "max_position_embeddings": int(file.arch_key("context_length", 2048)),
+        "rms_norm_eps": float(file.arch_key("attention.layer_norm_rms_epsilon", 1e-6)),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "hidden_act": "silu",
+        "rope_theta": float(file.arch_key("rope.freq_base", 10000.0)),
+        "bos_token_id": file.get("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": list(end_token_ids(file)),
+        "dtype": _float_dtype(file),
+    }
+    window = file.arch_key("attention.sliding_window", None)
+    if window:  # Mistral converted with its window kept; llama.cpp's own converter drops it
+        raw["architectures"] = ["MistralForCausalLM"]
+        raw["sliding_window"] = int(window)
+    if arch == "llama" and "blk.0.attn_q.bias" in tensors:
+        raw["attention_bias"] = True
+    raw.update(_rope_scaling(file))
+    modules = quantized_modules(file)
+    if modules:
+        raw["quantization_config"] = {"quant_method": "gguf", "modules": modules}
+    return raw
+
+
+def _rope_scaling(file: GgufFile) -> dict[str, Any]:
+    kind = file.arch_key("rope.scaling.type", "none")
+    if kind not in _ROPE_SCALING:
+        raise ValueError(f"{file.path}: rope.scaling.type {kind!r} is not supported; supported: {_ROPE_SCALING}")
+    if kind == "none":
+        return {}
+    params: dict[str, Any] = {"rope_type": kind, "factor": float(file.arch_key("rope.scaling.factor"))}
+    original = file.arch_key("rope.scaling.original_context_length", None)
+    if original:
+        params["original_max_position_embeddings"] = int(original)
+    for key, name in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
+        value = file.arch_key(f"rope.scaling.{key}", None)
+        if value is not None:
+            params[name] = float(value)
+    return {"rope_scaling": params}
+
+
+def _float_dtype(file: GgufFile) -> str:
+    """The checkpoint's dtype for ``dtype="auto"``: the float type most of
+    its matrices are stored in; bfloat16 for a quantized file (its
+    dequantized layers and activations; the kernels take bf16)."""
+    counts = Counter(FLOAT_TYPES[t.tensor_type.name] for t in file.tensors
+                     if len(t.shape) >= 2 and t.tensor_type.name in FLOAT_TYPES)
+    return counts.most_common(1)[0][0] if counts else "bfloat16"
+
+
+def quantized_modules(file: GgufFile) -> dict[str, str]:
+    """Linear module (Hugging Face name) -> block type, for the layers that
+    run quantized: Q8_0/Q4_0 weights whose fused partners (q/k/v,
+    gate/up) share the type. Others are dequantized while loading; lm_head
+    always is (the output layer stays float, as with --quantization)."""
+    types: dict[str, str] = {}
+    for tensor in file.tensors:
+        name = hf_name(tensor.name)
+        if name and name.endswith(".weight") and tensor.tensor_type.name in KERNEL_TYPES:
+            types[name.removesuffix(".weight")] = KERNEL_TYPES[tensor.tensor_type.name]
+    result = {}
+    for module, kind in types.items():
+        if not module.startswith("model.layers."):
+            continue
+        layer_prefix = ".".join(module.split(".")[:3])  # model.layers.N
+        group = next((g for g in FUSED_GROUPS if module.endswith(tuple("." + p for p in g))), None)
+        if group is None or all(types.get(f"{layer_prefix}.{part}") == kind for part in group):
+            result[module] = kind
+    return result

@@ -1,0 +1,116 @@
+"""A GGUF file's tensors under Hugging Face names, in the layouts the
+layers load.
+
+Float tensors (F32, F16, BF16) are read as they are. Q8_0 and Q4_0
+matrices of the layers ``quantized_modules`` keeps quantized are split
+into their integers and block scales (``<module>.qweight``,
+``<module>.scales``, see octavo/quant/formats/gguf.py): nothing is
+dequantized. Every other type (K-quants, IQ types, and Q8_0/Q4_0 where the
+layer runs in float) is dequantized by the ``gguf`` package to float32 and
+converted to the model's dtype as it loads; a log line says which.
+"""
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from pathlib import Path
+from typing import Iterator, Optional
+
+import numpy as np
+import torch
+
+from octavo.checkpoint.gguf_file import GgufFile, gguf_package, open_gguf
+from octavo.model.checkpoint_tensors import TensorSource
+from octavo.model.gguf.config import FLOAT_TYPES, KERNEL_TYPES, quantized_modules
+from octavo.model.gguf.names import hf_name, rotary_heads, unpermute_rows
+from octavo.quant.formats.gguf import GGUF_BLOCK
+
+logger = logging.getLogger(__name__)
+
+_UNMAPPED = "gguf:"  # prefix of a tensor with no Hugging Face name: the loader names it as unexpected
+
+
+class GgufSource(TensorSource):
+    def __init__(self, path: Path) -> None:
+        self.file: GgufFile = open_gguf(path)
+        self.where = Path(path)
+        self._quantized = quantized_modules(self.file)
+        arch = self.file.architecture
+        heads = int(self.file.arch_key("attention.head_count"))
+        self._heads = (arch, heads, int(self.file.arch_key("attention.head_count_kv", heads)))
+        # Hugging Face name(s) -> the GGUF record they come from.
+        self._records: dict[str, tuple[object, str]] = {}
+        for record in self.file.tensors:
+            name = hf_name(record.name)
+            if name is None:
+                self._records[_UNMAPPED + record.name] = (record, "")
+                continue
+            module = name.removesuffix(".weight")
+            if name.endswith(".weight") and module in self._quantized:
+                self._records[f"{module}.qweight"] = (record, "qweight")
+                self._records[f"{module}.scales"] = (record, "scales")
+            else:
+                self._records[name] = (record, "")
+
+    def names(self) -> set[str]:
+        return set(self._records)
+
+    def tensors(self, wanted: set[str], device: str | torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+        dequantized: Counter[str] = Counter()
+        blocks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # one decode per record for qweight + scales
+        for name, (record, part) in self._records.items():
+            if name not in wanted:
+                continue
+            kind = record.tensor_type.name
+            if part:
+                if id(record) not in blocks:
+                    blocks[id(record)] = _split_blocks(record)
+                tensor = blocks[id(record)][0 if part == "qweight" else 1]
+                if part == "scales":
+                    del blocks[id(record)]
+            else:
+                if kind not in FLOAT_TYPES:
+                    dequantized[kind] += 1
+                tensor = self._float(record)
+            heads = self._rotary_heads(name)
+            if heads is not None:
+                tensor = unpermute_rows(tensor, heads)
+            yield name, tensor.to(device)
+        if dequantized:
+            logger.info("%s: dequantized while loading (no kernel runs these as stored): %s",
+                        self.where.name, ", ".join(f"{n} tensors of {k}" for k, n in sorted(dequantized.items())))
+
+    def _rotary_heads(self, name: str) -> Optional[int]:
+        arch, heads, kv_heads = self._heads
+        return rotary_heads(arch, name, heads, kv_heads)
+
+    def _float(self, record: object) -> torch.Tensor:
+        kind = record.tensor_type.name
+        shape = tuple(int(d) for d in reversed(record.shape.tolist()))
+        data = np.asarray(record.data)
+        if kind == "F32" or kind == "F16":
+            return torch.from_numpy(data.copy()).reshape(shape)
+        if kind == "BF16":
+            return torch.from_numpy(data.copy().view(np.int16)).view(torch.bfloat16).reshape(shape)
+        gguf = gguf_package()
+        try:
+            values = gguf.quants.dequantize(data, record.tensor_type)
+        except NotImplementedError:
+            raise ValueError(f"{self.where}: tensor {record.name} has type {kind}, which the gguf package "
+                             "cannot dequantize") from None
+        return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(shape)
+
+
+def _split_blocks(record: object) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values [N, K], scales [N, K / 32] float32) of a Q8_0 or Q4_0 matrix:
+    int8 values for Q8_0, uint8 0..15 for Q4_0 (see octavo/quant/formats/gguf.py)."""
+    kind = KERNEL_TYPES[record.tensor_type.name]
+    n, k = int(record.shape[1]), int(record.shape[0])
+    raw = np.asarray(record.data).reshape(n, k // GGUF_BLOCK, -1)
+    scales = torch.from_numpy(raw[:, :, :2].copy().view(np.float16)).reshape(n, -1).float()
+    payload = torch.from_numpy(raw[:, :, 2:].copy())
+    if kind == "q8_0":
+        return payload.view(torch.int8).reshape(n, k), scales
+    # Q4_0: byte j of a block holds input j (low nibble) and input j + 16 (high nibble).
+    values = torch.cat([payload & 0x0F, payload >> 4], dim=-1)
+    return values.reshape(n, k), scales

@@ -1,0 +1,72 @@
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tests.worker.runner_utils import Blocks, make_request, make_runner, step
+
+PROMPT = [random.Random(7).randrange(5, 512) for _ in range(24)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Tiny models: a second intra-op thread only slows them down on busy shared cores.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def octavo_logits(model, prompt=PROMPT, decode=(7, 99), dtype="float32", **kwargs) -> tuple[torch.Tensor, list[int]]:
+    """Octavo's logits at every prompt position (one prefill) and after each
+    of ``decode`` (one decode step each), with the token ids they score."""
+    runner = make_runner(model, dtype=dtype, **kwargs)
+    blocks = Blocks(runner)
+    req = make_request("a", list(prompt))
+    got = [runner.execute_logits(step(blocks.chunk(req, 0, len(prompt))))["a"]]
+    for token in decode:
+        req.append_output_token(token)
+        got.append(runner.execute_logits(step(blocks.chunk(req, req.num_tokens - 1, 1)))["a"])
+    return torch.cat(got), req.all_token_ids
+
+
+# Text with what SentencePiece vocabularies get wrong when converted carelessly:
+# runs of spaces, leading/trailing spaces, tabs and newlines, accents, CJK,
+# emoji and other characters outside the vocabulary (byte fallback), digits,
+# chat markers inside text.
+TOKENIZER_CORPUS = [
+    "Hello world",
+    " leading space",
+    "trailing space ",
+    "  two  spaces   three",
+    "\ttab\nnewline\n\nblank line",
+    "héllo wörld naïve café",
+    "你好，世界 こんにちは",
+    "emoji 🙂🚀 and 𝔘𝔫𝔦𝔠𝔬𝔡𝔢",
+    "x<|im_start|>user\nhi<|im_end|>\n y",
+    "numbers 0 12 345 6789",
+    "def add(a, b):\n    return a + b\n",
+    "",
+    " ",
+]
+
+
+def train_sentencepiece(folder, model_type: str = "bpe", vocab_size: int = 512) -> None:
+    """A SentencePiece model trained on a small text, as Llama's is set up
+    (identity normalization, spaces kept, digits split, byte fallback),
+    with a user-defined and a control piece: folder/tokenizer.model."""
+    import sentencepiece as spm
+
+    from tests.model_factory import _CORPUS
+
+    lines = _CORPUS.splitlines() + TOKENIZER_CORPUS
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(lines * 3), model_prefix=str(folder / "tokenizer"), vocab_size=vocab_size,
+        model_type=model_type, byte_fallback=True, character_coverage=1.0, normalization_rule_name="identity",
+        remove_extra_whitespaces=False, split_digits=True, allow_whitespace_only_pieces=True,
+        user_defined_symbols=["<|im_start|>"], control_symbols=["<|im_end|>"],
+        unk_id=0, bos_id=1, eos_id=2, pad_id=-1, hard_vocab_limit=False, minloglevel=2,
+    )
+    (folder / "tokenizer.vocab").unlink()

@@ -1,0 +1,159 @@
+"""GGUF files written from tiny transformers checkpoints, laid out as
+llama.cpp's convert_hf_to_gguf.py lays them out (CI has no llama.cpp):
+its tensor names, q/k rows interleaved per head for the llama family,
+1-D tensors in F32, metadata under ``<arch>.*``, and the tokenizer as a
+"gpt2" (byte-level BPE from tokenizer.json) or "llama" (SentencePiece from
+tokenizer.model) vocabulary with CONTROL types for special tokens.
+
+``reference_folder`` writes the Hugging Face folder whose weights are what
+the file holds after its block quantization (dequantized), so a quantized
+file can be judged against transformers."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Optional
+
+import gguf
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from octavo.checkpoint.sentencepiece import read_model_file
+
+ARCH_NAMES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",
+              "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+_TYPES = {name: getattr(gguf.GGMLQuantizationType, name) for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q5_0")}
+_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+           "lm_head.weight": "output.weight"}
+_BLOCK = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+          "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+          "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
+          "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+
+
+def gguf_name(hf: str) -> str:
+    if hf in _GLOBAL:
+        return _GLOBAL[hf]
+    _, _, layer, rest = hf.split(".", 3)
+    module, _, leaf = rest.rpartition(".")
+    return f"blk.{layer}.{_BLOCK[module]}.{leaf}"
+
+
+def interleave(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """llama.cpp's converter's permute: each head's halves interleaved."""
+    return (weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:])
+            .swapaxes(1, 2).reshape(weight.shape))
+
+
+def _quantize(values: np.ndarray, type_name: str) -> np.ndarray:
+    return gguf.quants.quantize(values.astype(np.float32), _TYPES[type_name])
+
+
+def stored_values(tensor: torch.Tensor, type_name: str) -> torch.Tensor:
+    """What a ``type_name`` GGUF tensor gives back for ``tensor``, as float32."""
+    if type_name in ("F32",):
+        return tensor.float()
+    if type_name == "F16":
+        return tensor.half().float()
+    if type_name == "BF16":
+        return tensor.bfloat16().float()
+    data = _quantize(tensor.float().numpy(), type_name)
+    return torch.from_numpy(gguf.quants.dequantize(data, _TYPES[type_name]).copy()).reshape(tensor.shape)
+
+
+def write_gguf(
+    folder: Path,
+    path: Path,
+    matrix_type: str = "F32",
+    *,
+    types: Optional[dict[str, str]] = None,
+    vocab: str = "gpt2",
+    sliding_window: bool = False,
+) -> Path:
+    """``folder``'s model as a GGUF file at ``path``: 2-D weights in
+    ``matrix_type`` (``types`` overrides per Hugging Face tensor name), 1-D
+    in F32; ``vocab`` "gpt2" from tokenizer.json or "llama" from tokenizer.model."""
+    config = json.loads((folder / "config.json").read_text())
+    arch = ARCH_NAMES[config["architectures"][0]]
+    writer = gguf.GGUFWriter(str(path), arch)
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    writer.add_name(folder.name)
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_key_length(config["head_dim"])
+    writer.add_value_length(config["head_dim"])
+    writer.add_rope_dimension_count(config["head_dim"])
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    rope = config.get("rope_parameters") or {}
+    writer.add_rope_freq_base(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
+    if sliding_window and config.get("sliding_window"):
+        writer.add_sliding_window(config["sliding_window"])
+    _write_vocab(writer, folder, vocab)
+    for name, tensor in sorted(load_file(folder / "model.safetensors").items()):
+        if arch == "llama" and ".self_attn.q_proj." in name:
+            tensor = interleave(tensor, heads)
+        elif arch == "llama" and ".self_attn.k_proj." in name:
+            tensor = interleave(tensor, kv_heads)
+        kind = (types or {}).get(name, matrix_type if tensor.dim() == 2 else "F32")
+        values = tensor.float().numpy()
+        if kind == "F32":
+            writer.add_tensor(gguf_name(name), values)
+        elif kind == "F16":
+            writer.add_tensor(gguf_name(name), values.astype(np.float16))
+        else:
+            writer.add_tensor(gguf_name(name), _quantize(values, kind), raw_dtype=_TYPES[kind])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _write_vocab(writer: gguf.GGUFWriter, folder: Path, vocab: str) -> None:
+    tok_config = json.loads((folder / "tokenizer_config.json").read_text())
+    if vocab == "gpt2":
+        data = json.loads((folder / "tokenizer.json").read_text())
+        ids = {**data["model"]["vocab"], **{t["content"]: t["id"] for t in data["added_tokens"]}}
+        tokens = [token for token, _ in sorted(ids.items(), key=lambda kv: kv[1])]
+        special = {t["content"] for t in data["added_tokens"] if t["special"]}
+        merges = [m if isinstance(m, str) else " ".join(m) for m in data["model"]["merges"]]
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("gpt-2")
+        writer.add_token_list(tokens)
+        writer.add_token_types([gguf.TokenType.CONTROL if t in special else gguf.TokenType.NORMAL for t in tokens])
+        writer.add_token_merges(merges)
+        by_text = {t: i for i, t in enumerate(tokens)}
+        # The converter reads tokenizer.json's post-processor: this one adds BOS.
+        writer.add_add_bos_token(True)
+    else:
+        spm = read_model_file(folder / "tokenizer.model")
+        writer.add_tokenizer_model("llama")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_list(spm.pieces)
+        writer.add_token_scores(spm.scores)
+        writer.add_token_types(spm.types)
+        writer.add_add_bos_token(bool(tok_config.get("add_bos_token", True)))
+        by_text = {t: i for i, t in enumerate(spm.pieces)}
+    writer.add_bos_token_id(by_text[tok_config.get("bos_token", "<s>")])
+    writer.add_eos_token_id(by_text[tok_config.get("eos_token", "</s>")])
+    if "pad_token" in tok_config:
+        writer.add_pad_token_id(by_text[tok_config["pad_token"]])
+    if tok_config.get("chat_template"):
+        writer.add_chat_template(tok_config["chat_template"])
+
+
+def reference_folder(folder: Path, dst: Path, matrix_type: str, types: Optional[dict[str, str]] = None) -> Path:
+    """A copy of ``folder`` whose weights are the values the GGUF file of
+    ``write_gguf(folder, ..., matrix_type, types=types)`` stores."""
+    shutil.copytree(folder, dst)
+    tensors = load_file(folder / "model.safetensors")
+    stored = {name: stored_values(t, (types or {}).get(name, matrix_type if t.dim() == 2 else "F32"))
+              .to(t.dtype) for name, t in tensors.items()}
+    save_file(stored, dst / "model.safetensors")
+    return dst

@@ -1,0 +1,232 @@
+"""GGUF files written from tiny transformers models (as llama.cpp's converter
+writes them) load as the same model: F32/BF16 files give transformers'
+logits on the stored weights, Q8_0/Q4_0 files run on the int8/int4 kernels
+within 1e-3 of transformers on the dequantized weights with identical
+greedy tokens, other block types are dequantized; the tokenizer built from
+the file's vocabulary gives the Hugging Face tokenizer's ids; broken or
+unsupported files are errors naming the problem."""
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import replace
+
+import gguf
+import pytest
+import torch
+from transformers import LlamaTokenizer
+
+from octavo import LLM, SamplingParams
+from octavo.model.config import load_arch_config
+from octavo.tokenizer import Tokenizer
+from tests.checkpoint.conftest import PROMPT, TOKENIZER_CORPUS, octavo_logits, train_sentencepiece
+from tests.checkpoint.gguf_writer import reference_folder, write_gguf
+from tests.engine.conftest import hf_greedy
+from tests.model_factory import load_hf_model, make_tiny_model
+from tests.worker.runner_utils import hf_logits, make_runner
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+# Stored as floats: transformers' logits on the same values, to float32 rounding.
+FLOAT_ATOL = 1e-4
+# Block-quantized layers on the int kernels against transformers on the dequantized weights.
+QUANT_ATOL = 1e-3
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """files(arch, matrix_type, **kw) -> (gguf path, reference folder), written once each."""
+    root = tmp_path_factory.mktemp("gguf")
+    made = {}
+
+    def get(arch: str, matrix_type: str, types=None, **overrides):
+        key = (arch, matrix_type, json.dumps(types, sort_keys=True), json.dumps(overrides, sort_keys=True))
+        if key not in made:
+            folder = make_tiny_model(root / "hf", arch, **overrides)
+            name = f"{len(made)}-{arch}-{matrix_type}"
+            path = write_gguf(folder, root / f"{name}.gguf", matrix_type, types=types,
+                              sliding_window=arch == "mistral")
+            made[key] = path, reference_folder(folder, root / f"{name}-ref", matrix_type, types)
+        return made[key]
+
+    return get
+
+
+def _kernels(path) -> dict[str, str]:
+    """Linear module name -> its kernel."""
+    model = make_runner(path).model
+    return {name: m.linear_method.kernel_name(m) for name, m in model.named_modules() if hasattr(m, "linear_method")}
+
+
+@pytest.mark.parametrize("arch, matrix_type", [
+    ("llama", "F32"), ("qwen2", "F32"), ("qwen3", "F16"), ("llama", "BF16"), ("qwen2", "BF16"),
+])
+def test_float_files_match_transformers(files, arch, matrix_type):
+    path, reference = files(arch, matrix_type)
+    got, tokens = octavo_logits(path)
+    torch.testing.assert_close(got, hf_logits(load_hf_model(reference), tokens), atol=FLOAT_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("arch, matrix_type", [
+    ("llama", "Q8_0"), ("qwen2", "Q8_0"), ("qwen3", "Q8_0"), ("llama", "Q4_0"), ("qwen2", "Q4_0"), ("qwen3", "Q4_0"),
+])
+def test_q8_0_and_q4_0_run_on_the_int_kernels(files, arch, matrix_type):
+    path, reference = files(arch, matrix_type)
+    kernels = _kernels(path)
+    # Every linear layer of the blocks runs quantized; lm_head stays float (as with --quantization).
+    bits = {"Q8_0": 8, "Q4_0": 4}[matrix_type]
+    assert all(k.startswith(f"gguf {matrix_type} (int{bits} group 32): int{bits}")
+               for name, k in kernels.items() if name != "lm_head"), kernels
+    assert not kernels["lm_head"].startswith("gguf")
+    got, tokens = octavo_logits(path)
+    torch.testing.assert_close(got, hf_logits(load_hf_model(reference), tokens), atol=QUANT_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("arch, matrix_type", [("llama", "Q4_0"), ("qwen2", "Q8_0"), ("llama", "F32")])
+def test_greedy_tokens_match_transformers(files, arch, matrix_type):
+    path, reference = files(arch, matrix_type)
+    prompts = [PROMPT[:n] for n in (1, 9, 24)]
+    outs = LLM(path, dtype="float32").generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == hf_greedy(reference, prompts, new_tokens=16)
+
+
+def test_mistral_sliding_window_and_tied_embeddings(files):
+    """A window shorter than the prompt (kept in attention.sliding_window), and no output.weight (tied)."""
+    path, reference = files("mistral", "F32", tie_word_embeddings=True)
+    arch = load_arch_config(path)
+    assert arch.tie_word_embeddings and arch.layer_windows == (8, 8)
+    got, tokens = octavo_logits(path)
+    torch.testing.assert_close(got, hf_logits(load_hf_model(reference), tokens), atol=FLOAT_ATOL, rtol=0)
+
+
+def test_other_block_types_are_dequantized(files, caplog):
+    """Q5_0 has no kernel; q_proj in Q8_0 beside k/v in Q4_0 cannot run as one fused layer: both dequantized."""
+    mixed = {f"model.layers.{i}.self_attn.{p}.weight": t for i in range(2)
+             for p, t in (("q_proj", "Q8_0"), ("k_proj", "Q4_0"), ("v_proj", "Q4_0"))}
+    path, reference = files("llama", "Q5_0", types=mixed)
+    with caplog.at_level(logging.INFO, logger="octavo.model.gguf.tensors"):
+        kernels = _kernels(path)
+    assert not any(k.startswith("gguf") for k in kernels.values()), kernels
+    assert "dequantized while loading" in caplog.text and "Q5_0" in caplog.text and "Q8_0" in caplog.text
+    got, tokens = octavo_logits(path)
+    torch.testing.assert_close(got, hf_logits(load_hf_model(reference), tokens), atol=FLOAT_ATOL, rtol=0)
+
+
+def test_config_comes_from_the_metadata(files):
+    path, reference = files("qwen3", "Q8_0")
+    ours, hf = load_arch_config(path), load_arch_config(reference)
+    assert ours.quantization is not None and ours.quantization.method == "gguf"
+    assert ours.dtype == "bfloat16"  # a quantized file's activations default to bf16
+    assert ours.rms_norm_eps == pytest.approx(hf.rms_norm_eps)  # GGUF stores it as float32
+    assert replace(ours, quantization=None, dtype=hf.dtype, eos_token_ids=hf.eos_token_ids[:1],
+                   rms_norm_eps=hf.rms_norm_eps) == hf
+
+
+def test_gpt2_vocabulary_gives_the_hf_tokenizers_ids(files):
+    path, reference = files("qwen2", "F32")
+    ours, hf = Tokenizer(path), Tokenizer(reference)
+    for text in TOKENIZER_CORPUS:
+        assert ours.encode(text) == hf.encode(text), text
+        assert ours.decode(hf.encode(text)) == hf.decode(hf.encode(text)), text
+    assert (ours.bos_token_id, ours.eos_token_id, ours.chat_template) == (hf.bos_token_id, hf.eos_token_id,
+                                                                            hf.chat_template)
+    messages = [{"role": "user", "content": "hi"}]
+    assert ours.apply_chat_template(messages) == hf.apply_chat_template(messages)
+
+
+def test_llama_vocabulary_gives_transformers_ids(tmp_path):
+    folder = make_tiny_model(tmp_path, "llama")
+    train_sentencepiece(folder)
+    (folder / "tokenizer.json").unlink()
+    (folder / "tokenizer_config.json").write_text(json.dumps({"add_bos_token": True, "bos_token": "<s>",
+                                                              "eos_token": "</s>"}))
+    path = write_gguf(folder, tmp_path / "spm.gguf", vocab="llama")
+    ours, hf = Tokenizer(path), LlamaTokenizer.from_pretrained(folder)
+    for text in TOKENIZER_CORPUS:
+        assert ours.encode(text) == hf(text).input_ids, text
+        assert ours.decode(ours.encode(text)) == hf.decode(hf(text).input_ids, skip_special_tokens=True), text
+
+
+def test_serve_a_gguf_file(files, tmp_path):
+    """`octavo serve model.gguf` end to end (~20 s: a real server process is what is tested):
+    served under the file's name, chat through the template from the metadata."""
+    import httpx
+
+    from tests.server.conftest import ServerProcess
+
+    path, _ = files("qwen2", "Q8_0")
+    srv = ServerProcess(path, tmp_path / "server.log", api_key=None)
+    try:
+        assert [m["id"] for m in httpx.get(f"{srv.url}/v1/models", timeout=30).json()["data"]] == [path.name]
+        body = {"model": path.name, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        reply = httpx.post(f"{srv.url}/v1/chat/completions", json=body, timeout=60)
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] >= 1
+    finally:
+        srv.stop()
+
+
+# ---- bad files -----------------------------------------------------------------
+
+
+def test_truncated_file_is_named(files, tmp_path):
+    path, _ = files("llama", "F32")
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(path.read_bytes()[:300])
+    with pytest.raises(ValueError, match="broken.gguf is not a readable GGUF file"):
+        load_arch_config(broken)
+
+
+def _rewrite(src, dst, drop=(), **fields):
+    """``src`` with metadata ``fields`` replaced (string values) and keys in ``drop`` left out."""
+    reader = gguf.GGUFReader(str(src))
+    writer = gguf.GGUFWriter(str(dst), fields.get("general.architecture", reader.fields["general.architecture"]
+                                                  .contents()))
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture" or key in drop:
+            continue
+        value = fields.get(key, field.contents())
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, value, vtype, sub_type=sub)
+    for key, value in fields.items():
+        if key not in reader.fields and key != "general.architecture":
+            writer.add_string(key, value)
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, tensor.data, raw_shape=tensor.data.shape, raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
+
+
+def test_a_file_that_is_not_gguf_is_named(tmp_path):
+    (tmp_path / "model.gguf").write_text("not a model")
+    with pytest.raises(ValueError, match="model.gguf' is a file but not a GGUF file"):
+        LLM(tmp_path / "model.gguf")
+
+
+def test_unsupported_architecture_is_named(files, tmp_path):
+    path, _ = files("llama", "F32")
+    other = _rewrite(path, tmp_path / "falcon.gguf", **{"general.architecture": "falcon"})
+    with pytest.raises(ValueError, match="GGUF architecture 'falcon' is not supported; supported: llama, qwen2"):
+        LLM(other)
+
+
+def test_unknown_pre_tokenizer_is_named(files, tmp_path):
+    path, _ = files("llama", "F32")
+    other = _rewrite(path, tmp_path / "pre.gguf", **{"tokenizer.ggml.pre": "mystery-bpe"})
+    with pytest.raises(ValueError, match="tokenizer.ggml.pre 'mystery-bpe' is not supported"):
+        Tokenizer(other)
+
+
+def test_missing_metadata_is_named(files, tmp_path):
+    path, _ = files("llama", "F32")
+    other = _rewrite(path, tmp_path / "short.gguf", drop=("llama.block_count",))
+    with pytest.raises(ValueError, match="GGUF metadata has no 'llama.block_count'"):
+        load_arch_config(other)
+
+
+def test_quantizing_a_quantized_file_again_is_refused(files):
+    path, _ = files("qwen2", "Q8_0")
+    with pytest.raises(ValueError, match=r"already quantized \(gguf, as its config.json or GGUF file says\)"):
+        make_runner(path, quantization="int8")
