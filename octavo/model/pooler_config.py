@@ -30,12 +30,17 @@ def resolve_pooler(model_config: ModelConfig) -> Optional[PoolerConfig]:
     """The pooler of a model served for embeddings; None when it is served
     for generation. ValueError naming the option or file that does not fit."""
     folder = Path(model_config.model)
-    raw = _read_json(folder / "config.json")
-    architecture = (raw.get("architectures") or [""])[0]
-    st = _sentence_transformers(folder)
     task = model_config.task
     if task not in TASKS:
         raise ValueError(f"task must be one of {', '.join(TASKS)}; got {task!r}")
+    if folder.is_file():  # a GGUF file: its metadata describes a generation model
+        if task == "embed" or model_config.pooling_type is not None or model_config.normalize is not None:
+            raise ValueError(f"task embed (and pooling_type, normalize) needs a checkpoint folder; {folder.name} "
+                             "is served for generation")
+        return None
+    raw = _read_json(folder / "config.json")
+    architecture = (raw.get("architectures") or [""])[0]
+    st = _sentence_transformers(folder)
     headless = architecture in HEADLESS_ARCHITECTURES
     if task == "auto":
         task = "embed" if headless or st is not None else "generate"
