@@ -207,13 +207,17 @@ async def _stream(
 ) -> AsyncIterator[str]:
     created = int(time.time())
 
+    completion_tokens = 0
+    per_chunk = req.stream_options is not None and req.stream_options.usage_per_chunk
+
     def chunk(choices: list[ChatChunkChoice], usage: Optional[Usage] = None) -> str:
+        if usage is None and per_chunk:
+            usage = _usage(num_prompt_tokens, completion_tokens)
         return sse(ChatCompletionChunk(id=request_id, created=created, model=state.model_name, choices=choices, usage=usage))
 
     # OpenAI opens each choice with a role-only delta.
     for i in range(req.n):
         yield chunk([ChatChunkChoice(index=i, delta=ChatMessageOut(role="assistant", content=""))])
-    completion_tokens = 0
     readers = [plan.output() for _ in range(req.n)]
     async with contextlib.aclosing(stream):  # type: ignore[type-var]
         async for out in stream:  # deltas: each choice's new part

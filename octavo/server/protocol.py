@@ -103,6 +103,12 @@ def _check_text(path: tuple[str | int, ...], text: str) -> None:
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk carries the usage so far (guidellm asks for it).
+    continuous_usage_stats: bool = False
+
+    @property
+    def usage_per_chunk(self) -> bool:
+        return self.include_usage and self.continuous_usage_stats
 
 
 class JsonSchemaFormat(_Request):
