@@ -164,3 +164,22 @@ def test_generate_output_to_a_pipe_is_plain_text(model_path, offline_llm):
     refs = offline_llm.generate(["Hello", "Hi"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
     assert proc.stdout == "".join(f"### {p}\n{r.outputs[0].text}\n\n" for p, r in zip(["Hello", "Hi"], refs))
     assert not any(c in proc.stdout + proc.stderr for c in "\r\x1b")
+
+
+def test_a_port_in_use_is_one_line_before_the_model_loads(model_path, capsys, monkeypatch):
+    import socket
+
+    import octavo.server.launcher
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the app was built although the port is taken")
+
+    monkeypatch.setattr(octavo.server.launcher, "build_app", no_loading)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(SystemExit) as exc:
+            main(["serve", str(model_path), "--port", str(port)])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and f"cannot listen on 127.0.0.1:{port}" in err and err.count("\n") == 1
