@@ -5,7 +5,7 @@ import argparse
 
 import pytest
 
-from octavo.entrypoints.cli import _CONFIG_COMMANDS, _subparser, build_parser, main, server_config_from_args
+from octavo.entrypoints.cli import _CONFIG_COMMANDS, subparser, build_parser, main, server_config_from_args
 from octavo.entrypoints.config_file import apply_config_file, config_path, fill_lists
 from octavo.entrypoints.engine_args import engine_config_from_args
 
@@ -16,9 +16,9 @@ def _parse(tmp_path, yaml_text: str, *argv: str) -> argparse.Namespace:
     argv_list = [argv[0], str(tmp_path), "--config", str(tmp_path / "c.yaml"), *argv[1:]]
     parser = build_parser()
     command, path = config_path(argv_list, _CONFIG_COMMANDS)
-    lists = apply_config_file(_subparser(parser, command), path)
+    lists = apply_config_file(subparser(parser, command), path)
     args = parser.parse_args(argv_list)
-    fill_lists(_subparser(parser, command), args, lists)
+    fill_lists(subparser(parser, command), args, lists)
     return args
 
 
@@ -107,7 +107,7 @@ def test_the_gateway_keeps_its_own_config_option():
 
 @pytest.mark.parametrize("command", _CONFIG_COMMANDS)
 def test_help_shows_every_default(command):
-    parser = _subparser(build_parser(), command)
+    parser = subparser(build_parser(), command)
     formatter = parser._get_formatter()
     for action in parser._actions:
         if isinstance(action, argparse._HelpAction):

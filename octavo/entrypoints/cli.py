@@ -309,10 +309,10 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         lists = {}
         found = config_path(argv, _CONFIG_COMMANDS)
         if found is not None:  # the file's values become the command's defaults
-            lists = apply_config_file(_subparser(parser, found[0]), found[1])
+            lists = apply_config_file(subparser(parser, found[0]), found[1])
         args = parser.parse_args(argv)
         if found is not None:
-            fill_lists(_subparser(parser, found[0]), args, lists)
+            fill_lists(subparser(parser, found[0]), args, lists)
         configure_logging(getattr(args, "log_level", None) or "info")
         if args.command == "serve":
             _serve(args)
@@ -329,7 +329,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         raise SystemExit(2) from None
 
 
-def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+def subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
     action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     return action.choices[command]
 
