@@ -24,6 +24,7 @@ from octavo.server.protocol import (
     ChatMessage,
     ChatMessageOut,
     StructuredOutputs,
+    Tool,
     ToolCall,
     Usage,
 )
@@ -153,6 +154,11 @@ def _template_call(i: int, j: int, call: ToolCall) -> dict[str, Any]:
     return {"id": call.id, "type": call.type, "function": {"name": call.function.name, "arguments": arguments}}
 
 
+def template_tools(tools: Optional[list[Tool]]) -> Optional[list[dict[str, Any]]]:
+    """The ``tools`` template variable, as transformers passes the request's tools."""
+    return [t.model_dump(exclude_none=True) for t in tools] if tools else None
+
+
 def _prepare(req: ChatCompletionRequest, state: ServerState) -> tuple[list[int], Any, ToolPlan]:
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
@@ -160,7 +166,7 @@ def _prepare(req: ChatCompletionRequest, state: ServerState) -> tuple[list[int],
     ids = render_messages(
         req.messages, state, req.add_generation_prompt, req.chat_template_kwargs, req.chat_template,
         continue_final_message=req.continue_final_message,
-        tools=[t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None,
+        tools=template_tools(req.tools),
         documents=req.documents,
         add_special_tokens=req.add_special_tokens,
     )

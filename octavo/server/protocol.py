@@ -277,6 +277,19 @@ class TokenizeRequest(_Body):
     messages: Optional[list[ChatMessage]] = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    # With messages, as vLLM's: the prompt a chat request with these fields would get.
+    continue_final_message: bool = False
+    tools: Optional[list[Tool]] = None
+    chat_template: Optional[str] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+
+    @model_validator(mode="after")
+    def _chat_fields_need_messages(self) -> "TokenizeRequest":
+        if self.messages is None:
+            for name in ("tools", "chat_template", "chat_template_kwargs"):
+                if getattr(self, name) is not None:
+                    raise FieldError([name], f"{name} applies to messages only")
+        return self
 
 
 class DetokenizeRequest(_Body):
