@@ -11,19 +11,22 @@ request gets an ``error`` (and no response) and the others run.
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
+import contextlib
 import json
 import sys
 import time
 import uuid
 from dataclasses import dataclass
-from typing import IO, Any, Optional
+from typing import IO, Any, AsyncIterator, Optional
 
 import httpx
 from fastapi import FastAPI
 from tqdm import tqdm
 
 from octavo.config import EngineConfig
+from octavo.engine.engine_process import last_line
 from octavo.server.app import build_app
 from octavo.server.config import ServerConfig
 
@@ -74,20 +77,27 @@ def served_urls(app: FastAPI) -> tuple[str, ...]:
     return tuple(url for url in BATCH_URLS if url in paths)
 
 
-def run_batch(args: Any, engine_config: EngineConfig, server_config: ServerConfig) -> None:
+def run_batch(args: argparse.Namespace, engine_config: EngineConfig, server_config: ServerConfig) -> None:
     """The command: read ``args.input_file``, write ``args.output_file``."""
     app = build_app(engine_config, server_config)
     lines = _read_lines(args.input_file)
-    requests = [parse_line(text, i + 1, served_urls(app)) for i, text in enumerate(lines) if text.strip()]
-    if args.output_file == "-":
-        asyncio.run(run_requests(app, requests, sys.stdout))
-        return
-    try:
-        out = open(args.output_file, "w")
-    except OSError as exc:
-        raise ValueError(f"--output-file: cannot write {args.output_file}: {exc.strerror}") from None
-    with out:
-        asyncio.run(run_requests(app, requests, out))
+    urls = served_urls(app)
+    requests = [parse_line(text, i + 1, urls) for i, text in enumerate(lines) if text.strip()]
+    asyncio.run(_run(app, requests, args.output_file))
+
+
+async def _run(app: FastAPI, requests: list[BatchRequest], output_file: str) -> None:
+    # The output is opened once the engine runs: a failed start leaves no empty results file behind.
+    async with _started(app):
+        if output_file == "-":
+            await run_requests(app, requests, sys.stdout)
+            return
+        try:
+            out = open(output_file, "w")
+        except OSError as exc:
+            raise ValueError(f"--output-file: cannot write {output_file}: {exc.strerror}") from None
+        with out:
+            await run_requests(app, requests, out)
 
 
 def _read_lines(path: str) -> list[str]:
@@ -100,33 +110,48 @@ def _read_lines(path: str) -> list[str]:
         raise ValueError(f"--input-file: cannot read {path}: {exc.strerror}") from None
 
 
-async def run_requests(app: FastAPI, requests: list[BatchRequest], out: IO[str], progress: bool = True) -> None:
-    """Start the app's engine, send every request at once, write each result
+async def run_requests(app: FastAPI, requests: list[BatchRequest], out: IO[str]) -> None:
+    """Send every request at once to the started app, write each result
     line as soon as those before it are written."""
-    async with app.router.lifespan_context(app):
-        transport = httpx.ASGITransport(app=app)
-        async with httpx.AsyncClient(transport=transport, base_url="http://octavo", timeout=None) as client:
-            bar = tqdm(total=len(requests), unit="req", desc="run-batch", file=sys.stderr, disable=not progress)
-            results: dict[int, dict[str, Any]] = {}
-            written = 0
-            started = time.monotonic()
-            ticker = asyncio.create_task(_show_throughput(app, bar, started))
+    # raise_app_exceptions=False: an unexpected failure is that request's 500, as the server answers it.
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    async with httpx.AsyncClient(transport=transport, base_url="http://octavo", timeout=None) as client:
+        bar = tqdm(total=len(requests), unit="req", desc="run-batch", file=sys.stderr)
+        results: dict[int, dict[str, Any]] = {}
+        written = 0
+        started = time.monotonic()
+        ticker = asyncio.create_task(_show_throughput(app, bar, started))
 
-            async def one(i: int, req: BatchRequest) -> None:
-                nonlocal written
-                results[i] = await _result(client, req)
-                bar.update(1)
-                while written in results:  # in input order, each line as soon as it can go
-                    out.write(json.dumps(results.pop(written)) + "\n")
-                    written += 1
-                out.flush()
+        async def one(i: int, req: BatchRequest) -> None:
+            nonlocal written
+            results[i] = await _result(client, req)
+            bar.update(1)
+            while written in results:  # in input order, each line as soon as it can go
+                out.write(json.dumps(results.pop(written)) + "\n")
+                written += 1
+            out.flush()
 
-            try:
-                await asyncio.gather(*(one(i, req) for i, req in enumerate(requests)))
-            finally:
-                ticker.cancel()
-                _set_throughput(app, bar, started)
-                bar.close()
+        try:
+            await asyncio.gather(*(one(i, req) for i, req in enumerate(requests)))
+        finally:
+            ticker.cancel()
+            await _engine_idle(app)
+            _set_throughput(app, bar, started)
+            bar.close()
+
+
+@contextlib.asynccontextmanager
+async def _started(app: FastAPI) -> AsyncIterator[None]:
+    """The app's lifespan (the engine process); a failed start is one line, as `octavo serve` reports it."""
+    lifespan = app.router.lifespan_context(app)
+    try:
+        await lifespan.__aenter__()
+    except Exception as exc:
+        raise ValueError(f"start-up failed: {last_line(f'{type(exc).__name__}: {exc}')}") from None
+    try:
+        yield
+    finally:
+        await lifespan.__aexit__(None, None, None)
 
 
 async def _result(client: httpx.AsyncClient, req: BatchRequest) -> dict[str, Any]:
@@ -135,7 +160,11 @@ async def _result(client: httpx.AsyncClient, req: BatchRequest) -> dict[str, Any
     if req.error is not None:
         result["error"] = {"code": "invalid_request", "message": req.error}
         return result
-    response = await client.post(req.url, json=req.body)
+    try:
+        response = await client.post(req.url, json=req.body)
+    except Exception as exc:  # noqa: BLE001  one request's failure is that line's error only
+        result["error"] = {"code": "internal_error", "message": f"{type(exc).__name__}: {exc}"}
+        return result
     try:
         body = response.json()
     except ValueError:  # not JSON: whatever the server said, as text
@@ -143,6 +172,16 @@ async def _result(client: httpx.AsyncClient, req: BatchRequest) -> dict[str, Any
     result["response"] = {"status_code": response.status_code,
                           "request_id": response.headers.get("x-request-id"), "body": body}
     return result
+
+
+async def _engine_idle(app: FastAPI, timeout_s: float = 5.0) -> None:
+    """The engine sends its counters when it goes idle, just after the last
+    outputs: wait for them, so that the bar's last figures count every token."""
+    deadline = time.monotonic() + timeout_s
+    stats = app.state.server.client.stats
+    while (stats.num_running or stats.num_waiting) and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+        stats = app.state.server.client.stats
 
 
 async def _show_throughput(app: FastAPI, bar: tqdm, started: float) -> None:

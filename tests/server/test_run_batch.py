@@ -112,6 +112,10 @@ def test_stdin_and_stdout(model_path):
     (result,) = [json.loads(line) for line in proc.stdout.splitlines()]
     assert result["custom_id"] == "only" and result["response"]["status_code"] == 200
     assert result["response"]["body"]["usage"]["completion_tokens"] == 2
+    # The progress bar: requests done and the engine's generated tokens per second.
+    bar = proc.stderr.replace("\r", "\n").splitlines()
+    assert any("run-batch: 100%" in line and "1/1" in line and "2 tokens" in line and "tok/s" in line
+               for line in bar), proc.stderr[-2000:]
 
 
 @pytest.mark.parametrize("text, message", [
@@ -124,3 +128,18 @@ def test_stdin_and_stdout(model_path):
 def test_parse_line_names_what_is_wrong(text, message):
     req = parse_line(text, 7, BATCH_URLS[:2])
     assert req.error.startswith("line 7: ") and message in req.error and req.body is None
+
+
+def test_a_model_that_cannot_load_is_one_line(model_path, tmp_path, capsys):
+    import shutil
+
+    folder = tmp_path / "no-weights"
+    folder.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(model_path / name, folder / name)
+    (tmp_path / "in.jsonl").write_text(_line("a", "/v1/completions", {"prompt": "x", "max_tokens": 1}) + "\n")
+    with pytest.raises(SystemExit) as exc:
+        main(["run-batch", str(folder), "-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl")])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "octavo: error: start-up failed:" in err and "Traceback" not in err
+    assert not (tmp_path / "out.jsonl").exists()
