@@ -119,12 +119,14 @@ async def run_requests(app: FastAPI, requests: list[BatchRequest], out: IO[str])
         bar = tqdm(total=len(requests), unit="req", desc="run-batch", file=sys.stderr)
         results: dict[int, dict[str, Any]] = {}
         written = 0
+        answered = [0]  # generated tokens of the requests answered so far, from their usage
         started = time.monotonic()
-        ticker = asyncio.create_task(_show_throughput(app, bar, started))
+        ticker = asyncio.create_task(_show_throughput(app, bar, started, answered))
 
         async def one(i: int, req: BatchRequest) -> None:
             nonlocal written
             results[i] = await _result(client, req)
+            answered[0] += _completion_tokens(results[i])
             bar.update(1)
             while written in results:  # in input order, each line as soon as it can go
                 out.write(json.dumps(results.pop(written)) + "\n")
@@ -135,8 +137,7 @@ async def run_requests(app: FastAPI, requests: list[BatchRequest], out: IO[str])
             await asyncio.gather(*(one(i, req) for i, req in enumerate(requests)))
         finally:
             ticker.cancel()
-            await _engine_idle(app)
-            _set_throughput(app, bar, started)
+            _set_throughput(app, bar, started, answered)
             bar.close()
 
 
@@ -174,26 +175,24 @@ async def _result(client: httpx.AsyncClient, req: BatchRequest) -> dict[str, Any
     return result
 
 
-async def _engine_idle(app: FastAPI, timeout_s: float = 5.0) -> None:
-    """The engine sends its counters when it goes idle, just after the last
-    outputs: wait for them, so that the bar's last figures count every token."""
-    deadline = time.monotonic() + timeout_s
-    stats = app.state.server.client.stats
-    while (stats.num_running or stats.num_waiting) and time.monotonic() < deadline:
-        await asyncio.sleep(0.01)
-        stats = app.state.server.client.stats
+def _completion_tokens(result: dict[str, Any]) -> int:
+    body = (result["response"] or {}).get("body")
+    usage = body.get("usage") if isinstance(body, dict) else None
+    return (usage.get("completion_tokens") or 0) if isinstance(usage, dict) else 0
 
 
-async def _show_throughput(app: FastAPI, bar: tqdm, started: float) -> None:
+async def _show_throughput(app: FastAPI, bar: tqdm, started: float, answered: list[int]) -> None:
     while True:
         await asyncio.sleep(0.5)
-        _set_throughput(app, bar, started)
+        _set_throughput(app, bar, started, answered)
 
 
-def _set_throughput(app: FastAPI, bar: tqdm, started: float) -> None:
-    """Generated tokens per second since the requests were sent, from the engine's own counter."""
+def _set_throughput(app: FastAPI, bar: tqdm, started: float, answered: list[int]) -> None:
+    """Generated tokens per second since the requests were sent: the engine's
+    counter while requests run (it lags by up to a stats interval), at least
+    what the answered requests' usage adds up to."""
     elapsed = time.monotonic() - started
     if elapsed <= 0:
         return
-    tokens = app.state.server.client.stats.generation_tokens
+    tokens = max(app.state.server.client.stats.generation_tokens, answered[0])
     bar.set_postfix_str(f"{tokens} tokens, {tokens / elapsed:.1f} tok/s", refresh=True)
