@@ -1,5 +1,5 @@
-"""The ``octavo`` command: ``octavo serve [MODEL]``, ``octavo gateway``, ``octavo generate [MODEL]`` and
-``octavo simulate run|calibrate``."""
+"""The ``octavo`` command: ``octavo serve [MODEL]``, ``octavo gateway``, ``octavo generate [MODEL]``,
+``octavo run-batch [MODEL] -i requests.jsonl -o results.jsonl`` and ``octavo simulate run|calibrate``."""
 from __future__ import annotations
 
 import argparse
@@ -7,11 +7,13 @@ import json
 import os
 import sys
 from dataclasses import fields
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Iterator, Optional, Sequence
 
 import octavo
+from octavo.entrypoints.config_file import apply_config_file, config_path, fill_lists
 from octavo.entrypoints.engine_args import add_engine_args, engine_config_from_args, engine_options, parse_bytes
 from octavo.log import configure_logging
+from octavo.outputs import RequestOutput
 from octavo.server.config import DEFAULT_PUBLIC_ROUTES, ServerConfig
 from octavo.server.limits import RequestLimits
 from octavo.server.tool_parsers import PARSERS
@@ -25,68 +27,103 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"octavo {octavo.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server", formatter_class=_DefaultsFormatter)
+    _add_config_arg(serve)
     add_engine_args(serve)
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on")
     serve.add_argument("--api-key", action="append", default=None,
-                       help="require this bearer key; repeat for several (default: $OCTAVO_API_KEY)")
-    serve.add_argument(
-        "--public-routes",
-        default=",".join(DEFAULT_PUBLIC_ROUTES),
-        help="comma-separated paths served without the API key (default: %(default)s)",
-    )
-    serve.add_argument("--max-waiting-requests", type=int, default=None, help="beyond this many pending: 503")
+                       help="require this bearer key; repeat for several (default: $OCTAVO_API_KEY, else none)")
+    serve.add_argument("--public-routes", default=",".join(DEFAULT_PUBLIC_ROUTES),
+                       help="comma-separated paths served without the API key")
+    serve.add_argument("--max-waiting-requests", type=int, default=None,
+                       help="beyond this many pending: 503 (default: no limit)")
     serve.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds to drain on SIGTERM")
-    serve.add_argument("--max-body-size", type=parse_bytes, default=8 * 2**20, help="larger bodies get 413")
-    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    serve.add_argument("--max-body-size", type=parse_bytes, default=8 * 2**20, help="larger bodies get 413 (bytes)")
+    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"], help="log level")
     serve.add_argument("--api-key-file", default=None,
-                       help="file of bearer keys, one a line (# comments); keeps keys out of the process list")
+                       help="file of bearer keys, one a line (# comments); keeps keys out of the process list "
+                            "(default: none)")
     serve.add_argument("--metrics-api-key", action="append", default=None,
-                       help="/metrics needs this key (repeatable) instead of being public or using --api-key")
-    serve.add_argument("--chat-template", default=None,
-                       help="a Jinja chat template, or a file holding one, to use instead of the model's")
-    serve.add_argument("--enable-auto-tool-choice", action="store_true",
-                       help='serve tool_choice "auto": calls read from the model\'s text by --tool-call-parser')
-    serve.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
-                       help="how the model writes tool calls (for --enable-auto-tool-choice)")
-    serve.add_argument("--trust-request-chat-template", action="store_true",
-                       help="accept chat_template (and chat_template_kwargs.chat_template) from requests")
-    for f in fields(RequestLimits):  # one option per request limit, named after its field
-        serve.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default,
-                           help=f"{f.metadata['help']} (default: %(default)s)")
+                       help="/metrics needs this key (repeatable) instead of being public or using --api-key "
+                            "(default: none)")
+    _add_request_handling_args(serve)
     # Defaults from ServerConfig itself, so there is one source for them.
     serve.add_argument("--engine-max-restarts", type=int, default=ServerConfig.engine_max_restarts,
-                       help="restart a dead engine up to this many times per window, then exit 1 "
-                            "(0: exit at once; default: %(default)s)")
+                       help="restart a dead engine up to this many times per window, then exit 1 (0: exit at once)")
     serve.add_argument("--engine-restart-window", type=float, default=ServerConfig.engine_restart_window_s,
-                       help="seconds (default: %(default)s)")
-    serve.add_argument("--request-timeout", type=float, default=ServerConfig.request_timeout_s,
-                       help="abort requests older than this many seconds (504); default: no limit")
+                       help="seconds")
     serve.add_argument("--allowed-origins", type=_origins, default=ServerConfig.allowed_origins,
                        help='browser origins allowed to call the API (CORS): a JSON list as vLLM takes it '
-                            '(\'["*"]\') or comma-separated; default: none')
+                            '(\'["*"]\') or comma-separated (default: none)')
     serve.add_argument("--root-path", default=ServerConfig.root_path,
-                       help="path prefix when served behind a reverse proxy (e.g. /api)")
-    serve.add_argument("--ssl-keyfile", default=None, help="TLS private key file (with --ssl-certfile: HTTPS)")
-    serve.add_argument("--ssl-certfile", default=None, help="TLS certificate file")
+                       help="path prefix when served behind a reverse proxy, e.g. /api (default: none)")
+    serve.add_argument("--ssl-keyfile", default=None,
+                       help="TLS private key file (with --ssl-certfile: HTTPS; default: plain HTTP)")
+    serve.add_argument("--ssl-certfile", default=None, help="TLS certificate file (default: none)")
     serve.add_argument("--disable-log-requests", "--disable-uvicorn-access-log", dest="access_log",
-                       action="store_false", help="no log line per HTTP request")
+                       action="store_false", help="no log line per HTTP request (default: one line each)")
 
     _add_gateway_parser(sub)
     _add_simulate_parser(sub)
 
-    gen = sub.add_parser("generate", help="generate offline (no server)")
+    gen = sub.add_parser("generate", help="generate offline (no server)", formatter_class=_DefaultsFormatter)
+    _add_config_arg(gen)
     add_engine_args(gen)
-    gen.add_argument("--prompt", action="append", required=True, help="repeat for several prompts")
-    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--prompt", action="append", required=True, help="repeat for several prompts (no default)")
+    gen.add_argument("--max-tokens", type=int, default=64, help="most tokens generated per prompt")
     # Unset sampling options take the model's generation_config.json values,
     # as the server does: tiny models loop under greedy decoding.
     gen.add_argument("--temperature", type=float, default=None, help="default: the model's, else 1.0")
     gen.add_argument("--top-p", type=float, default=None, help="default: the model's, else 1.0")
     gen.add_argument("--top-k", type=int, default=None, help="default: the model's, else off")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
+
+    batch = sub.add_parser("run-batch", help="run an OpenAI batch file (JSONL) offline, as `octavo serve` answers",
+                           formatter_class=_DefaultsFormatter)
+    _add_config_arg(batch)
+    add_engine_args(batch)
+    batch.add_argument("-i", "--input-file", required=True,
+                       help="JSONL of {custom_id, method, url, body}; - for stdin (no default)")
+    batch.add_argument("-o", "--output-file", required=True,
+                       help="JSONL of {id, custom_id, response, error}, in input order; - for stdout (no default)")
+    _add_request_handling_args(batch)
     return parser
+
+
+def _add_config_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", default=None, metavar="FILE",
+                        help="YAML file of this command's options (keys: option names, dashes or underscores); "
+                             "command-line flags override it (default: none)")
+
+
+def _add_request_handling_args(parser: argparse.ArgumentParser) -> None:
+    """Options of how requests are read and answered: `octavo serve` and `octavo run-batch` share them."""
+    parser.add_argument("--chat-template", default=None,
+                        help="a Jinja chat template, or a file holding one, to use instead of the model's "
+                             "(default: the model's)")
+    parser.add_argument("--enable-auto-tool-choice", action="store_true",
+                        help='serve tool_choice "auto": calls read from the model\'s text by --tool-call-parser')
+    parser.add_argument("--tool-call-parser", default=None, choices=sorted(PARSERS),
+                        help="how the model writes tool calls, for --enable-auto-tool-choice (default: none)")
+    parser.add_argument("--trust-request-chat-template", action="store_true",
+                        help="accept chat_template (and chat_template_kwargs.chat_template) from requests")
+    for f in fields(RequestLimits):  # one option per request limit, named after its field
+        parser.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default,
+                            help=f.metadata["help"])
+    parser.add_argument("--request-timeout", type=float, default=ServerConfig.request_timeout_s,
+                        help="abort requests older than this many seconds, 504 (default: no limit)")
+
+
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """Every option's help ends with its default, unless the help states it already."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "default" in text.lower() or action.default is argparse.SUPPRESS or not action.option_strings:
+            return text
+        shown = "none" if action.default is None else "%(default)s"
+        return f"{text} (default: {shown})"
 
 
 def _add_gateway_parser(sub: argparse._SubParsersAction) -> None:
@@ -170,7 +207,8 @@ def gateway_config(args: argparse.Namespace) -> GatewayConfig:
 def _serve(args: argparse.Namespace) -> None:
     from octavo.server.launcher import serve
 
-    server_config = ServerConfig(
+    server_config = server_config_from_args(
+        args,
         host=args.host,
         port=args.port,
         api_keys=_api_keys(args),
@@ -179,15 +217,9 @@ def _serve(args: argparse.Namespace) -> None:
         shutdown_timeout_s=args.shutdown_timeout,
         max_body_bytes=args.max_body_size,
         log_level=args.log_level,
-        limits=RequestLimits(**{f.name: getattr(args, f.name) for f in fields(RequestLimits)}),
-        trust_request_chat_template=args.trust_request_chat_template,
         metrics_api_keys=tuple(args.metrics_api_key or ()),
         engine_max_restarts=args.engine_max_restarts,
         engine_restart_window_s=args.engine_restart_window,
-        request_timeout_s=args.request_timeout,
-        chat_template=_chat_template(args.chat_template),
-        enable_auto_tool_choice=args.enable_auto_tool_choice,
-        tool_call_parser=args.tool_call_parser,
         allowed_origins=args.allowed_origins,
         root_path=args.root_path,
         ssl_keyfile=args.ssl_keyfile,
@@ -195,6 +227,19 @@ def _serve(args: argparse.Namespace) -> None:
         access_log=args.access_log,
     )
     serve(engine_config_from_args(args), server_config)
+
+
+def server_config_from_args(args: argparse.Namespace, **http: object) -> ServerConfig:
+    """The ServerConfig of the request-handling options (``_add_request_handling_args``) plus ``http``."""
+    return ServerConfig(
+        limits=RequestLimits(**{f.name: getattr(args, f.name) for f in fields(RequestLimits)}),
+        trust_request_chat_template=args.trust_request_chat_template,
+        request_timeout_s=args.request_timeout,
+        chat_template=_chat_template(args.chat_template),
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
+        **http,  # type: ignore[arg-type]
+    )
 
 
 def _chat_template(value: Optional[str]) -> Optional[str]:
@@ -258,29 +303,68 @@ def _generate(args: argparse.Namespace) -> None:
         top_k=int(pick("top_k", 0)),
         max_tokens=args.max_tokens,
     )
-    if args.chat:
-        outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params, use_tqdm=False)
-    else:
-        outputs = llm.generate(args.prompt, params, use_tqdm=False)
-    for prompt, out in zip(args.prompt, outputs):
-        print(f"### {prompt}\n{out.outputs[0].text}\n")
+    prompts = llm.encode_chat([[{"role": "user", "content": p}] for p in args.prompt]) if args.chat else args.prompt
+    _print_streams(args.prompt, llm.stream(prompts, params))
+
+
+def _print_streams(headers: list[str], stream: Iterator[tuple[int, RequestOutput]]) -> None:
+    """All prompts run batched; the text of one is printed as it is produced,
+    the others' is held until their turn, so the output reads as one block
+    per prompt, in order (plain text: a pipe or a file gets no control characters)."""
+    held: list[list[str]] = [[] for _ in headers]
+    finished = [False] * len(headers)
+    shown = 0
+    sys.stdout.write(f"### {headers[0]}\n")
+    for i, out in stream:
+        if out.error is not None:
+            print(f"octavo: prompt {i + 1} failed: {out.error}", file=sys.stderr)
+        held[i].extend(c.text for c in out.outputs[:1])
+        finished[i] = out.finished
+        while shown < len(headers):
+            sys.stdout.write("".join(held[shown]))
+            held[shown].clear()
+            if not finished[shown]:
+                break
+            shown += 1
+            sys.stdout.write("\n\n" + (f"### {headers[shown]}\n" if shown < len(headers) else ""))
+        sys.stdout.flush()
+
+
+_CONFIG_COMMANDS = ("serve", "generate", "run-batch")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    args = build_parser().parse_args(argv)
-    configure_logging(getattr(args, "log_level", "info"))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
     try:
+        lists = {}
+        found = config_path(argv, _CONFIG_COMMANDS)
+        if found is not None:  # the file's values become the command's defaults
+            lists = apply_config_file(subparser(parser, found[0]), found[1])
+        args = parser.parse_args(argv)
+        if found is not None:
+            fill_lists(subparser(parser, found[0]), args, lists)
+        configure_logging(getattr(args, "log_level", None) or "info")
         if args.command == "serve":
             _serve(args)
         elif args.command == "gateway":
             _gateway(args)
         elif args.command == "simulate":
             _simulate(args)
+        elif args.command == "run-batch":
+            from octavo.entrypoints.run_batch import run_batch
+
+            run_batch(args, engine_config_from_args(args), server_config_from_args(args))
         else:
             _generate(args)
     except ValueError as exc:  # bad configuration: a message, not a traceback
         print(f"octavo: error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return action.choices[command]
 
 
 if __name__ == "__main__":

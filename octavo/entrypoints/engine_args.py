@@ -117,8 +117,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             parser.add_argument("model", nargs="?", default=None, help=meta["help"])
             continue
         names = [cf.flag, *meta.get("aliases", ())]
-        default = "" if cf.field.default is None else f" (default: {cf.field.default})"
-        kwargs: dict[str, Any] = {"dest": cf.name, "default": argparse.SUPPRESS, "help": meta.get("help", "") + default}
+        kwargs: dict[str, Any] = {"dest": cf.name, "default": argparse.SUPPRESS, "help": help_text(cf)}
         if cf.type is bool:
             kwargs["action"] = argparse.BooleanOptionalAction  # --x and --no-x
         elif typing.get_origin(cf.type) is tuple:  # several values: --name a b
@@ -128,6 +127,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             kwargs["type"] = _PARSERS.get(meta.get("unit"), cf.type)
             kwargs["choices"] = meta.get("choices")
         parser.add_argument(*names, **kwargs)
+
+
+def help_text(cf: ConfigField) -> str:
+    """The field's help with its default, unless the help states the default itself."""
+    text = cf.field.metadata.get("help", "")
+    if "default" in text.lower():
+        return text
+    return f"{text} (default: {'none' if cf.field.default is None else cf.field.default})"
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:

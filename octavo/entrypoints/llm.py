@@ -5,7 +5,7 @@ import contextlib
 import dataclasses
 import itertools
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Iterator, Optional, Sequence, Union
 
 from tqdm import tqdm
 
@@ -57,10 +57,38 @@ class LLM:
         prompt_list = _as_prompt_list(prompts)
         params_list = _broadcast(sampling_params or SamplingParams(), len(prompt_list), "sampling_params")
         # Only final outputs are returned: the engine need not build the others.
-        final_only = {id(p): dataclasses.replace(p, output_kind=RequestOutputKind.FINAL_ONLY) for p in params_list}
-        params_list = [final_only[id(p)] for p in params_list]
-        priorities = list(priority) if priority is not None else [0] * len(prompt_list)
-        if len(priorities) != len(prompt_list):
+        request_ids = self._add(prompt_list, params_list, RequestOutputKind.FINAL_ONLY, priority)
+        return self._run(request_ids, use_tqdm)
+
+    def stream(
+        self,
+        prompts: PromptType | Sequence[PromptType],
+        sampling_params: Optional[SamplingParams | Sequence[SamplingParams]] = None,
+        *,
+        priority: Optional[Sequence[int]] = None,
+    ) -> Iterator[tuple[int, RequestOutput]]:
+        """Outputs as they are produced, all prompts batched together:
+        ``(index into prompts, output)`` where the output holds only what is
+        new since that prompt's previous one (``OutputAccumulator`` folds them
+        back). Closing the iterator early aborts the unfinished prompts."""
+        prompt_list = _as_prompt_list(prompts)
+        params_list = _broadcast(sampling_params or SamplingParams(), len(prompt_list), "sampling_params")
+        request_ids = self._add(prompt_list, params_list, RequestOutputKind.DELTA, priority)
+        index = {request_id: i for i, request_id in enumerate(request_ids)}
+        for out in self._outputs(request_ids):
+            yield index[out.request_id], out
+
+    def _add(
+        self,
+        prompts: list[PromptType],
+        params_list: list[SamplingParams],
+        kind: RequestOutputKind,
+        priority: Optional[Sequence[int]],
+    ) -> list[str]:
+        """Queue every prompt (or none: a refused one aborts those queued before it)."""
+        by_id = {id(p): dataclasses.replace(p, output_kind=kind) for p in params_list}
+        priorities = list(priority) if priority is not None else [0] * len(prompts)
+        if len(priorities) != len(prompts):
             raise ValueError("priority must have one entry per prompt")
         return self._submit(prompt_list, params_list, priorities, use_tqdm)
 
@@ -88,15 +116,15 @@ class LLM:
     ) -> list[RequestOutput]:
         request_ids: list[str] = []
         try:
-            for prompt, params, prio in zip(prompt_list, params_list, priorities):
+            for prompt, params, prio in zip(prompts, params_list, priorities):
                 request_id = str(next(self._ids))
-                self.engine.add_request(request_id, prompt, params, priority=prio)
+                self.engine.add_request(request_id, prompt, by_id[id(params)], priority=prio)
                 request_ids.append(request_id)
         except BaseException:  # the prompts queued so far must not stay in the engine
             self.engine.abort_request(request_ids)
             self._drain()
             raise
-        return self._run(request_ids, use_tqdm)
+        return request_ids
 
     def chat(
         self,
@@ -115,9 +143,28 @@ class LLM:
         transformers' apply_chat_template does: ``tools`` and ``documents``
         are template variables, ``chat_template_kwargs`` more of them, e.g.
         ``enable_thinking``), then generate."""
+        prompts = self.encode_chat(
+            messages, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, tools=tools, documents=documents,
+            chat_template_kwargs=chat_template_kwargs,
+        )
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def encode_chat(
+        self,
+        messages: Messages | Sequence[Messages],
+        *,
+        chat_template: Optional[str] = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: Optional[list[dict[str, Any]]] = None,
+        documents: Optional[list[dict[str, Any]]] = None,
+        chat_template_kwargs: Optional[dict[str, Any]] = None,
+    ) -> list[list[int]]:
+        """Each conversation's prompt token ids, as ``chat`` renders them (for ``stream``)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tokenizer = self.engine.tokenizer
-        prompts: list[PromptType] = []
+        prompts: list[list[int]] = []
         for conversation in conversations:
             text = tokenizer.apply_chat_template(
                 conversation,
@@ -130,31 +177,39 @@ class LLM:
             )
             # The template writes the BOS token itself where the model wants one.
             prompts.append(tokenizer.encode(text, add_special_tokens=False))
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return prompts
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        pending = set(request_ids)
         final: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(request_ids), desc="generate", disable=not use_tqdm or len(request_ids) < 2)
         try:
+            for out in self._outputs(request_ids):
+                if out.finished:
+                    final[out.request_id] = out
+                    bar.update(1)
+        finally:
+            bar.close()
+        return [final[r] for r in request_ids]
+
+    def _outputs(self, request_ids: list[str]) -> Iterator[RequestOutput]:
+        """Step the engine until ``request_ids`` have finished, yielding their outputs."""
+        pending = set(request_ids)
+        try:
             while pending:
                 for out in self.engine.step():
-                    if out.finished and out.request_id in pending:
-                        final[out.request_id] = out
-                        pending.discard(out.request_id)
-                        bar.update(1)
+                    if out.request_id in pending:
+                        if out.finished:
+                            pending.discard(out.request_id)
+                        yield out
         except BaseException:
-            # Interrupted (KeyboardInterrupt or an engine error): free what is
-            # left. After an engine error the drain may fail again; the first
-            # error is the one to report.
+            # Interrupted (KeyboardInterrupt, the caller closed the iterator, an
+            # engine error): free what is left. After an engine error the drain
+            # may fail again; the first error is the one to report.
             self.engine.abort_request(pending)
             with contextlib.suppress(Exception):
                 self._drain()
             raise
-        finally:
-            bar.close()
         self._drain()  # one more (empty) step: the ranks drop the finished requests' state now
-        return [final[r] for r in request_ids]
 
     def _drain(self) -> None:
         while self.engine.has_unfinished_requests():

@@ -15,7 +15,7 @@ import octavo
 from octavo.config import EngineConfig
 from octavo.engine.async_client import AsyncEngineClient
 from octavo.engine.restart_policy import RestartPolicy
-from octavo.server.chat import create_chat_completion, render_messages
+from octavo.server.chat import create_chat_completion, render_messages, template_tools
 from octavo.server.completions import create_completion
 from octavo.server.embeddings import EmbeddingRequest, create_embedding
 from octavo.server.responses import ResponsesRequest, create_response
@@ -164,8 +164,12 @@ def _add_routes(app: FastAPI) -> None:
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("set exactly one of prompt or messages", "prompt")
         if body.messages is not None:
-            state.config.limits.check_messages(body.messages)
-            ids = await asyncio.to_thread(render_messages, body.messages, state, body.add_generation_prompt, None)
+            state.config.limits.check_messages(body.messages, body.tools)
+            ids = await asyncio.to_thread(
+                render_messages, body.messages, state, body.add_generation_prompt, body.chat_template_kwargs,
+                body.chat_template, continue_final_message=body.continue_final_message,
+                tools=template_tools(body.tools),
+            )
         else:
             ids = await asyncio.to_thread(state.tokenizer.encode, body.prompt, body.add_special_tokens)
         return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len})

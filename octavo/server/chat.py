@@ -24,6 +24,7 @@ from octavo.server.protocol import (
     ChatMessage,
     ChatMessageOut,
     StructuredOutputs,
+    Tool,
     ToolCall,
     Usage,
 )
@@ -154,6 +155,11 @@ def _template_call(i: int, j: int, call: ToolCall) -> dict[str, Any]:
     return {"id": call.id, "type": call.type, "function": {"name": call.function.name, "arguments": arguments}}
 
 
+def template_tools(tools: Optional[list[Tool]]) -> Optional[list[dict[str, Any]]]:
+    """The ``tools`` template variable, as transformers passes the request's tools."""
+    return [t.model_dump(exclude_none=True) for t in tools] if tools else None
+
+
 def prepare_chat(req: ChatCompletionRequest, state: ServerState) -> tuple[list[int], Any, ToolPlan]:
     """Prompt ids, sampling parameters and tool plan of a chat request (/v1/responses too). Blocking."""
     if req.top_logprobs is not None and not req.logprobs:
@@ -162,7 +168,7 @@ def prepare_chat(req: ChatCompletionRequest, state: ServerState) -> tuple[list[i
     ids = render_messages(
         req.messages, state, req.add_generation_prompt, req.chat_template_kwargs, req.chat_template,
         continue_final_message=req.continue_final_message,
-        tools=[t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None,
+        tools=template_tools(req.tools),
         documents=req.documents,
         add_special_tokens=req.add_special_tokens,
     )
@@ -209,13 +215,17 @@ async def _stream(
 ) -> AsyncIterator[str]:
     created = int(time.time())
 
+    completion_tokens = 0
+    per_chunk = req.stream_options is not None and req.stream_options.usage_per_chunk
+
     def chunk(choices: list[ChatChunkChoice], usage: Optional[Usage] = None) -> str:
+        if usage is None and per_chunk:
+            usage = _usage(num_prompt_tokens, completion_tokens)
         return sse(ChatCompletionChunk(id=request_id, created=created, model=state.model_name, choices=choices, usage=usage))
 
     # OpenAI opens each choice with a role-only delta.
     for i in range(req.n):
         yield chunk([ChatChunkChoice(index=i, delta=ChatMessageOut(role="assistant", content=""))])
-    completion_tokens = 0
     readers = [plan.output() for _ in range(req.n)]
     async with contextlib.aclosing(stream):  # type: ignore[type-var]
         async for out in stream:  # deltas: each choice's new part

@@ -167,6 +167,7 @@ async def _stream(
     # Prompt logprobs arrive in pieces (one per prefill chunk); an echo sends them all.
     prompt_logprobs: list[list[Optional[TokenLogprobs]]] = [[] for _ in prompts]
     completion_tokens = 0
+    per_chunk = req.stream_options is not None and req.stream_options.usage_per_chunk
     async with contextlib.aclosing(merged):  # type: ignore[type-var]
         async for i, out in merged:  # deltas: each choice's new part
             prompt_logprobs[i].extend(out.prompt_logprobs or ())
@@ -176,7 +177,9 @@ async def _stream(
                 choice = cs.chunk(prompt_logprobs[i], c.text, c.token_ids, c.logprobs)
                 choice.finish_reason, choice.stop_reason = c.finish_reason, c.stop_reason
                 choice.index = i * req.n + c.index
-                yield sse(CompletionResponse(id=request_id, created=created, model=state.model_name, choices=[choice]))
+                usage = _usage(prompts, completion_tokens) if per_chunk else None
+                yield sse(CompletionResponse(id=request_id, created=created, model=state.model_name, choices=[choice],
+                                             usage=usage))
     if req.stream_options is not None and req.stream_options.include_usage:
         usage = _usage(prompts, completion_tokens)
         yield sse(CompletionResponse(id=request_id, created=created, model=state.model_name, choices=[], usage=usage))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import socket
 from types import FrameType
 from typing import Any, Awaitable, Callable, MutableMapping, Optional
 
@@ -69,7 +70,23 @@ def _one_line_startup_errors(app: FastAPI) -> Callable[..., Awaitable[None]]:
     return wrapped
 
 
+def check_port_free(host: str, port: int) -> None:
+    """Bind once before anything loads: a port in use is a one-line ``ValueError``
+    at once, instead of uvicorn's bind error after the model has loaded."""
+    if port == 0:  # any free port
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds: TIME_WAIT is no conflict
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror} (is another server there? "
+                             "choose another --port)") from None
+
+
 def serve(engine_config: EngineConfig, server_config: ServerConfig) -> None:
+    check_port_free(server_config.host, server_config.port)
     # uvicorn re-raises the signal it drained on, through the handlers that
     # were installed before it: after a complete drain, SIGTERM exits 0 (a
     # clean stop for orchestrators) and Ctrl-C exits 130 without a traceback.

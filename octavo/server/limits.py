@@ -64,9 +64,11 @@ class RequestLimits:
         _count("allowed_token_ids", req.allowed_token_ids, self.max_token_ids, "token ids")
         self._check_structured(req)
 
-    def check_messages(self, messages: Optional[list]) -> None:
-        """/tokenize has messages but no sampling fields."""
+    def check_messages(self, messages: Optional[list], tools: Optional[list] = None) -> None:
+        """/tokenize has messages (and tools) but no sampling fields."""
         _count("messages", messages, self.max_messages, "messages")
+        if tools:
+            self._check_schema("tools", [t.function.parameters or {} for t in tools])
 
     def _check_structured(self, req: SamplingFields) -> None:
         fmt, so = req.response_format, req.structured_outputs

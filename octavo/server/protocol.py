@@ -103,6 +103,12 @@ def _check_text(path: tuple[str | int, ...], text: str) -> None:
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    # vLLM's: with include_usage, every chunk carries the usage so far (guidellm asks for it).
+    continuous_usage_stats: bool = False
+
+    @property
+    def usage_per_chunk(self) -> bool:
+        return self.include_usage and self.continuous_usage_stats
 
 
 class JsonSchemaFormat(_Request):
@@ -271,6 +277,19 @@ class TokenizeRequest(_Body):
     messages: Optional[list[ChatMessage]] = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    # With messages, as vLLM's: the prompt a chat request with these fields would get.
+    continue_final_message: bool = False
+    tools: Optional[list[Tool]] = None
+    chat_template: Optional[str] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+
+    @model_validator(mode="after")
+    def _chat_fields_need_messages(self) -> "TokenizeRequest":
+        if self.messages is None:
+            for name in ("tools", "chat_template", "chat_template_kwargs"):
+                if getattr(self, name) is not None:
+                    raise FieldError([name], f"{name} applies to messages only")
+        return self
 
 
 class DetokenizeRequest(_Body):

@@ -96,3 +96,23 @@ def test_an_aborted_delta_request_ends_with_only_its_new_part(llm):
     assert len(tokens) == 6  # nothing sent twice
     assert folded.outputs[0].text == llm.get_tokenizer().decode(tokens)
     assert_no_leak(llm)
+
+
+def test_llm_stream_folds_into_generate_and_closing_it_aborts(llm):
+    """``LLM.stream``: deltas as produced, which fold into exactly what
+    ``generate`` returns; leaving the loop early frees every KV block."""
+    prompts = random_prompts([5, 17, 40], seed=11)
+    params = SamplingParams(temperature=0, max_tokens=12)
+    deltas: dict[int, list[RequestOutput]] = {i: [] for i in range(3)}
+    for i, out in llm.stream(prompts, params):
+        deltas[i].append(out)
+    assert all(len(d) > 1 for d in deltas.values())  # several pieces each, not one final output
+    finals = llm.generate(prompts, params, use_tqdm=False)
+    for i, final in enumerate(finals):
+        folded = _fold(prompts[i], deltas[i])
+        assert folded.outputs[0].text == final.outputs[0].text
+        assert folded.outputs[0].token_ids == final.outputs[0].token_ids
+    stream = llm.stream(prompts, params)
+    next(stream)
+    stream.close()
+    assert_no_leak(llm)

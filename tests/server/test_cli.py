@@ -115,3 +115,71 @@ def test_generate_passes_the_kernel_switches_to_the_engine(model_path, monkeypat
           "--attention-backend", "torch", "--linear-backend", "torch", "--no-fused-ops"])
     assert seen["attention_backend"] == "torch" and seen["linear_backend"] == "torch" and seen["fused_ops"] is False
     assert capsys.readouterr().out.startswith("### Hi\n")
+
+
+def test_generate_prints_text_as_it_is_produced(model_path, offline_llm, monkeypatch):
+    """Each pull from the engine's stream finds the text so far already on stdout,
+    the prompt printed now growing token by token; the whole is the batch's output."""
+    import io
+
+    from octavo.entrypoints import cli
+
+    prompts = ["Hello there", "The rain"]
+    params = SamplingParams(temperature=0, max_tokens=6)
+    out = io.StringIO()
+    monkeypatch.setattr("sys.stdout", out)
+    seen: list[str] = []
+
+    def watched():
+        for item in offline_llm.stream(prompts, params):
+            seen.append(out.getvalue())
+            yield item
+
+    cli._print_streams(prompts, watched())
+    refs = offline_llm.generate(prompts, params, use_tqdm=False)
+    first = refs[0].outputs[0].text
+    assert out.getvalue() == "".join(f"### {p}\n{r.outputs[0].text}\n\n" for p, r in zip(prompts, refs))
+    # While generating, the first prompt's partial text was on stdout: at least
+    # one snapshot strictly between the bare header and the finished block.
+    header, block = "### Hello there\n", f"### Hello there\n{first}"
+    partial = [s for s in seen if len(header) < len(s) < len(block) and block.startswith(s)]
+    assert partial, seen
+
+
+def test_generate_output_to_a_pipe_is_plain_text(model_path, offline_llm):
+    """Through a pipe (not a terminal): the blocks only, no progress bar or control characters."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.server.conftest import REPO
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "octavo.entrypoints.cli", "generate", str(model_path), "--dtype", "float32",
+         "--num-blocks", "64", "--prompt", "Hello", "--prompt", "Hi", "--max-tokens", "4", "--temperature", "0"],
+        capture_output=True, text=True, cwd=REPO, timeout=300,
+        env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr
+    refs = offline_llm.generate(["Hello", "Hi"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert proc.stdout == "".join(f"### {p}\n{r.outputs[0].text}\n\n" for p, r in zip(["Hello", "Hi"], refs))
+    assert not any(c in proc.stdout + proc.stderr for c in "\r\x1b")
+
+
+def test_a_port_in_use_is_one_line_before_the_model_loads(model_path, capsys, monkeypatch):
+    import socket
+
+    import octavo.server.launcher
+
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the app was built although the port is taken")
+
+    monkeypatch.setattr(octavo.server.launcher, "build_app", no_loading)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(SystemExit) as exc:
+            main(["serve", str(model_path), "--port", str(port)])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and f"cannot listen on 127.0.0.1:{port}" in err and err.count("\n") == 1

@@ -279,3 +279,30 @@ def test_broken_template_fails_at_start_in_one_line(model_path, tmp_path):
     log = srv.log()
     srv.stop()
     assert "--chat-template: chat template is not valid Jinja" in log and "Traceback" not in log, log
+
+
+def test_tokenize_renders_tools_and_template_fields_as_chat_does(tool_server, hf_tokenizer):
+    """/tokenize with messages takes the chat request's template fields (as vLLM's):
+    its ids are transformers' rendering, and as many as the chat request's prompt."""
+    template = TEMPLATE.read_text()
+    cases = [
+        ({"tools": TOOLS}, dict(tools=TOOLS, add_generation_prompt=True)),
+        ({"chat_template_kwargs": {"enable_thinking": False}}, dict(add_generation_prompt=True, enable_thinking=False)),
+        ({"messages": ASK + [{"role": "assistant", "content": "It is"}], "continue_final_message": True,
+          "add_generation_prompt": False}, dict(continue_final_message=True)),
+    ]
+    with tool_server.http() as http:
+        for fields, hf_kwargs in cases:
+            body = {"model": "tiny", "messages": ASK, **fields}
+            tokens = http.post("/tokenize", json=body)
+            assert tokens.status_code == 200, tokens.text
+            messages = body["messages"]
+            expected = hf_tokenizer.apply_chat_template(messages, chat_template=template, tokenize=True,
+                                                        return_dict=False, **hf_kwargs)
+            assert tokens.json()["tokens"] == list(expected), fields
+            chat = http.post("/v1/chat/completions", json={**body, "max_tokens": 1, "tool_choice": "none"}
+                             if "tools" in fields else {**body, "max_tokens": 1})
+            assert chat.status_code == 200, chat.text
+            assert chat.json()["usage"]["prompt_tokens"] == tokens.json()["count"]
+        refused = http.post("/tokenize", json={"model": "tiny", "prompt": "hi", "tools": TOOLS})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "tools"

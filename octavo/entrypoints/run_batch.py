@@ -1,0 +1,198 @@
+"""``octavo run-batch -i requests.jsonl -o results.jsonl``: an OpenAI batch file, offline.
+
+Input lines are ``{"custom_id", "method": "POST", "url", "body"}``; output
+lines ``{"id", "custom_id", "response": {"status_code", "request_id", "body"},
+"error"}``, in input order. Each request goes through the server's own app
+(``octavo.server.app.build_app``) over an in-memory ASGI transport: the same
+validation, the same 400s, the same response bodies as ``octavo serve``, with
+no socket and no copy of the request handling. Every request is sent at once,
+so the engine batches them continuously. A line that is not a valid batch
+request gets an ``error`` (and no response) and the others run.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from typing import IO, Any, AsyncIterator, Optional
+
+import httpx
+from fastapi import FastAPI
+from tqdm import tqdm
+
+from octavo.config import EngineConfig
+from octavo.engine.engine_process import last_line
+from octavo.server.app import build_app
+from octavo.server.config import ServerConfig
+
+# The batch endpoints of OpenAI's batch API this server may serve; the ones
+# it has a route for are accepted (/v1/embeddings only with an embedding route).
+BATCH_URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings")
+
+
+@dataclass
+class BatchRequest:
+    """One input line: a request to run, or the reason it cannot run."""
+
+    line: int  # 1-based, for messages
+    custom_id: Optional[str]
+    url: str = ""
+    body: Optional[dict[str, Any]] = None
+    error: Optional[str] = None
+
+
+def parse_line(text: str, line: int, urls: tuple[str, ...]) -> BatchRequest:
+    """A batch request from one JSONL line, or one carrying the error that names what is wrong."""
+    try:
+        item = json.loads(text)
+    except json.JSONDecodeError as exc:
+        return BatchRequest(line, None, error=f"line {line}: not valid JSON: {exc}")
+    if not isinstance(item, dict):
+        return BatchRequest(line, None, error=f"line {line}: expected a JSON object")
+    custom_id = item.get("custom_id")
+    req = BatchRequest(line, custom_id if isinstance(custom_id, str) else None)
+    method, url, body = item.get("method", "POST"), item.get("url"), item.get("body")
+    if req.custom_id is None:
+        req.error = f"line {line}: custom_id must be a string"
+    elif method != "POST":
+        req.error = f"line {line}: method must be POST, got {method!r}"
+    elif url not in urls:
+        req.error = f"line {line}: url must be one of {', '.join(urls)}; got {url!r}"
+    elif not isinstance(body, dict):
+        req.error = f"line {line}: body must be a JSON object"
+    elif body.get("stream"):
+        req.error = f"line {line}: body.stream is not supported in a batch"
+    else:
+        req.url, req.body = url, body
+    return req
+
+
+def served_urls(app: FastAPI) -> tuple[str, ...]:
+    paths = {getattr(route, "path", None) for route in app.routes}
+    return tuple(url for url in BATCH_URLS if url in paths)
+
+
+def run_batch(args: argparse.Namespace, engine_config: EngineConfig, server_config: ServerConfig) -> None:
+    """The command: read ``args.input_file``, write ``args.output_file``."""
+    app = build_app(engine_config, server_config)
+    lines = _read_lines(args.input_file)
+    urls = served_urls(app)
+    requests = [parse_line(text, i + 1, urls) for i, text in enumerate(lines) if text.strip()]
+    asyncio.run(_run(app, requests, args.output_file))
+
+
+async def _run(app: FastAPI, requests: list[BatchRequest], output_file: str) -> None:
+    # The output is opened once the engine runs: a failed start leaves no empty results file behind.
+    async with _started(app):
+        if output_file == "-":
+            await run_requests(app, requests, sys.stdout)
+            return
+        try:
+            out = open(output_file, "w")
+        except OSError as exc:
+            raise ValueError(f"--output-file: cannot write {output_file}: {exc.strerror}") from None
+        with out:
+            await run_requests(app, requests, out)
+
+
+def _read_lines(path: str) -> list[str]:
+    if path == "-":
+        return sys.stdin.read().splitlines()
+    try:
+        with open(path) as f:
+            return f.read().splitlines()
+    except OSError as exc:
+        raise ValueError(f"--input-file: cannot read {path}: {exc.strerror}") from None
+
+
+async def run_requests(app: FastAPI, requests: list[BatchRequest], out: IO[str]) -> None:
+    """Send every request at once to the started app, write each result
+    line as soon as those before it are written."""
+    # raise_app_exceptions=False: an unexpected failure is that request's 500, as the server answers it.
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    async with httpx.AsyncClient(transport=transport, base_url="http://octavo", timeout=None) as client:
+        bar = tqdm(total=len(requests), unit="req", desc="run-batch", file=sys.stderr)
+        results: dict[int, dict[str, Any]] = {}
+        written = 0
+        answered = [0]  # generated tokens of the requests answered so far, from their usage
+        started = time.monotonic()
+        ticker = asyncio.create_task(_show_throughput(app, bar, started, answered))
+
+        async def one(i: int, req: BatchRequest) -> None:
+            nonlocal written
+            results[i] = await _result(client, req)
+            answered[0] += _completion_tokens(results[i])
+            bar.update(1)
+            while written in results:  # in input order, each line as soon as it can go
+                out.write(json.dumps(results.pop(written)) + "\n")
+                written += 1
+            out.flush()
+
+        try:
+            await asyncio.gather(*(one(i, req) for i, req in enumerate(requests)))
+        finally:
+            ticker.cancel()
+            _set_throughput(app, bar, started, answered)
+            bar.close()
+
+
+@contextlib.asynccontextmanager
+async def _started(app: FastAPI) -> AsyncIterator[None]:
+    """The app's lifespan (the engine process); a failed start is one line, as `octavo serve` reports it."""
+    lifespan = app.router.lifespan_context(app)
+    try:
+        await lifespan.__aenter__()
+    except Exception as exc:
+        raise ValueError(f"start-up failed: {last_line(f'{type(exc).__name__}: {exc}')}") from None
+    try:
+        yield
+    finally:
+        await lifespan.__aexit__(None, None, None)
+
+
+async def _result(client: httpx.AsyncClient, req: BatchRequest) -> dict[str, Any]:
+    result: dict[str, Any] = {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": req.custom_id,
+                              "response": None, "error": None}
+    if req.error is not None:
+        result["error"] = {"code": "invalid_request", "message": req.error}
+        return result
+    try:
+        response = await client.post(req.url, json=req.body)
+    except Exception as exc:  # noqa: BLE001  one request's failure is that line's error only
+        result["error"] = {"code": "internal_error", "message": f"{type(exc).__name__}: {exc}"}
+        return result
+    try:
+        body = response.json()
+    except ValueError:  # not JSON: whatever the server said, as text
+        body = response.text
+    result["response"] = {"status_code": response.status_code,
+                          "request_id": response.headers.get("x-request-id"), "body": body}
+    return result
+
+
+def _completion_tokens(result: dict[str, Any]) -> int:
+    body = (result["response"] or {}).get("body")
+    usage = body.get("usage") if isinstance(body, dict) else None
+    return (usage.get("completion_tokens") or 0) if isinstance(usage, dict) else 0
+
+
+async def _show_throughput(app: FastAPI, bar: tqdm, started: float, answered: list[int]) -> None:
+    while True:
+        await asyncio.sleep(0.5)
+        _set_throughput(app, bar, started, answered)
+
+
+def _set_throughput(app: FastAPI, bar: tqdm, started: float, answered: list[int]) -> None:
+    """Generated tokens per second since the requests were sent: the engine's
+    counter while requests run (it lags by up to a stats interval), at least
+    what the answered requests' usage adds up to."""
+    elapsed = time.monotonic() - started
+    if elapsed <= 0:
+        return
+    tokens = max(app.state.server.client.stats.generation_tokens, answered[0])
+    bar.set_postfix_str(f"{tokens} tokens, {tokens / elapsed:.1f} tok/s", refresh=True)
