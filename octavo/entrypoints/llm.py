@@ -57,7 +57,7 @@ class LLM:
         prompt_list = _as_prompt_list(prompts)
         params_list = _broadcast(sampling_params or SamplingParams(), len(prompt_list), "sampling_params")
         # Only final outputs are returned: the engine need not build the others.
-        request_ids = self._add(prompt_list, params_list, RequestOutputKind.FINAL_ONLY, priority)
+        request_ids = self._add(prompt_list, _with_kind(params_list, RequestOutputKind.FINAL_ONLY), priority)
         return self._run(request_ids, use_tqdm)
 
     def stream(
@@ -73,24 +73,10 @@ class LLM:
         back). Closing the iterator early aborts the unfinished prompts."""
         prompt_list = _as_prompt_list(prompts)
         params_list = _broadcast(sampling_params or SamplingParams(), len(prompt_list), "sampling_params")
-        request_ids = self._add(prompt_list, params_list, RequestOutputKind.DELTA, priority)
+        request_ids = self._add(prompt_list, _with_kind(params_list, RequestOutputKind.DELTA), priority)
         index = {request_id: i for i, request_id in enumerate(request_ids)}
         for out in self._outputs(request_ids):
             yield index[out.request_id], out
-
-    def _add(
-        self,
-        prompts: list[PromptType],
-        params_list: list[SamplingParams],
-        kind: RequestOutputKind,
-        priority: Optional[Sequence[int]],
-    ) -> list[str]:
-        """Queue every prompt (or none: a refused one aborts those queued before it)."""
-        by_id = {id(p): dataclasses.replace(p, output_kind=kind) for p in params_list}
-        priorities = list(priority) if priority is not None else [0] * len(prompts)
-        if len(priorities) != len(prompts):
-            raise ValueError("priority must have one entry per prompt")
-        return self._submit(prompt_list, params_list, priorities, use_tqdm)
 
     def embed(
         self,
@@ -105,20 +91,23 @@ class LLM:
         Matryoshka model's vectors."""
         prompt_list = _as_prompt_list(prompts)
         params_list = _broadcast(pooling_params or PoolingParams(), len(prompt_list), "pooling_params")
-        return self._submit(prompt_list, params_list, [0] * len(prompt_list), use_tqdm)
+        return self._run(self._add(prompt_list, params_list, None), use_tqdm)
 
-    def _submit(
+    def _add(
         self,
-        prompt_list: list[PromptType],
-        params_list: list[SamplingParams] | list[PoolingParams],
-        priorities: list[int],
-        use_tqdm: bool,
-    ) -> list[RequestOutput]:
+        prompts: list[PromptType],
+        params_list: Sequence[SamplingParams] | Sequence[PoolingParams],
+        priority: Optional[Sequence[int]],
+    ) -> list[str]:
+        """Queue every prompt (or none: a refused one aborts those queued before it)."""
+        priorities = list(priority) if priority is not None else [0] * len(prompts)
+        if len(priorities) != len(prompts):
+            raise ValueError("priority must have one entry per prompt")
         request_ids: list[str] = []
         try:
             for prompt, params, prio in zip(prompts, params_list, priorities):
                 request_id = str(next(self._ids))
-                self.engine.add_request(request_id, prompt, by_id[id(params)], priority=prio)
+                self.engine.add_request(request_id, prompt, params, priority=prio)
                 request_ids.append(request_id)
         except BaseException:  # the prompts queued so far must not stay in the engine
             self.engine.abort_request(request_ids)
@@ -214,6 +203,12 @@ class LLM:
     def _drain(self) -> None:
         while self.engine.has_unfinished_requests():
             self.engine.step()
+
+
+def _with_kind(params_list: list[SamplingParams], kind: RequestOutputKind) -> list[SamplingParams]:
+    """The parameters with ``output_kind`` set; one copy per distinct object (a broadcast one stays shared)."""
+    by_id = {id(p): dataclasses.replace(p, output_kind=kind) for p in params_list}
+    return [by_id[id(p)] for p in params_list]
 
 
 def _as_prompt_list(prompts: PromptType | Sequence[PromptType]) -> list[PromptType]:
