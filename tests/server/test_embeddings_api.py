@@ -50,9 +50,10 @@ def test_openai_client_float_and_base64(embed_server, reference):
         assert _close([d.embedding for d in r.data], expected)
         assert r.usage.prompt_tokens == r.usage.total_tokens == sum(map(len, ids))
     by_ids = client.embeddings.create(model="emb", input=ids, encoding_format="float")
-    assert [d.embedding for d in by_ids.data] == [d.embedding for d in as_float.data]
+    # Close, not equal: a repeat hits the prefix cache, so its last token is computed in a smaller batch.
+    assert _close([d.embedding for d in by_ids.data], [d.embedding for d in as_float.data])
     one = client.embeddings.create(model="emb", input=ids[1], encoding_format="float")
-    assert one.data[0].embedding == as_float.data[1].embedding
+    assert _close([one.data[0].embedding], [as_float.data[1].embedding])
     embed_server.wait_idle()  # every KV block back in the pool
 
 
