@@ -42,10 +42,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--targets", type=lambda s: [t for t in s.split(",") if t], default=[],
+                        help="also the few-row kernel (bf16_linear.c) built for these CPU targets, "
+                             "e.g. avx512_bf16,avx512,avx2")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
     from octavo.kernels.amx_linear import amx_linear_kernel
+    from octavo.kernels.bf16_linear import bf16_linear_kernel
+    from octavo.kernels.cpu_features import BY_NAME
 
     torch.manual_seed(0)
     shapes = model_matrices(args.model)
@@ -60,6 +65,9 @@ def main() -> None:
     shared = [amx.share_onednn(p, w) for p, w in zip(packed, weights)] if amx is not None else []
     if shared and all(shared):
         forms["native"] = shared
+    for target in args.targets:
+        kernel = bf16_linear_kernel(BY_NAME[target], required=True)
+        forms[f"rows_{kernel.isa}"] = [lambda x, w=w, kernel=kernel: kernel(x, w) for w in weights]
     flat = torch.ones(nbytes // 4)
     sum_s = median_time(flat.sum, args.repeats)
     load_start = load_avg()

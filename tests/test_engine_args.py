@@ -63,7 +63,8 @@ def test_every_config_field_is_a_cli_option_and_an_llm_keyword(command, tmp_path
     extra = ["--prompt", "x"] if command == "generate" else []
     for cf in _fields():
         if cf.type is bool:
-            cli_args, value = [f"--no-{cf.flag[2:]}"], not cf.field.default
+            cli_args = [f"--no-{cf.flag[2:]}"] if cf.field.default else [cf.flag]
+            value = not cf.field.default
         else:
             assert cf.name in _NON_DEFAULT, f"add a test value for the new field {cf.name}"
             text, value = _NON_DEFAULT[cf.name]
