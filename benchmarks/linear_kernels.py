@@ -5,7 +5,11 @@ to ``rows`` activations, by each linear backend Octavo has.
 
 Backends: ``onednn`` (torch's oneDNN with prepacked weights), ``native``
 (Octavo's AMX kernel reading those same prepacked bytes), ``torch`` (F.linear
-on the plain weight). Reported: ms per pass over all matrices, GB/s of weights read
+on the plain weight), ``fp32_tiles`` / ``fp32_copy`` (float32 products on
+tile-by-tile converted bf16 weights / on a float32 copy), and with
+``--targets`` the few-row kernel bf16_linear.c built for each named CPU target
+(``rows_<isa>``). Run under ``OCTAVO_CPU_TARGET=avx512_bf16`` (which also caps
+oneDNN, see octavo/kernels/cpu_features.py) to see a CPU without AMX. Reported: ms per pass over all matrices, GB/s of weights read
 (what bounds few rows) and GFLOP/s (what bounds many), next to a plain
 full-buffer sum of the same byte count (the read-bandwidth yardstick that
 benchmarks/roofline.py uses).
@@ -51,6 +55,7 @@ def main() -> None:
     from octavo.kernels.amx_linear import amx_linear_kernel
     from octavo.kernels.bf16_linear import bf16_linear_kernel
     from octavo.kernels.cpu_features import BY_NAME
+    from octavo.kernels.cpu_linear import fp32_tiles
 
     torch.manual_seed(0)
     shapes = model_matrices(args.model)
@@ -65,6 +70,10 @@ def main() -> None:
     shared = [amx.share_onednn(p, w) for p, w in zip(packed, weights)] if amx is not None else []
     if shared and all(shared):
         forms["native"] = shared
+    # The many-row ways cpu_linear.py chooses between without AMX.
+    forms["fp32_tiles"] = [lambda x, w=w: fp32_tiles(w, x, None) for w in weights]
+    copies = [w.float() for w in weights]
+    forms["fp32_copy"] = [lambda x, w=w: F.linear(x.float(), w).to(torch.bfloat16) for w in copies]
     for target in args.targets:
         kernel = bf16_linear_kernel(BY_NAME[target], required=True)
         forms[f"rows_{kernel.isa}"] = [lambda x, w=w, kernel=kernel: kernel(x, w) for w in weights]
