@@ -5,7 +5,11 @@ to ``rows`` activations, by each linear backend Octavo has.
 
 Backends: ``onednn`` (torch's oneDNN with prepacked weights), ``native``
 (Octavo's AMX kernel reading those same prepacked bytes), ``torch`` (F.linear
-on the plain weight). Reported: ms per pass over all matrices, GB/s of weights read
+on the plain weight), ``fp32_tiles`` / ``fp32_copy`` (float32 products on
+tile-by-tile converted bf16 weights / on a float32 copy), and with
+``--targets`` the few-row kernel bf16_linear.c built for each named CPU target
+(``rows_<isa>``). Run under ``OCTAVO_CPU_TARGET=avx512_bf16`` (which also caps
+oneDNN, see octavo/kernels/cpu_features.py) to see a CPU without AMX. Reported: ms per pass over all matrices, GB/s of weights read
 (what bounds few rows) and GFLOP/s (what bounds many), next to a plain
 full-buffer sum of the same byte count (the read-bandwidth yardstick that
 benchmarks/roofline.py uses).
@@ -42,10 +46,18 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--fastest", action="store_true",
+                        help="report the fastest of --repeats runs, not the median (a machine shared with other jobs)")
+    parser.add_argument("--targets", type=lambda s: [t for t in s.split(",") if t], default=[],
+                        help="also the few-row kernel (bf16_linear.c) built for these CPU targets, "
+                             "e.g. avx512_bf16,avx512,avx2")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
     from octavo.kernels.amx_linear import amx_linear_kernel
+    from octavo.kernels.bf16_linear import bf16_linear_kernel
+    from octavo.kernels.cpu_features import BY_NAME
+    from octavo.kernels.cpu_linear import fp32_tiles
 
     torch.manual_seed(0)
     shapes = model_matrices(args.model)
@@ -60,8 +72,15 @@ def main() -> None:
     shared = [amx.share_onednn(p, w) for p, w in zip(packed, weights)] if amx is not None else []
     if shared and all(shared):
         forms["native"] = shared
+    # The many-row ways cpu_linear.py chooses between without AMX.
+    forms["fp32_tiles"] = [lambda x, w=w: fp32_tiles(w, x, None) for w in weights]
+    copies = [w.float() for w in weights]
+    forms["fp32_copy"] = [lambda x, w=w: F.linear(x.float(), w).to(torch.bfloat16) for w in copies]
+    for target in args.targets:
+        kernel = bf16_linear_kernel(BY_NAME[target], required=True)
+        forms[f"rows_{kernel.isa}"] = [lambda x, w=w, kernel=kernel: kernel(x, w) for w in weights]
     flat = torch.ones(nbytes // 4)
-    sum_s = median_time(flat.sum, args.repeats)
+    sum_s = median_time(flat.sum, args.repeats, fastest=args.fastest)
     load_start = load_avg()
     rows_out = []
     for m in args.rows:
@@ -71,13 +90,13 @@ def main() -> None:
                 for (_, k), fn in zip(shapes, fns):
                     fn(inputs[k])
 
-            t = median_time(run, args.repeats)
+            t = median_time(run, args.repeats, fastest=args.fastest)
             rows_out.append({"rows": m, "backend": name, "ms": t * 1e3, "weight_gbs": nbytes / t / 1e9,
                              "gflops": m * nbytes / t / 1e9, "of_sum_rate": sum_s / t})
     print_table(rows_out, ["rows", "backend", "ms", "weight_gbs", "gflops", "of_sum_rate"],
                 title=f"{len(shapes)} matrices of {args.model.name}, {nbytes / 1e6:.0f} MB bf16; "
                       f"full-buffer sum of as many bytes: {nbytes / sum_s / 1e9:.1f} GB/s "
-                      f"({args.threads} threads, median of {args.repeats})")
+                      f"({args.threads} threads, {'fastest' if args.fastest else 'median'} of {args.repeats})")
     print(f"load {load_start} -> {load_avg()}")
     write_json(args.json, {"benchmark": "linear_kernels", "args": vars(args), "sum_gbs": nbytes / sum_s / 1e9,
                            "results": rows_out})

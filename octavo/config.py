@@ -125,13 +125,19 @@ class ModelConfig:
     )
     # vLLM's name. Graphs need the triton backend, one rank and no speculation; elsewhere steps run eagerly anyway.
     enforce_eager: bool = option(False, "never replay decode steps from captured CUDA graphs (CUDA only)")
-    # "native" = onednn plus products of few rows (small-batch decode) through
-    # the AMX kernel reading the same packed bytes; "auto" = native where the
-    # CPU has AMX, else onednn, else torch.
+    # "native" = on AMX CPUs onednn plus products of few rows (small-batch
+    # decode) through the AMX kernel reading the same packed bytes; on other
+    # CPUs Octavo's few-row kernel plus, for more rows, the way a measured
+    # table picks per shape (octavo/kernels/cpu_linear.py). "auto" = native
+    # when its kernels build, else onednn, else torch.
     linear_backend: str = option(
-        "auto", "bf16 matmuls: weights prepacked for oneDNN (onednn), plus the AMX kernel for few-row "
-        "products (native), or torch's plain matmul (torch)",
+        "auto", "bf16 matmuls: weights prepacked for oneDNN (onednn); Octavo's kernels for few-row products "
+        "plus, without AMX, a measured choice per shape for more rows (native); or torch's plain matmul (torch)",
         choices=LINEAR_BACKENDS,
+    )
+    linear_weight_copies: bool = option(
+        False, "CPUs without AMX: let the measured choice keep a second copy of a bf16 weight (oneDNN-packed "
+               "or float32, up to twice the weight's memory) where it is faster for many rows"
     )
     # Same values as the torch ops; with no C compiler the torch ops run anyway.
     fused_ops: bool = option(True, "native fused kernels for RMSNorm + residual, SiLU * up, rotary + K/V "

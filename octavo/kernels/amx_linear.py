@@ -10,6 +10,7 @@ import torch
 from torch.nn import functional as F
 
 from octavo.kernels.build import load_kernel, try_load_kernel
+from octavo.kernels.cpu_features import cpu_target
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 # AB16b32a2b: groups of 32 outputs, blocks of 32 k's.
@@ -39,7 +40,7 @@ class AmxLinearKernel:
     def __init__(self, lib: ctypes.CDLL) -> None:
         lib.octavo_amx_linear.argtypes = [_P, _P, _P, _I, _I, _I, _P]
         lib.octavo_amx_linear.restype = ctypes.c_int
-        self._lib = lib
+        self.lib = lib
 
     @staticmethod
     def fits(weight: torch.Tensor) -> bool:
@@ -57,7 +58,7 @@ class AmxLinearKernel:
         found = _onednn_bytes(packed, expected.numel())
         if found is None or not torch.equal(found.view(torch.int16), expected.view(torch.int16)):
             return None
-        return AmxWeight(self._lib, found, *weight.shape, owner=packed)
+        return AmxWeight(self.lib, found, *weight.shape, owner=packed)
 
 
 class AmxWeight:
@@ -66,26 +67,32 @@ class AmxWeight:
     def __init__(self, lib: ctypes.CDLL, blocks: torch.Tensor, out_features: int, in_features: int,
                  owner: Optional[torch.Tensor] = None) -> None:
         self._lib, self.blocks, self._owner = lib, blocks, owner
-        self.blocks_ptr = blocks.data_ptr()
         self.out_features, self.in_features = out_features, in_features
 
     def __call__(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        # On every decode step, ~50 calls a token: the checks stay cheap.
-        if x.dtype != torch.bfloat16 or not x.is_cpu or x.shape[-1] != self.in_features:
-            raise ValueError(f"input must be a CPU bfloat16 tensor [..., {self.in_features}]; "
-                             f"got {x.dtype} {tuple(x.shape)} on {x.device}")
-        if bias is not None and (bias.dtype != torch.bfloat16 or bias.shape[0] != self.out_features
-                                 or not bias.is_contiguous()):
-            raise ValueError(f"bias must be contiguous bfloat16 [{self.out_features}]; "
-                             f"got {bias.dtype} {tuple(bias.shape)}")
-        rows = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, self.in_features).contiguous()
-        out = torch.empty(rows.shape[0], self.out_features, dtype=torch.bfloat16)
-        if rows.shape[0] and self._lib.octavo_amx_linear(
-            rows.data_ptr(), self.blocks_ptr, None if bias is None else bias.data_ptr(),
-            rows.shape[0], self.in_features, self.out_features, out.data_ptr(),
-        ):
-            raise MemoryError("AMX linear kernel could not allocate its padded row tile")
-        return out if rows is x else out.view(*x.shape[:-1], self.out_features)
+        return amx_multiply(self._lib, x, self.blocks, bias, self.out_features)
+
+
+def amx_multiply(lib: ctypes.CDLL, x: torch.Tensor, blocks: torch.Tensor, bias: Optional[torch.Tensor],
+                 out_features: int) -> torch.Tensor:
+    """``x @ W^T + bias`` for W [out_features, x.shape[-1]] stored as ``blocks`` (blocked_layout)."""
+    in_features = blocks.numel() // (-(-out_features // N_BLOCK) * N_BLOCK)
+    # On every decode step, ~50 calls a token: the checks stay cheap.
+    if x.dtype != torch.bfloat16 or not x.is_cpu or x.shape[-1] != in_features:
+        raise ValueError(f"input must be a CPU bfloat16 tensor [..., {in_features}]; "
+                         f"got {x.dtype} {tuple(x.shape)} on {x.device}")
+    if bias is not None and (bias.dtype != torch.bfloat16 or bias.shape[0] != out_features
+                             or not bias.is_contiguous()):
+        raise ValueError(f"bias must be contiguous bfloat16 [{out_features}]; "
+                         f"got {bias.dtype} {tuple(bias.shape)}")
+    rows = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, in_features).contiguous()
+    out = torch.empty(rows.shape[0], out_features, dtype=torch.bfloat16)
+    if rows.shape[0] and lib.octavo_amx_linear(
+        rows.data_ptr(), blocks.data_ptr(), None if bias is None else bias.data_ptr(),
+        rows.shape[0], in_features, out_features, out.data_ptr(),
+    ):
+        raise MemoryError("AMX linear kernel could not allocate its padded row tile")
+    return out if rows is x else out.view(*x.shape[:-1], out_features)
 
 
 def amx_linear_kernel(required: bool = False) -> Optional[AmxLinearKernel]:
@@ -96,6 +103,7 @@ def amx_linear_kernel(required: bool = False) -> Optional[AmxLinearKernel]:
         return None
     if not lib.octavo_amx_available():
         if required:
-            raise ValueError("the AMX linear kernel needs a CPU with AMX bf16 tiles and an OS that grants them")
+            raise ValueError(f"the AMX linear kernel needs a CPU with AMX bf16 tiles and an OS that grants them "
+                             f"(CPU kernels target: {cpu_target().name})")
         return None
     return AmxLinearKernel(lib)

@@ -1,10 +1,13 @@
 """Build a kernel's C source with the machine's compiler on first use, and load it.
 
-The shared library is cached under ``$OCTAVO_CACHE_DIR`` (default
-``~/.cache/octavo``) in a folder named by a hash of the source (and the shared headers), the compiler,
-the flags and this CPU, so a change of any of them rebuilds and a cache shared
-between different machines never hands one a library built for another's
-instruction set (``-march=native``).
+Each kernel is compiled for one CPU target (octavo/kernels/cpu_features.py:
+the process's chosen one unless a caller names another) with that target's
+explicit ISA flags, so one source yields an AMX, AVX-512 BF16, AVX-512F, AVX2,
+NEON or portable library; the C code picks its paths by the compiler's
+feature macros (``__AVX512BF16__``, ``__AMX_TILE__``...). The shared library
+is cached under ``$OCTAVO_CACHE_DIR`` (default ``~/.cache/octavo``) in a folder
+named by a hash of the source (and the shared headers), the compiler, the
+flags, the target and this CPU, so a change of any of them rebuilds.
 """
 from __future__ import annotations
 
@@ -22,17 +25,18 @@ from typing import Optional
 
 import torch  # noqa: F401  (loads torch's libgomp.so.1 first, which the kernels then share)
 
-logger = logging.getLogger(__name__)
+from octavo.kernels.cpu_features import CpuTarget, compile_flags, cpu_target
 
-FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+logger = logging.getLogger(__name__)
 
 
 class KernelBuildError(RuntimeError):
     pass
 
 
-def _cpu_signature() -> str:
-    """The CPU model and feature flags: what -march=native compiles for."""
+def cpu_signature() -> str:
+    """The CPU model and feature flags (a cache shared between machines never
+    hands one a library another's compiler tuned for)."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
@@ -48,15 +52,26 @@ def _compiler() -> str:
     return cc
 
 
-def _cache_root() -> Path:
+def cache_root() -> Path:
     return Path(os.environ.get("OCTAVO_CACHE_DIR") or Path.home() / ".cache" / "octavo") / "kernels"
 
 
+def load_kernel(name: str, target: Optional[CpuTarget] = None) -> ctypes.CDLL:
+    """Compile ``octavo/kernels/<name>.c`` for ``target`` (default: the
+    process's, see cpu_features) once per source/compiler/flags/CPU, and load
+    it. Raises KernelBuildError when it cannot be built."""
+    return _load(name, target or cpu_target())
+
+
+def clear_loaded() -> None:
+    """Forget the libraries loaded so far (tests that change the compiler or cache folder)."""
+    _load.cache_clear()
+
+
 @cache
-def load_kernel(name: str) -> ctypes.CDLL:
-    """Compile ``octavo/kernels/<name>.c`` (once per source/compiler/CPU) and
-    load it. Raises KernelBuildError when it cannot be built."""
+def _load(name: str, target: CpuTarget) -> ctypes.CDLL:
     source = Path(__file__).with_name(f"{name}.c")
+    flags = compile_flags(target, platform.machine())
     cc = _compiler()
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
@@ -64,27 +79,27 @@ def load_kernel(name: str) -> ctypes.CDLL:
         raise KernelBuildError(f"C compiler {cc!r} does not run: {exc}") from exc
     headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]
     key = hashlib.sha256(
-        "\0".join([source.read_text(), *headers, cc, version, " ".join(FLAGS), _cpu_signature()]).encode()
+        "\0".join([source.read_text(), *headers, cc, version, " ".join(flags), target.name, cpu_signature()]).encode()
     ).hexdigest()[:16]
-    target = _cache_root() / f"{name}-{key}" / f"lib{name}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        # Build beside the target and rename: concurrent engines never load a half-written file.
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    library = cache_root() / f"{name}-{target.name}-{key}" / f"lib{name}.so"
+    if not library.exists():
+        library.parent.mkdir(parents=True, exist_ok=True)
+        # Build beside the library and rename: concurrent engines never load a half-written file.
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=library.parent)
         os.close(fd)
-        result = subprocess.run([cc, *FLAGS, str(source), "-o", tmp, "-lm"], capture_output=True, text=True)
+        result = subprocess.run([cc, *flags, str(source), "-o", tmp, "-lm"], capture_output=True, text=True)
         if result.returncode != 0:
             os.unlink(tmp)
-            raise KernelBuildError(f"building {source.name} failed:\n{result.stderr.strip()}")
-        os.replace(tmp, target)
-        logger.info("built %s kernel: %s", name, target)
-    return ctypes.CDLL(str(target))
+            raise KernelBuildError(f"building {source.name} for {target.name} failed:\n{result.stderr.strip()}")
+        os.replace(tmp, library)
+        logger.info("built %s kernel for %s: %s", name, target.name, library)
+    return ctypes.CDLL(str(library))
 
 
-def try_load_kernel(name: str) -> Optional[ctypes.CDLL]:
+def try_load_kernel(name: str, target: Optional[CpuTarget] = None) -> Optional[ctypes.CDLL]:
     """``load_kernel``, or None (logged once) when the machine cannot build it."""
     try:
-        return load_kernel(name)
+        return load_kernel(name, target)
     except KernelBuildError as exc:
         _warn_once(name, str(exc))
         return None

@@ -7,6 +7,11 @@ faster products at every batch size on this project's CPUs, the same results
 up to the summation order. For up to ``SMALL_ROWS`` rows (decode at small
 batch: a pure weight read) the AMX kernel reads the packed weight ~1.1-1.25x
 faster than oneDNN does (BENCHMARKS.md has the figures).
+
+On CPUs without AMX (the kernels' target, octavo/kernels/cpu_features.py)
+bf16 weights stay plain: few-row products go through bf16_linear.c
+(AVX-512 BF16 / AVX-512F / AVX2 / portable), more rows through whichever way
+a measured table says is fastest for the shape (octavo/kernels/cpu_linear.py).
 """
 from __future__ import annotations
 
@@ -17,7 +22,11 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from octavo.kernels import ops
 from octavo.kernels.amx_linear import AmxLinearKernel, AmxWeight, amx_linear_kernel
+from octavo.kernels.bf16_linear import bf16_linear_kernel
+from octavo.kernels.cpu_features import target_has
+from octavo.kernels.cpu_linear import LinearTable, PlannedWeight, make_copies
 from octavo.quant.base import LinearMethod, QuantizationScheme, set_weight_attrs
 
 # Batch size oneDNN picks the packed layout for; it serves 1 to 1000+ rows alike.
@@ -56,12 +65,18 @@ class UnquantizedLinearMethod(LinearMethod):
         self.pack, self.amx, self.require_amx = pack, amx, require_amx
 
     @classmethod
-    def for_backend(cls, backend: str, device: torch.device, dtype: torch.dtype) -> UnquantizedLinearMethod:
+    def for_backend(cls, backend: str, device: torch.device, dtype: torch.dtype,
+                    weight_copies: bool = False) -> UnquantizedLinearMethod:
         """The method ``ModelConfig.linear_backend`` (validated there) names,
         for weights of ``dtype`` on ``device``; ValueError when that backend
-        cannot run there."""
+        cannot run there. ``weight_copies``: the measured table may choose
+        ways that keep a second copy of a weight (CPUs without AMX)."""
         if backend == "torch":
             return cls()
+        if (backend in ("auto", "native") and device.type == "cpu" and dtype == torch.bfloat16
+                and not target_has("amx_tile")
+                and bf16_linear_kernel(required=backend == "native") is not None):
+            return TableLinearMethod(LinearTable(copies=weight_copies))
         if not can_pack(device, dtype):
             if backend != "auto":
                 raise ValueError(f"linear_backend {backend!r} runs bfloat16 weights on a CPU with oneDNN bf16 "
@@ -98,7 +113,8 @@ class UnquantizedLinearMethod(LinearMethod):
         if packed is None:
             return F.linear(x, layer.weight, bias)
         if packed.amx is not None and x.numel() <= SMALL_ROWS * x.shape[-1]:
-            return packed.amx(x, bias)
+            amx = packed.amx
+            return ops.call(ops.amx_linear, torch.ops.octavo.amx_linear, x, amx.blocks, bias, amx.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, packed.onednn, bias, "none", [], "")
 
     def kernel_name(self, layer: nn.Module) -> str:
@@ -106,6 +122,42 @@ class UnquantizedLinearMethod(LinearMethod):
         if packed is None:
             return "torch"
         return "onednn" if packed.amx is None else f"amx (<= {SMALL_ROWS} rows) + onednn"
+
+
+class TableLinearMethod(UnquantizedLinearMethod):
+    """bf16 weights on a CPU without AMX: kept plain, multiplied by the way
+    ``table`` measured fastest for their shape and the number of rows."""
+
+    def __init__(self, table: LinearTable) -> None:
+        super().__init__()
+        self.table = table
+
+    def create_weights(
+        self, layer: nn.Module, input_size: int, output_sizes: list[int], dtype: torch.dtype
+    ) -> None:
+        super().create_weights(layer, input_size, output_sizes, dtype)
+        layer.planned_weight = None
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        layer.planned_weight = None
+        if layer.weight.dtype != torch.bfloat16:
+            return
+        weight = layer.weight.detach().contiguous()
+        layer.planned_weight = make_copies(weight, self.table.ways(*weight.shape))
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        planned: Optional[PlannedWeight] = layer.planned_weight
+        if planned is None:
+            return F.linear(x, layer.weight, bias)
+        return planned(x, bias)
+
+    def kernel_name(self, layer: nn.Module) -> str:
+        planned = layer.planned_weight
+        if planned is None:
+            return "torch"
+        kernel = bf16_linear_kernel()
+        return f"rows {kernel.isa if kernel else '?'} + " + ", ".join(
+            f"<= {b} rows {w}" for b, w in planned.ways.items())
 
 
 class UniformScheme(QuantizationScheme):

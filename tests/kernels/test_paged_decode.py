@@ -187,30 +187,30 @@ def test_without_a_compiler_auto_falls_back_and_native_says_why(monkeypatch, tmp
 
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("OCTAVO_CACHE_DIR", str(tmp_path / "cache"))
-    build.load_kernel.cache_clear()
+    build.clear_loaded()
     try:
         assert paged_decode_kernel() is None
         with pytest.raises(build.KernelBuildError, match="no-such-cc"):
             paged_decode_kernel(required=True)
     finally:
-        build.load_kernel.cache_clear()
+        build.clear_loaded()
 
 
 def test_build_is_cached_by_source_and_cpu(monkeypatch, tmp_path):
     from octavo.kernels import build
 
     monkeypatch.setenv("OCTAVO_CACHE_DIR", str(tmp_path))
-    build.load_kernel.cache_clear()
+    build.clear_loaded()
     try:
         paged_decode_kernel(required=True)
         built = list(tmp_path.glob("kernels/paged_decode-*/libpaged_decode.so"))
         assert len(built) == 1
         stamp = built[0].stat().st_mtime_ns
-        build.load_kernel.cache_clear()
+        build.clear_loaded()
         paged_decode_kernel(required=True)
         assert built[0].stat().st_mtime_ns == stamp  # loaded, not rebuilt
     finally:
-        build.load_kernel.cache_clear()
+        build.clear_loaded()
 
 
 def _capped_reference(q, keys_of, values_of, lens, window, scale, softcap):

@@ -133,3 +133,20 @@ def test_a_weight_the_kernel_cannot_read_stays_on_onednn_unless_native_is_requir
 def test_the_seam_is_abstract():
     with pytest.raises(TypeError):
         LinearMethod()  # type: ignore[abstract]
+
+
+@pytest.mark.parametrize("rows", [1, 3, 17, 64, 300])
+def test_table_method_keeps_the_plain_weight_and_matches_f_linear(rows, tmp_path):
+    """The method CPUs without AMX get (forced here by building it directly):
+    the weight stays plain, every row count gives F.linear's values."""
+    from octavo.kernels.cpu_linear import LinearTable
+    from octavo.quant.unquantized import TableLinearMethod
+
+    method = TableLinearMethod(LinearTable(path=tmp_path / "table.json"))
+    with default_dtype(torch.bfloat16):
+        layer = RowParallelLinear(70, 90, bias=True, linear_method=method)  # K = 70: not whole 32-blocks
+    params = _filled(layer, seed=rows)
+    method.process_weights_after_loading(layer)
+    assert layer.weight.device.type == "cpu" and method.kernel_name(layer).startswith("rows ")
+    x = torch.randn(rows, 70).bfloat16()
+    _bf16_close(layer(x), F.linear(x, params["weight"], params["bias"]))

@@ -1,0 +1,213 @@
+"""bf16 linear layers on CPUs without AMX: which way to multiply, per weight
+shape and number of rows, chosen by measuring the ways on this CPU.
+
+Few rows (decode at small batch) read every weight once: bf16_linear.c does
+that at the read rate, so up to ``ALWAYS_ROWS_KERNEL`` rows it is used
+without asking. Beyond, arithmetic starts to matter and the best way depends
+on the CPU (on a Xeon with AVX-512 BF16 but no AMX, oneDNN's bf16 matmul ran
+at 85-139 GFLOP/s where torch's float32 one ran at 221-256: issue 18). The
+ways measured:
+
+- ``rows``: bf16_linear.c (up to 64 rows);
+- ``onednn``: torch's bf16 ``F.linear`` on the plain weight;
+- ``fp32_tiles``: float32 products on bf16 weights converted a tile of output
+  rows at a time into an L2-sized float32 buffer (no copy of the model);
+- with ``copies`` allowed (memory for a second copy of every weight):
+  ``onednn_packed`` (oneDNN's prepacked bf16 weight) and ``fp32_copy`` (a
+  float32 copy of the weight, twice the bytes).
+
+``LinearTable`` times each way for a weight shape at ``BUCKETS`` rows (a
+product of m rows uses the first bucket >= m, the last beyond) on random
+data, once per CPU/target/torch/threads (cached as JSON next to the built
+kernels), so a start-up pays for it only the first time.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+from torch.nn import functional as F
+
+from octavo.kernels import ops
+from octavo.kernels.build import cache_root, cpu_signature
+from octavo.kernels.cpu_features import cpu_target
+
+logger = logging.getLogger(__name__)
+
+ALWAYS_ROWS_KERNEL = 4
+BUCKETS = (16, 64, 256)
+ROWS_KERNEL_MAX = 64
+# Float32 tile of the weight converted at a time: a few hundred KiB, so it
+# stays in L2 while the float32 product reads it.
+TILE_BYTES = 512 * 1024
+MEASURED_ROWS_MAX = 2048
+
+
+def bucket(rows: int) -> int:
+    return next((b for b in BUCKETS if rows <= b), BUCKETS[-1])
+
+
+@dataclass
+class PlannedWeight:
+    """One weight and the way chosen for each bucket; call it like
+    ``F.linear(x, weight, bias)`` with bf16 x."""
+
+    weight: torch.Tensor  # plain [N, K] bf16, contiguous
+    ways: dict[int, str]  # bucket -> way
+    packed: Optional[torch.Tensor] = None  # oneDNN's packed copy, when a way uses it
+    weight_f32: Optional[torch.Tensor] = None  # float32 copy, when a way uses it
+
+    def way_for(self, rows: int) -> str:
+        return "rows" if rows <= ALWAYS_ROWS_KERNEL else self.ways[bucket(rows)]
+
+    def __call__(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        return WAYS[self.way_for(rows)](self, x, bias)
+
+
+def _rows(pw: PlannedWeight, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    return ops.call(ops.bf16_linear, torch.ops.octavo.bf16_linear, x, pw.weight, bias)
+
+
+def _onednn(pw: PlannedWeight, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    return F.linear(x, pw.weight, bias)
+
+
+def _onednn_packed(pw: PlannedWeight, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, pw.packed, bias, "none", [], "")
+
+
+def _fp32_copy(pw: PlannedWeight, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    out = F.linear(x.float(), pw.weight_f32, None if bias is None else bias.float())
+    return out.to(torch.bfloat16)
+
+
+def fp32_tiles(weight: torch.Tensor, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` computed in float32, the bf16 weight
+    converted a tile of output rows at a time: out^T[tile] = W32[tile] @ x^T,
+    each tile's result a contiguous run of out^T, transposed into bf16 once."""
+    n, k = weight.shape
+    x32 = x.reshape(-1, k).float()
+    tile = max(16, TILE_BYTES // (4 * max(k, 1)) // 16 * 16)
+    out_t = torch.empty(n, x32.shape[0], dtype=torch.float32)
+    buffer = torch.empty(min(tile, n), k, dtype=torch.float32)
+    for n0 in range(0, n, tile):
+        part = weight[n0:n0 + tile]
+        converted = buffer[:part.shape[0]]
+        converted.copy_(part)
+        torch.mm(converted, x32.t(), out=out_t[n0:n0 + tile])
+    out32 = out_t.t()
+    if bias is not None:
+        out32 = out32 + bias.float()
+    out = torch.empty(x32.shape[0], n, dtype=torch.bfloat16)
+    out.copy_(out32)
+    return out.view(*x.shape[:-1], n)
+
+
+def _fp32_tiles(pw: PlannedWeight, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    return fp32_tiles(pw.weight, x, bias)
+
+
+WAYS: dict[str, Callable[[PlannedWeight, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]] = {
+    "rows": _rows, "onednn": _onednn, "fp32_tiles": _fp32_tiles, "onednn_packed": _onednn_packed,
+    "fp32_copy": _fp32_copy,
+}
+
+
+def can_pack_onednn() -> bool:
+    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+
+
+def make_copies(weight: torch.Tensor, ways: dict[int, str]) -> PlannedWeight:
+    """The weight with the copies its ways need."""
+    used = set(ways.values())
+    packed = torch.ops.mkldnn._reorder_linear_weight(weight, 128) if "onednn_packed" in used else None
+    weight_f32 = weight.float() if "fp32_copy" in used else None
+    return PlannedWeight(weight, ways, packed, weight_f32)
+
+
+def _best_seconds(fn: Callable[[], object], repeats: int = 3) -> float:
+    """The fastest of ``repeats`` runs after a warm one (first-call set-up such
+    as oneDNN's primitive creation is not what a step costs). The fastest, not
+    the median: on a shared machine the others measure the neighbours."""
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+class LinearTable:
+    """Measured best way per (N, K, bucket); ``copies`` allows the ways that
+    keep a second copy of the weight."""
+
+    def __init__(self, copies: bool = False, path: Optional[Path] = None) -> None:
+        self.copies = copies
+        self.path = path or self._default_path()
+        self._entries: dict[str, str] = {}
+        try:
+            self._entries = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            pass
+
+    def _default_path(self) -> Path:
+        key = "\0".join([cpu_signature(), cpu_target().name, torch.__version__, str(torch.get_num_threads()),
+                         str(self.copies), ",".join(map(str, BUCKETS))])
+        return cache_root() / f"linear-table-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+    def candidates(self, rows: int) -> list[str]:
+        ways = ["onednn", "fp32_tiles"]
+        if rows <= ROWS_KERNEL_MAX:
+            ways.insert(0, "rows")
+        if self.copies:
+            ways += ["fp32_copy"] + (["onednn_packed"] if can_pack_onednn() else [])
+        return ways
+
+    def ways(self, n: int, k: int) -> dict[int, str]:
+        """The best way for each bucket (measured now if not in the table)."""
+        found = {b: self._entries.get(f"{n}x{k}@{b}") for b in BUCKETS}
+        if any(way is None for way in found.values()):
+            found = self._measure(n, k)
+        return found
+
+    def _measure(self, n: int, k: int) -> dict[int, str]:
+        started = time.perf_counter()
+        # Every way's time grows with N alike: a slice of a tall weight (an
+        # output layer) ranks them as well, at a fraction of the start-up time.
+        weight = torch.randn(min(n, MEASURED_ROWS_MAX), k).to(torch.bfloat16)
+        chosen = {}
+        for b in BUCKETS:
+            x = torch.randn(b, k).to(torch.bfloat16)
+            times = {}
+            for way in self.candidates(b):
+                pw = make_copies(weight, {bb: way for bb in BUCKETS})
+                times[way] = _best_seconds(lambda pw=pw, way=way: WAYS[way](pw, x, None))
+            chosen[b] = min(times, key=times.__getitem__)
+            for way, seconds in times.items():
+                self._entries[f"{n}x{k}@{b}:{way}_ms"] = round(seconds * 1e3, 4)
+            self._entries[f"{n}x{k}@{b}"] = chosen[b]
+        self._save()
+        logger.info("linear table: measured [%d, %d] in %.2f s: %s", n, k, time.perf_counter() - started,
+                    ", ".join(f"{b} rows {w}" for b, w in chosen.items()))
+        return chosen
+
+    def _save(self) -> None:
+        # Written beside and renamed: concurrent engines never read half a file.
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".json", dir=self.path.parent)
+            with os.fdopen(fd, "w") as f:
+                json.dump(self._entries, f, indent=0, sort_keys=True)
+            os.replace(tmp, self.path)
+        except OSError as exc:  # an unwritable cache costs a re-measure next start, nothing else
+            logger.warning("linear table not saved to %s: %s", self.path, exc)

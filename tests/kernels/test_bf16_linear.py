@@ -1,0 +1,169 @@
+"""The few-row bf16 kernel (bf16_linear.c) built for every target this CPU
+can execute, each forced, against a float32 reference on odd shapes; the
+large-row ways of cpu_linear.py and their measured table; the ops under
+torch.compile."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from octavo.kernels import cpu_linear, ops
+from octavo.kernels.amx_linear import amx_linear_kernel
+from octavo.kernels.bf16_linear import bf16_linear_kernel
+from octavo.kernels.cpu_features import BY_NAME, TARGETS, cpu_info
+
+# The instruction set bf16_linear.c compiles to under each target.
+ISA = {"amx": "avx512_bf16", "avx512_bf16": "avx512_bf16", "avx512": "avx512", "avx2": "avx2", "sve": "portable",
+       "neon": "portable", "portable": "portable"}
+SHAPES = [(1, 768, 96), (3, 31, 17), (17, 100, 33), (64, 64, 64), (300, 65, 40), (2, 1, 5), (5, 33, 1)]
+
+
+def runnable(target_name: str):
+    """The target, or a skip naming the CPU features it lacks here."""
+    target = BY_NAME[target_name]
+    if not cpu_info().can_run(target):
+        pytest.skip(f"this CPU cannot run {target_name}: lacks {', '.join(cpu_info().missing(target))}")
+    return target
+
+
+def assert_close_to_float32(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, bias) -> None:
+    """Exact products, float32 sums in another order, then one bf16 rounding:
+    within a bf16 step of the float32 result (plus the sums' own rounding)."""
+    ref = x.float() @ w.float().t() + (0 if bias is None else bias.float())
+    scale = x.float().abs() @ w.float().abs().t()
+    assert out.dtype == torch.bfloat16 and out.shape == ref.shape
+    assert ((out.float() - ref).abs() <= ref.abs() * 2**-8 + scale * 1e-5 + 1e-30).all()
+
+
+@pytest.mark.parametrize("target_name", [t.name for t in TARGETS if t.arch in ("x86_64", "any")])
+@pytest.mark.parametrize("rows, k, n", SHAPES)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_rows_kernel_per_target(target_name, rows, k, n, with_bias):
+    kernel = bf16_linear_kernel(runnable(target_name), required=True)
+    assert kernel.isa == ISA[target_name]
+    gen = torch.Generator().manual_seed(rows * 1000 + k + n)
+    x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+    w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(n, generator=gen).to(torch.bfloat16) if with_bias else None
+    assert_close_to_float32(kernel(x, w, bias), x, w, bias)
+
+
+def test_rows_kernel_keeps_leading_dims_and_refuses_bad_input():
+    kernel = bf16_linear_kernel(required=True)
+    w = torch.randn(24, 40).to(torch.bfloat16)
+    x = torch.randn(2, 3, 40).to(torch.bfloat16)
+    out = kernel(x, w)
+    assert out.shape == (2, 3, 24)
+    assert_close_to_float32(out.view(6, 24), x.view(6, 40), w, None)
+    with pytest.raises(ValueError, match="input must be a CPU bfloat16 tensor"):
+        kernel(x.float(), w)
+    with pytest.raises(ValueError, match="bias must be contiguous bfloat16"):
+        kernel(x, w, torch.zeros(23, dtype=torch.bfloat16))
+    assert kernel(x[:0], w).shape == (0, 3, 24)
+
+
+def test_bf16_vs_float_paths_equal_where_sums_are_exact():
+    """Small integers: every product and partial sum is exact in float32, so
+    all targets must give identical bits, whatever their summation order."""
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randint(-3, 4, (5, 77), generator=gen).to(torch.bfloat16)
+    w = torch.randint(-3, 4, (19, 77), generator=gen).to(torch.bfloat16)
+    ref = F.linear(x.float(), w.float()).to(torch.bfloat16)
+    for target in TARGETS:
+        if target.arch in ("x86_64", "any") and cpu_info().can_run(target):
+            assert torch.equal(bf16_linear_kernel(target, required=True)(x, w), ref), target.name
+
+
+@pytest.mark.parametrize("way", sorted(cpu_linear.WAYS))
+@pytest.mark.parametrize("rows", [1, 3, 17, 64, 300])
+def test_every_large_row_way_matches_float32(way, rows):
+    if way == "onednn_packed" and not cpu_linear.can_pack_onednn():
+        pytest.skip("this torch build/CPU has no oneDNN bf16 packing")
+    gen = torch.Generator().manual_seed(rows)
+    w = torch.randn(1100, 70, generator=gen).to(torch.bfloat16)  # 1100 x 70: several fp32 tiles, a short last one
+    x = torch.randn(rows, 70, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(1100, generator=gen).to(torch.bfloat16)
+    planned = cpu_linear.make_copies(w, {b: way for b in cpu_linear.BUCKETS})
+    out = cpu_linear.WAYS[way](planned, x, bias)
+    assert_close_to_float32(out, x, w, bias)
+
+
+def test_fp32_tiles_small_tiles(monkeypatch):
+    monkeypatch.setattr(cpu_linear, "TILE_BYTES", 16 * 4 * 30)  # 16-row tiles: many, and a partial last one
+    gen = torch.Generator().manual_seed(5)
+    w = torch.randn(50, 30, generator=gen).to(torch.bfloat16)
+    x = torch.randn(2, 7, 30, generator=gen).to(torch.bfloat16)
+    out = cpu_linear.fp32_tiles(w, x, None)
+    assert out.shape == (2, 7, 50)
+    assert_close_to_float32(out.view(14, 50), x.view(14, 30), w, None)
+
+
+def test_table_measures_once_and_reads_its_file(tmp_path, monkeypatch):
+    path = tmp_path / "table.json"
+    table = cpu_linear.LinearTable(path=path)
+    ways = table.ways(40, 24)
+    assert set(ways) == set(cpu_linear.BUCKETS)
+    assert ways[256] != "rows" and all(w in table.candidates(b) for b, w in ways.items())
+    saved = json.loads(path.read_text())
+    assert all(saved[f"40x24@{b}"] == w for b, w in ways.items())
+    assert saved["40x24@16:rows_ms"] > 0  # the times behind the choice are kept for reading
+
+    def no_measuring(*_):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(cpu_linear.LinearTable, "_measure", no_measuring)
+    assert cpu_linear.LinearTable(path=path).ways(40, 24) == ways
+
+
+def test_copies_are_candidates_only_when_allowed(tmp_path):
+    assert "fp32_copy" not in cpu_linear.LinearTable(path=tmp_path / "a.json").candidates(256)
+    assert "fp32_copy" in cpu_linear.LinearTable(copies=True, path=tmp_path / "b.json").candidates(256)
+    assert "rows" not in cpu_linear.LinearTable(path=tmp_path / "c.json").candidates(cpu_linear.ROWS_KERNEL_MAX + 1)
+
+
+def test_planned_weight_routes_by_rows():
+    w = torch.randn(8, 16).to(torch.bfloat16)
+    planned = cpu_linear.PlannedWeight(w, {16: "fp32_tiles", 64: "onednn", 256: "fp32_tiles"})
+    assert [planned.way_for(r) for r in (1, 4, 5, 16, 17, 64, 65, 5000)] == [
+        "rows", "rows", "fp32_tiles", "fp32_tiles", "onednn", "onednn", "fp32_tiles", "fp32_tiles"]
+
+
+def test_compiled_linear_op_matches_eager():
+    w = torch.randn(48, 96).to(torch.bfloat16)
+    bias = torch.randn(48).to(torch.bfloat16)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return ops.call(ops.bf16_linear, torch.ops.octavo.bf16_linear, x, w, bias).float().relu()
+
+    x = torch.randn(3, 96).to(torch.bfloat16)
+    assert torch.equal(torch.compile(f, fullgraph=True)(x), f(x))
+
+
+def test_compiled_amx_op_matches_eager():
+    amx = amx_linear_kernel()
+    if amx is None:
+        pytest.skip("this CPU (or OS, or the forced target) offers no AMX bf16 tiles")
+    w = torch.randn(64, 96).to(torch.bfloat16)
+    shared = amx.share_onednn(torch.ops.mkldnn._reorder_linear_weight(w, 128), w)
+    if shared is None:
+        pytest.skip("oneDNN packed this weight in a layout the AMX kernel does not read")
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return ops.call(ops.amx_linear, torch.ops.octavo.amx_linear, x, shared.blocks, None, 64) * 2
+
+    x = torch.randn(5, 96).to(torch.bfloat16)
+    assert torch.equal(torch.compile(f, fullgraph=True)(x), f(x))
+
+
+def test_fake_ops_give_shapes_without_running():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.empty(7, 3, 40, dtype=torch.bfloat16)
+        out = torch.ops.octavo.bf16_linear(x, torch.empty(24, 40, dtype=torch.bfloat16), None)
+        assert out.shape == (7, 3, 24) and out.dtype == torch.bfloat16
+        blocks = torch.empty(64 * 40, dtype=torch.bfloat16)
+        assert torch.ops.octavo.amx_linear(x, blocks, None, 50).shape == (7, 3, 50)
