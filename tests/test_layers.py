@@ -21,7 +21,7 @@ ALLOWED: dict[str, set[str]] = {
     # Fronts talk to engines only: the engine's async client (ZMQ) or HTTP.
     "server": {"engine", ROOT},
     # The gateway validates with the server's request models and hashes prompts as the prefix cache does.
-    "gateway": {"server.protocol", "server.errors", "core.prefix_hash", ROOT},
+    "gateway": {"server.protocol", "server.api_requests", "server.errors", "core.prefix_hash", ROOT},
     "autoscale": {ROOT},
     # The capacity simulator drives the real scheduler, the gateway's routing policies and the autoscaler's policy.
     "simulate": {"core", "gateway", "autoscale", ROOT},

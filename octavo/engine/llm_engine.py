@@ -274,6 +274,9 @@ class LLMEngine:
             if core_out.pooled is None:
                 raise RequestFailedError("the model runner returned no embedding")
             state.embedding = self.pooler_config.shorten(core_out.pooled, state.pooling.dimensions)
+            # Done because its vector is, not cut at a limit: "stop", as vLLM reports
+            # pooling requests (the scheduler says "length" for any prompt-only request).
+            core_out = dataclasses.replace(core_out, finish_reason="stop")
         stop = state.apply(core_out)  # may cut new_token_ids at a stop string
         self._generation_tokens += len(core_out.new_token_ids)
         if stop is not None:

@@ -29,6 +29,7 @@ from octavo.gateway.proxy import Forwarder, NoReplica, split_events
 from octavo.gateway.ratelimit import Buckets, MemoryBuckets, RateLimiter, RedisBuckets, retry_after_header
 from octavo.gateway.replicas import ReplicaSet, normalize_url
 from octavo.gateway.routing import KVAware, LeastLoad, Policy, PrefixAffinity, RoundRobin, RouteInput, Session
+from octavo.server.api_requests import EmbeddingRequest, ResponsesRequest
 from octavo.server.errors import APIError, bad_request, error_body, error_response, validation_error
 from octavo.server.protocol import ChatCompletionRequest, CompletionRequest
 from octavo.tokenizer import Tokenizer
@@ -38,7 +39,14 @@ logger = logging.getLogger(__name__)
 _MODELS: dict[str, type[pydantic.BaseModel]] = {
     "/v1/completions": CompletionRequest,
     "/v1/chat/completions": ChatCompletionRequest,
+    "/v1/embeddings": EmbeddingRequest,
+    "/v1/responses": ResponsesRequest,
 }
+# Routes whose streams the gateway may ask for a usage chunk (stream_options); a
+# Responses stream always ends with its usage, and refuses stream_options.
+_USAGE_CHUNK_PATHS = ("/v1/completions", "/v1/chat/completions")
+# A stream is whole (and may be cached) once its last event has passed.
+_STREAM_ENDS = (b"data: [DONE]", b"event: response.completed", b"event: response.incomplete")
 # Fields that do not change a response's content: left out of the cache key.
 _NOT_IN_CACHE_KEY = ("priority", "user")
 _FORWARDED_HEADERS = ("x-request-id", "accept")
@@ -173,50 +181,73 @@ def _parse(raw: bytes, path: str) -> dict[str, Any]:
     return data
 
 
+def _joined(content: Any) -> str:
+    """A message's content as one string: text parts joined as the replica joins them."""
+    if isinstance(content, list):
+        return "\n".join(p.get("text") or "" for p in content if isinstance(p, dict))
+    return content or ""
+
+
 def _plain_messages(data: dict[str, Any]) -> list[dict[str, str]]:
-    """Messages with their content as one string (text parts joined), as templates take them."""
-    messages = []
-    for m in data["messages"]:
-        content = m.get("content")
-        if isinstance(content, list):
-            content = "".join(p.get("text") or "" for p in content if isinstance(p, dict))
-        messages.append({"role": m.get("role") or "", "content": content or ""})
+    """The chat messages a request means, as templates take them: a chat
+    request's own, or a Responses request's ``instructions`` and ``input``
+    items in the order octavo/server/responses.py gives them to the template."""
+    if "messages" in data:
+        return [{"role": m.get("role") or "", "content": _joined(m.get("content"))} for m in data["messages"]]
+    items = data["input"]
+    if isinstance(items, str):
+        items = [{"role": "user", "content": items}]
+    messages = [{"role": "system", "content": data["instructions"]}] if data.get("instructions") is not None else []
+    for item in items:
+        role = item.get("role") or ""
+        messages.append({"role": "system" if role == "developer" else role, "content": _joined(item.get("content"))})
     return messages
 
 
-def _prompt_text(data: dict[str, Any]) -> str:
-    if "messages" in data:
+def _is_chat(path: str) -> bool:
+    return path in ("/v1/chat/completions", "/v1/responses")
+
+
+def _first_prompt(data: dict[str, Any], path: str) -> Any:
+    """A completion's or embedding's prompt (the first of a batch): text or token ids."""
+    prompt = data.get("input" if path == "/v1/embeddings" else "prompt")
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        prompt = prompt[0]
+    return prompt
+
+
+def _prompt_text(data: dict[str, Any], path: str) -> str:
+    if _is_chat(path):
         return "".join(f"{m['role']}\n{m['content']}\n" for m in _plain_messages(data))
-    prompt = data.get("prompt")
+    prompt = _first_prompt(data, path)
     return prompt if isinstance(prompt, str) else json.dumps(prompt)
 
 
-def _token_ids(tokenizer: Tokenizer, data: dict[str, Any]) -> list[int]:
+def _token_ids(tokenizer: Tokenizer, data: dict[str, Any], path: str) -> list[int]:
     """The prompt as the replica tokenizes it (the first prompt of a batch)."""
-    if "messages" in data:
+    if _is_chat(path):
         try:
             text = tokenizer.apply_chat_template(_plain_messages(data), add_generation_prompt=data.get("add_generation_prompt", True))
         except (ValueError, TypeError):
             return []  # the replica answers the error; routing needs no ids for that
         return tokenizer.encode(text, add_special_tokens=False)
-    prompt = data.get("prompt")
-    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
-        prompt = prompt[0]
+    prompt = _first_prompt(data, path)
     if isinstance(prompt, str):
-        return tokenizer.encode(prompt)
+        # Embeddings take add_special_tokens from the request (default on), as completions always do.
+        return tokenizer.encode(prompt, add_special_tokens=data.get("add_special_tokens", True))
     return list(prompt or [])
 
 
-async def _route_input(gw: Gateway, request: Request, data: dict[str, Any]) -> RouteInput:
+async def _route_input(gw: Gateway, request: Request, data: dict[str, Any], path: str) -> RouteInput:
     route = RouteInput()
     routing = gw.config.routing
     if routing == "prefix":
-        route.prompt_bytes = _prompt_text(data).encode("utf-8", "surrogatepass")
+        route.prompt_bytes = _prompt_text(data, path).encode("utf-8", "surrogatepass")
     elif routing == "session":
         route.session = request.headers.get(gw.config.session_header) or data.get("user")
     elif routing == "kv-aware" and gw.tokenizer is not None:
         # Long prompts take milliseconds to tokenize: off the event loop.
-        route.token_ids = await asyncio.to_thread(_token_ids, gw.tokenizer, data)
+        route.token_ids = await asyncio.to_thread(_token_ids, gw.tokenizer, data, path)
     return route
 
 
@@ -236,16 +267,18 @@ def _generate_route(path: str):
             if rejection is not None:
                 gw.metrics.rate_limited.labels(rejection.limit).inc()
                 return _rate_limited(rejection.limit, rejection.retry_after_s)
-            raw, hide_usage = _for_key(data, raw, key, stream)
+            raw, hide_usage = _for_key(data, raw, key, stream and path in _USAGE_CHUNK_PATHS)
         cache_id = None
-        if gw.cache is not None and is_deterministic(data) and "no-cache" not in request.headers.get("cache-control", ""):
+        # An embedding is a function of its input alone: always cacheable.
+        deterministic = path == "/v1/embeddings" or is_deterministic(data)
+        if gw.cache is not None and deterministic and "no-cache" not in request.headers.get("cache-control", ""):
             cache_id = cache_key(path, {k: v for k, v in data.items() if k not in _NOT_IN_CACHE_KEY})
             hit = await gw.cache.get(cache_id)
             gw.metrics.cache.labels("hit" if hit is not None else "miss").inc()
             if hit is not None:
                 gw.metrics.added_latency.observe(time.monotonic() - start)
                 return _cached_response(hit, stream)
-        route_input = await _route_input(gw, request, data)
+        route_input = await _route_input(gw, request, data, path)
         try:
             upstream = await _until_disconnected(
                 request, gw.forwarder.send("POST", path, raw, _forward_headers(request), route_input, stream)
@@ -294,16 +327,16 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-def _for_key(data: dict[str, Any], raw: bytes, key: KeyConfig, stream: bool) -> tuple[bytes, bool]:
+def _for_key(data: dict[str, Any], raw: bytes, key: KeyConfig, usage_chunk: bool) -> tuple[bytes, bool]:
     """The body as sent upstream for this key: its priority class, and a
-    stream's usage asked for when a token budget must be charged (then
+    stream's usage chunk (``usage_chunk``: a stream that has one) asked for when a token budget must be charged (then
     hidden again if the client did not ask for it). Returns (body, hide usage)."""
     changed = False
     if data.get("priority", 0) != key.priority:
         data["priority"] = key.priority
         changed = True
     hide_usage = False
-    if stream and key.tpm is not None and not (data.get("stream_options") or {}).get("include_usage"):
+    if usage_chunk and key.tpm is not None and not (data.get("stream_options") or {}).get("include_usage"):
         data["stream_options"] = {**(data.get("stream_options") or {}), "include_usage": True}
         changed = hide_usage = True
     return (json.dumps(data).encode() if changed else raw), hide_usage
@@ -323,7 +356,7 @@ async def _tee(
             if hide_usage and b'"choices":[]' in event:
                 continue  # the usage chunk the gateway asked for, not the client
         yield event
-        complete = event.startswith(b"data: [DONE]")
+        complete = event.startswith(_STREAM_ENDS)
         if cache_id is not None and size <= gw.config.cache.max_bytes:
             kept.append(event)
             size += len(event)
@@ -335,7 +368,9 @@ async def _tee(
 
 def _usage_tokens(body: bytes) -> int:
     try:
-        usage = json.loads(body).get("usage") or {}
+        data = json.loads(body)
+        # A Responses stream's usage is in its final event's response.
+        usage = data.get("usage") or (data.get("response") or {}).get("usage") or {}
         return int(usage.get("total_tokens") or 0)
     except (ValueError, AttributeError, TypeError):
         return 0

@@ -19,21 +19,9 @@ from pydantic import BaseModel
 from octavo.outputs import RequestOutput
 from octavo.pooling import PoolingParams
 from octavo.server.errors import bad_request
-from octavo.server.protocol import _Body
+from octavo.server.api_requests import EmbeddingRequest
 from octavo.server.state import ServerState
 from octavo.server.streams import merge, until_disconnected
-
-
-class EmbeddingRequest(_Body):
-    model: Optional[str] = None
-    # A text, texts, token ids, or lists of token ids (OpenAI's four shapes).
-    input: Union[str, list[str], list[int], list[list[int]]]
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: Optional[int] = None
-    user: Optional[str] = None
-    # Extensions (vLLM's names).
-    priority: int = 0
-    add_special_tokens: bool = True
 
 
 class EmbeddingData(BaseModel):

@@ -27,7 +27,7 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Iterator, Literal, Optional, Union
+from typing import Any, AsyncIterator, Iterator, Literal, Optional
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -35,6 +35,7 @@ from pydantic import BaseModel, Field
 
 from octavo.outputs import RequestOutput
 from octavo.sampling_params import SamplingParams
+from octavo.server.api_requests import InputMessage, ResponsesRequest, TextConfig
 from octavo.server.chat import prepare_chat
 from octavo.server.errors import APIError, bad_request
 from octavo.server.protocol import (
@@ -43,8 +44,6 @@ from octavo.server.protocol import (
     ContentPart,
     JsonSchemaFormat,
     ResponseFormat,
-    _Body,
-    _Request,
 )
 from octavo.server.state import ServerState
 from octavo.server.streams import collect, primed, sse_response, until_disconnected
@@ -57,61 +56,6 @@ _MAX_METADATA_VALUE = 512
 _FIELD_NAMES = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text"}
 # SamplingParams field -> this API's field, for errors from the engine.
 _API_NAMES = {"max_tokens": "max_output_tokens", "structured_outputs": "text"}
-
-
-class InputContent(_Request):
-    # input_text in user turns; output_text in assistant turns sent back as received.
-    type: Literal["input_text", "output_text"]
-    text: str
-    annotations: Optional[list[Any]] = None
-    logprobs: Optional[list[Any]] = None
-
-
-class InputMessage(_Request):
-    type: Literal["message"] = "message"
-    role: Literal["user", "assistant", "system", "developer"]
-    content: Union[str, list[InputContent]]
-    # Set on output items a client sends back.
-    id: Optional[str] = None
-    status: Optional[str] = None
-
-
-class TextFormat(_Request):
-    type: Literal["text", "json_object", "json_schema"]
-    name: Optional[str] = None
-    description: Optional[str] = None
-    json_schema: Optional[dict[str, Any]] = Field(default=None, alias="schema")
-    strict: Optional[bool] = None
-
-
-class TextConfig(_Request):
-    unsupported = frozenset({"verbosity"})
-    format: Optional[TextFormat] = None
-
-
-class ResponsesRequest(_Body):
-    unsupported = frozenset({
-        "background", "conversation", "include", "max_tool_calls", "parallel_tool_calls", "prompt",
-        "prompt_cache_key", "prompt_cache_retention", "reasoning", "safety_identifier", "service_tier",
-        "stream_options", "tool_choice", "tools", "top_logprobs",
-    })
-
-    model: Optional[str] = None
-    input: Union[str, list[InputMessage]]
-    instructions: Optional[str] = None
-    max_output_tokens: Optional[int] = None
-    temperature: Optional[float] = None
-    top_p: Optional[float] = None
-    stream: bool = False
-    text: Optional[TextConfig] = None
-    metadata: Optional[dict[str, str]] = None
-    store: Optional[bool] = None
-    previous_response_id: Optional[str] = None
-    truncation: Optional[Literal["disabled"]] = None  # the only behaviour here: too long is a 400
-    user: Optional[str] = None
-    # Extensions (vLLM's names).
-    seed: Optional[int] = None
-    priority: int = 0
 
 
 class OutputText(BaseModel):

@@ -214,6 +214,10 @@ class ModelRunner:
         """Run the step like ``execute`` (the K/V are written) but return the
         float32 logits of every scheduled position, ``[num_tokens, vocab]`` per
         request, instead of sampling. For scoring and for parity checks."""
+        if self.pooler is not None:
+            # Built without an LM head: its step ends in pooled vectors, never in logits.
+            raise ValueError("execute_logits needs a model served with task 'generate'; "
+                             "this one is served with task 'embed' (it has no language-model head)")
         with torch.inference_mode():
             step = self._forward(scheduler_output)
             if step is None:

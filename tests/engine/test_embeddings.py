@@ -101,7 +101,10 @@ def test_one_task_per_model(tmp_path_factory):
         embedder.generate("Hello", SamplingParams(max_tokens=2), use_tqdm=False)
     with pytest.raises(ValueError, match="^dimensions is not supported"):
         embedder.embed("Hello", PoolingParams(dimensions=8), use_tqdm=False)
-    assert embedder.embed("Hello", use_tqdm=False)[0].embedding  # still serving
+    out = embedder.embed("Hello", use_tqdm=False)[0]
+    assert out.embedding  # still serving
+    # Finished because its vector is, as vLLM's pooling requests: "stop", not a length limit.
+    assert out.outputs[0].finish_reason == "stop"
     causal = make_tiny_model(tmp, "qwen3")
     generator = LLM(causal, dtype="float32", num_blocks=16)
     with pytest.raises(ValueError, match="not embeddings"):

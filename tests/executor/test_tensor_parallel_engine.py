@@ -17,7 +17,7 @@ import pytest
 from octavo import LLM, SamplingParams
 from octavo.executor.base import ExecutorError
 from octavo.sampling_params import StructuredOutputParams
-from tests.model_factory import make_tiny_model
+from tests.model_factory import make_sentence_transformers_model, make_tiny_model
 
 ENGINE = dict(dtype="float32", num_blocks=12, block_size=8, max_num_batched_tokens=24, max_num_seqs=8)
 SHARED = [5, 17, 250, 33, 480, 91, 7, 300, 8, 9, 10, 11, 12, 13, 14, 15, 16]  # two full blocks, shared
@@ -92,3 +92,19 @@ def test_a_killed_rank_fails_the_engine_within_30_s_naming_it(split):
     with pytest.raises(ExecutorError, match="worker rank 1 .*died: killed by signal 9"):
         split.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert time.monotonic() - start < 30
+
+
+def test_embeddings_at_tp2_match_tp1(tmp_path_factory):
+    """Mean-pooled, normalized vectors: each rank pools its hidden states after the all-reduce, so both agree."""
+    folder = make_sentence_transformers_model(tmp_path_factory.mktemp("tp-emb"), "mean", arch="qwen2")
+    prompts = [SHARED + [40], [3, 4], list(range(100, 131))]
+    one = LLM(folder, **ENGINE)
+    expected = [o.embedding for o in one.embed(prompts, use_tqdm=False)]
+    one.shutdown()
+    two = LLM(folder, tensor_parallel_size=2, threads_per_worker=1, **ENGINE)
+    try:
+        got = [o.embedding for o in two.embed(prompts, use_tqdm=False)]
+    finally:
+        two.shutdown()
+    for a, b in zip(got, expected, strict=True):
+        assert len(a) == len(b) and max(abs(x - y) for x, y in zip(a, b)) < 1e-4
