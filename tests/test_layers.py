@@ -24,7 +24,7 @@ ALLOWED: dict[str, set[str]] = {
     "gateway": {"server.protocol", "server.errors", "core.prefix_hash", ROOT},
     "autoscale": {ROOT},
     # The CLI and LLM(...) build one EngineConfig; `octavo serve` starts the server.
-    "entrypoints": {"engine", "server", "gateway", "assets", ROOT},
+    "entrypoints": {"engine", "server", "gateway", "autoscale", "assets", ROOT},
     # Scheduler + executor; grammars compile and generation_config.json is read here.
     "engine": {"core", "executor", "sample", "model", ROOT},
     "core": {"kv_offload", ROOT},

@@ -1,4 +1,4 @@
-"""The ``octavo`` command: ``octavo serve [MODEL]``, ``octavo gateway`` and ``octavo generate [MODEL]``."""
+"""The ``octavo`` command: ``octavo serve [MODEL]``, ``octavo gateway``, ``octavo autoscale`` and ``octavo generate [MODEL]``."""
 from __future__ import annotations
 
 import argparse
@@ -9,6 +9,7 @@ from dataclasses import fields
 from typing import Optional, Sequence
 
 import octavo
+from octavo.autoscale.config import add_flags as add_autoscale_flags, load_config as load_autoscale_config
 from octavo.entrypoints.engine_args import add_engine_args, engine_config_from_args, engine_options, parse_bytes
 from octavo.log import configure_logging
 from octavo.server.config import DEFAULT_PUBLIC_ROUTES, ServerConfig
@@ -70,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
                        action="store_false", help="no log line per HTTP request")
 
     _add_gateway_parser(sub)
+    add_autoscale_flags(sub.add_parser("autoscale", help="scale `octavo serve` replicas (local processes or a "
+                                                         "Kubernetes Deployment) on load; docs/AUTOSCALING.md"))
 
     gen = sub.add_parser("generate", help="generate offline (no server)")
     add_engine_args(gen)
@@ -234,6 +237,12 @@ def _generate(args: argparse.Namespace) -> None:
         print(f"### {prompt}\n{out.outputs[0].text}\n")
 
 
+def _autoscale(args: argparse.Namespace) -> None:
+    from octavo.autoscale.runner import run
+
+    run(load_autoscale_config(args))
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     args = build_parser().parse_args(argv)
     configure_logging(getattr(args, "log_level", "info"))
@@ -242,6 +251,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             _serve(args)
         elif args.command == "gateway":
             _gateway(args)
+        elif args.command == "autoscale":
+            _autoscale(args)
         else:
             _generate(args)
     except ValueError as exc:  # bad configuration: a message, not a traceback
