@@ -14,6 +14,7 @@ from octavo.entrypoints.engine_args import add_engine_args, engine_config_from_a
 from octavo.log import configure_logging
 from octavo.server.config import DEFAULT_PUBLIC_ROUTES, ServerConfig
 from octavo.server.limits import RequestLimits
+from octavo.server.shedding import ShedConfig
 from octavo.server.tool_parsers import PARSERS
 
 
@@ -49,6 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="how the model writes tool calls (for --enable-auto-tool-choice)")
     serve.add_argument("--trust-request-chat-template", action="store_true",
                        help="accept chat_template (and chat_template_kwargs.chat_template) from requests")
+    for f in fields(ShedConfig):  # load shedding by priority: --shed-kv-usage, ...
+        serve.add_argument(f"--{f.name.replace('_', '-')}", type=float if f.name == "shed_kv_usage" else int,
+                           default=f.default, help=f.metadata["help"])
     for f in fields(RequestLimits):  # one option per request limit, named after its field
         serve.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default,
                            help=f"{f.metadata['help']} (default: %(default)s)")
@@ -151,6 +155,7 @@ def _serve(args: argparse.Namespace) -> None:
         max_body_bytes=args.max_body_size,
         log_level=args.log_level,
         limits=RequestLimits(**{f.name: getattr(args, f.name) for f in fields(RequestLimits)}),
+        shedding=ShedConfig(**{f.name: getattr(args, f.name) for f in fields(ShedConfig)}),
         trust_request_chat_template=args.trust_request_chat_template,
         metrics_api_keys=tuple(args.metrics_api_key or ()),
         engine_max_restarts=args.engine_max_restarts,

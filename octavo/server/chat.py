@@ -27,6 +27,7 @@ from octavo.server.protocol import (
     ToolCall,
     Usage,
 )
+from octavo.server.shedding import check_shedding
 from octavo.server.state import ServerState
 from octavo.server.streams import collect, primed, sse, sse_response, until_disconnected
 from octavo.server.tools import ToolPlan, plan_tools
@@ -43,6 +44,7 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, state
     # request: in a thread, so the event loop keeps serving everyone else.
     prompt_ids, params, plan = await asyncio.to_thread(_prepare, req, state)
     state.admit(1)
+    check_shedding(state.config.shedding, state.client.stats, req.priority)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     stream = state.generate(prompt_ids, params, req.priority, _api_names(req, plan))
     if req.stream:

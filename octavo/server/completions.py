@@ -17,6 +17,7 @@ from octavo.server.errors import bad_request
 from octavo.server.logprobs import LegacyLogprobs, aligned_prompt_logprobs, prompt_logprobs_body
 from octavo.server.params import build_sampling_params, request_api_names
 from octavo.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, Usage
+from octavo.server.shedding import check_shedding
 from octavo.server.state import ServerState
 from octavo.server.streams import merge, primed, sse, sse_response, until_disconnected
 
@@ -37,6 +38,7 @@ async def create_completion(req: CompletionRequest, raw: Request, state: ServerS
     # Tokenizing a long prompt takes seconds: in a thread, off the event loop.
     prompts = await asyncio.to_thread(_prepare, req, state)
     state.admit(len(prompts))
+    check_shedding(state.config.shedding, state.client.stats, req.priority)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     names = request_api_names(req, {})
     streams = [state.generate(p.ids, p.params, req.priority, names) for p in prompts]
