@@ -27,20 +27,29 @@ from octavo.autoscale.samples import MetricsSample
 logger = logging.getLogger(__name__)
 
 
+_RATE = "(sum(rate(octavo_gateway:requests_total[{w}])) + sum(rate(octavo_gateway:unavailable_total[{w}])))" \
+        " or sum(rate(octavo:e2e_request_latency_seconds_count[{w}]))"
+_TTFT = "histogram_quantile(0.99, sum by (le) (rate(octavo:time_to_first_token_seconds_bucket[{w}])))"
+
+
 @dataclass
 class PromQueries:
     """One PromQL expression per sample field; each must return one scalar
-    (a single-element vector)."""
+    (a single-element vector). ``window(...)`` builds the defaults for
+    another ``rate()`` range: rate() divides by the whole range, so keep it
+    at least a few scrape intervals and expect low rates until Prometheus has
+    that much history."""
 
     replicas: str = "count(octavo:num_requests_running)"
-    request_rate: str = (
-        "(sum(rate(octavo_gateway:requests_total[1m])) + sum(rate(octavo_gateway:unavailable_total[1m])))"
-        " or sum(rate(octavo:e2e_request_latency_seconds_count[1m]))"
-    )
+    request_rate: str = _RATE.format(w="1m")
     waiting: str = "sum(octavo:num_requests_waiting)"
     running: str = "sum(octavo:num_requests_running)"
     kv_usage: str = "avg(octavo:kv_cache_usage_perc)"
-    ttft_p99: str = "histogram_quantile(0.99, sum by (le) (rate(octavo:time_to_first_token_seconds_bucket[1m])))"
+    ttft_p99: str = _TTFT.format(w="1m")
+
+    @classmethod
+    def window(cls, rate_window: str) -> PromQueries:
+        return cls(request_rate=_RATE.format(w=rate_window), ttft_p99=_TTFT.format(w=rate_window))
 
 
 class PrometheusSignals:
