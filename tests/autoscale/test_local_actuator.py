@@ -7,6 +7,7 @@ while a trickle of requests keeps flowing, and none of them fails."""
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 import time
 from pathlib import Path
@@ -152,3 +153,22 @@ def test_burst_starts_a_replica_that_serves_then_it_drains_without_failures(tmp_
         gateway.stop()
     # close() drained the last replica too: every process this test started has exited.
     assert set(actuator.states().values()) == {State.STOPPED}
+
+
+def test_a_replica_that_dies_is_counted_out(tmp_path: Path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    model = make_tiny_model(tmp_path / "model")
+    actuator = LocalActuator(LocalConfig(serve_args=(str(model), "--dtype", "float32", "--num-blocks", "64"),
+                                         start_timeout_s=120.0), gateway=None)
+    try:
+        actuator.scale(1)
+        _wait(lambda: len(actuator.replica_urls()) == 1, 120, "the replica")
+        (replica,) = actuator._replicas  # the process it started, stopped behind its back
+        replica.process.send_signal(signal.SIGTERM)
+        replica.process.wait(60)
+        # Counted out at once: the next decision sees 0 and starts a replacement.
+        assert actuator.replicas() == 0 and actuator.replica_urls() == []
+        assert actuator.states()[replica.url] is State.STOPPED
+    finally:
+        actuator.close()

@@ -92,12 +92,27 @@ class LocalActuator(Actuator):
         self._http = httpx.Client(timeout=5.0)
 
     def replicas(self) -> int:
+        self._reap()
         with self._lock:
             return sum(r.state in (State.STARTING, State.READY) for r in self._replicas)
 
     def replica_urls(self) -> list[str]:
+        self._reap()
         with self._lock:
             return [r.url for r in self._replicas if r.state is State.READY]
+
+    def _reap(self) -> None:
+        """A ready replica whose process died is deregistered and counted out,
+        so the next decision replaces it instead of counting a corpse."""
+        with self._lock:
+            dead = [r for r in self._replicas if r.state is State.READY and r.process.poll() is not None]
+            for replica in dead:
+                replica.state = State.STOPPED
+        for replica in dead:
+            logger.error("replica %s exited with %s", replica.url, replica.process.returncode)
+            self._deregister(replica)
+            if replica.log is not None:
+                replica.log.close()
 
     def states(self) -> dict[str, State]:
         """Every replica this actuator has run, by URL (stopped ones too): for logs and tests."""
