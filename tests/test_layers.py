@@ -26,7 +26,7 @@ ALLOWED: dict[str, set[str]] = {
     # The capacity simulator drives the real scheduler, the gateway's routing policies and the autoscaler's policy.
     "simulate": {"core", "gateway", "autoscale", ROOT},
     # The CLI and LLM(...) build one EngineConfig; `octavo serve` starts the server.
-    "entrypoints": {"engine", "server", "gateway", "simulate", "assets", ROOT},
+    "entrypoints": {"engine", "server", "gateway", "autoscale", "simulate", "assets", ROOT},
     # Scheduler + executor; grammars compile and generation_config.json is read here.
     "engine": {"core", "executor", "sample", "model", ROOT},
     "core": {"kv_offload", ROOT},

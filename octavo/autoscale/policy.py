@@ -29,6 +29,7 @@ from typing import Optional, Sequence
 from octavo.autoscale.forecast import Forecast, RateHistory, fit_forecast
 from octavo.autoscale.reactive import SIGNALS, RateLimit, Recommendation, Stabiliser, hpa_recommendation
 from octavo.autoscale.samples import MetricsSample
+from octavo.config import option
 
 __all__ = [
     "SIGNALS", "MetricsSample", "ReactiveConfig", "PredictiveConfig", "AutoscalerConfig", "ScaleDecision",
@@ -43,9 +44,11 @@ class ReactiveConfig:
     HPA does with several metrics). Each signal's value is its mean over the
     samples of the last ``metric_window_s``."""
 
-    targets: dict[str, float] = field(default_factory=lambda: {"in_flight": 8.0})
-    metric_window_s: float = 30.0
-    tolerance: float = 0.1
+    targets: dict[str, float] = field(default_factory=lambda: {"in_flight": 8.0}, metadata={
+        "help": f"per-replica target of each signal to scale on ({', '.join(SIGNALS)}); the largest "
+                "recommendation wins"})
+    metric_window_s: float = option(30.0, "seconds of samples a signal's value is averaged over")
+    tolerance: float = option(0.1, "no change while value/target is within 1 +- this")
 
     def __post_init__(self) -> None:
         if not self.targets:
@@ -68,14 +71,16 @@ class PredictiveConfig:
     docs/AUTOSCALING.md); ``horizon_s`` the cold start, from a scale-up
     decision to a ready replica."""
 
-    enabled: bool = False
-    capacity_per_replica: Optional[float] = None
-    horizon_s: float = 600.0
-    headroom: float = 1.2
-    bucket_s: float = 60.0
-    seasonal_periods_s: tuple[float, ...] = (86400.0, 604800.0)
-    history_s: float = 15 * 86400.0
-    refit_interval_s: float = 300.0
+    enabled: bool = option(False, "also scale on the forecast request rate (max of the two)")
+    capacity_per_replica: Optional[float] = option(None, "requests/s one replica serves within its latency "
+                                                         "objective (measured)")
+    horizon_s: float = option(600.0, "forecast horizon: a replica's cold start, decision to ready")
+    headroom: float = option(1.2, "replicas for forecast * headroom")
+    bucket_s: float = option(60.0, "the forecaster's time step (seconds)")
+    seasonal_periods_s: tuple[float, ...] = option((86400.0, 604800.0), "seasons the history may show "
+                                                   "(seconds); the longest covered twice is used")
+    history_s: float = option(15 * 86400.0, "seconds of request-rate history kept")
+    refit_interval_s: float = option(300.0, "seconds between forecaster fits")
 
     def __post_init__(self) -> None:
         self.seasonal_periods_s = tuple(float(p) for p in self.seasonal_periods_s)
@@ -96,18 +101,19 @@ class AutoscalerConfig:
     once by max(4 pods, 100%) per 15 s; down to the highest recommendation of
     the last 300 s, by up to 100% per 15 s)."""
 
-    min_replicas: int = 1
-    max_replicas: int = 4
-    scale_to_zero: bool = False
-    idle_before_zero_s: float = 300.0
-    scale_up_window_s: float = 0.0
-    scale_down_window_s: float = 300.0
-    scale_up_pods: int = 4
-    scale_up_percent: float = 100.0
-    scale_up_period_s: float = 15.0
-    scale_down_pods: int = 0
-    scale_down_percent: float = 100.0
-    scale_down_period_s: float = 15.0
+    min_replicas: int = option(1, "fewest replicas while there is traffic")
+    max_replicas: int = option(4, "most replicas")
+    scale_to_zero: bool = option(False, "stop every replica after idle_before_zero_s without traffic; the "
+                                        "first request queued at the gateway starts min_replicas again")
+    idle_before_zero_s: float = option(300.0, "seconds without any request before scaling to zero")
+    scale_up_window_s: float = option(0.0, "scale up to the lowest recommendation of this many seconds")
+    scale_down_window_s: float = option(300.0, "scale down to the highest recommendation of this many seconds")
+    scale_up_pods: int = option(4, "scale up by at most max(pods, percent) per period")
+    scale_up_percent: float = option(100.0, "scale up by at most max(pods, percent) per period")
+    scale_up_period_s: float = option(15.0, "the scale-up limit's period (seconds)")
+    scale_down_pods: int = option(0, "scale down by at most max(pods, percent) per period")
+    scale_down_percent: float = option(100.0, "scale down by at most max(pods, percent) per period")
+    scale_down_period_s: float = option(15.0, "the scale-down limit's period (seconds)")
     reactive: ReactiveConfig = field(default_factory=ReactiveConfig)
     predictive: PredictiveConfig = field(default_factory=PredictiveConfig)
 

@@ -1,5 +1,5 @@
-"""The ``octavo`` command: ``octavo serve [MODEL]``, ``octavo gateway``, ``octavo generate [MODEL]``,
-``octavo run-batch [MODEL] -i requests.jsonl -o results.jsonl`` and ``octavo simulate run|calibrate``."""
+"""The ``octavo`` command: ``octavo serve [MODEL]``, ``octavo gateway``, ``octavo autoscale``, ``octavo generate
+[MODEL]``, ``octavo run-batch [MODEL] -i requests.jsonl -o results.jsonl`` and ``octavo simulate run|calibrate``."""
 from __future__ import annotations
 
 import argparse
@@ -10,12 +10,14 @@ from dataclasses import fields
 from typing import TYPE_CHECKING, Iterator, Optional, Sequence
 
 import octavo
+from octavo.autoscale.config import add_flags as add_autoscale_flags, load_config as load_autoscale_config
 from octavo.entrypoints.config_file import apply_config_file, config_path, fill_lists
 from octavo.entrypoints.engine_args import add_engine_args, engine_config_from_args, engine_options, parse_bytes
 from octavo.log import configure_logging
 from octavo.outputs import RequestOutput
 from octavo.server.config import DEFAULT_PUBLIC_ROUTES, ServerConfig
 from octavo.server.limits import RequestLimits
+from octavo.server.shedding import ShedConfig
 from octavo.server.tool_parsers import PARSERS
 
 if TYPE_CHECKING:
@@ -66,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_gateway_parser(sub)
     _add_simulate_parser(sub)
+    add_autoscale_flags(sub.add_parser("autoscale", help="scale `octavo serve` replicas (local processes or a "
+                                                         "Kubernetes Deployment) on load; docs/AUTOSCALING.md"))
 
     gen = sub.add_parser("generate", help="generate offline (no server)", formatter_class=_DefaultsFormatter)
     _add_config_arg(gen)
@@ -113,6 +117,9 @@ def _add_request_handling_args(parser: argparse.ArgumentParser) -> None:
                             help=f.metadata["help"])
     parser.add_argument("--request-timeout", type=float, default=ServerConfig.request_timeout_s,
                         help="abort requests older than this many seconds, 504 (default: no limit)")
+    for f in fields(ShedConfig):  # load shedding by priority: --shed-kv-usage, ...
+        parser.add_argument(f"--{f.name.replace('_', '-')}", type=float if f.name == "shed_kv_usage" else int,
+                            default=f.default, help=f.metadata["help"])
 
 
 class _DefaultsFormatter(argparse.HelpFormatter):
@@ -235,6 +242,7 @@ def server_config_from_args(args: argparse.Namespace, **http: object) -> ServerC
         limits=RequestLimits(**{f.name: getattr(args, f.name) for f in fields(RequestLimits)}),
         trust_request_chat_template=args.trust_request_chat_template,
         request_timeout_s=args.request_timeout,
+        shedding=ShedConfig(**{f.name: getattr(args, f.name) for f in fields(ShedConfig)}),
         chat_template=_chat_template(args.chat_template),
         enable_auto_tool_choice=args.enable_auto_tool_choice,
         tool_call_parser=args.tool_call_parser,
@@ -333,6 +341,12 @@ def _print_streams(headers: list[str], stream: Iterator[tuple[int, RequestOutput
 _CONFIG_COMMANDS = ("serve", "generate", "run-batch")
 
 
+def _autoscale(args: argparse.Namespace) -> None:
+    from octavo.autoscale.runner import run
+
+    run(load_autoscale_config(args))
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
@@ -355,6 +369,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             from octavo.entrypoints.run_batch import run_batch
 
             run_batch(args, engine_config_from_args(args), server_config_from_args(args))
+        elif args.command == "autoscale":
+            _autoscale(args)
         else:
             _generate(args)
     except ValueError as exc:  # bad configuration: a message, not a traceback

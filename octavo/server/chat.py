@@ -44,7 +44,7 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, state
     # Template rendering and tokenization take time in proportion to the
     # request: in a thread, so the event loop keeps serving everyone else.
     prompt_ids, params, plan = await asyncio.to_thread(prepare_chat, req, state)
-    state.admit(1)
+    state.admit(1, req.priority)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     stream = state.generate(prompt_ids, params, req.priority, _api_names(req, plan))
     if req.stream:

@@ -37,7 +37,7 @@ async def create_completion(req: CompletionRequest, raw: Request, state: ServerS
     state.check_limits(req)
     # Tokenizing a long prompt takes seconds: in a thread, off the event loop.
     prompts = await asyncio.to_thread(_prepare, req, state)
-    state.admit(len(prompts))
+    state.admit(len(prompts), req.priority)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     names = request_api_names(req, {})
     streams = [state.generate(p.ids, p.params, req.priority, names) for p in prompts]

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from octavo.server.limits import RequestLimits
+from octavo.server.shedding import ShedConfig
 from octavo.server.tool_parsers import PARSERS
 
 DEFAULT_PUBLIC_ROUTES = ("/health", "/metrics")
@@ -26,6 +27,8 @@ class ServerConfig:
     engine_start_timeout_s: float = 600.0
     log_level: str = "info"
     limits: RequestLimits = field(default_factory=RequestLimits)
+    # Near capacity, new low-priority requests get 503 (octavo/server/shedding.py).
+    shedding: ShedConfig = field(default_factory=ShedConfig)
     # Jinja from the client runs in a sandbox with a deadline, but is still
     # code of the client's choosing: off unless the operator opts in.
     trust_request_chat_template: bool = False

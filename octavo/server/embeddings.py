@@ -53,7 +53,7 @@ async def create_embedding(req: EmbeddingRequest, raw: Request, state: ServerSta
         raise bad_request(str(exc), "dimensions") from None
     # Tokenizing many long texts takes a while: off the event loop.
     prompts = await asyncio.to_thread(_tokenized, req, state)
-    state.admit(len(prompts))
+    state.admit(len(prompts), req.priority)
     params = PoolingParams(dimensions=req.dimensions)
     streams = [state.generate(ids, params, req.priority, {}) for ids in prompts]
     finals = await until_disconnected(raw, _collect(streams))

@@ -41,6 +41,7 @@ REFUSED_ENGINE_DEAD = "engine_dead"  # 503
 REFUSED_SHUTTING_DOWN = "shutting_down"  # 503
 REFUSED_REQUEST_LIMIT = "request_limit"  # a per-field request limit (--max-n, --max-stop, ...): 400
 REFUSED_CONTEXT_LENGTH = "context_length"  # prompt + max_tokens over max_model_len: 400
+REFUSED_SHED = "shed"  # a sheddable priority while the engine is near capacity (--shed-*): 503
 # Why a request the engine accepted did not complete (label values of request_errors).
 ERROR_ENGINE = "engine_error"  # the engine failed this request: 500
 ERROR_ENGINE_DEAD = "engine_dead"  # the engine died under it: 503

@@ -113,7 +113,7 @@ async def create_response(req: ResponsesRequest, raw: Request, state: ServerStat
     with _renamed_fields():
         state.config.limits.check(chat)
         prompt_ids, params, _ = await asyncio.to_thread(prepare_chat, chat, state)
-    state.admit(1)
+    state.admit(1, req.priority)
     shell = _Shell(req, state.model_name, params, len(prompt_ids))
     stream = state.generate(prompt_ids, params, req.priority, _API_NAMES)
     if req.stream:

@@ -16,6 +16,7 @@ from octavo.server.errors import APIError, bad_request
 from octavo.server import metrics
 from octavo.server.metrics import ServerMetrics
 from octavo.server.protocol import SamplingFields
+from octavo.server.shedding import check_shedding
 from octavo.server.params import param_error
 from octavo.tokenizer import Tokenizer
 
@@ -74,10 +75,16 @@ class ServerState:
             self.metrics.refused(metrics.REFUSED_REQUEST_LIMIT)
             raise
 
-    def admit(self, count: int) -> None:
+    def admit(self, count: int, priority: int) -> None:
         """Overload answers 503 (the server, not the client, is over its
         capacity: a rate limit of one client would be 429) with Retry-After,
-        which OpenAI clients and load balancers honour."""
+        which OpenAI clients and load balancers honour: a full queue, or a
+        sheddable priority while the engine is near capacity (--shed-*)."""
+        try:
+            check_shedding(self.config.shedding, self.client.stats, priority)
+        except APIError:
+            self.metrics.refused(metrics.REFUSED_SHED)
+            raise
         limit = self.config.max_waiting_requests
         if limit is not None and self.num_pending + count > limit:
             self.metrics.refused(metrics.REFUSED_QUEUE_FULL)

@@ -1,0 +1,250 @@
+"""Replicas as ``octavo serve`` processes on this machine, behind a gateway.
+
+Up: a process on a free port; once its /health answers, it is registered
+with the gateway's admin API and counts as ready. Down: the newest replica
+(the oldest keep their warm prefix caches) is drained first: deregistered
+(the gateway sends it nothing new), then left until its own /metrics show
+no request running or waiting, then sent SIGTERM, on which the server
+finishes whatever is still open within its --shutdown-timeout. A replica
+still starting is the first to go, since it serves nobody yet.
+
+Transitions run on a thread each, so ``scale`` returns at once and the
+control loop keeps sampling while replicas start (seconds to minutes).
+"""
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Optional
+
+import httpx
+
+from octavo.autoscale.actuators.base import Actuator
+from octavo.autoscale.gateway_admin import GatewayAdmin
+from octavo.autoscale.signals import parse_metrics
+from octavo.config import option
+
+logger = logging.getLogger(__name__)
+
+# After deregistering, a request the gateway routed just before may still be
+# on its way to the replica: its queue is not read as idle before this.
+_DEREGISTER_GRACE_S = 1.0
+_POLL_S = 0.5
+
+
+@dataclass
+class LocalConfig:
+    serve_args: tuple[str, ...] = option((), "`octavo serve` arguments of every replica: MODEL and flags "
+                                              "(--host and --port are the actuator's)")
+    host: str = option("127.0.0.1", "address the replicas listen on (and are registered with)")
+    start_timeout_s: float = option(300.0, "a replica not healthy within this is killed")
+    drain_timeout_s: float = option(120.0, "longest wait for a deregistered replica's requests to finish "
+                                           "before SIGTERM (which drains for its own --shutdown-timeout)")
+    stop_timeout_s: float = option(60.0, "after SIGTERM, this long until SIGKILL")
+    log_dir: Optional[str] = option(None, "one log file per replica here (default: discarded)")
+
+    def __post_init__(self) -> None:
+        for name in ("start_timeout_s", "drain_timeout_s", "stop_timeout_s"):
+            if not (getattr(self, name) > 0):
+                raise ValueError(f"local.{name} must be > 0, got {getattr(self, name)}")
+        if any(a in ("--port", "--host") or a.startswith(("--port=", "--host=")) for a in self.serve_args):
+            raise ValueError("local.serve_args: --host and --port are chosen by the actuator")
+
+
+class State(enum.Enum):
+    STARTING = "starting"
+    READY = "ready"
+    DRAINING = "draining"
+    STOPPED = "stopped"
+
+
+@dataclass
+class LocalReplica:
+    url: str
+    process: subprocess.Popen
+    started_at: float
+    state: State = State.STARTING
+    log: Optional[IO[bytes]] = field(default=None, repr=False)
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class LocalActuator(Actuator):
+    def __init__(self, config: LocalConfig, gateway: Optional[GatewayAdmin]) -> None:
+        self.config = config
+        self.gateway = gateway
+        self._lock = threading.Lock()
+        self._replicas: list[LocalReplica] = []
+        self._threads: list[threading.Thread] = []
+        self._http = httpx.Client(timeout=5.0)
+
+    def replicas(self) -> int:
+        self._reap()
+        with self._lock:
+            return sum(r.state in (State.STARTING, State.READY) for r in self._replicas)
+
+    def replica_urls(self) -> list[str]:
+        self._reap()
+        with self._lock:
+            return [r.url for r in self._replicas if r.state is State.READY]
+
+    def _reap(self) -> None:
+        """A ready replica whose process died is deregistered and counted out,
+        so the next decision replaces it instead of counting a corpse."""
+        with self._lock:
+            dead = [r for r in self._replicas if r.state is State.READY and r.process.poll() is not None]
+            for replica in dead:
+                replica.state = State.STOPPED
+        for replica in dead:
+            logger.error("replica %s exited with %s", replica.url, replica.process.returncode)
+            self._deregister(replica)
+            if replica.log is not None:
+                replica.log.close()
+
+    def states(self) -> dict[str, State]:
+        """Every replica this actuator has run, by URL (stopped ones too): for logs and tests."""
+        with self._lock:
+            return {r.url: r.state for r in self._replicas}
+
+    def scale(self, replicas: int) -> None:
+        if replicas < 0:
+            raise ValueError(f"replicas must be >= 0, got {replicas}")
+        with self._lock:
+            active = [r for r in self._replicas if r.state in (State.STARTING, State.READY)]
+            for _ in range(replicas - len(active)):
+                replica = self._spawn()
+                self._replicas.append(replica)
+                self._run(self._bring_up, replica)
+            # Starting ones first (they serve nobody yet), then the newest ready ones.
+            victims = sorted(active, key=lambda r: (r.state is State.READY, -r.started_at))
+            for replica in victims[: max(0, len(active) - replicas)]:
+                serving = replica.state is State.READY
+                replica.state = State.DRAINING
+                self._run(self._drain if serving else self._stop, replica)
+
+    def close(self) -> None:
+        """Stop every replica (drained as on scale-down) and wait for the transitions."""
+        self.scale(0)
+        for thread in list(self._threads):
+            thread.join()
+        if self.gateway is not None:
+            self.gateway.close()
+        self._http.close()
+
+    def _run(self, target, replica: LocalReplica) -> None:
+        thread = threading.Thread(target=target, args=(replica,), name=f"autoscale {replica.url}", daemon=True)
+        self._threads = [t for t in self._threads if t.is_alive()] + [thread]
+        thread.start()
+
+    def _spawn(self) -> LocalReplica:
+        port = free_port(self.config.host)
+        url = f"http://{self.config.host}:{port}"
+        cmd = [sys.executable, "-m", "octavo.entrypoints.cli", "serve", *self.config.serve_args,
+               "--host", self.config.host, "--port", str(port)]
+        log: Optional[IO[bytes]] = None
+        if self.config.log_dir is not None:
+            Path(self.config.log_dir).mkdir(parents=True, exist_ok=True)
+            log = open(Path(self.config.log_dir) / f"replica-{port}.log", "wb")
+        process = subprocess.Popen(cmd, env=dict(os.environ), stdout=log or subprocess.DEVNULL,
+                                   stderr=subprocess.STDOUT)
+        logger.info("starting replica %s (pid %d)", url, process.pid)
+        return LocalReplica(url, process, time.monotonic(), log=log)
+
+    def _bring_up(self, replica: LocalReplica) -> None:
+        deadline = replica.started_at + self.config.start_timeout_s
+        while time.monotonic() < deadline:
+            if replica.state is not State.STARTING:
+                return  # scaled down while starting: the drain thread stops it
+            if replica.process.poll() is not None:
+                logger.error("replica %s exited with %s while starting", replica.url, replica.process.returncode)
+                self._set(replica, State.STOPPED)
+                return
+            if self._healthy(replica.url):
+                try:
+                    if self.gateway is not None:
+                        self.gateway.add(replica.url)
+                except httpx.HTTPError as exc:
+                    logger.error("could not register %s with the gateway: %s", replica.url, exc)
+                    break
+                with self._lock:
+                    if replica.state is State.STARTING:
+                        replica.state = State.READY
+                        logger.info("replica %s ready after %.1fs", replica.url,
+                                    time.monotonic() - replica.started_at)
+                        return
+                # Scaled down the moment it became healthy: undo the registration; the drain thread stops it.
+                self._deregister(replica)
+                return
+            time.sleep(_POLL_S)
+        logger.error("replica %s did not become ready; stopping it", replica.url)
+        with self._lock:
+            if replica.state is not State.STARTING:
+                return
+            replica.state = State.DRAINING
+        self._stop(replica)
+
+    def _drain(self, replica: LocalReplica) -> None:
+        self._deregister(replica)
+        time.sleep(_DEREGISTER_GRACE_S)
+        deadline = time.monotonic() + self.config.drain_timeout_s
+        idle_polls = 0
+        while time.monotonic() < deadline and replica.process.poll() is None and idle_polls < 2:
+            idle_polls = idle_polls + 1 if self._idle(replica.url) else 0
+            time.sleep(_POLL_S)
+        self._stop(replica)
+
+    def _deregister(self, replica: LocalReplica) -> None:
+        if self.gateway is None:
+            return
+        try:
+            self.gateway.remove(replica.url)
+        except httpx.HTTPError as exc:
+            logger.error("could not deregister %s from the gateway: %s", replica.url, exc)
+
+    def _stop(self, replica: LocalReplica) -> None:
+        if replica.process.poll() is None:
+            replica.process.send_signal(signal.SIGTERM)
+            try:
+                replica.process.wait(self.config.stop_timeout_s)
+            except subprocess.TimeoutExpired:
+                logger.error("replica %s ignored SIGTERM for %.0fs: killing it", replica.url,
+                             self.config.stop_timeout_s)
+                replica.process.kill()
+                replica.process.wait()
+        if replica.log is not None:
+            replica.log.close()
+        logger.info("replica %s stopped (exit %s)", replica.url, replica.process.returncode)
+        self._set(replica, State.STOPPED)
+
+    def _set(self, replica: LocalReplica, state: State) -> None:
+        with self._lock:
+            replica.state = state
+
+    def _healthy(self, url: str) -> bool:
+        try:
+            return self._http.get(f"{url}/health").status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def _idle(self, url: str) -> bool:
+        """No request running or waiting on the replica (an unreadable page counts as busy)."""
+        try:
+            r = self._http.get(f"{url}/metrics")
+            r.raise_for_status()
+        except httpx.HTTPError:
+            return False
+        s = parse_metrics(r.text)
+        return s.running == 0 and s.waiting == 0
