@@ -40,7 +40,8 @@ def test_object_validates_against_the_kubernetes_schema(path: Path, obj: dict) -
 
 def test_every_object_is_a_known_kind() -> None:
     assert {obj["kind"] for _, obj in OBJECTS} - CUSTOM_KINDS <= {
-        "Namespace", "Deployment", "Service", "PodDisruptionBudget", "HorizontalPodAutoscaler"}
+        "Namespace", "Deployment", "Service", "PodDisruptionBudget", "HorizontalPodAutoscaler",
+        "ServiceAccount", "Role", "RoleBinding"}
     assert {obj["kind"] for _, obj in OBJECTS} >= CUSTOM_KINDS | {"PodDisruptionBudget", "HorizontalPodAutoscaler"}
 
 
@@ -67,6 +68,8 @@ def test_deployments_select_their_own_pods_and_services_and_budgets_select_pods(
 def test_probes_hit_health_on_a_declared_port() -> None:
     for deployment in _of_kind("Deployment"):
         for container in deployment["spec"]["template"]["spec"]["containers"]:
+            if "ports" not in container:  # the autoscaler serves nothing to probe
+                continue
             ports = {port["name"] for port in container["ports"]}
             probes = [container[key] for key in ("startupProbe", "readinessProbe", "livenessProbe") if key in container]
             assert "readinessProbe" in container and "livenessProbe" in container
@@ -106,6 +109,22 @@ def test_autoscalers_target_the_replica_deployment() -> None:
     scaled = _of_kind("ScaledObject")[0]
     assert scaled["spec"]["scaleTargetRef"]["name"] == "octavo-replica"
     assert scaled["spec"]["minReplicaCount"] <= scaled["spec"]["maxReplicaCount"]
+
+
+def test_octavo_autoscaler_may_scale_exactly_the_deployment_it_scales() -> None:
+    spec = _deployment("octavo-autoscaler")["spec"]["template"]["spec"]
+    container = spec["containers"][0]
+    command = container["command"] + container["args"]
+    check_octavo_command(command)
+    args = octavo_args(command)
+    deployment = getattr(args, "kubernetes.deployment")  # the autoscale parser keeps its sections in dest names
+    assert args.actuator == "kubernetes" and _deployment(deployment)
+    binding = _of_kind("RoleBinding")[0]
+    assert binding["subjects"][0]["name"] == spec["serviceAccountName"]
+    role = next(r for r in _of_kind("Role") if r["metadata"]["name"] == binding["roleRef"]["name"])
+    granted = {(resource, verb) for rule in role["rules"] if deployment in rule["resourceNames"]
+               for resource in rule["resources"] for verb in rule["verbs"]}
+    assert granted == {("deployments", "get"), ("deployments/scale", "get"), ("deployments/scale", "patch")}
 
 
 def test_hpa_metrics_are_octavo_gauges_renamed_by_the_adapter_rules() -> None:
