@@ -11,9 +11,8 @@ import yaml
 from octavo.autoscale.config import load_config as load_autoscale_config
 from octavo.entrypoints.cli import build_parser, gateway_config
 from octavo.entrypoints.engine_args import engine_config_from_args
+from tests.deploy.monitoring import DEPLOY
 
-ROOT = Path(__file__).resolve().parents[2]
-DEPLOY = ROOT / "deploy"
 DOCKERFILE = DEPLOY / "docker" / "Dockerfile"
 
 

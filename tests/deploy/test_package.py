@@ -7,7 +7,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-from tests.deploy.manifests import ROOT
+from tests.deploy.monitoring import REPO as ROOT
 
 
 def test_wheel_holds_every_file_of_the_package(tmp_path: Path) -> None:
