@@ -11,6 +11,7 @@ from torch.nn import functional as F
 
 from octavo.kernels.build import load_kernel, try_load_kernel
 from octavo.kernels.cpu_features import cpu_target
+from octavo.kernels.launch import launch
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 # AB16b32a2b: groups of 32 outputs, blocks of 32 k's.
@@ -87,8 +88,8 @@ def amx_multiply(lib: ctypes.CDLL, x: torch.Tensor, blocks: torch.Tensor, bias: 
                          f"got {bias.dtype} {tuple(bias.shape)}")
     rows = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, in_features).contiguous()
     out = torch.empty(rows.shape[0], out_features, dtype=torch.bfloat16)
-    if rows.shape[0] and lib.octavo_amx_linear(
-        rows.data_ptr(), blocks.data_ptr(), None if bias is None else bias.data_ptr(),
+    if rows.shape[0] and launch(
+        lib.octavo_amx_linear, rows.data_ptr(), blocks.data_ptr(), None if bias is None else bias.data_ptr(),
         rows.shape[0], in_features, out_features, out.data_ptr(),
     ):
         raise MemoryError("AMX linear kernel could not allocate its padded row tile")

@@ -11,6 +11,7 @@ import torch
 
 from octavo.kernels.build import load_kernel, try_load_kernel
 from octavo.kernels.cpu_features import CpuTarget, cpu_target
+from octavo.kernels.launch import launch
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
@@ -42,8 +43,8 @@ class Bf16LinearKernel:
             raise ValueError(f"bias must be contiguous bfloat16 [{n}]; got {bias.dtype} {tuple(bias.shape)}")
         rows = x.reshape(-1, k).contiguous()
         out = torch.empty(rows.shape[0], n, dtype=torch.bfloat16)
-        if rows.shape[0] and n and self._lib.octavo_bf16_linear(
-            rows.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), rows.shape[0], k, n,
+        if rows.shape[0] and n and launch(
+            self._lib.octavo_bf16_linear, rows.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), rows.shape[0], k, n,
             out.data_ptr(),
         ):
             raise MemoryError("bf16 linear kernel could not allocate its prepared rows")

@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 
 from octavo.kernels.build import load_kernel, try_load_kernel
+from octavo.kernels.launch import launch
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # Quantized K/V cache element types (cache only), as common.h numbers them.
@@ -57,8 +58,8 @@ class FusedOps:
         if residual is not None:
             _check("residual", residual, x.dtype, tuple(x.shape))
         out = torch.empty_like(x)
-        self._lib.octavo_rms_norm(
-            x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
+        launch(
+            self._lib.octavo_rms_norm, x.data_ptr(), None if residual is None else residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
             x.numel() // max(dim, 1), dim, eps, _DTYPE_CODES[x.dtype],
         )
         return out
@@ -70,7 +71,7 @@ class FusedOps:
             raise ValueError(f"gate_up must be [rows, 2 * intermediate]; got {tuple(gate_up.shape)}")
         rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
         out = gate_up.new_empty(rows, inter)
-        self._lib.octavo_silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, inter, _DTYPE_CODES[gate_up.dtype])
+        launch(self._lib.octavo_silu_mul, gate_up.data_ptr(), out.data_ptr(), rows, inter, _DTYPE_CODES[gate_up.dtype])
         return out
 
     def rotary_write_kv(
@@ -120,8 +121,8 @@ class FusedOps:
                 raise ValueError(f"scales {tuple(scales.shape)} do not cover the cache's {capacity} slots")
             if static_scales is not None:
                 _check("static_scales", static_scales, torch.float32, (2, num_kv_heads))
-        status = self._lib.octavo_rotary_write_kv(
-            qkv.data_ptr(), rows, num_heads, num_kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(),
+        status = launch(
+            self._lib.octavo_rotary_write_kv, qkv.data_ptr(), rows, num_heads, num_kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(),
             k_cache.data_ptr(), v_cache.data_ptr(), slots.data_ptr(), capacity, _DTYPE_CODES[qkv.dtype],
             _CACHE_CODES[cache_dtype], scales[0].data_ptr() if quantized else None,
             scales[1].data_ptr() if quantized else None,
@@ -138,7 +139,7 @@ class FusedOps:
         if logits.dim() != 2:
             raise ValueError(f"logits must be [rows, vocab]; got {tuple(logits.shape)}")
         out = torch.empty(logits.shape[0], dtype=torch.int64)
-        self._lib.octavo_argmax(logits.data_ptr(), logits.shape[0], logits.shape[1], out.data_ptr(),
+        launch(self._lib.octavo_argmax, logits.data_ptr(), logits.shape[0], logits.shape[1], out.data_ptr(),
                                 _DTYPE_CODES[logits.dtype])
         return out
 

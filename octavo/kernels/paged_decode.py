@@ -7,6 +7,7 @@ from typing import Optional
 import torch
 
 from octavo.kernels.build import load_kernel, try_load_kernel
+from octavo.kernels.launch import launch
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # The cache may also be quantized (int8 / float8_e4m3fn values with float32 scales).
@@ -77,7 +78,8 @@ class PagedDecodeKernel:
         block_tables = block_tables.contiguous()
         context_lens = context_lens.contiguous()
         out = torch.empty_like(q)
-        status = self._fn(
+        status = launch(
+            self._fn,
             q.data_ptr(), out.data_ptr(), _DTYPE_CODES[q.dtype],
             k_cache.data_ptr(), v_cache.data_ptr(), _CACHE_CODES[k_cache.dtype],
             k_scales.data_ptr() if quantized else None, v_scales.data_ptr() if quantized else None,

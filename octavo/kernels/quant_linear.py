@@ -10,6 +10,7 @@ from typing import Optional
 import torch
 
 from octavo.kernels.build import try_load_kernel
+from octavo.kernels.launch import launch
 
 _P, _I, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -81,10 +82,10 @@ class QuantLinearKernel:
         mins_ptr = None if mins is None else mins.data_ptr()
         bias_ptr = None if bias is None else bias.data_ptr()
         if amx:
-            failed = self._lib.octavo_qlinear_amx(rows.data_ptr(), m, k, out_features, packed.data_ptr(), bits,
+            failed = launch(self._lib.octavo_qlinear_amx, rows.data_ptr(), m, k, out_features, packed.data_ptr(), bits,
                                                   group, scales.data_ptr(), mins_ptr, bias_ptr, out.data_ptr())
         else:
-            failed = self._lib.octavo_qlinear_fma(rows.data_ptr(), _DTYPES[rows.dtype], m, k, out_features,
+            failed = launch(self._lib.octavo_qlinear_fma, rows.data_ptr(), _DTYPES[rows.dtype], m, k, out_features,
                                                   packed.data_ptr(), bits, group, scales.data_ptr(), mins_ptr,
                                                   bias_ptr, out.data_ptr())
         if failed:
