@@ -29,7 +29,8 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
                         help="Octavo's KV cache budget (default 2 GiB: the machine is shared)")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                         help="where Octavo and transformers run (llama.cpp stays a CPU peer)")
-    parser.add_argument("--enforce-eager", action="store_true", help="Octavo on CUDA without decode CUDA graphs")
+    parser.add_argument("--enforce-eager", action="store_true",
+                        help="Octavo without recorded decode steps (CUDA graphs on a GPU, kernel tapes on CPU)")
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "native", "triton", "torch"],
                         help="Octavo's decode attention (native CPU kernel, Triton on CUDA, or torch gather + SDPA)")
     parser.add_argument("--linear-backend", default="auto", choices=["auto", "native", "onednn", "torch"],

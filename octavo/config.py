@@ -124,7 +124,9 @@ class ModelConfig:
         choices=ATTENTION_BACKENDS,
     )
     # vLLM's name. Graphs need the triton backend, one rank and no speculation; elsewhere steps run eagerly anyway.
-    enforce_eager: bool = option(False, "never replay decode steps from captured CUDA graphs (CUDA only)")
+    enforce_eager: bool = option(
+        False, "run every step eagerly: never replay recorded decode steps (CUDA graphs on a GPU, kernel tapes on CPU)"
+    )
     # "native" = on AMX CPUs onednn plus products of few rows (small-batch
     # decode) through the AMX kernel reading the same packed bytes; on other
     # CPUs Octavo's few-row kernel plus, for more rows, the way a measured

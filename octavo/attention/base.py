@@ -90,6 +90,14 @@ class AttentionBackend(ABC):
     def build_metadata(self, layout: StepLayout) -> AttentionMetadata:
         """Everything the layers' ``forward`` calls need for this step."""
 
+    def static_decode_metadata(self, size: int, max_blocks: int, null_block: int, null_slot: int,
+                               max_context: int, device: torch.device) -> AttentionMetadata:
+        """Metadata of a decode-only step of ``size`` rows over buffers a recorded step reads every replay
+        (octavo/worker/decode_graphs.py): ``slot_mapping`` [size], ``decode_block_table`` [size, max_blocks]
+        and ``decode_context_lens`` [size], all rows padding (the null block, context 1) until filled in.
+        Backends whose steps cannot be recorded do not override it."""
+        raise NotImplementedError(f"the {self.name} attention backend's steps cannot be recorded")
+
     @abstractmethod
     def forward(
         self,

@@ -47,6 +47,16 @@ class NativeCpuBackend(AttentionBackend):
             lens = torch.tensor(layout.context_lens[:n], dtype=torch.int64, device=layout.device)
         return NativeCpuMetadata(layout.slot_mapping, n, build_prefills(layout, self.windows), table, lens)
 
+    def static_decode_metadata(self, size: int, max_blocks: int, null_block: int, null_slot: int,
+                               max_context: int, device: torch.device) -> NativeCpuMetadata:
+        return NativeCpuMetadata(
+            slot_mapping=torch.full((size,), null_slot, dtype=torch.int64, device=device),
+            num_decodes=size,
+            prefills=[],
+            decode_block_table=torch.full((size, max_blocks), null_block, dtype=torch.int64, device=device),
+            decode_context_lens=torch.ones(size, dtype=torch.int64, device=device),
+        )
+
     def forward(
         self,
         q: torch.Tensor,

@@ -42,6 +42,18 @@ class TritonBackend(AttentionBackend):
             lens = torch.tensor(layout.context_lens[:n], dtype=torch.int32, device=layout.device)
         return TritonMetadata(layout.slot_mapping, n, build_prefills(layout, self.windows), table, lens, longest)
 
+    def static_decode_metadata(self, size: int, max_blocks: int, null_block: int, null_slot: int,
+                               max_context: int, device: torch.device) -> TritonMetadata:
+        # The grid is sized for max_context: one recording serves every context length.
+        return TritonMetadata(
+            slot_mapping=torch.full((size,), null_slot, dtype=torch.int64, device=device),
+            num_decodes=size,
+            prefills=[],
+            decode_block_table=torch.full((size, max_blocks), null_block, dtype=torch.int64, device=device),
+            decode_context_lens=torch.ones(size, dtype=torch.int32, device=device),
+            max_decode_context=max_context,
+        )
+
     def forward(
         self,
         q: torch.Tensor,

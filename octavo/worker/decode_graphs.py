@@ -1,29 +1,74 @@
-"""Decode steps replayed from CUDA graphs.
+"""Decode steps replayed from a recording: CUDA graphs on a GPU, kernel tapes on a CPU.
 
-A decode step of a small model on a GPU is mostly kernel-launch time: hundreds of small kernels whose launches
-cost more than their work. A CUDA graph records one step's launches once and replays them with a single call.
-Replay reads fixed addresses, so every input lives in a static buffer per captured batch size; a step of n
-decodes copies its inputs into the smallest captured size >= n and pads the rest with rows that write their K/V
-into a spare block no request owns (the "null block", one more than the pool the scheduler manages) and attend
-over it alone. The attention grid is sized for ``max_model_len``, so one graph serves every context length.
+A decode step of a small model is mostly overhead around small kernels: on a GPU their launches, on a CPU the
+Python between them. A recording of one step (a CUDA graph; on CPU a kernel tape, octavo/worker/kernel_tape.py)
+replays its kernels with a single call. Replay reads fixed addresses, so every input lives in a static buffer
+per recorded batch size; a step of n decodes copies its inputs into the smallest recorded size >= n and pads the
+rest with rows that write their K/V into a spare block no request owns (the "null block", one more than the pool
+the scheduler manages) and attend over it alone. The attention metadata is sized for ``max_model_len``, so one
+recording serves every context length.
 
-Without ``capture`` (CPU tests) the same static buffers and padding run eagerly: everything but the recording.
+Without a recorder (tests) the same static buffers and padding run eagerly: everything but the recording.
 """
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Protocol, Sequence
 
 import torch
 
+from octavo.attention.base import AttentionBackend, AttentionMetadata
 from octavo.attention.kv_quant import LayerKVCache
-from octavo.attention.triton_cuda import TritonMetadata
 
 logger = logging.getLogger(__name__)
 
 # Model forward: (input_ids, positions, kv_caches, metadata) -> hidden states [tokens, hidden].
-Forward = Callable[[torch.Tensor, torch.Tensor, Sequence[LayerKVCache], TritonMetadata], torch.Tensor]
+Forward = Callable[[torch.Tensor, torch.Tensor, Sequence[LayerKVCache], AttentionMetadata], torch.Tensor]
+
+
+class StepRefused(RuntimeError):
+    """The step does something a replay cannot repeat; it runs eagerly."""
+
+
+@dataclass
+class Recording:
+    replay: Callable[[], None]
+    output: torch.Tensor  # what every replay rewrites in place
+    nbytes: int  # memory the recording holds beyond what it shares with others
+
+
+class StepRecorder(Protocol):
+    name: str
+    on_use: bool  # record each size on its second step (True), or all sizes up front
+
+    def record(self, run: Callable[[], torch.Tensor]) -> Recording:
+        """Record ``run``: one step over the static buffers."""
+
+
+class CudaGraphRecorder:
+    """CUDA graphs sharing one memory pool. Warm-up runs on a side stream first (the allocator and Triton's
+    compilation must not happen while recording)."""
+
+    name = "CUDA graphs"
+
+    on_use = False
+
+    def __init__(self) -> None:
+        self._pool = torch.cuda.graph_pool_handle()
+
+    def record(self, run: Callable[[], torch.Tensor]) -> Recording:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                run()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            output = run()
+        torch.cuda.synchronize()
+        return Recording(graph.replay, output, 0)
 
 
 def capture_sizes(max_batch: int) -> list[int]:
@@ -39,71 +84,84 @@ class _StaticStep:
     size: int
     input_ids: torch.Tensor  # [size]
     positions: torch.Tensor  # [size]
-    meta: TritonMetadata  # its slot_mapping, block table and context lengths are the static buffers
-    hidden: Optional[torch.Tensor] = None  # the graph's output
-    graph: Optional["torch.cuda.CUDAGraph"] = None
+    meta: AttentionMetadata  # its slot_mapping, decode block table and context lengths are the static buffers
+    hidden: Optional[torch.Tensor] = None  # the recording's output
+    replay: Optional[Callable[[], None]] = None
+    eager_runs: int = 0
+    settled: bool = False  # recorded, or given up on: no more attempts
 
 
 class DecodeGraphs:
+    """Recorded decode steps for the batch ``sizes``. ``recorder.on_use`` False (CUDA graphs): every size is
+    recorded here, largest first (the graph pool serves the smaller ones from the largest one's memory). True
+    (kernel tapes): a size is recorded on its second step, the first having run eagerly through the same
+    buffers (whatever a first run builds or measures stays out of the recording), and an engine that never
+    decodes at a size never pays for it. With ``memory_budget`` (bytes), a recording that would take the
+    recordings past it is dropped and its size stays eager (a kernel tape keeps every tensor its step made)."""
+
     def __init__(
         self,
         forward: Forward,
         kv_caches: Sequence[LayerKVCache],
         null_block: int,
         block_size: int,
-        max_batch: int,
+        sizes: Sequence[int],
         max_model_len: int,
+        backend: AttentionBackend,
         device: torch.device,
-        capture: bool,
+        recorder: Optional[StepRecorder],
+        memory_budget: Optional[int] = None,
     ) -> None:
         self._forward = forward
         self._kv_caches = kv_caches
         self._null_slot = null_block * block_size
         self._null_block = null_block
         self.max_model_len = max_model_len
-        max_blocks = -(-max_model_len // block_size)
+        self._recorder = recorder
+        self._memory_budget = memory_budget
+        self.recorded_bytes = 0
         self._steps: dict[int, _StaticStep] = {}
-        for size in capture_sizes(max_batch):
-            meta = TritonMetadata(
-                slot_mapping=torch.full((size,), self._null_slot, dtype=torch.int64, device=device),
-                num_decodes=size,
-                prefills=[],
-                decode_block_table=torch.full((size, max_blocks), null_block, dtype=torch.int64, device=device),
-                decode_context_lens=torch.ones(size, dtype=torch.int32, device=device),
-                max_decode_context=max_model_len,
-            )
+        for size in sizes:
+            meta = backend.static_decode_metadata(size, -(-max_model_len // block_size), null_block,
+                                                  self._null_slot, max_model_len, device)
             self._steps[size] = _StaticStep(size, torch.zeros(size, dtype=torch.int64, device=device),
                                             torch.zeros(size, dtype=torch.int64, device=device), meta)
-        if capture:
-            self._capture()
+        if recorder is not None and not recorder.on_use:
+            for size in sorted(self._steps, reverse=True):
+                self._record(self._steps[size])
+            logger.info("recorded decode steps (%s) for batch sizes %s", recorder.name, sorted(self._steps))
 
     @property
     def max_batch(self) -> int:
         return max(self._steps)
 
-    def _capture(self) -> None:
-        """Record each size's step, largest first so the smaller ones reuse its memory from the shared pool.
-        Warm-up runs on a side stream first (the allocator and Triton's compilation must not happen while
-        recording); all rows are padding then, so they only write the null block."""
-        pool = torch.cuda.graph_pool_handle()
-        for size in sorted(self._steps, reverse=True):
-            step = self._steps[size]
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(2):
-                    self._run_eager(step)
-            torch.cuda.current_stream().wait_stream(side)
-            step.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(step.graph, pool=pool):
-                step.hidden = self._run_eager(step)
-        torch.cuda.synchronize()
-        logger.info("captured decode CUDA graphs for batch sizes %s", sorted(self._steps))
+    @property
+    def recorded_sizes(self) -> list[int]:
+        return sorted(size for size, step in self._steps.items() if step.replay is not None)
+
+    def _record(self, step: _StaticStep) -> torch.Tensor:
+        """Record ``step`` (a real step: its output is returned) and keep the recording when it fits the
+        budget. A step the recorder refuses runs eagerly, now and from then on."""
+        step.settled = True
+        try:
+            recorded = self._recorder.record(lambda: self._run_eager(step))
+        except StepRefused as exc:
+            logger.info("decode steps of batch %d stay eager: %s", step.size, exc)
+            return self._run_eager(step)  # whatever the refused attempt wrote, rewritten
+        if self._memory_budget is not None and self.recorded_bytes + recorded.nbytes > self._memory_budget:
+            logger.info("decode steps of batch %d stay eager: recording them (%.1f MiB) would pass the budget "
+                        "of %.0f MiB", step.size, recorded.nbytes / 2**20, self._memory_budget / 2**20)
+            return recorded.output
+        self.recorded_bytes += recorded.nbytes
+        step.replay, step.hidden = recorded.replay, recorded.output
+        logger.debug("recorded decode steps of batch %d (%s, %.1f MiB)", step.size, self._recorder.name,
+                     recorded.nbytes / 2**20)
+        return recorded.output
 
     def _run_eager(self, step: _StaticStep) -> torch.Tensor:
         return self._forward(step.input_ids, step.positions, self._kv_caches, step.meta)
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: TritonMetadata) -> torch.Tensor:
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Hidden states [n, hidden] of a step of n <= max_batch decodes laid out by the attention backend."""
         n = meta.num_decodes
         step = self._steps[min(size for size in self._steps if size >= n)]
@@ -120,7 +178,10 @@ class DecodeGraphs:
         static.slot_mapping[n:].fill_(self._null_slot)
         static.decode_block_table[n:, 0].fill_(self._null_block)
         static.decode_context_lens[n:].fill_(1)
-        if step.graph is None:
-            return self._run_eager(step)[:n]
-        step.graph.replay()
-        return step.hidden[:n]
+        if step.replay is not None:
+            step.replay()
+            return step.hidden[:n]
+        if self._recorder is not None and not step.settled and step.eager_runs:
+            return self._record(step)[:n]
+        step.eager_runs += 1
+        return self._run_eager(step)[:n]

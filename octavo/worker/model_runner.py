@@ -9,6 +9,7 @@ from typing import Callable, Optional
 import torch
 
 from octavo.attention.kv_quant import KV_QUANT_DTYPES
+from octavo.attention.native_cpu import NativeCpuBackend
 from octavo.attention.triton_cuda import TritonBackend
 from octavo.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from octavo.core.outputs import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
@@ -27,16 +28,17 @@ from octavo.spec_decode.adaptive import SpeculationGovernor
 from octavo.spec_decode.proposer import ProposalInput, ProposerContext
 from octavo.spec_decode.registry import create_proposer
 from octavo.worker.backends import model_backends
-from octavo.worker.decode_graphs import DecodeGraphs
+from octavo.worker.decode_graphs import CudaGraphRecorder, DecodeGraphs, capture_sizes
 from octavo.worker.draft_runner import DraftModelProposer
 from octavo.worker.input_batch import StepInputs, prepare_inputs
-from octavo.worker.pooler import Pooler
+from octavo.worker.kernel_tape import TAPE_MAX_BATCH, TAPE_MEMORY_BUDGET, TapeRecorder
 from octavo.worker.kv_cache import (
     CacheShape,
     allocate_kv_caches,
     copy_blocks,
     num_cache_blocks,
 )
+from octavo.worker.pooler import Pooler
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +123,7 @@ class ModelRunner:
         static_scales = (load_static_kv_scales(self.model, folder, cache_dtype)
                          if cache_config.kv_cache_dtype != "auto" else None)
         use_graphs = self._can_use_graphs(model_config, spec)
-        # CUDA graphs pad batches with rows that write into one extra block the scheduler never hands out.
+        # Recorded steps pad batches with rows that write into one extra block the scheduler never hands out.
         self.kv_caches = allocate_kv_caches(shape, self.num_blocks + use_graphs, self.device, static_scales)
         if self._draft is not None:
             self._draft.allocate(self.num_blocks)
@@ -262,21 +264,31 @@ class ModelRunner:
         return inputs, self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
 
     def _can_use_graphs(self, model_config: ModelConfig, spec: SpeculativeConfig) -> bool:
-        """Decode steps replay CUDA graphs on CUDA with the Triton backend, at one rank (no collectives or
-        stage hand-offs inside the graph), without speculation (its steps are multi-token rows)."""
+        """Decode steps replay recordings (CUDA graphs with the Triton backend, kernel tapes on CPU with the
+        native one) at one rank (no collectives or stage hand-offs inside a recording), without speculation
+        (its steps are multi-token rows), for generating models (an embedding model never decodes)."""
         state = get_parallel_state()
-        return (self.device.type == "cuda" and not model_config.enforce_eager
-                and isinstance(self.backends.attention, TritonBackend)
-                and state.tp_size == 1 and state.pp_size == 1 and not spec.enabled)
+        backend = self.backends.attention
+        recordable = ((self.device.type == "cuda" and isinstance(backend, TritonBackend))
+                      or (self.device.type == "cpu" and isinstance(backend, NativeCpuBackend)))
+        return (recordable and not model_config.enforce_eager and state.tp_size == 1 and state.pp_size == 1
+                and not spec.enabled and self.pooler is None)
 
     def _capture_graphs(self, max_num_seqs: int) -> Optional[DecodeGraphs]:
-        """Graphs for decode batches up to max_num_seqs (at most 256); a capture that fails leaves the engine
-        eager, with the reason logged, rather than not starting."""
+        """Recorded decode steps for batches up to max_num_seqs (CUDA: at most 256, captured now; CPU: at most
+        ``TAPE_MAX_BATCH``, where the Python around the kernels is still a noticeable share of a step, each
+        size recorded on its second step within ``TAPE_MEMORY_BUDGET``). A capture that fails leaves the
+        engine eager, with the reason logged, rather than not starting."""
+        on_cuda = self.device.type == "cuda"
+        recorder = CudaGraphRecorder() if on_cuda else TapeRecorder()
+        sizes = capture_sizes(min(max_num_seqs, 256 if on_cuda else TAPE_MAX_BATCH))
         try:
-            return DecodeGraphs(self.model, self.kv_caches, self.num_blocks, self.block_size,
-                                min(max_num_seqs, 256), self.max_model_len, self.device, capture=True)
+            with torch.inference_mode():  # as the steps that replay them run
+                return DecodeGraphs(self.model, self.kv_caches, self.num_blocks, self.block_size, sizes,
+                                    self.max_model_len, self.backends.attention, self.device, recorder,
+                                    memory_budget=None if on_cuda else TAPE_MEMORY_BUDGET)
         except Exception:
-            logger.exception("capturing decode CUDA graphs failed; running every step eagerly")
+            logger.exception("recording decode steps (%s) failed; running every step eagerly", recorder.name)
             return None
 
     def _sample(self, scheduled: list[ScheduledRow], logits: torch.Tensor, out: ModelRunnerOutput) -> None:

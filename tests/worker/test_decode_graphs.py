@@ -1,24 +1,26 @@
-"""Decode steps through DecodeGraphs' static buffers (what a CUDA graph replays) give the hidden states and K/V
-writes of the eager step: padding rows touch only the null block, and a smaller step after a larger one is not
-disturbed by the rows the larger one left in the buffers. On CPU the static step runs eagerly; the attention is
-the CUDA backend's Triton kernel in Triton's interpreter."""
+"""Decode steps through DecodeGraphs' static buffers (what a CUDA graph or a kernel tape replays) give the hidden
+states and K/V writes of the eager step: padding rows touch only the null block, and a smaller step after a larger
+one is not disturbed by the rows the larger one left in the buffers. The CUDA backend's form runs eagerly, its
+Triton kernel in Triton's interpreter; the CPU's records kernel tapes (each size on its second step) and replays
+them, keeps a size eager when its recording is refused or would pass the memory budget."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from octavo.attention.kv_quant import allocate_layer_cache
+from octavo.attention.native_cpu import NativeCpuBackend
 from octavo.core.request import Request
 from octavo.core.step_state import ScheduledRow
+from octavo.kernels.fused_ops import fused_ops
 from octavo.model.backends import ModelBackends
 from octavo.model.loader import load_model
 from octavo.sampling_params import SamplingParams
 from octavo.worker.decode_graphs import DecodeGraphs, capture_sizes
 from octavo.worker.input_batch import prepare_inputs
+from octavo.worker.kernel_tape import TapeRecorder
 from tests.model_factory import make_tiny_model
 
-pytest.importorskip("triton", reason="the triton package (installed with the test extra)")
-from octavo.attention.triton_cuda import TritonBackend  # noqa: E402
 
 BLOCK, NUM_BLOCKS, MAX_LEN = 4, 24, 64
 CPU = torch.device("cpu")
@@ -43,12 +45,30 @@ def _decode_step(contexts: list[int], seed: int):
     return rows
 
 
-@pytest.mark.skipif(torch.cuda.is_available(),
-                    reason="the CPU (interpreter) form of this check; on a GPU tests/cuda replay real graphs")
-def test_static_step_matches_the_eager_step(tmp_path):
+def _triton_backend():
+    pytest.importorskip("triton", reason="the triton package (installed with the test extra)")
+    if torch.cuda.is_available():
+        pytest.skip("the CPU (interpreter) form of this check; on a GPU tests/cuda replay real graphs")
+    from octavo.attention.triton_cuda import TritonBackend
+
+    return TritonBackend({None}), None
+
+
+def _tapes():
+    return NativeCpuBackend.create({None}, required=True), TapeRecorder()
+
+
+# Six rows, five in the same size-6 buffers (its last row left over), six again (recorded on the second
+# size-6 step), five (replayed), then one, twice.
+STEPS = (([30, 17, 9, 5, 2, 11], 1), ([21, 3, 8, 14, 6], 2), ([31, 18, 10, 6, 3, 12], 4), ([22, 4, 9, 15, 7], 5),
+         ([40], 3), ([41], 6))
+
+
+def _run_steps(tmp_path, make_backend, forward_wrap=lambda f: f, memory_budget=None):
     folder = make_tiny_model(tmp_path, "llama", num_hidden_layers=2)
-    backend = TritonBackend({None})
-    model, arch = load_model(folder, "float32", CPU, MAX_LEN, ModelBackends(attention=backend))
+    backend, recorder = make_backend()
+    model, arch = load_model(folder, "float32", CPU, MAX_LEN, ModelBackends(attention=backend,
+                                                                             fused_ops=fused_ops(required=True)))
     layer = model.local_layers[0].self_attn
     null_block = NUM_BLOCKS  # the pool the scheduler sees is 0 .. NUM_BLOCKS-1
 
@@ -61,11 +81,10 @@ def test_static_step_matches_the_eager_step(tmp_path):
         return made
 
     eager_caches, static_caches = caches(0), caches(0)
-    graphs = DecodeGraphs(model, static_caches, null_block, BLOCK, max_batch=6, max_model_len=MAX_LEN,
-                          device=CPU, capture=False)
     with torch.inference_mode():
-        # Six rows, then five in the same size-6 buffers (its last row left over from the first step), then one.
-        for contexts, seed in (([30, 17, 9, 5, 2, 11], 1), ([21, 3, 8, 14, 6], 2), ([40], 3)):
+        graphs = DecodeGraphs(forward_wrap(model), static_caches, null_block, BLOCK, capture_sizes(6), MAX_LEN,
+                              backend, CPU, recorder, memory_budget)
+        for contexts, seed in STEPS:
             inputs = prepare_inputs(_decode_step(contexts, seed), BLOCK, backend, CPU)
             want = model(inputs.input_ids, inputs.positions, eager_caches, inputs.attn)
             got = graphs.run(inputs.input_ids, inputs.positions, inputs.attn)
@@ -74,3 +93,28 @@ def test_static_step_matches_the_eager_step(tmp_path):
         # Not bit-equal: the padded batch's matmuls round differently from the unpadded one's.
         torch.testing.assert_close(static.data[:, :NUM_BLOCKS], eager.data[:, :NUM_BLOCKS], rtol=1e-5, atol=1e-5)
         assert static.data[:, null_block].abs().sum() > 0  # the padding rows wrote there, and only there
+    return graphs
+
+
+@pytest.mark.parametrize("make_backend", [_triton_backend, _tapes], ids=["triton-static-buffers", "cpu-tapes"])
+def test_static_step_matches_the_eager_step(tmp_path, make_backend):
+    graphs = _run_steps(tmp_path, make_backend)
+    if make_backend is _tapes:
+        assert graphs.recorded_sizes == [1, 6] and graphs.recorded_bytes > 0
+
+
+def test_a_size_whose_recording_passes_the_budget_stays_eager(tmp_path):
+    graphs = _run_steps(tmp_path, _tapes, memory_budget=1)
+    assert graphs.recorded_sizes == [] and graphs.recorded_bytes == 0
+
+
+def test_a_refused_recording_leaves_the_size_eager_and_its_step_right(tmp_path):
+    def reads_a_value(model):
+        def forward(*args):
+            hidden = model(*args)
+            hidden.abs().max().item()  # Python reads the step's data: a replay could not
+            return hidden
+        return forward
+
+    graphs = _run_steps(tmp_path, _tapes, forward_wrap=reads_a_value)
+    assert graphs.recorded_sizes == []

@@ -113,7 +113,9 @@ def test_prepare_inputs_rejects_a_short_block_table():
 def test_runner_attributes(variant):
     runner = make_runner(variant("llama"), num_blocks=9, max_model_len=100)
     assert runner.num_blocks == 9 and len(runner.kv_caches) == 2
-    assert runner.kv_caches[0].data.shape == (2, 9, 16, 2, 16) and runner.kv_caches[0].scales is None
+    # One block more than the scheduler's pool: the null block that recorded decode steps pad into.
+    assert runner._graphs is not None and runner.kv_caches[0].data.shape == (2, 10, 16, 2, 16)
+    assert runner.kv_caches[0].scales is None
     assert runner.max_model_len == 100
     assert make_runner(variant("llama"), num_blocks=1).max_model_len == 512
     assert runner.vocab_size == 512
