@@ -4,13 +4,14 @@ the model already holds."""
 from __future__ import annotations
 
 import ctypes
+from functools import cache
 from typing import Optional
 
 import torch
 from torch.nn import functional as F
 
 from octavo.kernels.build import load_kernel, try_load_kernel
-from octavo.kernels.cpu_features import cpu_target
+from octavo.kernels.cpu_features import CpuTarget, cpu_target
 from octavo.kernels.launch import launch
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
@@ -99,12 +100,18 @@ def amx_multiply(lib: ctypes.CDLL, x: torch.Tensor, blocks: torch.Tensor, bias: 
 def amx_linear_kernel(required: bool = False) -> Optional[AmxLinearKernel]:
     """The kernel, built on first use; None where it cannot be built or the CPU
     (or the OS) offers no AMX, unless ``required`` (then a ValueError says why)."""
-    lib = load_kernel("amx_linear") if required else try_load_kernel("amx_linear")
+    return _kernel(cpu_target(), required)
+
+
+@cache
+def _kernel(target: CpuTarget, required: bool) -> Optional[AmxLinearKernel]:
+    # Cached: the eager op looks the kernel up on every product.
+    lib = load_kernel("amx_linear", target) if required else try_load_kernel("amx_linear", target)
     if lib is None:
         return None
     if not lib.octavo_amx_available():
         if required:
             raise ValueError(f"the AMX linear kernel needs a CPU with AMX bf16 tiles and an OS that grants them "
-                             f"(CPU kernels target: {cpu_target().name})")
+                             f"(CPU kernels target: {target.name})")
         return None
     return AmxLinearKernel(lib)
