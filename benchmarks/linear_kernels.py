@@ -17,7 +17,9 @@ benchmarks/roofline.py uses).
 ``--quant int8,int4`` adds the same matrices quantized as Octavo does on the
 fly (int8 per output channel, int4 in groups of ``--group-size``) through the
 FMA path of quant_linear.c built for each of ``--targets`` (default: the
-process's target), as ``int8_<isa>`` / ``int4_<isa>``; their GB/s and
+process's target), as ``int8_<isa>`` / ``int4_<isa>``, next to
+``int8_dequantize`` / ``int4_dequantize`` (dequantize per call + F.linear,
+what CPUs without the kernel ran before); their GB/s and
 ``of_sum_rate`` count the bytes they read (integers, scales, mins), compared
 with a sum over as many bytes. ``--no-bf16`` leaves out the bf16 backends:
 
@@ -60,7 +62,9 @@ def quant_forms(weights: list[torch.Tensor], kind: str, group: int,
     qs = [quantize_int8(w) if kind == "int8" else quantize_int4(w, group) for w in weights]
     if any(q.kernel is None for q in qs):
         raise SystemExit(f"{kind}: a weight the kernel cannot take (out features not a multiple of 16?)")
-    forms = {}
+    # What a CPU without the kernel did before: dequantize per call, then F.linear.
+    forms = {f"{kind}_dequantize": ([lambda x, q=q: F.linear(x, q.dequantize().to(x.dtype)) for q in qs],
+                                    sum(q.nbytes for q in qs))}
     for target in targets:
         kernel = quant_linear_kernel(target, required=True)
         forms[f"{kind}_{kernel.isa}"] = [
