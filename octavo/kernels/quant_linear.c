@@ -79,11 +79,15 @@ ALWAYS_INLINE vec load_q8(const int8_t *p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
 
-/* Weights k and k + 1 (k even) of 16 lanes from 16 bytes of int4 pairs. */
+/* Weights k and k + 1 (k even) of 16 lanes from 16 bytes of int4 pairs.
+ * The values 0..15 are looked up (vpermps), not converted: it reads only
+ * an index's low 4 bits, so the low nibble needs no mask (one op less a
+ * pair than and + two conversions; ~7% at one row, measured in L2). */
 ALWAYS_INLINE void load_q4(const uint8_t *p, vec *even, vec *odd) {
     const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-    *even = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
-    *odd = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+    const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    *even = _mm512_permutexvar_ps(b, values);
+    *odd = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), values);
 }
 
 #elif defined(__AVX2__) && defined(__FMA__)
