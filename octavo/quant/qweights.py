@@ -48,9 +48,10 @@ from octavo.kernels.quant_linear import (
     unpack_int8,
 )
 
-# Rows up to which the exact FMA kernel runs; more bf16 rows go to the AMX
-# tile kernel (dequantizing a 32-output group into L2 at a time), whose cost
-# is shared by the rows (benchmarks/quantization.py --kernels).
+# Rows up to which the exact FMA kernel runs where the CPU has AMX; more bf16
+# rows go to the AMX tile kernel (dequantizing a 32-output group into L2 at a
+# time), whose cost is shared by the rows (benchmarks/quantization.py
+# --kernels). Without AMX the FMA kernel takes every row count.
 FMA_ROWS = 4
 
 
