@@ -16,6 +16,15 @@ Per model and weight format:
 - ``--kernels``: one decoder layer's four products at 1-256 rows: bf16
   (oneDNN prepack + the AMX kernel), Octavo's int8/int4 kernels, and torch's
   own CPU ops (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``).
+- ``--read-rate`` (alone): every matrix of one forward, quantized (int8 per
+  output channel, int4 in groups of ``--group-size``), through the FMA path
+  of quant_linear.c built for each of ``--targets`` (default: the process's
+  CPU target), at ``--rows``, next to dequantize + F.linear (what CPUs
+  without the kernel ran) and a sum over as many bytes as the kernel reads
+  (integers, scales, mins): the weight read rate few-row decode gets.
+
+    python -m benchmarks.quantization --read-rate --models benchmarks/models/llama-100m \
+        --targets avx512_bf16,avx512,avx2,portable --threads 1
 
 llama.cpp's files: ``model-bf16.gguf`` beside each checkpoint (or in
 ``--gguf-dir``; tools/make_bench_models.py --gguf writes it), quantized by
@@ -222,6 +231,42 @@ def bench_kernels(model: Path, group: int) -> list[dict[str, Any]]:
     return rows
 
 
+def bench_read_rate(model: Path, group: int, targets: list[str], rows: list[int]) -> list[dict[str, Any]]:
+    from torch.nn import functional as F
+
+    from benchmarks.linear_kernels import model_matrices
+    from octavo.kernels.cpu_features import BY_NAME, cpu_target
+    from octavo.kernels.quant_linear import quant_linear_kernel
+    from octavo.quant.onthefly import quantize_int4, quantize_int8
+
+    shapes = model_matrices(model)
+    torch.manual_seed(0)
+    weights = [torch.randn(n, k, dtype=torch.bfloat16) * 0.02 for n, k in shapes]
+    ways: dict[str, Callable[..., torch.Tensor]] = {
+        "dequantize + F.linear": lambda x, q: F.linear(x, q.dequantize().to(x.dtype))}
+    for target in [BY_NAME[t] for t in targets] or [cpu_target()]:
+        kernel = quant_linear_kernel(target, required=True)
+        ways[f"fma {kernel.isa}"] = lambda x, q, kernel=kernel: kernel(x, q.bits, q.group_size, q.packed, q.scales,
+                                                                         q.mins, None, q.out_features, False)
+    table = []
+    for kind in ("int8", "int4"):
+        qs = [quantize_int8(w) if kind == "int8" else quantize_int4(w, group) for w in weights]
+        if any(q.kernel is None for q in qs):
+            raise SystemExit(f"{model.name}: a matrix the kernel cannot take (out features not a multiple of 16)")
+        nbytes = sum(q.nbytes for q in qs)
+        sum_s = _best_time(torch.ones(nbytes // 4).sum)
+        for m in rows:
+            xs = {k: torch.randn(m, k, dtype=torch.bfloat16) for k in {k for _, k in shapes}}
+            for name, way in ways.items():
+                load = load_avg()
+                t = _best_time(lambda way=way: [way(xs[k], q) for q, (_, k) in zip(qs, shapes)])
+                table.append({"model": model.name, "weights": kind, "rows": m, "kernel": name, "ms": t * 1e3,
+                              "MB": nbytes / 1e6, "GB_s": nbytes / t / 1e9, "sum_GB_s": nbytes / sum_s / 1e9,
+                              "of_sum_rate": sum_s / t, "load": f"{load} -> {load_avg()}"})
+                print_table(table[-1:], list(table[-1]))
+    return table
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     default_models = ",".join(str(Path(__file__).resolve().parent / "models" / m) for m in
@@ -244,18 +289,29 @@ def main() -> None:
                         help="let llama.cpp repack quantized weights for this CPU (crashes with the peers' build here)")
     parser.add_argument("--kernels", action="store_true", help="also time one layer's products per kernel")
     parser.add_argument("--kernels-only", action="store_true")
+    parser.add_argument("--read-rate", action="store_true",
+                        help="only the weight read rate of the quantized kernels over every matrix of each model")
+    parser.add_argument("--targets", default="", help="--read-rate: CPU targets to build the kernel for, "
+                        "e.g. avx512_bf16,avx512,avx2,portable (default: the process's)")
+    parser.add_argument("--rows", default="1,4,16,64", help="--read-rate: rows per product")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     models = [Path(m) for m in args.models.split(",") if m]
     result: dict[str, Any] = {"benchmark": "quantization", "machine": machine_info(),
                               "args": {k: str(v) for k, v in vars(args).items()}}
-    if args.kernels or args.kernels_only:
+    if args.read_rate:
+        targets = [t for t in args.targets.split(",") if t]
+        table = [r for m in models
+                 for r in bench_read_rate(m, args.group_size, targets, [int(r) for r in args.rows.split(",")])]
+        print_table(table, list(table[0]), title=f"weight read rate, best of short batches, {args.threads} threads")
+        result["read_rate"] = table
+    elif args.kernels or args.kernels_only:
         table = [r for m in models for r in bench_kernels(m, args.group_size)]
         print_table(table, list(table[0]), title="one decoder layer's products, best of short batches (us; "
                                                  "x = speed-up over bf16)")
         result["kernels"] = table
-    if not args.kernels_only:
+    if not (args.kernels_only or args.read_rate):
         table = [r for m in models for r in bench_model(m, args)]
         cols = ["model", "weights", "b1_tok_s", "b1_vs_octavo_bf16", "b1_vs_llamacpp", "bw_fraction",
                 "MB_per_token", "offline_out_tok_s", "offline_vs_llamacpp", "load"]

@@ -13,96 +13,217 @@
  *   int4: w[N/16][K/2][16]   byte = q[n, k] | q[n, k + 1] << 4 (k even)
  *   scales, mins: [N/16][K/group][16] float32
  *
- * Few rows (decode): rows in blocks of up to 4; each 16-weight vector is
- * widened to float32 once and multiplied into every row of the block with
- * FMAs, exactly (float32 products and sums of the float32 x and the integer
- * q; the scale and min per group). Four accumulator chains per row hide the
- * FMA latency.
+ * Any number of rows (the `fma` path): rows in blocks of up to 4; each
+ * vector of weights is widened to float32 in registers once and multiplied
+ * into every row of the block with FMAs, exactly (float32 products and sums
+ * of the float32 x and the integer q; the scale and min once per group).
+ * Several accumulator chains per row hide the FMA latency: as many as the
+ * registers hold. One source, the instruction set chosen by the compiler's
+ * target (build.py compiles per target), the loop the same on each:
+ *   AVX-512F (with or without BF16): 16 outputs a vector;
+ *   AVX2 + FMA: a 16-output block is two 8-lane halves;
+ *   anything else: GCC/Clang generic 4-float vectors (a block is four),
+ *                  lowered to whatever the target has (NEON, SSE2).
+ * The products are exact inside the FMAs (the portable path rounds each
+ * product once more); otherwise only the summation order (the number of
+ * chains) differs between the paths.
  *
- * Many rows with bf16 activations (prefill, big batches): each thread
- * dequantizes a 32-output group over all of K into an L2-resident bf16
- * buffer in the AMX layout (amx_tiles.h) and multiplies it into all rows on
- * AMX tiles: the weights are then bf16-rounded (|error| <= 2^-9 relative per
- * weight), the price of tile throughput.
+ * Not done: multiplying int8 weights by int8-quantized rows with VNNI
+ * (vpdpbusd). Rounding the rows to 8 bits costs ~2^-8 relative per row
+ * element, 400x the 1e-5 the float32 path promises (tests/quant), and the
+ * dot product would need the weights as 4 consecutive k's per lane, another
+ * layout beside the one the AMX path reads. Tried and dropped: int4 times
+ * bf16 rows by vdpbf16ps (each nibble or'ed into the bf16 128 + q, the 128
+ * taken off per group): slower on the Xeon measured (in L2, one thread:
+ * 13.8 vs 14.9 GB/s at one row, 5.9 vs 8.8 at four).
  *
- * Built with -march=native; without AVX-512 (or AMX) the entry points exist
- * but report it, and the Python side uses its torch path. */
+ * Many rows with bf16 activations (prefill, big batches) on AMX CPUs: each
+ * thread dequantizes a 32-output group over all of K into an L2-resident
+ * bf16 buffer in the AMX layout (amx_tiles.h) and multiplies it into all
+ * rows on AMX tiles: the weights are then bf16-rounded (|error| <= 2^-9
+ * relative per weight), the price of tile throughput. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "common.h"
 
-#define MAX_ROWS 4 /* rows per FMA block: 4 rows x 4 chains = 16 accumulators */
+#define BLOCK 16   /* outputs per packed block: the layout's, on every ISA */
+#define KSTEP 4    /* k's per step of the FMA loop */
+#define MAX_ROWS 4 /* rows per FMA block: each widened weight feeds up to 4 rows */
+/* Each step also asks for the weight bytes this far ahead into L2: a thread
+ * reads one sequential stream, yet the hardware prefetchers alone kept one
+ * row at ~0.55 of a sum's read rate (int8, llama-100m's matrices, one
+ * thread); with this, ~0.95 (8 KiB beat 4 KiB and the next block's start). */
+#define PREFETCH_AHEAD 8192
 
-#ifdef HAVE_AVX512_BF16
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#ifdef __AVX512BF16__
+#define ISA "avx512_bf16"
+#else
+#define ISA "avx512"
+#endif
+#define LANES 16
+#define ACC_REGS 16 /* of 32 zmm: the rest hold weights, scales, the outputs */
+typedef __m512 vec;
+ALWAYS_INLINE vec vzero(void) { return _mm512_setzero_ps(); }
+ALWAYS_INLINE vec vset1(float x) { return _mm512_set1_ps(x); }
+ALWAYS_INLINE vec vload(const float *p) { return _mm512_loadu_ps(p); }
+ALWAYS_INLINE void vstore(float *p, vec v) { _mm512_storeu_ps(p, v); }
+ALWAYS_INLINE vec vadd(vec a, vec b) { return _mm512_add_ps(a, b); }
+ALWAYS_INLINE vec vfma(vec a, vec b, vec c) { return _mm512_fmadd_ps(a, b, c); }
 
 /* 16 weights (k, lanes n0..n0+15) as float32. */
-ALWAYS_INLINE __m512 load_q8(const int8_t *p) {
+ALWAYS_INLINE vec load_q8(const int8_t *p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
 
-/* Weights k and k + 1 (k even) of 16 lanes from one 16-byte int4 block. */
-ALWAYS_INLINE void load_q4(const uint8_t *p, __m512 *even, __m512 *odd) {
+/* Weights k and k + 1 (k even) of 16 lanes from 16 bytes of int4 pairs.
+ * The values 0..15 are looked up (vpermps), not converted: it reads only
+ * an index's low 4 bits, so the low nibble needs no mask (one op less a
+ * pair than and + two conversions; ~7% at one row, measured in L2). */
+ALWAYS_INLINE void load_q4(const uint8_t *p, vec *even, vec *odd) {
     const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-    *even = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)));
-    *odd = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+    const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    *even = _mm512_permutexvar_ps(b, values);
+    *odd = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), values);
 }
+
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define ISA "avx2"
+#define LANES 8
+#define ACC_REGS 8 /* of 16 ymm */
+typedef __m256 vec;
+ALWAYS_INLINE vec vzero(void) { return _mm256_setzero_ps(); }
+ALWAYS_INLINE vec vset1(float x) { return _mm256_set1_ps(x); }
+ALWAYS_INLINE vec vload(const float *p) { return _mm256_loadu_ps(p); }
+ALWAYS_INLINE void vstore(float *p, vec v) { _mm256_storeu_ps(p, v); }
+ALWAYS_INLINE vec vadd(vec a, vec b) { return _mm256_add_ps(a, b); }
+ALWAYS_INLINE vec vfma(vec a, vec b, vec c) { return _mm256_fmadd_ps(a, b, c); }
+
+ALWAYS_INLINE vec load_q8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+
+ALWAYS_INLINE void load_q4(const uint8_t *p, vec *even, vec *odd) {
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    *even = _mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15)));
+    *odd = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+}
+
+#else
+#define ISA "portable"
+/* GCC/Clang generic vectors of 4 floats: the width every SIMD target has
+ * (NEON, SSE2), so the vectors and the accumulators stay in registers. */
+#define LANES 4
+#define ACC_REGS 8
+typedef float vec __attribute__((vector_size(16)));
+typedef int32_t ints __attribute__((vector_size(16)));
+typedef int8_t bytes_s __attribute__((vector_size(4)));
+typedef uint8_t bytes_u __attribute__((vector_size(4)));
+ALWAYS_INLINE vec vzero(void) { return (vec){0}; }
+ALWAYS_INLINE vec vset1(float x) { return (vec){x, x, x, x}; }
+ALWAYS_INLINE vec vload(const float *p) {
+    vec v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+ALWAYS_INLINE void vstore(float *p, vec v) { memcpy(p, &v, sizeof v); }
+ALWAYS_INLINE vec vadd(vec a, vec b) { return a + b; }
+/* Two roundings, not one: -std=c11 does not contract a * b + c into an FMA. */
+ALWAYS_INLINE vec vfma(vec a, vec b, vec c) { return a * b + c; }
+
+/* Bytes to int32 lanes, then to float: each step has a vector instruction
+ * on every SIMD target (a direct byte -> float conversion is scalar on SSE2). */
+ALWAYS_INLINE vec load_q8(const int8_t *p) {
+    bytes_s b;
+    memcpy(&b, p, sizeof b);
+    return __builtin_convertvector(__builtin_convertvector(b, ints), vec);
+}
+
+ALWAYS_INLINE void load_q4(const uint8_t *p, vec *even, vec *odd) {
+    bytes_u b;
+    memcpy(&b, p, sizeof b);
+    const ints i = __builtin_convertvector(b, ints);
+    *even = __builtin_convertvector(i & 15, vec);
+    *odd = __builtin_convertvector(i >> 4, vec);
+}
+#endif
+
+#define HALVES (BLOCK / LANES) /* vectors per 16-output block */
+
+/* Accumulator chains per row for R rows: up to one per k of a step, as
+ * many as ACC_REGS registers hold. */
+#define CHAINS(R) (ACC_REGS / ((R) * HALVES) >= 4 ? 4 : ACC_REGS / ((R) * HALVES) >= 2 ? 2 : 1)
+
+const char *octavo_qlinear_isa(void) { return ISA; }
 
 /* Rows r0..r0+R-1 times the 16 outputs of block nb: float32 x (xf, [M][K])
  * and per-row group sums of x (xs, [M][G]) prepared by the caller. */
-ALWAYS_INLINE void fma_block(int R, int bits, const float *xf, const float *xs, int64_t r0, int64_t K, int64_t group,
-                             const void *w, const float *scales, const float *mins, int64_t nb, __m512 out[MAX_ROWS]) {
+ALWAYS_INLINE void fma_block(const int R, const int bits, const float *xf, const float *xs, int64_t r0, int64_t K,
+                             int64_t group, const void *w, const float *scales, const float *mins, int64_t nb,
+                             vec out[MAX_ROWS][HALVES]) {
+    const int CH = CHAINS(R);
     const int64_t G = K / group;
-    const float *sc = scales + nb * G * 16, *mn = mins ? mins + nb * G * 16 : NULL;
-    for (int r = 0; r < R; r++) out[r] = _mm512_setzero_ps();
+    const float *sc = scales + nb * G * BLOCK, *mn = mins ? mins + nb * G * BLOCK : NULL;
+    for (int r = 0; r < R; r++)
+        for (int h = 0; h < HALVES; h++) out[r][h] = vzero();
     for (int64_t g = 0; g < G; g++) {
-        __m512 acc[MAX_ROWS][4];
+        vec acc[MAX_ROWS][KSTEP][HALVES];
         for (int r = 0; r < R; r++)
-            for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_ps();
+            for (int c = 0; c < CH; c++)
+                for (int h = 0; h < HALVES; h++) acc[r][c][h] = vzero();
         const int64_t k0 = g * group;
-        for (int64_t k = k0; k < k0 + group; k += 4) {
-            __m512 v[4];
-            if (bits == 8) {
-                const int8_t *p = (const int8_t *)w + (nb * K + k) * 16;
-                for (int c = 0; c < 4; c++) v[c] = load_q8(p + c * 16);
-            } else {
-                const uint8_t *p = (const uint8_t *)w + (nb * K + k) * 8;
-                load_q4(p, &v[0], &v[1]);
-                load_q4(p + 16, &v[2], &v[3]);
-            }
-            for (int r = 0; r < R; r++) {
-                const float *x = xf + (r0 + r) * K + k;
-                for (int c = 0; c < 4; c++) acc[r][c] = _mm512_fmadd_ps(v[c], _mm512_set1_ps(x[c]), acc[r][c]);
+        for (int64_t k = k0; k < k0 + group; k += KSTEP) {
+            __builtin_prefetch((const char *)w + (nb * K + k) * BLOCK * bits / 8 + PREFETCH_AHEAD, 0, 2);
+            for (int h = 0; h < HALVES; h++) {
+                vec v[KSTEP];
+                if (bits == 8) {
+                    const int8_t *p = (const int8_t *)w + (nb * K + k) * BLOCK + h * LANES;
+                    for (int c = 0; c < KSTEP; c++) v[c] = load_q8(p + c * BLOCK);
+                } else {
+                    const uint8_t *p = (const uint8_t *)w + (nb * K + k) * (BLOCK / 2) + h * LANES;
+                    load_q4(p, &v[0], &v[1]);
+                    load_q4(p + BLOCK, &v[2], &v[3]);
+                }
+                for (int r = 0; r < R; r++) {
+                    const float *x = xf + (r0 + r) * K + k;
+                    for (int c = 0; c < KSTEP; c++) acc[r][c % CH][h] = vfma(v[c], vset1(x[c]), acc[r][c % CH][h]);
+                }
             }
         }
-        const __m512 s = _mm512_loadu_ps(sc + g * 16);
-        for (int r = 0; r < R; r++) {
-            const __m512 dot = _mm512_add_ps(_mm512_add_ps(acc[r][0], acc[r][1]), _mm512_add_ps(acc[r][2], acc[r][3]));
-            out[r] = _mm512_fmadd_ps(dot, s, out[r]);
-            if (mn) out[r] = _mm512_fmadd_ps(_mm512_loadu_ps(mn + g * 16), _mm512_set1_ps(xs[(r0 + r) * G + g]), out[r]);
+        for (int h = 0; h < HALVES; h++) {
+            const vec s = vload(sc + g * BLOCK + h * LANES);
+            for (int r = 0; r < R; r++) {
+                vec dot = acc[r][0][h];
+                if (CH == 2) dot = vadd(dot, acc[r][1][h]);
+                if (CH == 4) dot = vadd(vadd(dot, acc[r][1][h]), vadd(acc[r][2][h], acc[r][3][h]));
+                out[r][h] = vfma(dot, s, out[r][h]);
+                if (mn) out[r][h] = vfma(vload(mn + g * BLOCK + h * LANES), vset1(xs[(r0 + r) * G + g]), out[r][h]);
+            }
         }
     }
 }
 
-ALWAYS_INLINE void store_block(int R, const __m512 acc[MAX_ROWS], const void *bias, int dtype, int64_t r0,
-                               int64_t N, int64_t nb, void *out) {
-    __m512 b = _mm512_setzero_ps();
-    if (bias) b = dtype == BF16 ? load16_bf16((const uint16_t *)bias + nb * 16) : _mm512_loadu_ps((const float *)bias + nb * 16);
+/* The block's sums plus the bias, converted to `dtype` (bf16: rounded to
+ * nearest even, as torch rounds). */
+ALWAYS_INLINE void store_block(int R, vec acc[MAX_ROWS][HALVES], const void *bias, int dtype, int64_t r0, int64_t N,
+                               int64_t nb, void *out) {
+    const int64_t size = element_size(dtype);
+    float b[BLOCK] = {0}, y[BLOCK];
+    if (bias) load_row((const char *)bias + nb * BLOCK * size, dtype, BLOCK, b);
     for (int r = 0; r < R; r++) {
-        const __m512 y = _mm512_add_ps(acc[r], b);
-        const int64_t at = (r0 + r) * N + nb * 16;
-        if (dtype == BF16)
-            store16_bf16((uint16_t *)out + at, y);
-        else
-            _mm512_storeu_ps((float *)out + at, y);
+        for (int h = 0; h < HALVES; h++) vstore(y + h * LANES, vadd(acc[r][h], vload(b + h * LANES)));
+        store_row(y, dtype, BLOCK, (char *)out + ((r0 + r) * N + nb * BLOCK) * size);
     }
 }
 
 /* R as a constant in each copy, so the row loops unroll into registers. */
 #define ROWS_CASE(R)                                                                          \
     case R: {                                                                                 \
-        __m512 acc[MAX_ROWS];                                                                 \
+        vec acc[MAX_ROWS][HALVES];                                                            \
         if (bits == 8)                                                                        \
             fma_block(R, 8, xf, xs, r0, K, group, w, scales, mins, nb, acc);                  \
         else                                                                                  \
@@ -113,7 +234,7 @@ ALWAYS_INLINE void store_block(int R, const __m512 acc[MAX_ROWS], const void *bi
 
 static void fma_linear(const float *xf, const float *xs, int64_t M, int64_t K, int64_t N, const void *w, int bits,
                        int64_t group, const float *scales, const float *mins, const void *bias, int dtype, void *out) {
-    const int64_t blocks = N / 16;
+    const int64_t blocks = N / BLOCK;
 #pragma omp parallel for schedule(static)
     for (int64_t nb = 0; nb < blocks; nb++) {
         for (int64_t r0 = 0; r0 < M; r0 += MAX_ROWS) {
@@ -141,8 +262,6 @@ static void prepare_rows(const void *x, int dtype, int64_t M, int64_t K, int64_t
     }
 }
 
-int octavo_qlinear_available(void) { return 1; }
-
 /* out[M, N] = x[M, K] @ W^T (+ bias[N]) by FMAs; x, bias, out of `dtype`
  * (F32 or BF16). N a multiple of 16, group a multiple of 4 dividing K.
  * Returns 0, or -1 when the row buffers cannot be allocated. */
@@ -156,19 +275,6 @@ int octavo_qlinear_fma(const void *x, int dtype, int64_t M, int64_t K, int64_t N
     free(xf);
     return 0;
 }
-
-#else
-
-int octavo_qlinear_available(void) { return 0; }
-
-int octavo_qlinear_fma(const void *x, int dtype, int64_t M, int64_t K, int64_t N, const void *w, int bits,
-                       int64_t group, const float *scales, const float *mins, const void *bias, void *out) {
-    (void)x, (void)dtype, (void)M, (void)K, (void)N, (void)w, (void)bits, (void)group, (void)scales, (void)mins;
-    (void)bias, (void)out;
-    abort(); /* unreachable: the Python side checks octavo_qlinear_available() first */
-}
-
-#endif
 
 #if defined(HAVE_AVX512_BF16) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #include "amx_tiles.h"

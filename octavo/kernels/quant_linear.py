@@ -9,7 +9,8 @@ from typing import Optional
 
 import torch
 
-from octavo.kernels.build import try_load_kernel
+from octavo.kernels.build import load_kernel, try_load_kernel
+from octavo.kernels.cpu_features import CpuTarget, cpu_target
 from octavo.kernels.launch import launch
 
 _P, _I, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -54,15 +55,19 @@ def unpack_groups(packed: torch.Tensor) -> torch.Tensor:
 
 
 class QuantLinearKernel:
-    """The kernels of quant_linear.c: ``fma`` (any rows, float32 or bf16,
-    exact float32 sums) and, where the CPU has AMX, ``amx`` (bf16, many rows)."""
+    """The kernels of quant_linear.c built for one CPU target: ``fma`` (any
+    rows, float32 or bf16, exact float32 sums; ``isa`` names the instruction
+    set it runs: avx512_bf16, avx512, avx2 or portable) and, where the target
+    and the OS offer AMX, ``amx`` (bf16, many rows)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         lib.octavo_qlinear_fma.argtypes = [_P, _C, _I, _I, _I, _P, _C, _I, _P, _P, _P, _P]
         lib.octavo_qlinear_fma.restype = _C
         lib.octavo_qlinear_amx.argtypes = [_P, _I, _I, _I, _P, _C, _I, _P, _P, _P, _P]
         lib.octavo_qlinear_amx.restype = _C
+        lib.octavo_qlinear_isa.restype = ctypes.c_char_p
         self._lib = lib
+        self.isa: str = lib.octavo_qlinear_isa().decode()
         self.has_amx = bool(lib.octavo_qlinear_amx_available())
 
     @staticmethod
@@ -94,10 +99,13 @@ class QuantLinearKernel:
 
 
 @cache
-def quant_linear_kernel() -> Optional[QuantLinearKernel]:
-    """The kernel, built on first use; None where it cannot be built or the
-    CPU has no AVX-512 (bf16)."""
-    lib = try_load_kernel("quant_linear")
-    if lib is None or not lib.octavo_qlinear_available():
-        return None
-    return QuantLinearKernel(lib)
+def _kernel(target: CpuTarget, required: bool) -> Optional[QuantLinearKernel]:
+    lib = load_kernel("quant_linear", target) if required else try_load_kernel("quant_linear", target)
+    return None if lib is None else QuantLinearKernel(lib)
+
+
+def quant_linear_kernel(target: Optional[CpuTarget] = None, required: bool = False) -> Optional[QuantLinearKernel]:
+    """The kernel for ``target`` (default: the process's), built on first
+    use; None where it cannot be built (no C compiler), unless ``required``
+    (then KernelBuildError)."""
+    return _kernel(target or cpu_target(), required)

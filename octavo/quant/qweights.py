@@ -22,10 +22,12 @@ Canonical form, one weight [N outputs, K inputs] of this rank's shard:
   groups are contiguous).
 
 The kernels compute q * scale + min with min = -zero * scale in float32, so
-``dequantize()`` returns exactly that. On a CPU with AVX-512 the native
-kernels run (octavo/kernels/quant_linear.c); elsewhere (CUDA, no compiler, a
-dtype they do not take) the weight is dequantized per call and F.linear runs:
-correct, not fast.
+``dequantize()`` returns exactly that. On a CPU the native kernels run
+(octavo/kernels/quant_linear.c, built for the process's CPU target: AVX-512,
+AVX2 or portable C, plus AMX tiles for many bf16 rows where the CPU has
+them); elsewhere (CUDA, no C compiler, a dtype they do not take, out
+features not a multiple of 16) the weight is dequantized per call and
+F.linear runs: correct, not fast.
 """
 from __future__ import annotations
 
@@ -46,9 +48,10 @@ from octavo.kernels.quant_linear import (
     unpack_int8,
 )
 
-# Rows up to which the exact FMA kernel runs; more bf16 rows go to the AMX
-# tile kernel (dequantizing a 32-output group into L2 at a time), whose cost
-# is shared by the rows (benchmarks/quantization.py --kernels).
+# Rows up to which the exact FMA kernel runs where the CPU has AMX; more bf16
+# rows go to the AMX tile kernel (dequantizing a 32-output group into L2 at a
+# time), whose cost is shared by the rows (benchmarks/quantization.py
+# --kernels). Without AMX the FMA kernel takes every row count.
 FMA_ROWS = 4
 
 
@@ -86,7 +89,8 @@ class QuantizedWeight:
     def kernel_name(self) -> str:
         if self.kernel is None:
             return f"int{self.bits} dequantize + F.linear"
-        return f"int{self.bits} fma (<= {FMA_ROWS} rows) + " + ("amx" if self.amx else "fma")
+        fma = f"int{self.bits} fma {self.kernel.isa}"
+        return f"{fma} (<= {FMA_ROWS} rows) + amx" if self.amx else fma
 
     def unpack(self) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
         """(q [N, K], scales [N, G] float32, mins [N, G] float32 or None): the
