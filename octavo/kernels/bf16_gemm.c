@@ -433,6 +433,17 @@ static void *grow(Buffer *b, size_t size) {
 
 static _Thread_local Buffer packed_x, panel, partial;
 
+/* Packed x above this is freed after the call (a long prompt's prefill):
+ * allocating it anew costs little next to such a product, keeping it would
+ * hold that memory for the life of the thread. */
+#define KEEP_PACKED_MAX (8u << 20)
+
+static void release(Buffer *b) {
+    free(b->p);
+    b->p = NULL;
+    b->size = 0;
+}
+
 /* Lanes of row block b: R, or the last block's rows rounded up to whole registers. */
 static int64_t block_lanes(int64_t b, int64_t R, int64_t M) { return min64(R, cdiv(M - b * R, LANES) * LANES); }
 
@@ -493,6 +504,7 @@ ALWAYS_INLINE int gemm(const int flavour, const uint16_t *x, const uint16_t *w, 
                     }
         }
     }
+    if (packed_x.size > KEEP_PACKED_MAX) release(&packed_x);
     return failed ? -1 : 0;
 }
 

@@ -88,6 +88,16 @@ def test_gemm_same_bits_at_any_thread_count():
         torch.set_num_threads(threads)
 
 
+def test_gemm_after_a_product_whose_rows_buffer_is_released():
+    """Over 8 MiB of packed rows (a long prefill) is freed after the call; the next calls allocate afresh."""
+    gen = torch.Generator().manual_seed(4)
+    kernel = bf16_gemm_kernel(required=True)
+    for rows, k in [(2100, 1100), (20, 1100), (2100, 1100)]:
+        x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+        w = torch.randn(9, k, generator=gen).to(torch.bfloat16)
+        assert_close_to_float32(kernel(x, w), x, w, None)
+
+
 def test_gemm_keeps_leading_dims_and_refuses_bad_input():
     kernel = bf16_gemm_kernel(required=True)
     w = torch.randn(24, 40).to(torch.bfloat16)
