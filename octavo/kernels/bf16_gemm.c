@@ -19,8 +19,9 @@
  *
  * Cache blocking: K is cut into blocks of at most KC_MAX k's (partial sums of
  * a tile wait in a per-thread float32 buffer between blocks) and rows into
- * chunks whose packed x fits X_BUDGET bytes (kept in L2 while NC panels of
- * outputs sweep it). Threads take contiguous runs of output panels.
+ * chunks whose packed x fits X_BUDGET bytes (kept in L2 while up to NC
+ * panels of outputs sweep it). Threads take such groups of panels as they
+ * come free.
  *
  * Two kinds of step ("flavours"):
  *   FLOAT: a step is one k; rows and panel hold float32 bits (bf16 is the top
@@ -463,45 +464,51 @@ ALWAYS_INLINE int gemm(const int flavour, const uint16_t *x, const uint16_t *w, 
     el_t *xp = grow(&packed_x, (size_t)(blocks * R * steps) * sizeof(el_t));
     if (xp == NULL) return -1;
     int failed = 0;
+#ifdef _OPENMP
+    const int64_t threads = omp_get_max_threads();
+#else
+    const int64_t threads = 1;
+#endif
+    /* Groups of up to NC panels, handed to threads as they come free (one
+     * held up by the OS delays a group, not a fixed share); at least ~4 a
+     * thread where N allows. */
+    const int64_t group = max64(1, min64(NC, cdiv(panels, 4 * threads))), groups = cdiv(panels, group);
 #pragma omp parallel
     {
-#ifdef _OPENMP
-        const int64_t thread = omp_get_thread_num(), threads = omp_get_num_threads();
-#else
-        const int64_t thread = 0, threads = 1;
-#endif
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < blocks; b++)
             pack_rows(flavour, x, M, K, b * R, block_lanes(b, R, M), steps, xp + b * R * steps);
-        const int64_t p0 = panels * thread / threads, p1 = panels * (thread + 1) / threads;
         el_t *wb = grow(&panel, (size_t)(mo * ws) * sizeof(el_t));
         float *cb = kblocks > 1 ? grow(&partial, (size_t)(NC * chunk * R * mo) * sizeof(float)) : NULL;
-        if (wb == NULL || (kblocks > 1 && cb == NULL)) {
+        const int ok = wb != NULL && (kblocks == 1 || cb != NULL);
+        if (!ok) {
 #pragma omp atomic write
             failed = 1;
-        } else {
-            for (int64_t pc = p0; pc < p1; pc += NC)
-                for (int64_t b0 = 0; b0 < blocks; b0 += chunk)
-                    for (int64_t kb = 0; kb < kblocks; kb++) {
-                        const int64_t s0 = kb * kc, sn = min64(kc, steps - s0);
-                        for (int64_t p = pc; p < min64(pc + NC, p1); p++) {
-                            const int64_t n0 = p * mo;
-                            for (int64_t o = 0; o < mo; o++) {
-                                if (n0 + o < N)
-                                    panel_row(flavour, w + (n0 + o) * K, s0, sn, K, wb + o * ws);
-                                else
-                                    memset(wb + o * ws, 0, (size_t)sn * sizeof(el_t));
-                            }
-                            for (int64_t b = b0; b < min64(b0 + chunk, blocks); b++) {
-                                /* A short last block is packed `lanes` wide (pack_rows). */
-                                const int64_t lanes = block_lanes(b, R, M);
-                                float *sums = cb ? cb + ((p - pc) * chunk + (b - b0)) * R * mo : NULL;
-                                const Dest d = {out, bias, M, N, b * R, n0};
-                                row_block(flavour, small, (int)(lanes / LANES), xp + b * R * steps + s0 * lanes, wb,
-                                          ws, sn, kb == 0, kb == kblocks - 1, sums, d);
-                            }
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t c = 0; c < groups; c++) {
+            const int64_t pc = c * group, pe = min64(pc + group, panels);
+            for (int64_t b0 = 0; ok && b0 < blocks; b0 += chunk)
+                for (int64_t kb = 0; kb < kblocks; kb++) {
+                    const int64_t s0 = kb * kc, sn = min64(kc, steps - s0);
+                    for (int64_t p = pc; p < pe; p++) {
+                        const int64_t n0 = p * mo;
+                        for (int64_t o = 0; o < mo; o++) {
+                            if (n0 + o < N)
+                                panel_row(flavour, w + (n0 + o) * K, s0, sn, K, wb + o * ws);
+                            else
+                                memset(wb + o * ws, 0, (size_t)sn * sizeof(el_t));
+                        }
+                        for (int64_t b = b0; b < min64(b0 + chunk, blocks); b++) {
+                            /* A short last block is packed `lanes` wide (pack_rows). */
+                            const int64_t lanes = block_lanes(b, R, M);
+                            float *sums = cb ? cb + ((p - pc) * chunk + (b - b0)) * R * mo : NULL;
+                            const Dest d = {out, bias, M, N, b * R, n0};
+                            row_block(flavour, small, (int)(lanes / LANES), xp + b * R * steps + s0 * lanes, wb, ws,
+                                      sn, kb == 0, kb == kblocks - 1, sums, d);
                         }
                     }
+                }
         }
     }
     if (packed_x.size > KEEP_PACKED_MAX) release(&packed_x);
