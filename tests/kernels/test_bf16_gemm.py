@@ -17,10 +17,10 @@ from tests.kernels.test_bf16_linear import ISA, assert_close_to_float32, runnabl
 X86_TARGETS = [t.name for t in TARGETS if t.arch in ("x86_64", "any")]
 # (rows, k, n): one row; fewer rows than a register; a register and one;
 # a short last row block; K odd and tiny; K = 1; N below a panel; N = 1;
-# K above a K block (1024) with an odd tail; rows in several chunks of
-# packed x with K in two blocks; a model-like shape.
+# K above a K block (1024) with an odd tail, with few and with more rows;
+# rows in several chunks of packed x with K in two blocks; a model-like shape.
 SHAPES = [(1, 768, 96), (3, 31, 17), (17, 100, 33), (64, 64, 64), (70, 65, 40), (2, 1, 5), (5, 33, 1),
-          (33, 2049, 37), (300, 1500, 23), (128, 768, 130)]
+          (9, 1030, 50), (33, 2049, 37), (300, 1500, 23), (128, 768, 130)]
 
 
 def kernels(target_name: str):
