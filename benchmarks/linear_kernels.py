@@ -6,9 +6,11 @@ to ``rows`` activations, by each linear backend Octavo has.
 Backends: ``onednn`` (torch's oneDNN with prepacked weights), ``native``
 (Octavo's AMX kernel reading those same prepacked bytes), ``torch`` (F.linear
 on the plain weight), ``fp32_tiles`` / ``fp32_copy`` (float32 products on
-tile-by-tile converted bf16 weights / on a float32 copy), and with
-``--targets`` the few-row kernel bf16_linear.c built for each named CPU target
-(``rows_<isa>``). Run under ``OCTAVO_CPU_TARGET=avx512_bf16`` (which also caps
+tile-by-tile converted bf16 weights / on a float32 copy), the many-row GEMM
+bf16_gemm.c for the process's target (``gemm_<isa>``, float32 products, and
+``gemm_dot_<isa>``, AVX-512 BF16 dot products, where the target has them),
+and with ``--targets`` the few-row kernel bf16_linear.c and the GEMM built
+for each named CPU target (``rows_<isa>``, ``gemm_<isa>``, ``gemm_dot_<isa>``). Run under ``OCTAVO_CPU_TARGET=avx512_bf16`` (which also caps
 oneDNN, see octavo/kernels/cpu_features.py) to see a CPU without AMX. Reported: ms per pass over all matrices, GB/s of weights read
 (what bounds few rows) and GFLOP/s (what bounds many), next to a plain
 full-buffer sum of the same byte count (the read-bandwidth yardstick that
@@ -49,14 +51,14 @@ def main() -> None:
     parser.add_argument("--fastest", action="store_true",
                         help="report the fastest of --repeats runs, not the median (a machine shared with other jobs)")
     parser.add_argument("--targets", type=lambda s: [t for t in s.split(",") if t], default=[],
-                        help="also the few-row kernel (bf16_linear.c) built for these CPU targets, "
-                             "e.g. avx512_bf16,avx512,avx2")
+                        help="also the few-row kernel (bf16_linear.c) and the GEMM (bf16_gemm.c) built for "
+                             "these CPU targets, e.g. avx512_bf16,avx512,avx2")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
     from octavo.kernels.amx_linear import amx_linear_kernel
-    from octavo.kernels.bf16_linear import bf16_linear_kernel
-    from octavo.kernels.cpu_features import BY_NAME
+    from octavo.kernels.bf16_linear import bf16_gemm_kernel, bf16_linear_kernel
+    from octavo.kernels.cpu_features import BY_NAME, cpu_target
     from octavo.kernels.cpu_linear import fp32_tiles
 
     torch.manual_seed(0)
@@ -79,6 +81,11 @@ def main() -> None:
     for target in args.targets:
         kernel = bf16_linear_kernel(BY_NAME[target], required=True)
         forms[f"rows_{kernel.isa}"] = [lambda x, w=w, kernel=kernel: kernel(x, w) for w in weights]
+    for target in dict.fromkeys([cpu_target().name, *args.targets]):
+        for kernel in (bf16_gemm_kernel(BY_NAME[target]), bf16_gemm_kernel(BY_NAME[target], dot=True)):
+            if kernel is not None:
+                name = f"gemm{'_dot' if kernel.name.endswith('_dot') else ''}_{kernel.isa}"
+                forms[name] = [lambda x, w=w, kernel=kernel: kernel(x, w) for w in weights]
     flat = torch.ones(nbytes // 4)
     sum_s = median_time(flat.sum, args.repeats, fastest=args.fastest)
     load_start = load_avg()

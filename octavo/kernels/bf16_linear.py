@@ -1,6 +1,9 @@
-"""Python side of the few-row bf16 linear kernel (bf16_linear.c): ``y = x @
-W^T + b`` on the plain [N, K] bf16 weight, for CPUs without AMX (it is built
-for every target; the instruction set it runs is the target's)."""
+"""Python side of the bf16 linear kernels on the plain [N, K] bf16 weight for
+CPUs without AMX, ``y = x @ W^T + b``: the few-row one (bf16_linear.c, a
+weight read) and the many-row GEMM (bf16_gemm.c: float32 products on every
+target, vdpbf16ps ones too on AVX-512 BF16). They are built for every target
+(the instruction set they run is the target's) and share one C signature, so
+one wrapper serves all."""
 from __future__ import annotations
 
 import ctypes
@@ -17,15 +20,18 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 
 class Bf16LinearKernel:
-    """The kernel of bf16_linear.c built for one target; ``isa`` names the
-    path the compiler took (avx512_bf16, avx512, avx2 or portable)."""
+    """The C function ``octavo_<name>`` (bf16_linear, bf16_gemm or
+    bf16_gemm_dot) of a kernel library built for one target; ``isa`` names
+    the path the compiler took (avx512_bf16, avx512, avx2 or portable)."""
 
-    def __init__(self, lib: ctypes.CDLL) -> None:
-        lib.octavo_bf16_linear.argtypes = [_P, _P, _P, _I, _I, _I, _P]
-        lib.octavo_bf16_linear.restype = ctypes.c_int
-        lib.octavo_bf16_linear_isa.restype = ctypes.c_char_p
-        self._lib = lib
-        self.isa: str = lib.octavo_bf16_linear_isa().decode()
+    def __init__(self, lib: ctypes.CDLL, name: str = "bf16_linear") -> None:
+        self._fn = getattr(lib, f"octavo_{name}")
+        self._fn.argtypes = [_P, _P, _P, _I, _I, _I, _P]
+        self._fn.restype = ctypes.c_int
+        isa = getattr(lib, f"octavo_{name}_isa")
+        isa.restype = ctypes.c_char_p
+        self.name = name
+        self.isa: str = isa().decode()
 
     @staticmethod
     def fits(weight: torch.Tensor) -> bool:
@@ -44,20 +50,30 @@ class Bf16LinearKernel:
         rows = x.reshape(-1, k).contiguous()
         out = torch.empty(rows.shape[0], n, dtype=torch.bfloat16)
         if rows.shape[0] and n and launch(
-            self._lib.octavo_bf16_linear, rows.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), rows.shape[0], k, n,
+            self._fn, rows.data_ptr(), weight.data_ptr(), None if bias is None else bias.data_ptr(), rows.shape[0], k, n,
             out.data_ptr(),
         ):
-            raise MemoryError("bf16 linear kernel could not allocate its prepared rows")
+            raise MemoryError(f"{self.name} kernel could not allocate its buffers")
         return out.view(*x.shape[:-1], n)
 
 
 @cache
-def _kernel(target: CpuTarget, required: bool) -> Optional[Bf16LinearKernel]:
-    lib = load_kernel("bf16_linear", target) if required else try_load_kernel("bf16_linear", target)
-    return None if lib is None else Bf16LinearKernel(lib)
+def _kernel(source: str, name: str, target: CpuTarget, required: bool) -> Optional[Bf16LinearKernel]:
+    lib = load_kernel(source, target) if required else try_load_kernel(source, target)
+    if lib is None or not hasattr(lib, f"octavo_{name}"):  # a function only some targets' builds have
+        return None
+    return Bf16LinearKernel(lib, name)
 
 
 def bf16_linear_kernel(target: Optional[CpuTarget] = None, required: bool = False) -> Optional[Bf16LinearKernel]:
-    """The kernel for ``target`` (default: the process's), built on first
-    use; None where it cannot be built, unless ``required`` (then KernelBuildError)."""
-    return _kernel(target or cpu_target(), required)
+    """The few-row kernel for ``target`` (default: the process's), built on
+    first use; None where it cannot be built, unless ``required`` (then KernelBuildError)."""
+    return _kernel("bf16_linear", "bf16_linear", target or cpu_target(), required)
+
+
+def bf16_gemm_kernel(target: Optional[CpuTarget] = None, required: bool = False,
+                     dot: bool = False) -> Optional[Bf16LinearKernel]:
+    """The many-row GEMM (bf16_gemm.c) for ``target``, as ``bf16_linear_kernel``:
+    float32 products, or with ``dot`` vdpbf16ps ones (None where the target
+    has no AVX-512 BF16, even when ``required``)."""
+    return _kernel("bf16_gemm", "bf16_gemm_dot" if dot else "bf16_gemm", target or cpu_target(), required)

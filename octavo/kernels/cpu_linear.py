@@ -9,6 +9,10 @@ at 85-139 GFLOP/s where torch's float32 one ran at 221-256: issue 18). The
 ways measured:
 
 - ``rows``: bf16_linear.c (up to 64 rows);
+- ``gemm``: bf16_gemm.c, a register-blocked GEMM on the plain weight with
+  float32 products (every target); ``gemm_dot``: the same with AVX-512 BF16
+  dot products (only where the target has them: faster or slower than
+  ``gemm`` depending on the CPU's vdpbf16ps rate);
 - ``onednn``: torch's bf16 ``F.linear`` on the plain weight;
 - ``fp32_tiles``: float32 products on bf16 weights converted a tile of output
   rows at a time into an L2-sized float32 buffer (no copy of the model);
@@ -37,6 +41,7 @@ import torch
 from torch.nn import functional as F
 
 from octavo.kernels import ops
+from octavo.kernels.bf16_linear import bf16_gemm_kernel
 from octavo.kernels.build import cache_root, cpu_signature
 from octavo.kernels.cpu_features import cpu_target
 
@@ -75,6 +80,14 @@ class PlannedWeight:
 
 def _rows(pw: PlannedWeight, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     return ops.call(ops.bf16_linear, torch.ops.octavo.bf16_linear, x, pw.weight, bias)
+
+
+def _gemm(pw: PlannedWeight, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    return ops.call(ops.bf16_gemm, torch.ops.octavo.bf16_gemm, x, pw.weight, bias, False)
+
+
+def _gemm_dot(pw: PlannedWeight, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    return ops.call(ops.bf16_gemm, torch.ops.octavo.bf16_gemm, x, pw.weight, bias, True)
 
 
 def _onednn(pw: PlannedWeight, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -117,8 +130,8 @@ def _fp32_tiles(pw: PlannedWeight, x: torch.Tensor, bias: Optional[torch.Tensor]
 
 
 WAYS: dict[str, Callable[[PlannedWeight, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]] = {
-    "rows": _rows, "onednn": _onednn, "fp32_tiles": _fp32_tiles, "onednn_packed": _onednn_packed,
-    "fp32_copy": _fp32_copy,
+    "rows": _rows, "gemm": _gemm, "gemm_dot": _gemm_dot, "onednn": _onednn, "fp32_tiles": _fp32_tiles,
+    "onednn_packed": _onednn_packed, "fp32_copy": _fp32_copy,
 }
 
 
@@ -161,12 +174,15 @@ class LinearTable:
             pass
 
     def _default_path(self) -> Path:
+        # The ways measured are part of the key: a table chosen among fewer
+        # ways (an older Octavo, a target without some kernel) is not reused.
         key = "\0".join([cpu_signature(), cpu_target().name, torch.__version__, str(torch.get_num_threads()),
-                         str(self.copies), ",".join(map(str, BUCKETS))])
+                         str(self.copies), ",".join(map(str, BUCKETS)), ",".join(self.candidates(BUCKETS[0]))])
         return cache_root() / f"linear-table-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
     def candidates(self, rows: int) -> list[str]:
         ways = ["onednn", "fp32_tiles"]
+        ways[:0] = [w for w, dot in (("gemm", False), ("gemm_dot", True)) if bf16_gemm_kernel(dot=dot) is not None]
         if rows <= ROWS_KERNEL_MAX:
             ways.insert(0, "rows")
         if self.copies:

@@ -19,16 +19,26 @@ from typing import Callable, Optional
 import torch
 
 from octavo.kernels.amx_linear import amx_linear_kernel, amx_multiply
-from octavo.kernels.bf16_linear import bf16_linear_kernel
+from octavo.kernels.bf16_linear import bf16_gemm_kernel, bf16_linear_kernel
 
 _LIB = torch.library.Library("octavo", "DEF")
 _LIB.define("bf16_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 _LIB.define("amx_linear(Tensor x, Tensor blocks, Tensor? bias, int out_features) -> Tensor")
+_LIB.define("bf16_gemm(Tensor x, Tensor weight, Tensor? bias, bool dot) -> Tensor")
 
 
 def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     """``F.linear`` on a plain bf16 weight by bf16_linear.c, built for the process's CPU target."""
     return bf16_linear_kernel(required=True)(x, weight, bias)
+
+
+def bf16_gemm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], dot: bool) -> torch.Tensor:
+    """``F.linear`` on a plain bf16 weight by the many-row GEMM (bf16_gemm.c):
+    float32 products, or with ``dot`` AVX-512 BF16 dot products."""
+    kernel = bf16_gemm_kernel(required=True, dot=dot)
+    if kernel is None:
+        raise ValueError("dot: this CPU target has no AVX-512 BF16 dot products")
+    return kernel(x, weight, bias)
 
 
 def amx_linear(x: torch.Tensor, blocks: torch.Tensor, bias: Optional[torch.Tensor], out_features: int) -> torch.Tensor:
@@ -38,10 +48,16 @@ def amx_linear(x: torch.Tensor, blocks: torch.Tensor, bias: Optional[torch.Tenso
 
 _LIB.impl("bf16_linear", bf16_linear, "CPU")
 _LIB.impl("amx_linear", amx_linear, "CPU")
+_LIB.impl("bf16_gemm", bf16_gemm, "CPU")
 
 
 @torch.library.register_fake("octavo::bf16_linear")
 def _bf16_linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.register_fake("octavo::bf16_gemm")
+def _bf16_gemm_fake(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], dot: bool) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
