@@ -165,6 +165,26 @@ def test_rows_are_independent_of_the_batch(kernel, dtype):
         assert torch.equal(alone[0], together[i])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cache_dtype", [None, torch.int8])
+def test_queries_read_in_place_from_a_fused_qkv_view(kernel, dtype, cache_dtype):
+    """The engine's q is part of the QKV projection's output, [seqs, heads, D]
+    with a longer row stride: the kernel reads it in place and gives what the
+    same queries copied out give (and the K/V parts next to them are ignored)."""
+    heads, kv_heads, head_dim = 12, 4, 64
+    q, kc, vc, tables, ctx = _case(heads, kv_heads, head_dim, 16, dtype, [1, 16, 17, 50, 33, 64, 5, 2], seed=8)
+    ks = vs = None
+    if cache_dtype is not None:
+        (kc, ks, _), (vc, vs, _) = _quantized(kc.float(), cache_dtype), _quantized(vc.float(), cache_dtype)
+    qkv = torch.randn(len(ctx), (heads + 2 * kv_heads) * head_dim).to(dtype)
+    view = qkv[:, : heads * head_dim].view(len(ctx), heads, head_dim)
+    view.copy_(q)
+    assert not view.is_contiguous()
+    out = kernel(view, kc, vc, tables, ctx, None, 0.125, ks, vs)
+    assert out.is_contiguous()
+    assert torch.equal(out, kernel(q, kc, vc, tables, ctx, None, 0.125, ks, vs))
+
+
 def test_bad_shapes_are_value_errors(kernel):
     q, kc, vc, tables, ctx = _case(12, 4, 64, 16, torch.float32, [3, 5])
     with pytest.raises(ValueError, match="does not fit"):
