@@ -40,7 +40,8 @@
  *   out           [num_seqs, num_heads, head_dim]
  *   k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim]
  *   k_scales, v_scales [num_blocks, num_kv_heads, block_size] float32 (quantized caches; else NULL)
- *   block_tables  [num_seqs, table_width] int64
+ *   block_tables  [num_seqs, ...] int64, table_width elements from one sequence's row to the next
+ *                 (a view of the engine's wider table is read in place)
  *   context_lens  [num_seqs] int64: the query attends to positions 0..len-1
  * window > 0 keeps only the last `window` positions (sliding window).
  * softcap > 0 caps the scaled scores to softcap * tanh(score / softcap)

@@ -167,10 +167,12 @@ def test_rows_are_independent_of_the_batch(kernel, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("cache_dtype", [None, torch.int8])
-def test_queries_read_in_place_from_a_fused_qkv_view(kernel, dtype, cache_dtype):
+def test_queries_and_tables_read_in_place_from_views(kernel, dtype, cache_dtype):
     """The engine's q is part of the QKV projection's output, [seqs, heads, D]
-    with a longer row stride: the kernel reads it in place and gives what the
-    same queries copied out give (and the K/V parts next to them are ignored)."""
+    with a longer row stride, and its block tables the first columns of a
+    wider table: the kernel reads both in place and gives what contiguous
+    copies give (the K/V parts next to q and the columns past the view,
+    -1 here, are never read)."""
     heads, kv_heads, head_dim = 12, 4, 64
     q, kc, vc, tables, ctx = _case(heads, kv_heads, head_dim, 16, dtype, [1, 16, 17, 50, 33, 64, 5, 2], seed=8)
     ks = vs = None
@@ -180,7 +182,10 @@ def test_queries_read_in_place_from_a_fused_qkv_view(kernel, dtype, cache_dtype)
     view = qkv[:, : heads * head_dim].view(len(ctx), heads, head_dim)
     view.copy_(q)
     assert not view.is_contiguous()
-    out = kernel(view, kc, vc, tables, ctx, None, 0.125, ks, vs)
+    # The block tables too: the engine passes the used columns of a wider table.
+    wide = torch.full((len(ctx), tables.shape[1] + 3), -1, dtype=torch.int64)
+    wide[:, : tables.shape[1]] = tables
+    out = kernel(view, kc, vc, wide[:, : tables.shape[1]], ctx, None, 0.125, ks, vs)
     assert out.is_contiguous()
     assert torch.equal(out, kernel(q, kc, vc, tables, ctx, None, 0.125, ks, vs))
 
