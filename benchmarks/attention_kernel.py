@@ -19,7 +19,8 @@ without the memory traffic.
 
 ``--sweep`` times the native kernel alone over a grid of shapes instead (batch
 1/32/128/256, contexts 48/512/2048, 12/4 and 32/8 heads of 64 and 128, bf16,
-blocks at shuffled places), one layer per call with enough layers' caches in
+blocks at shuffled places, caches on huge pages as the engine's unless
+``--small-pages``), one layer per call with enough layers' caches in
 turn that K/V comes from memory, not from the caches; ``--baseline`` also
 builds another source of paged_decode.c (e.g. ``git show
 main:octavo/kernels/paged_decode.c``, with its common.h beside it) for the
@@ -63,6 +64,8 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="the native kernel over a grid of shapes")
     parser.add_argument("--baseline", type=Path, help="another paged_decode.c to time beside the current one")
     parser.add_argument("--max-gb", type=float, default=1.1, help="sweep: skip shapes whose K/V for one layer is larger")
+    parser.add_argument("--small-pages", action="store_true",
+                        help="sweep: caches on 4 KiB pages (the engine asks for 2 MiB ones, see kernels/huge_pages.py)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     if args.sweep:
@@ -118,18 +121,27 @@ def main() -> None:
 
 def build_baseline(source: Path) -> PagedDecodeKernel:
     """``source`` compiled as build.py compiles the kernel (same target and
-    flags), wrapped like the current one."""
+    flags), wrapped like the current one. A source from before q's row stride
+    argument (main before issue 18) is called without it: the sweep's q is
+    contiguous, so that is the same call."""
     from octavo.kernels.build import _compiler
     from octavo.kernels.cpu_features import compile_flags, cpu_target
-    from octavo.kernels.paged_decode import PagedDecodeKernel
+    from octavo.kernels.paged_decode import _ARGTYPES, PagedDecodeKernel
 
     library = Path(tempfile.mkdtemp()) / "libbaseline.so"
     flags = compile_flags(cpu_target(), platform.machine())
     subprocess.run([_compiler(), *flags, str(source), "-o", str(library), "-lm"], check=True)
-    return PagedDecodeKernel(ctypes.CDLL(str(library)))
+    lib = ctypes.CDLL(str(library))
+    kernel = PagedDecodeKernel(lib)
+    if "q_stride" not in source.read_text():
+        fn = lib.octavo_paged_decode
+        fn.argtypes = [_ARGTYPES[0], *_ARGTYPES[2:]]
+        kernel._fn = lambda q, _stride, *rest: fn(q, *rest)
+    return kernel
 
 
 def sweep(args: argparse.Namespace) -> None:
+    from octavo.kernels import huge_pages
     from octavo.kernels.paged_decode import paged_decode_kernel
 
     kernels = {"new": paged_decode_kernel(required=True)}
@@ -146,8 +158,12 @@ def sweep(args: argparse.Namespace) -> None:
         layers = max(1, min(12, int(256e6 // layer_bytes)))
         per_seq = -(-ctx // bs)
         gen = torch.Generator().manual_seed(0)
-        caches = [torch.randn(2, batch * per_seq, bs, kv_heads, head_dim, generator=gen).to(torch.bfloat16)
-                  for _ in range(layers)]
+        caches = []
+        for _ in range(layers):
+            shape = (2, batch * per_seq, bs, kv_heads, head_dim)
+            cache = torch.empty(shape, dtype=torch.bfloat16) if args.small_pages else \
+                huge_pages.zeros(shape, torch.bfloat16, torch.device("cpu"))
+            caches.append(cache.copy_(torch.randn(shape, generator=gen)))
         ids = torch.randperm(batch * per_seq, generator=gen)
         tables = ids.view(batch, per_seq).contiguous()
         lens = torch.full((batch,), ctx, dtype=torch.int64)
@@ -172,7 +188,8 @@ def sweep(args: argparse.Namespace) -> None:
         del caches
     columns = ["heads", "head_dim", "context", "batch", *[c for c in rows[0] if c.endswith(("_us", "_gbs"))]]
     print_table(rows, columns + (["speedup"] if args.baseline is not None else []),
-                title=f"native decode attention per layer, bf16, blocks of {bs} ({args.threads} threads, "
+                title=f"native decode attention per layer, bf16, blocks of {bs} on "
+                      f"{'4 KiB' if args.small_pages else '2 MiB'} pages ({args.threads} threads, "
                       f"median of {args.repeats})")
     print(f"load {load_start} -> {load_avg()}")
     write_json(args.json, {"benchmark": "attention_kernel_sweep", "args": vars(args), "results": rows})

@@ -83,6 +83,20 @@ def test_many_sequences_across_work_chunks(kernel, shape, dtype):
     assert diff < TOL[dtype], f"max abs diff {diff}"
 
 
+@pytest.mark.parametrize("shape", [(32, 8, 128, 16, None), (12, 4, 64, 16, 24)])
+def test_a_large_batch_of_mixed_lengths(kernel, shape):
+    """A peak-batch decode call: 257 sequences (chunks of work end mid-batch),
+    lengths from 1 to several blocks with block edges and their neighbours,
+    32/8 heads of 128, or a window of 24 that starts inside a block."""
+    heads, kv_heads, head_dim, block_size, window = shape
+    edges = [1, 2, 15, 16, 17, 31, 32, 33, 48, 49, 64, 65]
+    lens = edges + torch.randint(1, 160, (257 - len(edges),), generator=torch.Generator().manual_seed(9)).tolist()
+    q, kc, vc, tables, ctx = _case(heads, kv_heads, head_dim, block_size, torch.bfloat16, lens, seed=10)
+    out = kernel(q, kc, vc, tables, ctx, window, 1 / math.sqrt(head_dim))
+    diff = (out.float() - _reference(q, kc, vc, tables, ctx, window)).abs().max().item()
+    assert diff < TOL[torch.bfloat16], f"max abs diff {diff}"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("lens", [[300], [200, 90], [33, 64, 5]])
 def test_few_sequences_are_split_by_kv_heads(kernel, dtype, lens):
