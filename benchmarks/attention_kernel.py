@@ -14,13 +14,32 @@ full-buffer sum of as many bytes (the read-bandwidth yardstick of
 benchmarks/roofline.py), and ``native, data in cache``: the same call with
 every block table pointing into a few blocks, i.e. the kernel's arithmetic
 without the memory traffic.
+
+    python -m benchmarks.attention_kernel --sweep --baseline /tmp/old/paged_decode.c
+
+``--sweep`` times the native kernel alone over a grid of shapes instead (batch
+1/32/128/256, contexts 48/512/2048, 12/4 and 32/8 heads of 64 and 128, bf16,
+blocks at shuffled places, caches on huge pages as the engine's unless
+``--small-pages``), one layer per call with enough layers' caches in
+turn that K/V comes from memory, not from the caches; ``--baseline`` also
+builds another source of paged_decode.c (e.g. ``git show
+main:octavo/kernels/paged_decode.c``, with its common.h beside it) for the
+same target and times it on the same data, interleaved with the current one.
 """
 from __future__ import annotations
 
 import argparse
+import ctypes
+import itertools
 import json
+import platform
 import random
+import subprocess
+import tempfile
 from pathlib import Path
+import statistics
+import time
+from typing import TYPE_CHECKING
 
 import torch
 from torch.nn import functional as F
@@ -28,6 +47,9 @@ from torch.nn import functional as F
 from benchmarks.options import DEFAULT_MODEL
 from benchmarks.report import load_avg, print_table, write_json
 from benchmarks.roofline import median_time
+
+if TYPE_CHECKING:
+    from octavo.kernels.paged_decode import PagedDecodeKernel
 
 
 def main() -> None:
@@ -39,8 +61,16 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--sweep", action="store_true", help="the native kernel over a grid of shapes")
+    parser.add_argument("--baseline", type=Path, help="another paged_decode.c to time beside the current one")
+    parser.add_argument("--max-gb", type=float, default=1.1, help="sweep: skip shapes whose K/V for one layer is larger")
+    parser.add_argument("--small-pages", action="store_true",
+                        help="sweep: caches on 4 KiB pages (the engine asks for 2 MiB ones, see kernels/huge_pages.py)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.sweep:
+        sweep(args)
+        return
 
     from octavo.kernels.paged_decode import paged_decode_kernel
 
@@ -87,6 +117,82 @@ def main() -> None:
     print(f"load {load_start} -> {load_avg()}")
     write_json(args.json, {"benchmark": "attention_kernel", "args": vars(args),
                            "kv_bytes": kv_bytes, "results": rows})
+
+
+def build_baseline(source: Path) -> PagedDecodeKernel:
+    """``source`` compiled as build.py compiles the kernel (same target and
+    flags), wrapped like the current one. A source from before q's row stride
+    argument (main before issue 18) is called without it: the sweep's q is
+    contiguous, so that is the same call."""
+    from octavo.kernels.build import _compiler
+    from octavo.kernels.cpu_features import compile_flags, cpu_target
+    from octavo.kernels.paged_decode import _ARGTYPES, PagedDecodeKernel
+
+    library = Path(tempfile.mkdtemp()) / "libbaseline.so"
+    flags = compile_flags(cpu_target(), platform.machine())
+    subprocess.run([_compiler(), *flags, str(source), "-o", str(library), "-lm"], check=True)
+    lib = ctypes.CDLL(str(library))
+    kernel = PagedDecodeKernel(lib)
+    if "q_stride" not in source.read_text():
+        fn = lib.octavo_paged_decode
+        fn.argtypes = [_ARGTYPES[0], *_ARGTYPES[2:]]
+        kernel._fn = lambda q, _stride, *rest: fn(q, *rest)
+    return kernel
+
+
+def sweep(args: argparse.Namespace) -> None:
+    from octavo.kernels import huge_pages
+    from octavo.kernels.paged_decode import paged_decode_kernel
+
+    kernels = {"new": paged_decode_kernel(required=True)}
+    if args.baseline is not None:
+        kernels = {"old": build_baseline(args.baseline), **kernels}
+    bs, rows = args.block_size, []
+    load_start = load_avg()
+    grid = itertools.product([(12, 4), (32, 8)], [64, 128], [48, 512, 2048], [1, 32, 128, 256])
+    for (heads, kv_heads), head_dim, ctx, batch in grid:
+        layer_bytes = batch * ctx * kv_heads * head_dim * 2 * 2
+        if layer_bytes > args.max_gb * 1e9:
+            continue
+        # Layers in turn until ~256 MB: each call's K/V has left the caches by its next turn.
+        layers = max(1, min(12, int(256e6 // layer_bytes)))
+        per_seq = -(-ctx // bs)
+        gen = torch.Generator().manual_seed(0)
+        caches = []
+        for _ in range(layers):
+            shape = (2, batch * per_seq, bs, kv_heads, head_dim)
+            cache = torch.empty(shape, dtype=torch.bfloat16) if args.small_pages else \
+                huge_pages.zeros(shape, torch.bfloat16, torch.device("cpu"))
+            caches.append(cache.copy_(torch.randn(shape, generator=gen)))
+        ids = torch.randperm(batch * per_seq, generator=gen)
+        tables = ids.view(batch, per_seq).contiguous()
+        lens = torch.full((batch,), ctx, dtype=torch.int64)
+        q = torch.randn(batch, heads, head_dim, generator=gen).to(torch.bfloat16)
+        row: dict[str, object] = {"heads": f"{heads}/{kv_heads}", "head_dim": head_dim, "context": ctx,
+                                  "batch": batch}
+        times: dict[str, list[float]] = {name: [] for name in kernels}
+        for repeat in range(args.repeats + 1):  # the kernels in turn, so the machine's load falls on both
+            for name, kernel in kernels.items():
+                start = time.perf_counter()
+                for cache in caches:
+                    kernel(q, cache[0], cache[1], tables, lens, None, head_dim**-0.5)
+                if repeat:  # the first round warms up
+                    times[name].append((time.perf_counter() - start) / layers)
+        for name, ts in times.items():
+            t = statistics.median(ts)
+            row[f"{name}_us"] = t * 1e6
+            row[f"{name}_gbs"] = layer_bytes / t / 1e9
+        if args.baseline is not None:
+            row["speedup"] = row["old_us"] / row["new_us"]
+        rows.append(row)
+        del caches
+    columns = ["heads", "head_dim", "context", "batch", *[c for c in rows[0] if c.endswith(("_us", "_gbs"))]]
+    print_table(rows, columns + (["speedup"] if args.baseline is not None else []),
+                title=f"native decode attention per layer, bf16, blocks of {bs} on "
+                      f"{'4 KiB' if args.small_pages else '2 MiB'} pages ({args.threads} threads, "
+                      f"median of {args.repeats})")
+    print(f"load {load_start} -> {load_avg()}")
+    write_json(args.json, {"benchmark": "attention_kernel_sweep", "args": vars(args), "results": rows})
 
 
 if __name__ == "__main__":

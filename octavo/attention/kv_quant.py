@@ -21,6 +21,8 @@ from typing import Optional
 
 import torch
 
+from octavo.kernels import huge_pages
+
 # kv_cache_dtype -> storage dtype.
 KV_QUANT_DTYPES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 # Largest magnitude a stored element takes: int8 is kept symmetric (no -128),
@@ -74,8 +76,10 @@ def allocate_layer_cache(
 ) -> LayerKVCache:
     """Zero-filled: padded slots of a gathered block are masked out of
     attention, but a NaN bit pattern left in fresh memory would still poison
-    the weighted sum (0 * NaN). Scales start at 1 for the same reason."""
-    data = torch.zeros(2, num_blocks, block_size, kv_heads, head_dim, dtype=dtype, device=device)
+    the weighted sum (0 * NaN). Scales start at 1 for the same reason. On
+    huge pages where the OS gives them: the decode kernels read blocks at
+    scattered places (octavo/kernels/huge_pages.py)."""
+    data = huge_pages.zeros((2, num_blocks, block_size, kv_heads, head_dim), dtype, torch.device(device))
     if not is_quantized(dtype):
         return LayerKVCache(data)
     scales = torch.ones(2, num_blocks, kv_heads, block_size, dtype=torch.float32, device=device)

@@ -34,11 +34,14 @@
  * libgomp.so.1, which resolves to the copy torch has already loaded, so the
  * kernel shares torch's OpenMP thread pool and thread count.
  *
- * Layouts (all contiguous):
- *   q, out        [num_seqs, num_heads, head_dim]
+ * Layouts (contiguous but for q's sequences):
+ *   q             [num_seqs, num_heads, head_dim], q_stride elements from one sequence to the next
+ *                 (the engine's q is a view of its fused QKV projection: read in place, not copied)
+ *   out           [num_seqs, num_heads, head_dim]
  *   k_cache, v_cache [num_blocks, block_size, num_kv_heads, head_dim]
  *   k_scales, v_scales [num_blocks, num_kv_heads, block_size] float32 (quantized caches; else NULL)
- *   block_tables  [num_seqs, table_width] int64
+ *   block_tables  [num_seqs, ...] int64, table_width elements from one sequence's row to the next
+ *                 (a view of the engine's wider table is read in place)
  *   context_lens  [num_seqs] int64: the query attends to positions 0..len-1
  * window > 0 keeps only the last `window` positions (sliding window).
  * softcap > 0 caps the scaled scores to softcap * tanh(score / softcap)
@@ -545,7 +548,7 @@ static void prepare_query(const char *src, int q_dtype, int64_t head_dim, float 
 
 /* Returns 0, FAIL_MEMORY when a work buffer could not be allocated, or
  * FAIL_EMPTY_CONTEXT when a sequence has no position to attend to. */
-int octavo_paged_decode(const void *q, void *out, int q_dtype,
+int octavo_paged_decode(const void *q, int64_t q_stride, void *out, int q_dtype,
                         const void *k_cache, const void *v_cache, int kv_dtype,
                         const float *k_scales, const float *v_scales,
                         const int64_t *block_tables, int64_t table_width,
@@ -611,7 +614,7 @@ int octavo_paged_decode(const void *q, void *out, int q_dtype,
                 const int64_t begin = (window > 0 && end > window) ? end - window : 0;
                 const int64_t n = end - begin;
                 const int64_t *table = block_tables + s * table_width;
-                const char *q_seq = (const char *)q + s * num_heads * head_dim * q_elem;
+                const char *q_seq = (const char *)q + s * q_stride * q_elem;
                 int64_t kv0, kv1;
                 item_heads(&split, item, num_kv_heads, &kv0, &kv1);
 #ifdef HAVE_AVX512_BF16

@@ -14,10 +14,10 @@ _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _QUANT_CODES = {torch.int8: 3, torch.float8_e4m3fn: 4}
 _CACHE_CODES = {**_DTYPE_CODES, **_QUANT_CODES}
 _ARGTYPES = [
-    ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,  # q, out, q dtype
+    ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,  # q, q's sequence stride, out, q dtype
     ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,  # k cache, v cache, cache dtype
     ctypes.c_void_p, ctypes.c_void_p,  # k scales, v scales (quantized caches; else NULL)
-    ctypes.c_void_p, ctypes.c_int64,  # block tables, table width
+    ctypes.c_void_p, ctypes.c_int64,  # block tables, their row stride
     ctypes.c_void_p, ctypes.c_int64,  # context lens, num seqs
     ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,  # heads, kv heads, head dim
     ctypes.c_int64, ctypes.c_int64, ctypes.c_float,  # block size, window, scale
@@ -52,12 +52,14 @@ class PagedDecodeKernel:
         softcap: Optional[float] = None,
     ) -> torch.Tensor:
         """q [seqs, heads, D]; k/v_cache [blocks, block_size, kv_heads, D];
-        block_tables [seqs, width] int64; context_lens [seqs] int64 (each
+        block_tables [seqs, width] int64 (rows may be a view of a wider table); context_lens [seqs] int64 (each
         query attends to positions 0 .. len-1, or the last ``window`` of them).
         An int8 / float8_e4m3fn cache needs its k/v_scales [blocks, kv_heads,
         block_size] float32 (value = stored * scale). ``softcap``: scores
         (already times ``scale``) become softcap * tanh(score / softcap)
-        before the softmax. Returns [seqs, heads, D] in q's dtype."""
+        before the softmax. Returns [seqs, heads, D] in q's dtype, contiguous.
+        q may be a view with gaps between its sequences (the engine's q is
+        part of the fused QKV projection's output): read in place."""
         num_seqs, num_heads, head_dim = q.shape
         _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
         if cache_head_dim != head_dim or num_heads % num_kv_heads:
@@ -74,16 +76,18 @@ class PagedDecodeKernel:
             for name, t in (("k_scales", k_scales), ("v_scales", v_scales)):
                 if t is None or t.dtype != torch.float32 or tuple(t.shape) != want or not t.is_contiguous():
                     raise ValueError(f"a {k_cache.dtype} cache needs contiguous float32 {name} {want}")
-        q = q.contiguous()
-        block_tables = block_tables.contiguous()
+        if q.stride(2) != 1 or q.stride(1) != head_dim:
+            q = q.contiguous()
+        if block_tables.stride(1) != 1:
+            block_tables = block_tables.contiguous()
         context_lens = context_lens.contiguous()
-        out = torch.empty_like(q)
+        out = torch.empty(q.shape, dtype=q.dtype)
         status = launch(
             self._fn,
-            q.data_ptr(), out.data_ptr(), _DTYPE_CODES[q.dtype],
+            q.data_ptr(), q.stride(0), out.data_ptr(), _DTYPE_CODES[q.dtype],
             k_cache.data_ptr(), v_cache.data_ptr(), _CACHE_CODES[k_cache.dtype],
             k_scales.data_ptr() if quantized else None, v_scales.data_ptr() if quantized else None,
-            block_tables.data_ptr(), block_tables.shape[1],
+            block_tables.data_ptr(), block_tables.stride(0),
             context_lens.data_ptr(), num_seqs,
             num_heads, num_kv_heads, head_dim,
             block_size, window or 0, scale, softcap or 0.0,

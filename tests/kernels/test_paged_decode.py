@@ -83,6 +83,20 @@ def test_many_sequences_across_work_chunks(kernel, shape, dtype):
     assert diff < TOL[dtype], f"max abs diff {diff}"
 
 
+@pytest.mark.parametrize("shape", [(32, 8, 128, 16, None), (12, 4, 64, 16, 24)])
+def test_a_large_batch_of_mixed_lengths(kernel, shape):
+    """A peak-batch decode call: 257 sequences (chunks of work end mid-batch),
+    lengths from 1 to several blocks with block edges and their neighbours,
+    32/8 heads of 128, or a window of 24 that starts inside a block."""
+    heads, kv_heads, head_dim, block_size, window = shape
+    edges = [1, 2, 15, 16, 17, 31, 32, 33, 48, 49, 64, 65]
+    lens = edges + torch.randint(1, 160, (257 - len(edges),), generator=torch.Generator().manual_seed(9)).tolist()
+    q, kc, vc, tables, ctx = _case(heads, kv_heads, head_dim, block_size, torch.bfloat16, lens, seed=10)
+    out = kernel(q, kc, vc, tables, ctx, window, 1 / math.sqrt(head_dim))
+    diff = (out.float() - _reference(q, kc, vc, tables, ctx, window)).abs().max().item()
+    assert diff < TOL[torch.bfloat16], f"max abs diff {diff}"
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("lens", [[300], [200, 90], [33, 64, 5]])
 def test_few_sequences_are_split_by_kv_heads(kernel, dtype, lens):
@@ -163,6 +177,31 @@ def test_rows_are_independent_of_the_batch(kernel, dtype):
     for i in range(len(ctx)):
         alone = kernel(q[i : i + 1], kc, vc, tables[i : i + 1], ctx[i : i + 1], None, 0.125)
         assert torch.equal(alone[0], together[i])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cache_dtype", [None, torch.int8])
+def test_queries_and_tables_read_in_place_from_views(kernel, dtype, cache_dtype):
+    """The engine's q is part of the QKV projection's output, [seqs, heads, D]
+    with a longer row stride, and its block tables the first columns of a
+    wider table: the kernel reads both in place and gives what contiguous
+    copies give (the K/V parts next to q and the columns past the view,
+    -1 here, are never read)."""
+    heads, kv_heads, head_dim = 12, 4, 64
+    q, kc, vc, tables, ctx = _case(heads, kv_heads, head_dim, 16, dtype, [1, 16, 17, 50, 33, 64, 5, 2], seed=8)
+    ks = vs = None
+    if cache_dtype is not None:
+        (kc, ks, _), (vc, vs, _) = _quantized(kc.float(), cache_dtype), _quantized(vc.float(), cache_dtype)
+    qkv = torch.randn(len(ctx), (heads + 2 * kv_heads) * head_dim).to(dtype)
+    view = qkv[:, : heads * head_dim].view(len(ctx), heads, head_dim)
+    view.copy_(q)
+    assert not view.is_contiguous()
+    # The block tables too: the engine passes the used columns of a wider table.
+    wide = torch.full((len(ctx), tables.shape[1] + 3), -1, dtype=torch.int64)
+    wide[:, : tables.shape[1]] = tables
+    out = kernel(view, kc, vc, wide[:, : tables.shape[1]], ctx, None, 0.125, ks, vs)
+    assert out.is_contiguous()
+    assert torch.equal(out, kernel(q, kc, vc, tables, ctx, None, 0.125, ks, vs))
 
 
 def test_bad_shapes_are_value_errors(kernel):

@@ -1,0 +1,46 @@
+"""The KV cache's buffers on 2 MiB pages where Linux gives them."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from octavo.attention.kv_quant import allocate_layer_cache
+from octavo.kernels import huge_pages
+
+THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+
+
+def _thp_eligible(address: int) -> bool:
+    """Whether the kernel marks the mapping holding ``address`` as eligible for huge pages."""
+    mapping = None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            start, end = (int(x, 16) for x in head.split("-"))
+            mapping = start <= address < end
+        elif mapping and line.startswith("THPeligible:"):
+            return line.split()[1] == "1"
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_zeros_is_torch_zeros():
+    t = huge_pages.zeros((3, 5, 7), torch.bfloat16, torch.device("cpu"))
+    assert t.dtype == torch.bfloat16 and t.shape == (3, 5, 7) and torch.equal(t, torch.zeros(3, 5, 7))
+
+
+def test_a_buffer_without_a_whole_huge_page_is_left_alone():
+    assert not huge_pages.advise_huge_pages(torch.empty(1000))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not THP.exists() or "[never]" in THP.read_text(),
+                    reason="needs Linux with transparent huge pages")
+def test_the_kv_cache_is_eligible_for_huge_pages():
+    cache = allocate_layer_cache(1024, 16, 4, 64, torch.bfloat16, torch.device("cpu"))  # 16 MiB
+    assert torch.count_nonzero(cache.data) == 0
+    middle = cache.data.data_ptr() + cache.data.numel() * cache.data.element_size() // 2
+    assert _thp_eligible(middle)
+    if "[madvise]" in THP.read_text():  # only what asked is eligible (with [always] everything is)
+        assert not _thp_eligible(torch.zeros(1 << 22).data_ptr() + (1 << 20))
