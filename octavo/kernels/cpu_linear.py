@@ -48,7 +48,9 @@ from octavo.kernels.cpu_features import cpu_target
 logger = logging.getLogger(__name__)
 
 ALWAYS_ROWS_KERNEL = 4
-BUCKETS = (16, 64, 256)
+# Small-batch decode crosses over between ways within a few rows (forced avx512_bf16, llama-100m: the
+# few-row kernel best at 8 rows, oneDNN at 16-24, the GEMM at 32), hence the finer buckets there.
+BUCKETS = (8, 16, 32, 64, 256)
 ROWS_KERNEL_MAX = 64
 # Float32 tile of the weight converted at a time: a few hundred KiB, so it
 # stays in L2 while the float32 product reads it.

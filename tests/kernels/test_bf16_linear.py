@@ -128,9 +128,10 @@ def test_copies_are_candidates_only_when_allowed(tmp_path):
 
 def test_planned_weight_routes_by_rows():
     w = torch.randn(8, 16).to(torch.bfloat16)
-    planned = cpu_linear.PlannedWeight(w, {16: "fp32_tiles", 64: "onednn", 256: "fp32_tiles"})
-    assert [planned.way_for(r) for r in (1, 4, 5, 16, 17, 64, 65, 5000)] == [
-        "rows", "rows", "fp32_tiles", "fp32_tiles", "onednn", "onednn", "fp32_tiles", "fp32_tiles"]
+    planned = cpu_linear.PlannedWeight(w, {8: "rows", 16: "fp32_tiles", 32: "gemm", 64: "onednn", 256: "fp32_tiles"})
+    assert [planned.way_for(r) for r in (1, 4, 5, 8, 9, 16, 17, 32, 33, 64, 65, 5000)] == [
+        "rows", "rows", "rows", "rows", "fp32_tiles", "fp32_tiles", "gemm", "gemm", "onednn", "onednn", "fp32_tiles",
+        "fp32_tiles"]
 
 
 def test_compiled_linear_op_matches_eager():
