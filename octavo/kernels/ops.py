@@ -1,4 +1,4 @@
-"""The native linear kernels as torch operators (``torch.ops.octavo.*``), so
+"""The native linear kernels (bf16 and int8/int4) as torch operators (``torch.ops.octavo.*``), so
 that ``torch.compile`` (and later CUDA graphs) can trace through them: each
 op has a schema, a CPU implementation calling the C kernel, and a fake
 (meta) implementation giving the output's shape and dtype without running it.
@@ -20,11 +20,14 @@ import torch
 
 from octavo.kernels.amx_linear import amx_linear_kernel, amx_multiply
 from octavo.kernels.bf16_linear import bf16_gemm_kernel, bf16_linear_kernel
+from octavo.kernels.quant_linear import quant_linear_kernel
 
 _LIB = torch.library.Library("octavo", "DEF")
 _LIB.define("bf16_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
 _LIB.define("amx_linear(Tensor x, Tensor blocks, Tensor? bias, int out_features) -> Tensor")
 _LIB.define("bf16_gemm(Tensor x, Tensor weight, Tensor? bias, bool dot) -> Tensor")
+_LIB.define("quant_linear(Tensor rows, int bits, int group_size, Tensor packed, Tensor scales, Tensor? mins, "
+            "Tensor? bias, int out_features, bool amx) -> Tensor")
 
 
 def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -46,9 +49,17 @@ def amx_linear(x: torch.Tensor, blocks: torch.Tensor, bias: Optional[torch.Tenso
     return amx_multiply(amx_linear_kernel(required=True).lib, x, blocks, bias, out_features)
 
 
+def quant_linear(rows: torch.Tensor, bits: int, group_size: int, packed: torch.Tensor, scales: torch.Tensor,
+                 mins: Optional[torch.Tensor], bias: Optional[torch.Tensor], out_features: int,
+                 amx: bool) -> torch.Tensor:
+    """rows [M, K] @ an int8/int4 weight packed by octavo/kernels/quant_linear.py, by quant_linear.c."""
+    return quant_linear_kernel(required=True)(rows, bits, group_size, packed, scales, mins, bias, out_features, amx)
+
+
 _LIB.impl("bf16_linear", bf16_linear, "CPU")
 _LIB.impl("amx_linear", amx_linear, "CPU")
 _LIB.impl("bf16_gemm", bf16_gemm, "CPU")
+_LIB.impl("quant_linear", quant_linear, "CPU")
 
 
 @torch.library.register_fake("octavo::bf16_linear")
@@ -65,6 +76,13 @@ def _bf16_gemm_fake(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.
 def _amx_linear_fake(x: torch.Tensor, blocks: torch.Tensor, bias: Optional[torch.Tensor],
                      out_features: int) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], out_features))
+
+
+@torch.library.register_fake("octavo::quant_linear")
+def _quant_linear_fake(rows: torch.Tensor, bits: int, group_size: int, packed: torch.Tensor, scales: torch.Tensor,
+                       mins: Optional[torch.Tensor], bias: Optional[torch.Tensor], out_features: int,
+                       amx: bool) -> torch.Tensor:
+    return rows.new_empty((rows.shape[0], out_features))
 
 
 def call(direct: Callable[..., torch.Tensor], op: Callable[..., torch.Tensor], *args: object) -> torch.Tensor:

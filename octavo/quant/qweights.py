@@ -36,6 +36,7 @@ from typing import Optional
 import torch
 from torch.nn import functional as F
 
+from octavo.kernels import ops
 from octavo.kernels.quant_linear import (
     LANES,
     QuantLinearKernel,
@@ -120,8 +121,8 @@ class QuantizedWeight:
         if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
             bias = bias.to(x.dtype).contiguous()
         amx = self.amx and x.dtype == torch.bfloat16 and rows.shape[0] > FMA_ROWS
-        out = self.kernel(rows, self.bits, self.group_size, self.packed, self.scales, self.mins, bias,
-                          self.out_features, amx)
+        out = ops.call(self.kernel, torch.ops.octavo.quant_linear, rows, self.bits, self.group_size, self.packed,
+                       self.scales, self.mins, bias, self.out_features, amx)
         return out.view(*x.shape[:-1], self.out_features)
 
 

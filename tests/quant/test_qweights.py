@@ -115,6 +115,20 @@ def test_bf16_rows_past_the_fma_limit_take_the_amx_kernel_where_the_cpu_has_it()
     _check(w, FMA_ROWS + 1, torch.bfloat16, seed=1)
 
 
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, FMA_ROWS + 3])
+def test_compiled_quantized_product_matches_eager(rows):
+    # The kernel is the torch op octavo::quant_linear: torch.compile traces it whole (fullgraph), on both the
+    # FMA and (where the CPU has AMX) the tile path.
+    w = _int4(64, 128, 32, seed=13)
+    x = torch.randn(rows, 128, generator=_gen(rows)).to(torch.bfloat16)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return w(x).float().relu()
+
+    assert torch.equal(torch.compile(f, fullgraph=True)(x), f(x))
+
+
 @pytest.mark.parametrize("rows", ROWS)
 def test_the_torch_path_multiplies_like_the_dequantized_weight(monkeypatch, rows):
     """Where the kernel is missing (no compiler, not x86, CUDA) the weight is
