@@ -34,8 +34,9 @@ import os
 import tempfile
 import time
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch.nn import functional as F
@@ -43,7 +44,7 @@ from torch.nn import functional as F
 from octavo.kernels import ops
 from octavo.kernels.bf16_linear import bf16_gemm_kernel
 from octavo.kernels.build import cache_root, cpu_signature
-from octavo.kernels.cpu_features import cpu_target
+from octavo.kernels.cpu_features import CpuTarget, cpu_target
 
 logger = logging.getLogger(__name__)
 
@@ -162,6 +163,17 @@ def _best_seconds(fn: Callable[[], object], repeats: int = 3) -> float:
     return best
 
 
+def shared_table() -> LinearTable:
+    """The table without weight copies for the process's target and threads
+    (for callers with no method of their own to hold one: quantized weights)."""
+    return _shared_table(cpu_target(), torch.get_num_threads(), cache_root())
+
+
+@cache
+def _shared_table(target: CpuTarget, threads: int, root: Path) -> LinearTable:
+    return LinearTable()
+
+
 class LinearTable:
     """Measured best way per (N, K, bucket); ``copies`` allows the ways that
     keep a second copy of the weight."""
@@ -193,29 +205,37 @@ class LinearTable:
 
     def ways(self, n: int, k: int) -> dict[int, str]:
         """The best way for each bucket (measured now if not in the table)."""
-        found = {b: self._entries.get(f"{n}x{k}@{b}") for b in BUCKETS}
-        if any(way is None for way in found.values()):
-            found = self._measure(n, k)
-        return found
+        weight: list[torch.Tensor] = []
 
-    def _measure(self, n: int, k: int) -> dict[int, str]:
+        def ways_at(rows: int) -> dict[str, Callable[[], object]]:
+            # Every way's time grows with N alike: a slice of a tall weight (an
+            # output layer) ranks them as well, at a fraction of the start-up time.
+            if not weight:
+                weight.append(torch.randn(min(n, MEASURED_ROWS_MAX), k).to(torch.bfloat16))
+            x = torch.randn(rows, k).to(torch.bfloat16)
+            planned = {way: make_copies(weight[0], {b: way for b in BUCKETS}) for way in self.candidates(rows)}
+            return {way: (lambda pw=pw, way=way: WAYS[way](pw, x, None)) for way, pw in planned.items()}
+
+        return self.choose(f"{n}x{k}", BUCKETS, ways_at)
+
+    def choose(self, key: str, buckets: Sequence[int],
+               ways_at: Callable[[int], dict[str, Callable[[], object]]]) -> dict[int, str]:
+        """For each bucket, the fastest of the ways ``ways_at(bucket)`` offers
+        (each a product of that many rows, timed as it is called), from the
+        table, else measured now and saved under ``key``."""
+        found = {b: self._entries.get(f"{key}@{b}") for b in buckets}
+        if all(way is not None for way in found.values()):
+            return found
         started = time.perf_counter()
-        # Every way's time grows with N alike: a slice of a tall weight (an
-        # output layer) ranks them as well, at a fraction of the start-up time.
-        weight = torch.randn(min(n, MEASURED_ROWS_MAX), k).to(torch.bfloat16)
         chosen = {}
-        for b in BUCKETS:
-            x = torch.randn(b, k).to(torch.bfloat16)
-            times = {}
-            for way in self.candidates(b):
-                pw = make_copies(weight, {bb: way for bb in BUCKETS})
-                times[way] = _best_seconds(lambda pw=pw, way=way: WAYS[way](pw, x, None))
+        for b in buckets:
+            times = {way: _best_seconds(fn) for way, fn in ways_at(b).items()}
             chosen[b] = min(times, key=times.__getitem__)
             for way, seconds in times.items():
-                self._entries[f"{n}x{k}@{b}:{way}_ms"] = round(seconds * 1e3, 4)
-            self._entries[f"{n}x{k}@{b}"] = chosen[b]
+                self._entries[f"{key}@{b}:{way}_ms"] = round(seconds * 1e3, 4)
+            self._entries[f"{key}@{b}"] = chosen[b]
         self._save()
-        logger.info("linear table: measured [%d, %d] in %.2f s: %s", n, k, time.perf_counter() - started,
+        logger.info("linear table: measured %s in %.2f s: %s", key, time.perf_counter() - started,
                     ", ".join(f"{b} rows {w}" for b, w in chosen.items()))
         return chosen
 

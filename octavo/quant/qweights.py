@@ -31,12 +31,14 @@ F.linear runs: correct, not fast.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch.nn import functional as F
 
 from octavo.kernels import ops
+from octavo.kernels.bf16_linear import bf16_gemm_kernel
+from octavo.kernels.cpu_linear import shared_table
 from octavo.kernels.quant_linear import (
     LANES,
     QuantLinearKernel,
@@ -52,8 +54,17 @@ from octavo.kernels.quant_linear import (
 # Rows up to which the exact FMA kernel runs where the CPU has AMX; more bf16
 # rows go to the AMX tile kernel (dequantizing a 32-output group into L2 at a
 # time), whose cost is shared by the rows (benchmarks/quantization.py
-# --kernels). Without AMX the FMA kernel takes every row count.
+# --kernels).
 FMA_ROWS = 4
+# Without AMX the FMA kernel takes up to this many rows (decode: it reads the
+# weight once at the read rate); beyond, a measured table (cpu_linear's,
+# ``MANY_ROW_BUCKETS``) picks between it and dequantizing the weight for a
+# float product (Octavo's bf16 GEMM for bf16 rows): the FMA kernel widens every
+# weight again for every 16-64 rows, which at prefill sizes costs more than
+# one dequantization (forced avx512_bf16, llama-100m int8, 1024 rows: 2490 ms
+# vs 2256 ms with oneDNN's product, one thread).
+FMA_ALWAYS_ROWS = 64
+MANY_ROW_BUCKETS = (256, 1024)
 
 
 class QuantizedWeight:
@@ -79,6 +90,7 @@ class QuantizedWeight:
             self.packed = pack_int8(q) if bits == 8 else pack_int4(q)
             self.scales, self.mins = pack_groups(scales), None if mins is None else pack_groups(mins)
             self.amx = self.kernel.has_amx and k % 32 == 0 and n % 32 == 0
+            self._many_rows: dict[torch.dtype, dict[int, str]] = {}  # rows dtype -> bucket -> way
         else:
             self.packed, self.scales, self.mins, self.amx = q.contiguous(), scales, mins, False
 
@@ -91,7 +103,9 @@ class QuantizedWeight:
         if self.kernel is None:
             return f"int{self.bits} dequantize + F.linear"
         fma = f"int{self.bits} fma {self.kernel.isa}"
-        return f"{fma} (<= {FMA_ROWS} rows) + amx" if self.amx else fma
+        if self.amx:
+            return f"{fma} (<= {FMA_ROWS} rows) + amx"
+        return f"{fma} (> {FMA_ALWAYS_ROWS} rows: measured, fma or dequantize)"
 
     def unpack(self) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
         """(q [N, K], scales [N, G] float32, mins [N, G] float32 or None): the
@@ -121,9 +135,37 @@ class QuantizedWeight:
         if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
             bias = bias.to(x.dtype).contiguous()
         amx = self.amx and x.dtype == torch.bfloat16 and rows.shape[0] > FMA_ROWS
-        out = ops.call(self.kernel, torch.ops.octavo.quant_linear, rows, self.bits, self.group_size, self.packed,
-                       self.scales, self.mins, bias, self.out_features, amx)
+        if not amx and rows.shape[0] > FMA_ALWAYS_ROWS and self._many_rows_way(rows.shape[0], x.dtype) == "dequantize":
+            out = self._dequantized_product(rows, bias)
+        else:
+            out = self._kernel_product(rows, bias, amx)
         return out.view(*x.shape[:-1], self.out_features)
+
+    def _kernel_product(self, rows: torch.Tensor, bias: Optional[torch.Tensor], amx: bool) -> torch.Tensor:
+        return ops.call(self.kernel, torch.ops.octavo.quant_linear, rows, self.bits, self.group_size, self.packed,
+                        self.scales, self.mins, bias, self.out_features, amx)
+
+    def _dequantized_product(self, rows: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        """The product by the dequantized weight: Octavo's GEMM for bf16 rows, torch's for float32."""
+        weight = self.dequantize().to(rows.dtype)
+        if rows.dtype == torch.bfloat16 and bf16_gemm_kernel() is not None:
+            return ops.call(ops.bf16_gemm, torch.ops.octavo.bf16_gemm, rows, weight, bias, False)
+        return F.linear(rows, weight, bias)
+
+    def _many_rows_way(self, rows: int, dtype: torch.dtype) -> str:
+        """``fma`` or ``dequantize`` for a product of ``rows`` > FMA_ALWAYS_ROWS rows of ``dtype``, as the
+        linear table measured for this weight's shape (on this weight, the first time on this CPU)."""
+        ways = self._many_rows.get(dtype)
+        if ways is None:
+            def ways_at(count: int) -> dict[str, Callable[[], object]]:
+                x = torch.randn(count, self.in_features).to(dtype)
+                return {"fma": lambda: self._kernel_product(x, None, False),
+                        "dequantize": lambda: self._dequantized_product(x, None)}
+
+            key = (f"int{self.bits}g{self.group_size}{'z' if self.mins is not None else ''}:"
+                   f"{self.out_features}x{self.in_features}:{str(dtype).removeprefix('torch.')}")
+            ways = self._many_rows[dtype] = shared_table().choose(key, MANY_ROW_BUCKETS, ways_at)
+        return ways[next((b for b in MANY_ROW_BUCKETS if rows <= b), MANY_ROW_BUCKETS[-1])]
 
 
 class Int8Weight(QuantizedWeight):

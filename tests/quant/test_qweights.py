@@ -11,10 +11,13 @@ the summation order differs. bf16 activations: the output is rounded to bf16
 weights (2^-9 relative each), so |diff| <= 2^-7 * (|x| @ |W|^T + |b|)."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 import octavo.quant.qweights as qweights
+from octavo.kernels import cpu_linear
 from octavo.kernels.quant_linear import (
     pack_groups,
     pack_int4,
@@ -111,8 +114,41 @@ def test_bf16_rows_past_the_fma_limit_take_the_amx_kernel_where_the_cpu_has_it()
     w = _int4(64, 128, 32, seed=9)
     assert w.amx == quant_linear_kernel().has_amx
     fma = f"int4 fma {quant_linear_kernel().isa}"
-    assert w.kernel_name() == (f"{fma} (<= 4 rows) + amx" if w.amx else fma)
+    assert w.kernel_name() == (f"{fma} (<= 4 rows) + amx" if w.amx else f"{fma} (> 64 rows: measured, fma or dequantize)")
     _check(w, FMA_ROWS + 1, torch.bfloat16, seed=1)
+
+
+@needs_kernel
+@pytest.mark.parametrize("way", ["fma", "dequantize"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_both_many_row_ways_multiply_like_the_dequantized_weight(monkeypatch, way, dtype):
+    # Without AMX a product of more than FMA_ALWAYS_ROWS rows goes the way the table measured.
+    monkeypatch.setattr(QuantizedWeight, "_many_rows_way", lambda self, rows, dtype: way)
+    for w in (_int8(96, 256, seed=14, groups=4, zeros=True), _int4(96, 256, 128, seed=15, perm=True)):
+        w.amx = False
+        _check(w, qweights.FMA_ALWAYS_ROWS + 36, dtype, seed=3)
+
+
+@needs_kernel
+def test_the_many_row_way_is_measured_once_per_shape_and_kept(monkeypatch, tmp_path):
+    monkeypatch.setenv("OCTAVO_CACHE_DIR", str(tmp_path))
+    w = _int8(96, 256, seed=16)
+    w.amx = False
+    _check(w, 300, torch.bfloat16, seed=4)  # measured now, at both buckets
+    (table,) = tmp_path.glob("kernels/linear-table-*.json")
+    saved = json.loads(table.read_text())
+    for bucket in qweights.MANY_ROW_BUCKETS:
+        assert saved[f"int8g256:96x256:bfloat16@{bucket}"] in ("fma", "dequantize")
+        assert saved[f"int8g256:96x256:bfloat16@{bucket}:fma_ms"] > 0
+        assert saved[f"int8g256:96x256:bfloat16@{bucket}:dequantize_ms"] > 0
+
+    def no_measuring(*_):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(cpu_linear, "_best_seconds", no_measuring)
+    again = _int8(96, 256, seed=17)  # the same shape: read from the table
+    again.amx = False
+    _check(again, 1500, torch.bfloat16, seed=5)
 
 
 @needs_kernel
