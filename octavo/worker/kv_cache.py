@@ -83,13 +83,15 @@ def num_cache_blocks(
 
 def allocate_kv_caches(
     shape: CacheShape, num_blocks: int, device: torch.device,
-    static_scales: Optional[list[Optional[torch.Tensor]]] = None,
+    static_scales: Optional[list[Optional[torch.Tensor]]] = None, padding_blocks: int = 0,
 ) -> list[LayerKVCache]:
-    """One zero-filled cache per layer (``LayerKVCache``); ``static_scales``:
+    """One zero-filled cache per layer (``LayerKVCache``) of ``num_blocks``
+    for the scheduler's pool plus ``padding_blocks`` after them that no
+    request owns (recorded decode steps pad into one); ``static_scales``:
     per layer, the checkpoint's [2, kv_heads] K/V scales or None (quantized
     caches only)."""
     caches = [
-        allocate_layer_cache(num_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim, shape.dtype, device,
+        allocate_layer_cache(num_blocks + padding_blocks, shape.block_size, shape.num_kv_heads, shape.head_dim, shape.dtype, device,
                              static_scales[i] if static_scales else None)
         for i in range(shape.num_layers)
     ]
@@ -99,9 +101,10 @@ def allocate_kv_caches(
         scales = (f" + float32 scales per token and KV head"
                   f"{f' (static from the checkpoint in {fixed} layers)' if fixed else ''}")
     logger.info(
-        "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s%s)",
+        "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB (%s%s)%s",
         num_blocks, shape.block_size, num_blocks * shape.block_size,
         num_blocks * shape.bytes_per_block / 2**20, shape.dtype, scales,
+        f", and {padding_blocks} padding block{'s' * (padding_blocks > 1)}" if padding_blocks else "",
     )
     return caches
 

@@ -124,7 +124,8 @@ class ModelRunner:
                          if cache_config.kv_cache_dtype != "auto" else None)
         use_graphs = self._can_use_graphs(model_config, spec)
         # Recorded steps pad batches with rows that write into one extra block the scheduler never hands out.
-        self.kv_caches = allocate_kv_caches(shape, self.num_blocks + use_graphs, self.device, static_scales)
+        self.kv_caches = allocate_kv_caches(shape, self.num_blocks, self.device, static_scales,
+                                            padding_blocks=int(use_graphs))
         if self._draft is not None:
             self._draft.allocate(self.num_blocks)
 

@@ -1,6 +1,8 @@
 """The KV cache's buffers on 2 MiB pages where Linux gives them."""
 from __future__ import annotations
 
+import ctypes
+import mmap
 import sys
 from pathlib import Path
 
@@ -43,4 +45,11 @@ def test_the_kv_cache_is_eligible_for_huge_pages():
     middle = cache.data.data_ptr() + cache.data.numel() * cache.data.element_size() // 2
     assert _thp_eligible(middle)
     if "[madvise]" in THP.read_text():  # only what asked is eligible (with [always] everything is)
-        assert not _thp_eligible(torch.zeros(1 << 22).data_ptr() + (1 << 20))
+        # A fresh mapping of its own: a torch allocation may reuse memory an earlier test advised.
+        plain = mmap.mmap(-1, 4 << 20)
+        view = ctypes.c_char.from_buffer(plain)
+        try:
+            assert not _thp_eligible(ctypes.addressof(view) + (1 << 20))
+        finally:
+            del view
+            plain.close()
