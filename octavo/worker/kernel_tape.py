@@ -21,8 +21,9 @@ What a recording sees, and how each is replayed:
   ops just run again);
 - views and allocations: nothing (their addresses are the recording's);
 - an op whose result Python reads (``.item()``), whose output shape depends on
-  data, or that draws random numbers: the recording is refused, and the step
-  stays eager.
+  data, or that draws random numbers, and a tensor made from Python values
+  (``torch.tensor``, which may hold this step's data): the recording is
+  refused, and the step stays eager.
 """
 from __future__ import annotations
 
@@ -109,6 +110,9 @@ class _Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         if _REFUSED_TAGS.intersection(func.tags):
             raise StepRefused(f"the step runs {func}, which a replay cannot repeat")
+        if func is torch.ops.aten.lift_fresh.default:
+            # torch.tensor(...) of Python values, which may be this step's data: a replay would reuse them.
+            raise StepRefused("the step makes a tensor from Python values (torch.tensor), which a replay would reuse")
         out = func(*args, **kwargs)
         produced = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         inputs = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]

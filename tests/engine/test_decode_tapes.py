@@ -1,6 +1,7 @@
 """The engine with kernel tapes (the CPU default for decode steps, octavo/worker/kernel_tape.py) generates what
 the eager engine does, through decode batches that shrink across the recorded sizes (padded rows included) and
-a prefix-cache hit, and leaks no KV block."""
+a prefix-cache hit, and leaks no KV block; for a model whose layers are kernels (Llama) and one with torch ops
+in between (Gemma 2)."""
 from __future__ import annotations
 
 import pytest
@@ -10,9 +11,10 @@ from octavo import LLM, SamplingParams
 from tests.engine.conftest import assert_no_leak, random_prompts
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_engine_with_tapes_generates_what_the_eager_engine_does(model_dir, dtype):
-    folder = model_dir("llama")
+# Gemma 2: its (1 + w) norms, soft caps and scaled embeddings are torch ops in the tape, not kernels.
+@pytest.mark.parametrize(("arch", "dtype"), [("llama", "float32"), ("llama", "bfloat16"), ("gemma2", "float32")])
+def test_engine_with_tapes_generates_what_the_eager_engine_does(model_dir, arch, dtype):
+    folder = model_dir(arch)
     # Five requests stopping at different lengths: decode batches of 5 (padded to 8), 4, 3 (padded), 2 and 1;
     # the repeat of the first prompt hits the prefix cache.
     prompts = random_prompts([5, 17, 9, 30, 12]) + random_prompts([5])

@@ -60,8 +60,9 @@ def test_in_place_ops_run_again_on_every_replay():
     assert counter.tolist() == [3.0, 3.0, 3.0] and out.tolist() == [3.5, 3.5, 3.5]
 
 
-@pytest.mark.parametrize("step", [lambda x: x * x.sum().item(), lambda x: x + torch.rand(3), lambda x: x.nonzero()],
-                         ids=["item", "random", "data-dependent shape"])
+@pytest.mark.parametrize("step", [lambda x: x * x.sum().item(), lambda x: x + torch.rand(3), lambda x: x.nonzero(),
+                                  lambda x: x + torch.tensor([1.0, 2.0, 3.0])],
+                         ids=["item", "random", "data-dependent shape", "tensor from Python values"])
 def test_steps_a_replay_cannot_repeat_are_refused(step):
     x = torch.ones(3)
     with pytest.raises(StepRefused):

@@ -86,11 +86,16 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, backends.fused_ops, arch.switches.gemma_norm)
         # Gemma multiplies the embeddings by sqrt(hidden_size) rounded to the model dtype.
         self.embed_scale = arch.hidden_size**0.5 if arch.switches.scale_embeddings else None
+        # ... as a tensor per dtype, made once: a recorded decode step refuses tensors made from Python values.
+        self._embed_scales: dict[torch.dtype, torch.Tensor] = {}
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         h = self.embed_tokens(input_ids)
         if self.embed_scale is not None:
-            h = h * torch.tensor(self.embed_scale, dtype=h.dtype)
+            scale = self._embed_scales.get(h.dtype)
+            if scale is None:
+                scale = self._embed_scales[h.dtype] = torch.tensor(self.embed_scale, dtype=h.dtype)
+            h = h * scale
         return h
 
 
