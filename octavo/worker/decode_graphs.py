@@ -31,6 +31,10 @@ class StepRefused(RuntimeError):
     """The step does something a replay cannot repeat; it runs eagerly."""
 
 
+class ReplayFailed(RuntimeError):
+    """A replay went wrong (a kernel's status differs from the recording's)."""
+
+
 @dataclass
 class Recording:
     replay: Callable[[], None]
@@ -179,8 +183,14 @@ class DecodeGraphs:
         static.decode_block_table[n:, 0].fill_(self._null_block)
         static.decode_context_lens[n:].fill_(1)
         if step.replay is not None:
-            step.replay()
-            return step.hidden[:n]
+            try:
+                step.replay()
+                return step.hidden[:n]
+            except ReplayFailed:
+                # Not this step's requests' fault: the size goes eager for good, and the step is run again
+                # eagerly (rewriting whatever K/V the failed replay wrote); an eager failure raises as ever.
+                logger.exception("replaying decode steps of batch %d failed; they run eagerly now", step.size)
+                step.replay = step.hidden = None
         if self._recorder is not None and not step.settled and step.eager_runs:
             return self._record(step)[:n]
         step.eager_runs += 1

@@ -35,7 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from octavo.kernels.launch import recording
-from octavo.worker.decode_graphs import Recording, StepRefused
+from octavo.worker.decode_graphs import Recording, ReplayFailed, StepRefused
 
 # Decode batches recorded on CPU: past ~64 rows a step's kernels take long enough that the Python around
 # them is a few percent of it (and products leave the native kernels for oneDNN's).
@@ -48,7 +48,7 @@ _ALLOCATIONS = {torch.ops.aten.empty, torch.ops.aten.empty_like, torch.ops.aten.
 _REFUSED_TAGS = {torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape, torch.Tag.nondeterministic_seeded}
 
 
-class KernelReplayError(RuntimeError):
+class KernelReplayError(ReplayFailed):
     """A replayed kernel call failed (its status differs from the recording's)."""
 
 

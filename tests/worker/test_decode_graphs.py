@@ -18,7 +18,7 @@ from octavo.model.loader import load_model
 from octavo.sampling_params import SamplingParams
 from octavo.worker.decode_graphs import DecodeGraphs, capture_sizes
 from octavo.worker.input_batch import prepare_inputs
-from octavo.worker.kernel_tape import TapeRecorder
+from octavo.worker.kernel_tape import KernelReplayError, TapeRecorder
 from tests.model_factory import make_tiny_model
 
 
@@ -64,7 +64,7 @@ STEPS = (([30, 17, 9, 5, 2, 11], 1), ([21, 3, 8, 14, 6], 2), ([31, 18, 10, 6, 3,
          ([40], 3), ([41], 6))
 
 
-def _run_steps(tmp_path, make_backend, forward_wrap=lambda f: f, memory_budget=None):
+def _run_steps(tmp_path, make_backend, forward_wrap=lambda f: f, memory_budget=None, before_step=None):
     folder = make_tiny_model(tmp_path, "llama", num_hidden_layers=2)
     backend, recorder = make_backend()
     model, arch = load_model(folder, "float32", CPU, MAX_LEN, ModelBackends(attention=backend,
@@ -84,7 +84,9 @@ def _run_steps(tmp_path, make_backend, forward_wrap=lambda f: f, memory_budget=N
     with torch.inference_mode():
         graphs = DecodeGraphs(forward_wrap(model), static_caches, null_block, BLOCK, capture_sizes(6), MAX_LEN,
                               backend, CPU, recorder, memory_budget)
-        for contexts, seed in STEPS:
+        for index, (contexts, seed) in enumerate(STEPS):
+            if before_step is not None:
+                before_step(graphs, index)
             inputs = prepare_inputs(_decode_step(contexts, seed), BLOCK, backend, CPU)
             want = model(inputs.input_ids, inputs.positions, eager_caches, inputs.attn)
             got = graphs.run(inputs.input_ids, inputs.positions, inputs.attn)
@@ -118,3 +120,14 @@ def test_a_refused_recording_leaves_the_size_eager_and_its_step_right(tmp_path):
 
     graphs = _run_steps(tmp_path, _tapes, forward_wrap=reads_a_value)
     assert graphs.recorded_sizes == []
+
+
+def test_a_failing_replay_runs_its_step_eagerly_and_leaves_the_size_eager(tmp_path):
+    def sabotage(graphs, index):
+        if index == 3:  # the size-6 step recorded at step 2 fails its next replay
+            def failing():
+                raise KernelReplayError("octavo_paged_decode returned -1, recorded 0")
+            graphs._steps[6].replay = failing
+
+    graphs = _run_steps(tmp_path, _tapes, before_step=sabotage)  # every step still equals the eager one
+    assert graphs.recorded_sizes == [1]
