@@ -12,6 +12,7 @@ import torch
 from octavo.attention.base import AttentionBackend, AttentionMetadata, StepLayout
 from octavo.attention.kv_quant import LayerKVCache
 from octavo.attention.prefill import attend_prefills, build_prefills
+from octavo.kernels import ops as native
 from octavo.kernels.paged_decode import PagedDecodeKernel, paged_decode_kernel
 
 
@@ -74,8 +75,8 @@ class NativeCpuBackend(AttentionBackend):
             out = torch.empty_like(q)
         else:
             scales = kv_cache.scales
-            o = self.kernel(
-                q[:n], kv_cache.data[0], kv_cache.data[1], meta.decode_block_table, meta.decode_context_lens, window,
+            o = native.call(
+                self.kernel, torch.ops.octavo.paged_decode, q[:n], kv_cache.data[0], kv_cache.data[1], meta.decode_block_table, meta.decode_context_lens, window,
                 scale, None if scales is None else scales[0], None if scales is None else scales[1], softcap,
             )
             if not meta.prefills:

@@ -1,7 +1,11 @@
-"""The native linear kernels (bf16 and int8/int4) as torch operators (``torch.ops.octavo.*``), so
-that ``torch.compile`` (and later CUDA graphs) can trace through them: each
-op has a schema, a CPU implementation calling the C kernel, and a fake
-(meta) implementation giving the output's shape and dtype without running it.
+"""The native CPU kernels as torch operators (``torch.ops.octavo.*``): the
+linear products (bf16, int8/int4), the fused elementwise kernels (RMSNorm
+with the residual add, SiLU-and-multiply, rotary with the K/V cache write,
+argmax) and paged decode attention. So ``torch.compile`` (and later CUDA
+graphs) can trace through them: each op has a schema (the tensors a kernel
+writes in place are marked mutable, so functionalization orders them), a CPU
+implementation calling the C kernel, and a fake (meta) implementation giving
+the output's shape and dtype without running it.
 
 Ops are device-agnostic by schema: another backend registers its own
 implementation on the same op (``torch.library.impl("octavo::bf16_linear",
@@ -14,12 +18,15 @@ products per token, for nothing an eager caller needs. Under
 """
 from __future__ import annotations
 
+from functools import cache
 from typing import Callable, Optional
 
 import torch
 
 from octavo.kernels.amx_linear import amx_linear_kernel, amx_multiply
 from octavo.kernels.bf16_linear import bf16_gemm_kernel, bf16_linear_kernel
+from octavo.kernels.fused_ops import FusedOps, fused_ops
+from octavo.kernels.paged_decode import PagedDecodeKernel, paged_decode_kernel
 from octavo.kernels.quant_linear import quant_linear_kernel
 
 _LIB = torch.library.Library("octavo", "DEF")
@@ -28,6 +35,13 @@ _LIB.define("amx_linear(Tensor x, Tensor blocks, Tensor? bias, int out_features)
 _LIB.define("bf16_gemm(Tensor x, Tensor weight, Tensor? bias, bool dot) -> Tensor")
 _LIB.define("quant_linear(Tensor rows, int bits, int group_size, Tensor packed, Tensor scales, Tensor? mins, "
             "Tensor? bias, int out_features, bool amx) -> Tensor")
+_LIB.define("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!)? residual) -> Tensor")
+_LIB.define("silu_mul(Tensor gate_up) -> Tensor")
+_LIB.define("rotary_write_kv(Tensor(a!) qkv, int num_heads, int num_kv_heads, Tensor cos, Tensor sin, "
+            "Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slots, Tensor(d!)? scales, Tensor? static_scales) -> ()")
+_LIB.define("argmax(Tensor logits) -> Tensor")
+_LIB.define("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor context_lens, "
+            "int? window, float scale, Tensor? k_scales, Tensor? v_scales, float? softcap) -> Tensor")
 
 
 def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -56,10 +70,50 @@ def quant_linear(rows: torch.Tensor, bits: int, group_size: int, packed: torch.T
     return quant_linear_kernel(required=True)(rows, bits, group_size, packed, scales, mins, bias, out_features, amx)
 
 
+@cache
+def _fused() -> FusedOps:
+    return fused_ops(required=True)
+
+
+@cache
+def _paged_decode() -> PagedDecodeKernel:
+    return paged_decode_kernel(required=True)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optional[torch.Tensor]) -> torch.Tensor:
+    """FusedOps.rms_norm: with ``residual``, x + residual is left in it."""
+    return _fused().rms_norm(x, weight, eps, residual)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    return _fused().silu_mul(gate_up)
+
+
+def rotary_write_kv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: torch.Tensor, sin: torch.Tensor,
+                    k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, scales: Optional[torch.Tensor],
+                    static_scales: Optional[torch.Tensor]) -> None:
+    """FusedOps.rotary_write_kv: rotates q and k in ``qkv`` and writes k, v (and scales) into the caches."""
+    _fused().rotary_write_kv(qkv, num_heads, num_kv_heads, cos, sin, k_cache, v_cache, slots, scales, static_scales)
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:
+    return _fused().argmax(logits)
+
+
+def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                 context_lens: torch.Tensor, window: Optional[int], scale: float, k_scales: Optional[torch.Tensor],
+                 v_scales: Optional[torch.Tensor], softcap: Optional[float]) -> torch.Tensor:
+    """PagedDecodeKernel: decode attention reading K/V in place through the block tables."""
+    return _paged_decode()(q, k_cache, v_cache, block_tables, context_lens, window, scale, k_scales, v_scales, softcap)
+
+
 _LIB.impl("bf16_linear", bf16_linear, "CPU")
 _LIB.impl("amx_linear", amx_linear, "CPU")
 _LIB.impl("bf16_gemm", bf16_gemm, "CPU")
 _LIB.impl("quant_linear", quant_linear, "CPU")
+for _name, _fn in (("rms_norm", rms_norm), ("silu_mul", silu_mul), ("rotary_write_kv", rotary_write_kv),
+                   ("argmax", argmax), ("paged_decode", paged_decode)):
+    _LIB.impl(_name, _fn, "CPU")
 
 
 @torch.library.register_fake("octavo::bf16_linear")
@@ -83,6 +137,36 @@ def _quant_linear_fake(rows: torch.Tensor, bits: int, group_size: int, packed: t
                        mins: Optional[torch.Tensor], bias: Optional[torch.Tensor], out_features: int,
                        amx: bool) -> torch.Tensor:
     return rows.new_empty((rows.shape[0], out_features))
+
+
+@torch.library.register_fake("octavo::rms_norm")
+def _rms_norm_fake(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: Optional[torch.Tensor]) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+@torch.library.register_fake("octavo::silu_mul")
+def _silu_mul_fake(gate_up: torch.Tensor) -> torch.Tensor:
+    return gate_up.new_empty((gate_up.shape[0], gate_up.shape[1] // 2))
+
+
+@torch.library.register_fake("octavo::rotary_write_kv")
+def _rotary_write_kv_fake(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, cos: torch.Tensor,
+                          sin: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
+                          scales: Optional[torch.Tensor], static_scales: Optional[torch.Tensor]) -> None:
+    return None
+
+
+@torch.library.register_fake("octavo::argmax")
+def _argmax_fake(logits: torch.Tensor) -> torch.Tensor:
+    return logits.new_empty((logits.shape[0],), dtype=torch.int64)
+
+
+@torch.library.register_fake("octavo::paged_decode")
+def _paged_decode_fake(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                       context_lens: torch.Tensor, window: Optional[int], scale: float,
+                       k_scales: Optional[torch.Tensor], v_scales: Optional[torch.Tensor],
+                       softcap: Optional[float]) -> torch.Tensor:
+    return q.new_empty(q.shape)
 
 
 def call(direct: Callable[..., torch.Tensor], op: Callable[..., torch.Tensor], *args: object) -> torch.Tensor:

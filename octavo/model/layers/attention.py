@@ -9,6 +9,7 @@ from torch import nn
 
 from octavo.attention.base import AttentionMetadata
 from octavo.attention.kv_quant import LayerKVCache
+from octavo.kernels import ops as native
 from octavo.model.backends import ModelBackends
 from octavo.model.config import ArchConfig
 from octavo.model.layers.linear import QKVParallelLinear, RowParallelLinear
@@ -58,8 +59,8 @@ class Attention(nn.Module):
             # Rotary in place on the projection's output, K/V straight into
             # their slots (quantized there when the cache is).
             slots = kv_cache.slots()
-            self.ops.rotary_write_kv(
-                qkv, self.num_heads, self.num_kv_heads, cos.view(n, -1), sin.view(n, -1), slots[0], slots[1],
+            native.call(
+                self.ops.rotary_write_kv, torch.ops.octavo.rotary_write_kv, qkv, self.num_heads, self.num_kv_heads, cos.view(n, -1), sin.view(n, -1), slots[0], slots[1],
                 meta.slot_mapping, kv_cache.scales, kv_cache.static_scales,
             )
             q, k, v = self._heads(qkv)

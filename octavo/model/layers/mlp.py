@@ -8,6 +8,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from octavo.kernels import ops as native
 from octavo.model.backends import ModelBackends
 from octavo.model.layers.linear import MergedColumnParallelLinear, RowParallelLinear
 
@@ -32,13 +33,12 @@ class GatedMLP(nn.Module):
                                                        backends.linear_method(gate_up), gate_up)
         self.down_proj = RowParallelLinear(intermediate, hidden, bias, backends.linear_method(down), down)
         self.act = _ACTIVATIONS[act]
-        # SiLU and the product read the fused projection's output in one pass.
         # The native kernel reads the fused projection's output once for SiLU and the product.
         self.ops = backends.fused_ops if act in ("silu", "swish") else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
         if self.ops is not None:
-            return self.down_proj(self.ops.silu_mul(gate_up))
+            return self.down_proj(native.call(self.ops.silu_mul, torch.ops.octavo.silu_mul, gate_up))
         gate, up = gate_up.split(self.gate_up_proj.output_sizes, dim=-1)
         return self.down_proj(self.act(gate) * up)

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from octavo.kernels import ops as native
 from octavo.kernels.fused_ops import FusedOps
 
 
@@ -25,14 +26,15 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.ops is not None and x.is_contiguous():
-            return self.ops.rms_norm(x, self.weight, self.eps)
+            return native.call(self.ops.rms_norm, torch.ops.octavo.rms_norm, x, self.weight, self.eps, None)
         return self._torch(x)
 
     def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual): the residual stream's add and
         the next norm in one pass. ``residual`` may be updated in place."""
         if self.ops is not None and x.is_contiguous() and residual.is_contiguous():
-            return self.ops.rms_norm(x, self.weight, self.eps, residual), residual
+            out = native.call(self.ops.rms_norm, torch.ops.octavo.rms_norm, x, self.weight, self.eps, residual)
+            return out, residual
         residual = x + residual
         return self._torch(residual), residual
 
