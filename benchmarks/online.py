@@ -87,7 +87,7 @@ def running_server(
 
 def octavo_cmd(args: argparse.Namespace, port: int) -> list[str]:
     return [sys.executable, "-m", "octavo.entrypoints.cli", "serve", str(args.model), "--port", str(port),
-            "--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs),
+            "--dtype", args.dtype, "--device", args.device, "--max-num-seqs", str(args.max_num_seqs),
             "--kv-cache-memory", str(args.kv_cache_memory_bytes), "--log-level", "warning"]
 
 
@@ -114,6 +114,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where Octavo runs (llama-server: CPU)")
     parser.add_argument("--servers", default="octavo,llamacpp")
     parser.add_argument("--scenarios", default="c32,r2", help="comma-separated cN / rX")
     parser.add_argument("--num-prompts", type=int, default=64)
