@@ -2,13 +2,16 @@
 shape and number of rows, chosen by measuring the ways on this CPU.
 
 Few rows (decode at small batch) read every weight once: bf16_linear.c does
-that at the read rate, so up to ``ALWAYS_ROWS_KERNEL`` rows it is used
-without asking. Beyond, arithmetic starts to matter and the best way depends
+that at the read rate, so up to ``ALWAYS_ROWS_KERNEL`` rows only its builds
+compete (where the target has vdpbf16ps, the widening build too). Beyond,
+arithmetic starts to matter and the best way depends
 on the CPU (on a Xeon with AVX-512 BF16 but no AMX, oneDNN's bf16 matmul ran
 at 85-139 GFLOP/s where torch's float32 one ran at 221-256: issue 18). The
 ways measured:
 
-- ``rows``: bf16_linear.c (up to 64 rows);
+- ``rows``: bf16_linear.c (up to 64 rows); ``rows_widen``: the same built to
+  widen bf16 to float32 for FMAs (only where the target's own build uses
+  vdpbf16ps: faster or slower depending on the CPU);
 - ``gemm``: bf16_gemm.c, a register-blocked GEMM on the plain weight with
   float32 products (every target); ``gemm_dot``: the same with AVX-512 BF16
   dot products (only where the target has them: faster or slower than
@@ -42,7 +45,7 @@ import torch
 from torch.nn import functional as F
 
 from octavo.kernels import ops
-from octavo.kernels.bf16_linear import bf16_gemm_kernel
+from octavo.kernels.bf16_linear import bf16_gemm_kernel, bf16_linear_widening_kernel
 from octavo.kernels.build import cache_root, cpu_signature
 from octavo.kernels.cpu_features import CpuTarget, cpu_target
 
@@ -50,8 +53,9 @@ logger = logging.getLogger(__name__)
 
 ALWAYS_ROWS_KERNEL = 4
 # Small-batch decode crosses over between ways within a few rows (forced avx512_bf16, llama-100m: the
-# few-row kernel best at 8 rows, oneDNN at 16-24, the GEMM at 32), hence the finer buckets there.
-BUCKETS = (8, 16, 32, 64, 256)
+# few-row kernel best at 8 rows, oneDNN at 16-24, the GEMM at 32), hence the finer buckets there; 1 and 4
+# choose between the few-row kernel's builds.
+BUCKETS = (1, 4, 8, 16, 32, 64, 256)
 ROWS_KERNEL_MAX = 64
 # Float32 tile of the weight converted at a time: a few hundred KiB, so it
 # stays in L2 while the float32 product reads it.
@@ -74,7 +78,7 @@ class PlannedWeight:
     weight_f32: Optional[torch.Tensor] = None  # float32 copy, when a way uses it
 
     def way_for(self, rows: int) -> str:
-        return "rows" if rows <= ALWAYS_ROWS_KERNEL else self.ways[bucket(rows)]
+        return self.ways[bucket(rows)]
 
     def __call__(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
@@ -83,6 +87,10 @@ class PlannedWeight:
 
 def _rows(pw: PlannedWeight, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     return ops.call(ops.bf16_linear, torch.ops.octavo.bf16_linear, x, pw.weight, bias)
+
+
+def _rows_widen(pw: PlannedWeight, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    return ops.call(ops.bf16_linear, torch.ops.octavo.bf16_linear, x, pw.weight, bias, True)
 
 
 def _gemm(pw: PlannedWeight, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -133,7 +141,7 @@ def _fp32_tiles(pw: PlannedWeight, x: torch.Tensor, bias: Optional[torch.Tensor]
 
 
 WAYS: dict[str, Callable[[PlannedWeight, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]] = {
-    "rows": _rows, "gemm": _gemm, "gemm_dot": _gemm_dot, "onednn": _onednn, "fp32_tiles": _fp32_tiles,
+    "rows": _rows, "rows_widen": _rows_widen, "gemm": _gemm, "gemm_dot": _gemm_dot, "onednn": _onednn, "fp32_tiles": _fp32_tiles,
     "onednn_packed": _onednn_packed, "fp32_copy": _fp32_copy,
 }
 
@@ -195,10 +203,13 @@ class LinearTable:
         return cache_root() / f"linear-table-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
     def candidates(self, rows: int) -> list[str]:
+        rows_ways = ["rows"] + (["rows_widen"] if bf16_linear_widening_kernel() is not None else [])
+        if rows <= ALWAYS_ROWS_KERNEL:
+            return rows_ways
         ways = ["onednn", "fp32_tiles"]
         ways[:0] = [w for w, dot in (("gemm", False), ("gemm_dot", True)) if bf16_gemm_kernel(dot=dot) is not None]
         if rows <= ROWS_KERNEL_MAX:
-            ways.insert(0, "rows")
+            ways[:0] = rows_ways
         if self.copies:
             ways += ["fp32_copy"] + (["onednn_packed"] if can_pack_onednn() else [])
         return ways

@@ -24,13 +24,13 @@ from typing import Callable, Optional
 import torch
 
 from octavo.kernels.amx_linear import amx_linear_kernel, amx_multiply
-from octavo.kernels.bf16_linear import bf16_gemm_kernel, bf16_linear_kernel
+from octavo.kernels.bf16_linear import bf16_gemm_kernel, bf16_linear_kernel, bf16_linear_widening_kernel
 from octavo.kernels.fused_ops import FusedOps, fused_ops
 from octavo.kernels.paged_decode import PagedDecodeKernel, paged_decode_kernel
 from octavo.kernels.quant_linear import quant_linear_kernel
 
 _LIB = torch.library.Library("octavo", "DEF")
-_LIB.define("bf16_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
+_LIB.define("bf16_linear(Tensor x, Tensor weight, Tensor? bias, bool widen=False) -> Tensor")
 _LIB.define("amx_linear(Tensor x, Tensor blocks, Tensor? bias, int out_features) -> Tensor")
 _LIB.define("bf16_gemm(Tensor x, Tensor weight, Tensor? bias, bool dot) -> Tensor")
 _LIB.define("quant_linear(Tensor rows, int bits, int group_size, Tensor packed, Tensor scales, Tensor? mins, "
@@ -44,9 +44,16 @@ _LIB.define("paged_decode(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block
             "int? window, float scale, Tensor? k_scales, Tensor? v_scales, float? softcap) -> Tensor")
 
 
-def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    """``F.linear`` on a plain bf16 weight by bf16_linear.c, built for the process's CPU target."""
-    return bf16_linear_kernel(required=True)(x, weight, bias)
+def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                widen: bool = False) -> torch.Tensor:
+    """``F.linear`` on a plain bf16 weight by bf16_linear.c, built for the process's CPU target, or with
+    ``widen`` for its float32-FMA sibling (``bf16_linear_widening_kernel``)."""
+    if not widen:
+        return bf16_linear_kernel(required=True)(x, weight, bias)
+    kernel = bf16_linear_widening_kernel()
+    if kernel is None:
+        raise ValueError("widen: this CPU target's few-row kernel has no widening sibling")
+    return kernel(x, weight, bias)
 
 
 def bf16_gemm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], dot: bool) -> torch.Tensor:
@@ -117,7 +124,8 @@ for _name, _fn in (("rms_norm", rms_norm), ("silu_mul", silu_mul), ("rotary_writ
 
 
 @torch.library.register_fake("octavo::bf16_linear")
-def _bf16_linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+def _bf16_linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                      widen: bool = False) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 

@@ -12,7 +12,7 @@ from torch.nn import functional as F
 
 from octavo.kernels import cpu_linear, ops
 from octavo.kernels.amx_linear import amx_linear_kernel
-from octavo.kernels.bf16_linear import bf16_gemm_kernel, bf16_linear_kernel
+from octavo.kernels.bf16_linear import bf16_gemm_kernel, bf16_linear_kernel, bf16_linear_widening_kernel
 from octavo.kernels.cpu_features import BY_NAME, TARGETS, cpu_info
 
 # The instruction set bf16_linear.c compiles to under each target.
@@ -84,6 +84,8 @@ def test_every_large_row_way_matches_float32(way, rows):
         pytest.skip("this torch build/CPU has no oneDNN bf16 packing")
     if way == "gemm_dot" and bf16_gemm_kernel(dot=True) is None:
         pytest.skip("this CPU target has no AVX-512 BF16 dot products")
+    if way == "rows_widen" and bf16_linear_widening_kernel() is None:
+        pytest.skip("this CPU target has no AVX-512 BF16 dot products (its few-row kernel already widens)")
     gen = torch.Generator().manual_seed(rows)
     w = torch.randn(1100, 70, generator=gen).to(torch.bfloat16)  # 1100 x 70: several fp32 tiles, a short last one
     x = torch.randn(rows, 70, generator=gen).to(torch.bfloat16)
@@ -126,12 +128,24 @@ def test_copies_are_candidates_only_when_allowed(tmp_path):
     assert "rows" not in cpu_linear.LinearTable(path=tmp_path / "c.json").candidates(cpu_linear.ROWS_KERNEL_MAX + 1)
 
 
+def test_few_rows_choose_only_between_the_few_row_kernel_builds(tmp_path):
+    table = cpu_linear.LinearTable(path=tmp_path / "t.json")
+    widening = bf16_linear_widening_kernel()
+    for rows in (1, cpu_linear.ALWAYS_ROWS_KERNEL):
+        assert table.candidates(rows) == ["rows"] + (["rows_widen"] if widening else [])
+    # The widening build exists exactly where the target's own build multiplies by vdpbf16ps.
+    assert (widening is not None) == (bf16_linear_kernel().isa == "avx512_bf16")
+    if widening is not None:
+        assert widening.isa == "avx512" and "rows_widen" in table.candidates(cpu_linear.ROWS_KERNEL_MAX)
+
+
 def test_planned_weight_routes_by_rows():
     w = torch.randn(8, 16).to(torch.bfloat16)
-    planned = cpu_linear.PlannedWeight(w, {8: "rows", 16: "fp32_tiles", 32: "gemm", 64: "onednn", 256: "fp32_tiles"})
-    assert [planned.way_for(r) for r in (1, 4, 5, 8, 9, 16, 17, 32, 33, 64, 65, 5000)] == [
-        "rows", "rows", "rows", "rows", "fp32_tiles", "fp32_tiles", "gemm", "gemm", "onednn", "onednn", "fp32_tiles",
-        "fp32_tiles"]
+    planned = cpu_linear.PlannedWeight(w, {1: "rows", 4: "rows_widen", 8: "rows", 16: "fp32_tiles", 32: "gemm",
+                                           64: "onednn", 256: "fp32_tiles"})
+    assert [planned.way_for(r) for r in (1, 2, 4, 5, 8, 9, 16, 17, 32, 33, 64, 65, 5000)] == [
+        "rows", "rows_widen", "rows_widen", "rows", "rows", "fp32_tiles", "fp32_tiles", "gemm", "gemm", "onednn",
+        "onednn", "fp32_tiles", "fp32_tiles"]
 
 
 def test_compiled_linear_op_matches_eager():
@@ -143,6 +157,11 @@ def test_compiled_linear_op_matches_eager():
 
     x = torch.randn(3, 96).to(torch.bfloat16)
     assert torch.equal(torch.compile(f, fullgraph=True)(x), f(x))
+    if bf16_linear_widening_kernel() is not None:
+        def widened(x: torch.Tensor) -> torch.Tensor:
+            return ops.call(ops.bf16_linear, torch.ops.octavo.bf16_linear, x, w, bias, True).float().relu()
+
+        assert torch.equal(torch.compile(widened, fullgraph=True)(x), widened(x))
 
 
 def test_compiled_amx_op_matches_eager():

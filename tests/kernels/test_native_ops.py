@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from octavo.kernels import ops
+from octavo.kernels.bf16_linear import bf16_linear_widening_kernel
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK, BLOCKS = 4, 2, 32, 16, 6
 
@@ -40,6 +41,14 @@ def test_opcheck_elementwise_ops():
     torch.library.opcheck(torch.ops.octavo.rms_norm, (x, w, 1e-6, _randn(5, 64, seed=3)))
     torch.library.opcheck(torch.ops.octavo.silu_mul, (_randn(5, 128, seed=4),))
     torch.library.opcheck(torch.ops.octavo.argmax, (_randn(3, 1000, seed=5),))
+
+
+def test_opcheck_linear_ops():
+    x, w, bias = _randn(3, 64, seed=6), _randn(48, 64, seed=7), _randn(48, seed=8)
+    torch.library.opcheck(torch.ops.octavo.bf16_linear, (x, w, bias))
+    if bf16_linear_widening_kernel() is not None:
+        torch.library.opcheck(torch.ops.octavo.bf16_linear, (x, w, bias, True))
+    torch.library.opcheck(torch.ops.octavo.bf16_gemm, (_randn(40, 64, seed=9), w, None, False))
 
 
 def test_opcheck_rotary_and_decode():
