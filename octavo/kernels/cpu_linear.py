@@ -19,6 +19,12 @@ ways measured:
 - ``onednn``: torch's bf16 ``F.linear`` on the plain weight;
 - ``fp32_tiles``: float32 products on bf16 weights converted a tile of output
   rows at a time into an L2-sized float32 buffer (no copy of the model);
+- ``fp32_convert``: float32 products on the whole weight converted for the
+  call (a transient float32 copy, up to ``CONVERT_MAX_BYTES``): at a
+  prefill chunk's rows the product costs ~100x the conversion, and torch's
+  float32 GEMM then runs at its full rate (on an Emerald Rapids VM without
+  AMX 1.1-1.5x the GEMM's at 1024-2048 rows, where ``fp32_tiles`` lost to the
+  transposed copy of its output);
 - with ``copies`` allowed (memory for a second copy of every weight):
   ``onednn_packed`` (oneDNN's prepacked bf16 weight) and ``fp32_copy`` (a
   float32 copy of the weight, twice the bytes).
@@ -55,12 +61,15 @@ ALWAYS_ROWS_KERNEL = 4
 # Small-batch decode crosses over between ways within a few rows (forced avx512_bf16, llama-100m: the
 # few-row kernel best at 8 rows, oneDNN at 16-24, the GEMM at 32), hence the finer buckets there; 1 and 4
 # choose between the few-row kernel's builds.
-BUCKETS = (1, 4, 8, 16, 32, 64, 256)
+# 1024 stands for prefill chunks (up to max_num_batched_tokens rows).
+BUCKETS = (1, 4, 8, 16, 32, 64, 256, 1024)
 ROWS_KERNEL_MAX = 64
 # Float32 tile of the weight converted at a time: a few hundred KiB, so it
 # stays in L2 while the float32 product reads it.
 TILE_BYTES = 512 * 1024
 MEASURED_ROWS_MAX = 2048
+# Largest transient float32 weight ``fp32_convert`` may make (a 7B model's fused gate/up is 360 MB).
+CONVERT_MAX_BYTES = 512 << 20
 
 
 def bucket(rows: int) -> int:
@@ -109,6 +118,11 @@ def _onednn_packed(pw: PlannedWeight, x: torch.Tensor, bias: Optional[torch.Tens
     return torch.ops.mkldnn._linear_pointwise(x, pw.packed, bias, "none", [], "")
 
 
+def _fp32_convert(pw: PlannedWeight, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    out = F.linear(x.float(), pw.weight.float(), None if bias is None else bias.float())
+    return out.to(torch.bfloat16)
+
+
 def _fp32_copy(pw: PlannedWeight, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     out = F.linear(x.float(), pw.weight_f32, None if bias is None else bias.float())
     return out.to(torch.bfloat16)
@@ -141,8 +155,8 @@ def _fp32_tiles(pw: PlannedWeight, x: torch.Tensor, bias: Optional[torch.Tensor]
 
 
 WAYS: dict[str, Callable[[PlannedWeight, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]] = {
-    "rows": _rows, "rows_widen": _rows_widen, "gemm": _gemm, "gemm_dot": _gemm_dot, "onednn": _onednn, "fp32_tiles": _fp32_tiles,
-    "onednn_packed": _onednn_packed, "fp32_copy": _fp32_copy,
+    "rows": _rows, "rows_widen": _rows_widen, "gemm": _gemm, "gemm_dot": _gemm_dot, "onednn": _onednn,
+    "fp32_tiles": _fp32_tiles, "fp32_convert": _fp32_convert, "onednn_packed": _onednn_packed, "fp32_copy": _fp32_copy,
 }
 
 
@@ -199,14 +213,15 @@ class LinearTable:
         # The ways measured are part of the key: a table chosen among fewer
         # ways (an older Octavo, a target without some kernel) is not reused.
         key = "\0".join([cpu_signature(), cpu_target().name, torch.__version__, str(torch.get_num_threads()),
-                         str(self.copies), ",".join(map(str, BUCKETS)), ",".join(self.candidates(BUCKETS[0]))])
+                         str(self.copies), ",".join(map(str, BUCKETS)),
+                         ",".join(sorted({way for b in BUCKETS for way in self.candidates(b)}))])
         return cache_root() / f"linear-table-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
     def candidates(self, rows: int) -> list[str]:
         rows_ways = ["rows"] + (["rows_widen"] if bf16_linear_widening_kernel() is not None else [])
         if rows <= ALWAYS_ROWS_KERNEL:
             return rows_ways
-        ways = ["onednn", "fp32_tiles"]
+        ways = ["onednn", "fp32_tiles", "fp32_convert"]
         ways[:0] = [w for w, dot in (("gemm", False), ("gemm_dot", True)) if bf16_gemm_kernel(dot=dot) is not None]
         if rows <= ROWS_KERNEL_MAX:
             ways[:0] = rows_ways
@@ -224,7 +239,8 @@ class LinearTable:
             if not weight:
                 weight.append(torch.randn(min(n, MEASURED_ROWS_MAX), k).to(torch.bfloat16))
             x = torch.randn(rows, k).to(torch.bfloat16)
-            planned = {way: make_copies(weight[0], {b: way for b in BUCKETS}) for way in self.candidates(rows)}
+            ways = [w for w in self.candidates(rows) if w != "fp32_convert" or n * k * 4 <= CONVERT_MAX_BYTES]
+            planned = {way: make_copies(weight[0], {b: way for b in BUCKETS}) for way in ways}
             return {way: (lambda pw=pw, way=way: WAYS[way](pw, x, None)) for way, pw in planned.items()}
 
         return self.choose(f"{n}x{k}", BUCKETS, ways_at)

@@ -128,6 +128,23 @@ def test_copies_are_candidates_only_when_allowed(tmp_path):
     assert "rows" not in cpu_linear.LinearTable(path=tmp_path / "c.json").candidates(cpu_linear.ROWS_KERNEL_MAX + 1)
 
 
+def test_whole_weight_conversion_is_measured_only_under_its_memory_cap(tmp_path, monkeypatch):
+    measured: list[str] = []
+    real = cpu_linear._best_seconds
+
+    def record(fn, repeats=3):
+        measured.append(fn.__defaults__[1])  # the lambda's ``way``
+        return real(fn, repeats)
+
+    monkeypatch.setattr(cpu_linear, "_best_seconds", record)
+    cpu_linear.LinearTable(path=tmp_path / "a.json").ways(32, 16)
+    assert "fp32_convert" in measured
+    measured.clear()
+    monkeypatch.setattr(cpu_linear, "CONVERT_MAX_BYTES", 32 * 16 * 4 - 1)
+    ways = cpu_linear.LinearTable(path=tmp_path / "b.json").ways(32, 16)
+    assert measured and "fp32_convert" not in measured and "fp32_convert" not in ways.values()
+
+
 def test_few_rows_choose_only_between_the_few_row_kernel_builds(tmp_path):
     table = cpu_linear.LinearTable(path=tmp_path / "t.json")
     widening = bf16_linear_widening_kernel()
@@ -142,10 +159,10 @@ def test_few_rows_choose_only_between_the_few_row_kernel_builds(tmp_path):
 def test_planned_weight_routes_by_rows():
     w = torch.randn(8, 16).to(torch.bfloat16)
     planned = cpu_linear.PlannedWeight(w, {1: "rows", 4: "rows_widen", 8: "rows", 16: "fp32_tiles", 32: "gemm",
-                                           64: "onednn", 256: "fp32_tiles"})
-    assert [planned.way_for(r) for r in (1, 2, 4, 5, 8, 9, 16, 17, 32, 33, 64, 65, 5000)] == [
+                                           64: "onednn", 256: "fp32_tiles", 1024: "fp32_convert"})
+    assert [planned.way_for(r) for r in (1, 2, 4, 5, 8, 9, 16, 17, 32, 33, 64, 65, 256, 257, 5000)] == [
         "rows", "rows_widen", "rows_widen", "rows", "rows", "fp32_tiles", "fp32_tiles", "gemm", "gemm", "onednn",
-        "onednn", "fp32_tiles", "fp32_tiles"]
+        "onednn", "fp32_tiles", "fp32_tiles", "fp32_convert", "fp32_convert"]
 
 
 def test_compiled_linear_op_matches_eager():
