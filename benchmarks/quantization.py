@@ -1,4 +1,4 @@
-"""Quantized weights: Octavo bf16 vs int8 vs int4, and llama.cpp Q8_0 / Q4_0
+"""Quantized weights: Octavo bf16 vs int8 vs int4 vs w8a8, and llama.cpp Q8_0 / Q4_0
 of the same checkpoints, in one run.
 
     python -m benchmarks.quantization --models benchmarks/models/llama-100m,benchmarks/models/qwen2.5-0.5b
@@ -13,9 +13,17 @@ Per model and weight format:
 - offline throughput: a ShareGPT-like workload through ``LLM.generate``
   (Octavo: continuous batching) or llama-cpp-python's ``Llama`` (one
   sequence at a time: its offline API);
-- ``--kernels``: one decoder layer's four products at 1-256 rows: bf16
-  (oneDNN prepack + the AMX kernel), Octavo's int8/int4 kernels, and torch's
-  own CPU ops (``_weight_int8pack_mm``, ``_weight_int4pack_mm_for_cpu``).
+- ``--kernels``: one decoder layer's four products at ``--kernel-rows``
+  rows: bf16 (the unquantized method: oneDNN prepack, the AMX kernel or
+  Octavo's bf16 kernels), Octavo's int8/int4 kernels (W8A16, W4A16), W8A8
+  (rows rounded to int8 per token, w8a8_linear.c: VNNI where the CPU has
+  it), torch's own CPU ops (``_weight_int8pack_mm``,
+  ``_weight_int4pack_mm_for_cpu``) and torch float32 (``F.linear`` on a
+  float32 weight, the rows' conversion included). W8A8 against the others
+  on CPUs without AMX:
+
+    OCTAVO_CPU_TARGET=avx512_bf16 python -m benchmarks.quantization --kernels-only \
+        --models benchmarks/models/llama-100m --kernel-rows 1,4,32,256
 - ``--read-rate`` (alone): every matrix of one forward, quantized (int8 per
   output channel, int4 in groups of ``--group-size``), through the FMA path
   of quant_linear.c built for each of ``--targets`` (default: the process's
@@ -54,7 +62,7 @@ MIB = 2**20
 # (label, --quantization, lm_head quantized too): Octavo keeps the lm_head in
 # bf16 by default; llama.cpp's Q8_0/Q4_0 quantize the tied embedding that
 # serves as its output layer, so the "+head" rows read what it reads.
-FORMATS = (("bf16", None, False), ("int8", "int8", False), ("int4", "int4", False),
+FORMATS = (("bf16", None, False), ("int8", "int8", False), ("int4", "int4", False), ("w8a8", "w8a8", False),
            ("int8+head", "int8", True), ("int4+head", "int4", True))
 ROWS = (1, 4, 16, 64, 256)
 
@@ -86,11 +94,14 @@ class Shape:
 
     def bytes_per_token(self, quant: Optional[str], head: bool, group: int, context: int) -> float:
         """Octavo's read per batch-1 step: the matrices as stored (int8: a
-        float32 scale per row; int4: a float32 scale and min per group), the
-        lm_head (bf16 unless ``head``), the bf16 K/V."""
+        float32 scale per row; w8a8: and an int32 sum of q per row; int4: a
+        float32 scale and min per group), the lm_head (bf16 unless ``head``),
+        the bf16 K/V."""
         def matrix(n: int, k: int, fmt: Optional[str]) -> float:
             if fmt == "int8":
                 return n * k + 4 * n
+            if fmt == "w8a8":
+                return n * k + 8 * n
             if fmt == "int4":
                 return n * k / 2 + 8 * n * k / group
             return 2 * n * k
@@ -185,12 +196,12 @@ def _layer_kernels(shape: Shape, group: int) -> dict[str, list[Callable[[torch.T
     """One decoder layer's four products per implementation, random weights."""
     from octavo.model.layers.linear import RowParallelLinear
     from octavo.model.loader import default_dtype
-    from octavo.quant.onthefly import quantize_int4, quantize_int8
+    from octavo.quant.onthefly import quantize_int4, quantize_int8, quantize_w8a8
     from octavo.quant.unquantized import UnquantizedLinearMethod
 
     ops = torch.ops.aten
-    kernels: dict[str, list[Callable[[torch.Tensor], object]]] = {k: [] for k in
-                                                                 ("bf16", "int8", "int4", "torch int8", "torch int4")}
+    kernels: dict[str, list[Callable[[torch.Tensor], object]]] = {
+        k: [] for k in ("bf16", "int8", "int4", "w8a8", "torch int8", "torch int4", "torch fp32")}
     for _, n, k in shape.layer_products():
         w = torch.randn(n, k, dtype=torch.bfloat16) * 0.02
         method = UnquantizedLinearMethod.for_backend("auto", torch.device("cpu"), torch.bfloat16)
@@ -209,24 +220,27 @@ def _layer_kernels(shape: Shape, group: int) -> dict[str, list[Callable[[torch.T
         kernels["bf16"].append(layer)
         kernels["int8"].append(q8)
         kernels["int4"].append(q4)
+        kernels["w8a8"].append(quantize_w8a8(w))
+        kernels["torch fp32"].append(lambda x, w32=w.float(): torch.nn.functional.linear(x.float(), w32))
         kernels["torch int8"].append(lambda x, q=ints8.contiguous(), s=s8: ops._weight_int8pack_mm(x, q, s))
         kernels["torch int4"].append(lambda x, p=packed4, s=sz: ops._weight_int4pack_mm_for_cpu(x, p, group, s))
     return kernels
 
 
-def bench_kernels(model: Path, group: int) -> list[dict[str, Any]]:
+def bench_kernels(model: Path, group: int, row_counts: tuple[int, ...] = ROWS) -> list[dict[str, Any]]:
     shape = Shape.of(model)
     kernels = _layer_kernels(shape, group)
     rows = []
-    for m in ROWS:
+    for m in row_counts:
         x = {k: torch.randn(m, k, dtype=torch.bfloat16) for _, _, k in shape.layer_products()}
         xs = [x[k] for _, _, k in shape.layer_products()]
         times = {name: _best_time(lambda fns=fns: [f(a) for f, a in zip(fns, xs)]) for name, fns in kernels.items()}
         row: dict[str, Any] = {"model": model.name, "rows": m}
         for name, t in times.items():
             row[f"{name} us"] = t * 1e6
-        for name in ("int8", "int4", "torch int8", "torch int4"):
+        for name in ("int8", "int4", "w8a8", "torch int8", "torch int4", "torch fp32"):
             row[f"{name} x"] = times["bf16"] / times[name]
+        row["w8a8 vs int8 x"] = times["int8"] / times["w8a8"]
         rows.append(row)
     return rows
 
@@ -289,6 +303,7 @@ def main() -> None:
                         help="let llama.cpp repack quantized weights for this CPU (crashes with the peers' build here)")
     parser.add_argument("--kernels", action="store_true", help="also time one layer's products per kernel")
     parser.add_argument("--kernels-only", action="store_true")
+    parser.add_argument("--kernel-rows", default=",".join(map(str, ROWS)), help="--kernels: rows per product")
     parser.add_argument("--read-rate", action="store_true",
                         help="only the weight read rate of the quantized kernels over every matrix of each model")
     parser.add_argument("--targets", default="", help="--read-rate: CPU targets to build the kernel for, "
@@ -307,7 +322,8 @@ def main() -> None:
         print_table(table, list(table[0]), title=f"weight read rate, best of short batches, {args.threads} threads")
         result["read_rate"] = table
     elif args.kernels or args.kernels_only:
-        table = [r for m in models for r in bench_kernels(m, args.group_size)]
+        kernel_rows = tuple(int(r) for r in args.kernel_rows.split(","))
+        table = [r for m in models for r in bench_kernels(m, args.group_size, kernel_rows)]
         print_table(table, list(table[0]), title="one decoder layer's products, best of short batches (us; "
                                                  "x = speed-up over bf16)")
         result["kernels"] = table

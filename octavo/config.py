@@ -20,7 +20,7 @@ ATTENTION_BACKENDS = ("auto", "native", "triton", "torch")
 # Quantized KV cache element types (fp8 = float8_e4m3fn); "auto" stores the cache_dtype.
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 LINEAR_BACKENDS = ("auto", "native", "onednn", "torch")
-QUANTIZATIONS = ("int8", "int4")
+QUANTIZATIONS = ("int8", "int4", "w8a8")
 QUANTIZATION_GROUP_SIZES = (32, 64, 128)
 
 
@@ -146,7 +146,9 @@ class ModelConfig:
                                    "write and the greedy argmax (CPU); off: torch ops")
     quantization: Optional[str] = option(
         None, "quantize the linear layers' weights while loading: int8 (per output channel, symmetric) or "
-        "int4 (groups of --quantization-group-size inputs, scales and zero points); activations stay in dtype",
+        "int4 (groups of --quantization-group-size inputs, scales and zero points), activations staying in dtype; "
+        "or w8a8: those int8 weights times activations rounded to 8 bits per token on every product "
+        "(changes the numerics, for integer dot products: VNNI on AVX-512 CPUs)",
         choices=QUANTIZATIONS,
     )
     quantization_group_size: int = option(

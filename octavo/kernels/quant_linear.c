@@ -28,11 +28,13 @@
  * product once more); otherwise only the summation order (the number of
  * chains) differs between the paths.
  *
- * Not done: multiplying int8 weights by int8-quantized rows with VNNI
+ * Not done here: multiplying int8 weights by int8-quantized rows with VNNI
  * (vpdpbusd). Rounding the rows to 8 bits costs ~2^-8 relative per row
  * element, 400x the 1e-5 the float32 path promises (tests/quant), and the
- * dot product would need the weights as 4 consecutive k's per lane, another
- * layout beside the one the AMX path reads. Tried and dropped: int4 times
+ * dot product needs the weights as 4 consecutive k's per lane, another
+ * layout beside the one the AMX path reads: that is a scheme of its own,
+ * asked for by name (--quantization w8a8, compressed-tensors W8A8), in
+ * w8a8_linear.c with its own layout. Tried and dropped: int4 times
  * bf16 rows by vdpbf16ps (each nibble or'ed into the bf16 128 + q, the 128
  * taken off per group): slower on the Xeon measured (in L2, one thread:
  * 13.8 vs 14.9 GB/s at one row, 5.9 vs 8.8 at four).

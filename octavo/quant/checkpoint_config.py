@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional
 
 from octavo.quant.formats.awq import AwqFormat
 from octavo.quant.formats.base import PackedFormat
-from octavo.quant.formats.compressed_tensors import PackQuantizedFormat
+from octavo.quant.formats.compressed_tensors import IntQuantizedFormat, PackQuantizedFormat
 from octavo.quant.formats.gguf import GGUF_TYPES, GgufBlockFormat
 from octavo.quant.formats.gptq import CHECKPOINT_FORMATS, GptqFormat
 from octavo.quant.formats.packing import SUPPORTED_BITS
@@ -168,7 +168,7 @@ def _compressed_tensors(qc: dict[str, Any]) -> CheckpointQuantization:
     top_format = qc.get("format")
     _field(qc, "quantization_status", "compressed", ("compressed",))
     if qc.get("sparsity_config"):
-        raise ValueError(f"{_KEY}.sparsity_config is not supported (dense pack-quantized weights only)")
+        raise ValueError(f"{_KEY}.sparsity_config is not supported (dense weights only)")
     groups = qc.get("config_groups")
     if not isinstance(groups, dict) or not groups:
         raise ValueError(f"{_KEY}.config_groups must name at least one quantization scheme")
@@ -176,25 +176,51 @@ def _compressed_tensors(qc: dict[str, Any]) -> CheckpointQuantization:
     return CheckpointQuantization("compressed-tensors", rules, _CtTargets(tuple(qc.get("ignore") or ())))
 
 
+def _int8_token_activations(activations: Any, where: str) -> bool:
+    """Whether a scheme's ``input_activations`` asks for W8A8's activations
+    (int8, symmetric, rounded per token at run time); False for none.
+    Anything else (static scales, asymmetric, per tensor, other widths) is a
+    ValueError naming the field."""
+    if not activations:
+        return False
+    if not isinstance(activations, dict):
+        raise ValueError(f"{where} must be an object or null")
+    _field(activations, "num_bits", None, (8,), where)
+    _field(activations, "type", "int", ("int",), where)
+    _field(activations, "symmetric", True, (True,), where)
+    _field(activations, "dynamic", False, (True,), where)
+    _field(activations, "strategy", None, ("token",), where)
+    return True
+
+
 def _ct_rule(name: str, scheme: dict[str, Any], top_format: Any) -> tuple[Callable[[str], bool], PackedFormat]:
     where = f"{_KEY}.config_groups.{name}"
-    _field({"format": scheme.get("format") or top_format}, "format", None, ("pack-quantized",), where)
-    for key in ("input_activations", "output_activations"):
-        if scheme.get(key):
-            raise ValueError(f"{where}.{key} is not supported (weight-only schemes: W4A16, W8A16)")
+    fmt_name = _field({"format": scheme.get("format") or top_format}, "format", None,
+                      ("pack-quantized", "int-quantized"), where)
+    if scheme.get("output_activations"):
+        raise ValueError(f"{where}.output_activations is not supported (W4A16, W8A16 and W8A8 int8 schemes only)")
+    w8a8 = _int8_token_activations(scheme.get("input_activations"), f"{where}.input_activations")
     weights = scheme.get("weights")
     if not isinstance(weights, dict):
         raise ValueError(f"{where}.weights must describe the weight quantization")
     where = f"{where}.weights"
-    bits = _field(weights, "num_bits", None, SUPPORTED_BITS, where)
+    # int8 activations multiply int8 per-channel symmetric weights (and the
+    # unpacked int-quantized layout is read that way only).
+    int8_channel = w8a8 or fmt_name == "int-quantized"
+    bits = _field(weights, "num_bits", None, (8,) if int8_channel else SUPPORTED_BITS, where)
     _field(weights, "type", "int", ("int",), where)
     _field(weights, "dynamic", False, (False,), where)
-    strategy = _field(weights, "strategy", None, ("group", "channel"), where)
-    actorder = _field(weights, "actorder", None, (None, "static", "weight", "group"), where)
+    strategy = _field(weights, "strategy", None, ("channel",) if int8_channel else ("group", "channel"), where)
+    actorder = _field(weights, "actorder", None, (None,) if int8_channel else (None, "static", "weight", "group"),
+                      where)
     group_size = _group_size(weights, what=where) if strategy == "group" else -1
     if strategy == "group" and group_size == -1:
         raise ValueError(f"{where}.group_size must be set for strategy 'group'")
-    symmetric = bool(weights.get("symmetric", True))
+    symmetric = bool(_field(weights, "symmetric", True, (True,), where) if int8_channel
+                     else weights.get("symmetric", True))
+    targets = _CtTargets(tuple(scheme.get("targets") or ()))
+    if fmt_name == "int-quantized":
+        return targets, IntQuantizedFormat(int8_activations=w8a8)
     # Only actorder "group" stores a g_idx; "weight"/"static" keep groups contiguous.
-    fmt = PackQuantizedFormat(bits, group_size, symmetric, group_index=actorder == "group")
-    return _CtTargets(tuple(scheme.get("targets") or ())), fmt
+    return targets, PackQuantizedFormat(bits, group_size, symmetric, group_index=actorder == "group",
+                                        int8_activations=w8a8)

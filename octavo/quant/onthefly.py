@@ -1,7 +1,9 @@
 """Quantize a bf16/float32 checkpoint's linear weights while loading it
-(``--quantization int8|int4``).
+(``--quantization int8|int4|w8a8``).
 
 int8: per-output-channel symmetric, scale = max|w| / 127 (W8A16).
+w8a8: the same int8 weights, multiplied by activations rounded to int8 per
+token on every call (octavo/quant/w8a8.py).
 Under tensor parallelism the ranks of a row-parallel layer share each
 row's max, so a split model holds the unsplit one's integers.
 int4: groups of ``group_size`` consecutive inputs, asymmetric:
@@ -19,7 +21,7 @@ The embedding table is never quantized (a gather, not a product).
 from __future__ import annotations
 
 from fnmatch import fnmatch
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from torch import nn
@@ -29,23 +31,35 @@ from octavo.quant.base import LinearMethod, QuantizationScheme
 from octavo.quant.qweights import Int4Weight, Int8Weight, QuantizedWeight
 from octavo.quant.quantized import QuantizedLinearMethod
 from octavo.quant.unquantized import UnquantizedLinearMethod
+from octavo.quant.w8a8 import W8A8Weight
 
-BITS = {"int8": 8, "int4": 4}
+BITS = {"int8": 8, "int4": 4, "w8a8": 8}
 GROUP_SIZES = (32, 64, 128)
 # Rows quantized at a time: bounds the float32 temporaries for a big layer.
 _CHUNK_ROWS = 4096
 
 
-def quantize_int8(weight: torch.Tensor, row_max: Optional[torch.Tensor] = None) -> Int8Weight:
-    """Per-output-channel symmetric int8 of ``weight`` [N, K]; ``row_max``:
-    each whole row's max |w| when ``weight`` holds a slice of the rows."""
+def int8_channels(weight: torch.Tensor, row_max: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q int8 [N, K], scale float32 [N]): per-output-channel symmetric int8
+    of ``weight`` [N, K]; ``row_max``: each whole row's max |w| when
+    ``weight`` holds a slice of the rows."""
     if row_max is None:
         row_max = weight.abs().amax(dim=1).float()
     scale = row_max / 127
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))
     qs = [torch.round(rows.float() / s[:, None]).clamp_(-127, 127).to(torch.int8)
           for rows, s in zip(weight.split(_CHUNK_ROWS), scale.split(_CHUNK_ROWS))]
-    return Int8Weight(torch.cat(qs), scale)
+    return torch.cat(qs), scale
+
+
+def quantize_int8(weight: torch.Tensor, row_max: Optional[torch.Tensor] = None) -> Int8Weight:
+    """``int8_channels`` as a W8A16 weight."""
+    return Int8Weight(*int8_channels(weight, row_max))
+
+
+def quantize_w8a8(weight: torch.Tensor, row_max: Optional[torch.Tensor] = None) -> W8A8Weight:
+    """``int8_channels`` as a W8A8 weight (its inputs rounded to int8 per row)."""
+    return W8A8Weight(*int8_channels(weight, row_max))
 
 
 def _whole_row_max(layer: nn.Module, weight: torch.Tensor) -> Optional[torch.Tensor]:
@@ -76,12 +90,13 @@ def quantize_int4(weight: torch.Tensor, group_size: int) -> Int4Weight:
 
 
 class OnTheFlyLinearMethod(QuantizedLinearMethod):
-    """Loads the float weight like the unquantized method, then quantizes it."""
+    """Loads the float weight like the unquantized method, then quantizes it;
+    ``activations``: int8 activations too (W8A8; bits 8)."""
 
-    def __init__(self, bits: int, group_size: int) -> None:
-        if bits not in (4, 8):
-            raise ValueError(f"bits must be 4 or 8; got {bits}")
-        self.bits, self.group_size = bits, group_size
+    def __init__(self, bits: int, group_size: int, activations: bool = False) -> None:
+        if bits not in (4, 8) or (activations and bits != 8):
+            raise ValueError(f"bits must be 4 or 8 (8 with int8 activations); got {bits}")
+        self.bits, self.group_size, self.activations = bits, group_size, activations
 
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
                        dtype: torch.dtype) -> None:
@@ -93,14 +108,19 @@ class OnTheFlyLinearMethod(QuantizedLinearMethod):
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         weight = layer.weight.detach()
-        packed: QuantizedWeight = (quantize_int8(weight, _whole_row_max(layer, weight)) if self.bits == 8
-                                   else quantize_int4(weight, self.group_size))
+        packed: Union[QuantizedWeight, W8A8Weight]
+        if self.activations:
+            packed = quantize_w8a8(weight, _whole_row_max(layer, weight))
+        elif self.bits == 8:
+            packed = quantize_int8(weight, _whole_row_max(layer, weight))
+        else:
+            packed = quantize_int4(weight, self.group_size)
         self.install(layer, packed, ("weight",))
 
 
 class OnTheFlyScheme(QuantizationScheme):
-    """``quantization`` (int8/int4) for every linear layer but those matching
-    ``keep``, which get ``unquantized``."""
+    """``quantization`` (int8/int4/w8a8) for every linear layer but those
+    matching ``keep``, which get ``unquantized``."""
 
     def __init__(self, quantization: str, group_size: int, keep: tuple[str, ...],
                  unquantized: Optional[LinearMethod] = None) -> None:
@@ -109,7 +129,7 @@ class OnTheFlyScheme(QuantizationScheme):
         if group_size not in GROUP_SIZES:
             raise ValueError(f"quantization_group_size must be one of {GROUP_SIZES}; got {group_size!r}")
         self.name, self.keep = quantization, keep
-        self.quantized = OnTheFlyLinearMethod(BITS[quantization], group_size)
+        self.quantized = OnTheFlyLinearMethod(BITS[quantization], group_size, activations=quantization == "w8a8")
         self.unquantized = unquantized or UnquantizedLinearMethod()
 
     def linear_method(self, prefix: str) -> LinearMethod:
@@ -119,5 +139,7 @@ class OnTheFlyScheme(QuantizationScheme):
 
     def describe(self) -> str:
         group = f", groups of {self.quantized.group_size}" if self.quantized.bits == 4 else ""
+        if self.quantized.activations:
+            group = ", activations rounded to int8 per token"
         kept = ", ".join(self.keep) or "none"
         return f"{self.name} on the fly{group}; kept unquantized: {kept}"

@@ -25,7 +25,7 @@ from octavo.quant.quantized import QuantizedLinearMethod
 
 
 class PrequantizedLinearMethod(QuantizedLinearMethod):
-    """Loads a layer stored in ``fmt``, then hands its integers to the int8/int4 kernels."""
+    """Loads a layer stored in ``fmt``, then hands its integers to the int8/int4 (or W8A8) kernels."""
 
     def __init__(self, fmt: PackedFormat) -> None:
         self.fmt = fmt
@@ -51,7 +51,7 @@ class PrequantizedLinearMethod(QuantizedLinearMethod):
             weight = self.fmt.unpack({name: getattr(layer, name).data for name in names}, layer.quant_shape)
         except ValueError as exc:
             raise ValueError(f"{self.fmt.describe()} layer {getattr(layer, 'prefix', '')}: {exc}") from exc
-        self.install(layer, kernel_weight(weight, layer.quant_dtype), names)
+        self.install(layer, kernel_weight(weight, layer.quant_dtype, self.fmt.int8_activations), names)
 
     def kernel_name(self, layer: nn.Module) -> str:
         return f"{self.fmt.describe()}: {super().kernel_name(layer)}"

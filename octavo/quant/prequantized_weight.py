@@ -16,6 +16,7 @@ from torch.nn import functional as F
 
 from octavo.quant.formats.int_weight import IntWeight
 from octavo.quant.qweights import Int4Weight, QuantizedWeight
+from octavo.quant.w8a8 import W8A8Weight
 
 
 class DequantizedWeight:
@@ -35,15 +36,20 @@ class DequantizedWeight:
         return F.linear(x, self.weight, bias)
 
 
-def kernel_weight(weight: IntWeight, dtype: torch.dtype) -> Union[QuantizedWeight, DequantizedWeight]:
-    """The weight a kernel multiplies by, for a model computing in ``dtype``."""
-    if weight.group_size == 1:
-        return DequantizedWeight(weight, dtype)
+def kernel_weight(weight: IntWeight, dtype: torch.dtype,
+                  int8_activations: bool = False) -> Union[QuantizedWeight, DequantizedWeight, W8A8Weight]:
+    """The weight a kernel multiplies by, for a model computing in ``dtype``;
+    ``int8_activations``: a W8A8 layer (int8 per-channel symmetric weights,
+    as the checkpoint's config was checked to say)."""
     q, scales, zeros = weight.q.contiguous(), weight.scales.float(), weight.zeros.float()
-    if weight.bits == 4:
-        return Int4Weight(q, scales, zeros, weight.group_size, weight.perm)
     # int8 kernels read signed values: the unsigned ones less 128 (the same
     # bits, flipped top bit), their zero points too.
-    signed = (q ^ 0x80).view(torch.int8)
+    signed = (q ^ 0x80).view(torch.int8) if weight.bits == 8 else q
+    if int8_activations:
+        return W8A8Weight(signed, scales[:, 0])
+    if weight.group_size == 1:
+        return DequantizedWeight(weight, dtype)
+    if weight.bits == 4:
+        return Int4Weight(q, scales, zeros, weight.group_size, weight.perm)
     signed_zeros = None if weight.symmetric_zero is not None else zeros - 128
     return QuantizedWeight(signed, 8, scales, signed_zeros, weight.group_size, weight.perm)

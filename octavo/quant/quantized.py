@@ -1,4 +1,5 @@
-"""Linear methods whose weight is a ``QuantizedWeight`` (octavo/quant/qweights.py).
+"""Linear methods whose weight is a ``QuantizedWeight`` (octavo/quant/qweights.py)
+or a ``W8A8Weight`` (octavo/quant/w8a8.py).
 
 ``QuantizedLinearMethod`` is the base every quantized format shares: its
 ``apply`` calls the layer's installed weight; a subclass only creates the
@@ -9,18 +10,19 @@ canonical integers and calls ``install``.
 from __future__ import annotations
 
 from abc import ABC
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 from torch import nn
 
 from octavo.quant.base import LinearMethod
 from octavo.quant.qweights import QuantizedWeight
+from octavo.quant.w8a8 import W8A8Weight
 
 
 class QuantizedLinearMethod(LinearMethod, ABC):
     @staticmethod
-    def install(layer: nn.Module, weight: QuantizedWeight, loaded: tuple[str, ...]) -> None:
+    def install(layer: nn.Module, weight: Union[QuantizedWeight, W8A8Weight], loaded: tuple[str, ...]) -> None:
         """Make ``weight`` the layer's, and drop the parameters named in
         ``loaded`` (the checkpoint's tensors, now repacked): a meta tensor of
         the same shape keeps each name for the loader's bookkeeping, so no

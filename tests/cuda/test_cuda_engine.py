@@ -66,3 +66,18 @@ def test_bfloat16_and_int8_kv_cache_stay_close(model_dir):
         assert agree > 0.8, (kwargs, agree)
         del llm
         torch.cuda.empty_cache()
+
+
+def test_w8a8_torch_path_on_cuda_gives_the_cpu_kernels_bits():
+    """On CUDA W8A8 runs its torch path (octavo/quant/w8a8.py): integer-exact products and elementwise divisions,
+    so the same bits as the native CPU kernel."""
+    from octavo.quant.w8a8 import W8A8Weight
+
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randint(-128, 128, (96, 1100), generator=gen, dtype=torch.int8)
+    scale = torch.rand(96, generator=gen) * 0.02
+    x = torch.randn(17, 1100, generator=gen).to(torch.bfloat16)
+    bias = torch.randn(96, generator=gen).to(torch.bfloat16)
+    cpu, cuda = W8A8Weight(q, scale), W8A8Weight(q.cuda(), scale.cuda())
+    assert cpu.kernel is not None and cuda.kernel is None
+    assert torch.equal(cuda(x.cuda(), bias.cuda()).cpu(), cpu(x, bias))

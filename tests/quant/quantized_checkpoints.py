@@ -11,7 +11,10 @@ tensor names, dtypes, shapes and config keys:
 - AWQ: AutoAWQ ``awq/modules/linear/gemm.py`` ``WQLinear_GEMM.from_linear``
   and the ``quantization_config`` AutoAWQ saves;
 - compressed-tensors: ``pack_quantized.py`` ``pack_to_int32`` /
-  ``compression_param_info`` and the config llm-compressor saves.
+  ``compression_param_info`` and the config llm-compressor saves; W8A8
+  (int8 weights, int8 dynamic per-token activations) as its
+  ``int-quantized`` format writes it (``naive_quantized.py``: the signed
+  int8 ``weight`` unpacked, ``weight_scale`` [N, 1]) or packed.
 
 The packers here are written apart from octavo's unpackers (field by field
 over numpy words), so a layout mistake cannot cancel out on a round trip.
@@ -42,6 +45,8 @@ class Quant:
     act_order: bool = False  # GPTQ desc_act / compressed-tensors actorder "group"
     checkpoint_format: str = "gptq"  # GPTQ: "gptq" (v1, zero - 1) or "gptq_v2"
     skip: tuple[str, ...] = ()  # module suffixes left unquantized (modules_to_not_convert / ignore)
+    activations: bool = False  # compressed-tensors: int8 dynamic per-token input activations (W8A8)
+    ct_format: str = "pack-quantized"  # compressed-tensors: or "int-quantized"
     config_extra: dict[str, Any] = field(default_factory=dict)  # merged into quantization_config
 
 
@@ -111,6 +116,8 @@ def layer_tensors(qz: Quantized, quant: Quant, out_features: int, in_features: i
             "qzeros": pack_words(qz.zero.T, bits, dim=1, order=AWQ_ORDER),
             "scales": qz.scale.T.contiguous(),
         }
+    if quant.ct_format == "int-quantized":  # the signed values themselves
+        return {"weight": (qz.q - 2 ** (bits - 1)).to(torch.int8), "weight_scale": qz.scale.contiguous()}
     # compressed-tensors: signed values stored + 2**(bits-1), i.e. our unsigned ones.
     out = {
         "weight_packed": pack_words(qz.q, bits, dim=1),
@@ -141,11 +148,17 @@ def quantization_config(quant: Quant) -> dict[str, Any]:
                    "group_size": None if quant.group_size == -1 else quant.group_size,
                    "block_structure": None, "dynamic": False, "actorder": "group" if quant.act_order else None,
                    "observer": "minmax", "observer_kwargs": {}}
-        qc = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+        activations = None
+        if quant.activations:  # the W8A8 preset's
+            activations = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "group_size": None,
+                           "block_structure": None, "dynamic": True, "actorder": None, "observer": None,
+                           "observer_kwargs": {}}
+        qc = {"quant_method": "compressed-tensors", "format": quant.ct_format,
               "quantization_status": "compressed", "global_compression_ratio": None, "kv_cache_scheme": None,
               "sparsity_config": {}, "version": "0.9.0", "provider": "compressed-tensors",
-              "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
-                                            "output_activations": None, "format": "pack-quantized"}},
+              "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                            "input_activations": activations, "output_activations": None,
+                                            "format": quant.ct_format}},
               "ignore": ["lm_head", *(f"re:.*{s}$" for s in quant.skip)]}
     qc.update(quant.config_extra)
     return qc

@@ -126,7 +126,7 @@ def test_int_weight_checks_its_shapes():
      "format 'float-quantized' is not supported; supported: 'pack-quantized'"),
     ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {
         "weights": {"num_bits": 8, "strategy": "channel"}, "input_activations": {"num_bits": 8}}}},
-     "input_activations is not supported"),
+     r"config_groups.g.input_activations.dynamic False is not supported; supported: True"),
     ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {
         "weights": {"num_bits": 4, "type": "float", "strategy": "group", "group_size": 32}}}},
      r"config_groups.g.weights.type 'float' is not supported; supported: 'int'"),

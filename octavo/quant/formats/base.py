@@ -64,6 +64,8 @@ class PackedFormat(ABC):
 
     #: the format's name in errors and the start-up log
     name: str
+    #: the layers round their inputs to int8 per token (W8A8), not only their weights
+    int8_activations: bool = False
 
     def __init__(self, bits: int, group_size: int) -> None:
         self.bits, self.group_size = bits, group_size
@@ -81,7 +83,7 @@ class PackedFormat(ABC):
 
     def describe(self) -> str:
         group = "per-channel" if self.group_size == -1 else f"group {self.group_size}"
-        return f"{self.name} int{self.bits} {group}"
+        return f"{self.name} int{self.bits} {group}{', int8 activations' if self.int8_activations else ''}"
 
     # Helpers the formats share -------------------------------------------------
     def groups_here(self, shape: LayerShape) -> int:

@@ -1,5 +1,7 @@
-"""compressed-tensors ``pack-quantized`` checkpoints (llm-compressor's
-W4A16 / W8A16 output): integer weights, weight-only.
+"""compressed-tensors checkpoints with integer weights: ``pack-quantized``
+(llm-compressor's W4A16 / W8A16 output) and ``int-quantized`` (its W8A8
+output: int8 weights whose layers round their inputs to int8 per token,
+``int8_activations``).
 
 Layout (compressed-tensors ``compressors/quantized_compressors/pack_quantized.py``
 ``pack_to_int32`` and ``compression_param_info``), for a module of N output
@@ -18,6 +20,11 @@ and K input features, ``pack = 32 // num_bits``:
 
 W = (q_signed - zero_signed) * scale, which is the same as the difference
 of the stored unsigned values; this loader keeps those.
+
+``int-quantized`` (``naive_quantized.py``, ``NaiveQuantizationCompressor``)
+stores the signed values unpacked: ``weight`` int8 [N, K] and
+``weight_scale`` [N, 1] (strategy "channel"); symmetric layers store no zero
+point, and dynamic activations no input scale.
 """
 from __future__ import annotations
 
@@ -31,9 +38,10 @@ from octavo.quant.formats.packing import unpack_int32
 class PackQuantizedFormat(PackedFormat):
     name = "compressed-tensors"
 
-    def __init__(self, bits: int, group_size: int, symmetric: bool, group_index: bool) -> None:
+    def __init__(self, bits: int, group_size: int, symmetric: bool, group_index: bool,
+                 int8_activations: bool = False) -> None:
         super().__init__(bits, group_size)
-        self.symmetric, self.group_index = symmetric, group_index
+        self.symmetric, self.group_index, self.int8_activations = symmetric, group_index, int8_activations
 
     def tensors(self, shape: LayerShape) -> list[TensorSpec]:
         k, n = shape.in_features, shape.out_features
@@ -70,3 +78,25 @@ class PackQuantizedFormat(PackedFormat):
         if self.group_index:
             return with_group_index(q, scales, zeros, group_index(tensors["weight_g_idx"]), group, self.bits)
         return IntWeight(q, scales, zeros, self.bits, group)
+
+
+class IntQuantizedFormat(PackedFormat):
+    """``int-quantized``: int8 weights as stored, one symmetric scale per output channel."""
+
+    name = "compressed-tensors int-quantized"
+
+    def __init__(self, int8_activations: bool) -> None:
+        super().__init__(8, -1)
+        self.int8_activations = int8_activations
+
+    def tensors(self, shape: LayerShape) -> list[TensorSpec]:
+        k, n = shape.in_features, shape.out_features
+        return [
+            TensorSpec("weight", (n, k), torch.int8, output_dim=0, input_dim=1),
+            TensorSpec("weight_scale", (n, 1), torch.float32, output_dim=0, input_dim=None),
+        ]
+
+    def unpack(self, tensors: dict[str, torch.Tensor], shape: LayerShape) -> IntWeight:
+        unsigned = (tensors["weight"] ^ -128).view(torch.uint8)  # q + 128: the same bits, top one flipped
+        scales = tensors["weight_scale"]
+        return IntWeight(unsigned, scales, torch.full(scales.shape, 128, dtype=torch.int32), 8, shape.in_features)
