@@ -9,6 +9,7 @@ from typing import Callable
 
 from benchmarks.report import PeerResult, load_avg, median_result
 from benchmarks.workload import SHAREGPT_INPUT, SHAREGPT_OUTPUT, Workload, ordinary_token_ids, sharegpt_like
+from octavo.config import QUANTIZATIONS
 
 DEFAULT_MODEL = Path(__file__).resolve().parent / "models" / "llama-100m"
 
@@ -36,6 +37,8 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--linear-backend", default="auto", choices=["auto", "native", "onednn", "torch"],
                         help="Octavo's bf16 matmuls (see octavo serve --help)")
     parser.add_argument("--no-fused-ops", action="store_true", help="Octavo with torch ops instead of its fused kernels")
+    parser.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
+                        help="Octavo's weights quantized while loading (see octavo serve --help); the peers stay bf16")
     parser.add_argument("--threads", type=int, default=os.cpu_count(),
                         help="CPU threads for every peer (torch and llama.cpp); 1 is steadier on a loaded machine")
     parser.add_argument("--json", type=Path, help="write the results here")

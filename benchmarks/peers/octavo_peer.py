@@ -32,7 +32,7 @@ class OctavoPeer:
                        "attention_backend": args.attention_backend,
                        "linear_backend": args.linear_backend, "fused_ops": not args.no_fused_ops,
                        "device": args.device, "enforce_eager": args.enforce_eager,
-                       **overrides}
+                       "quantization": args.quantization, **overrides}
         return cls(args.model, args.dtype, **engine_args)
 
     def stats(self) -> EngineStats:
