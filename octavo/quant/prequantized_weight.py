@@ -41,15 +41,15 @@ def kernel_weight(weight: IntWeight, dtype: torch.dtype,
     """The weight a kernel multiplies by, for a model computing in ``dtype``;
     ``int8_activations``: a W8A8 layer (int8 per-channel symmetric weights,
     as the checkpoint's config was checked to say)."""
-    q, scales, zeros = weight.q.contiguous(), weight.scales.float(), weight.zeros.float()
-    # int8 kernels read signed values: the unsigned ones less 128 (the same
-    # bits, flipped top bit), their zero points too.
-    signed = (q ^ 0x80).view(torch.int8) if weight.bits == 8 else q
-    if int8_activations:
-        return W8A8Weight(signed, scales[:, 0])
-    if weight.group_size == 1:
+    if weight.group_size == 1 and not int8_activations:
         return DequantizedWeight(weight, dtype)
+    q, scales, zeros = weight.q.contiguous(), weight.scales.float(), weight.zeros.float()
     if weight.bits == 4:
         return Int4Weight(q, scales, zeros, weight.group_size, weight.perm)
+    # int8 kernels read signed values: the unsigned ones less 128 (the same
+    # bits, flipped top bit), their zero points too.
+    signed = (q ^ 0x80).view(torch.int8)
+    if int8_activations:
+        return W8A8Weight(signed, scales[:, 0])
     signed_zeros = None if weight.symmetric_zero is not None else zeros - 128
     return QuantizedWeight(signed, 8, scales, signed_zeros, weight.group_size, weight.perm)
