@@ -4,9 +4,12 @@ the engine's parts, measured by timing each part's calls during steady decode
 
     python -m benchmarks.step_breakdown --model benchmarks/models/llama-100m --batch 256
 
-The parts do not overlap: "sampler" includes its greedy argmax, and "the rest" is
-the step minus all parts listed (Python between the kernels: module calls,
-embedding, views, output bookkeeping). Each timed call adds ~1 us of wrapper.
+The parts do not overlap: a call made inside another timed call counts for the
+outer one only (the lm_head's product is "lm_head"; "sampler" includes its greedy
+argmax), and "the rest" is the step minus all parts listed (Python between the
+kernels: module calls, embedding, views, output bookkeeping). Each timed call adds
+~1 us of wrapper. Steps run eagerly: a recorded step (a kernel tape, up to 64 rows)
+replays its kernels without the Python calls the wrappers time.
 """
 from __future__ import annotations
 
@@ -23,20 +26,34 @@ from benchmarks.options import DEFAULT_MODEL
 from benchmarks.report import load_avg, print_table, write_json
 
 
-def _timed(owner: Any, name: str, part: str, totals: dict[str, float], calls: dict[str, int]) -> Callable[[], None]:
-    """Wrap owner.name so its wall time adds to totals[part]; returns the undo."""
-    original = getattr(owner, name)
+def _timed(owner: Any, name: str, part: str, totals: dict[str, float], calls: dict[str, int],
+           active: list[str]) -> Callable[[], None]:
+    """Wrap owner.name so its wall time adds to totals[part] unless another
+    timed call encloses it (``active`` holds the open ones); returns the undo."""
+    original = owner.__dict__[name]
 
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if active:
+            return original(*args, **kwargs)
+        active.append(part)
         start = time.perf_counter()
         try:
             return original(*args, **kwargs)
         finally:
             totals[part] += time.perf_counter() - start
             calls[part] += 1
+            active.pop()
 
     setattr(owner, name, wrapper)
     return lambda: setattr(owner, name, original)
+
+
+def _subclasses(cls: type) -> list[type]:
+    """cls and every class below it that is imported."""
+    found = [cls]
+    for sub in cls.__subclasses__():
+        found.extend(_subclasses(sub))
+    return found
 
 
 def main() -> None:
@@ -54,27 +71,30 @@ def main() -> None:
     from octavo.core.scheduler import Scheduler
     from octavo.kernels.fused_ops import FusedOps
     from octavo.kernels.paged_decode import PagedDecodeKernel
-    from octavo.model.models.decoder import DecoderForCausalLM
-    from octavo.quant.unquantized import UnquantizedLinearMethod
+    from octavo.model.layers.vocab_parallel import ParallelLMHead
+    from octavo.quant.base import LinearMethod
     from octavo.worker import model_runner
 
     peer = OctavoPeer(args.model, "bfloat16", max_num_seqs=max(args.batch, 256), enable_prefix_caching=False,
-                      kv_cache_memory_bytes=2 * 2**30)
+                      kv_cache_memory_bytes=2 * 2**30, enforce_eager=True)
     rng = random.Random(0)
     prompts = [[rng.randrange(100, 30000) for _ in range(args.prompt_len)] for _ in range(args.batch)]
     peer.steady_decode_rate(prompts, 4)  # warm-up
 
     totals: dict[str, float] = defaultdict(float)
     calls: dict[str, int] = defaultdict(int)
+    linear_methods = [(cls, "apply", "matmuls in the layers") for cls in _subclasses(LinearMethod)
+                      if "apply" in cls.__dict__]
     parts = [
-        (UnquantizedLinearMethod, "apply", "matmuls in the layers"), (DecoderForCausalLM, "compute_logits", "lm_head"),
+        (ParallelLMHead, "forward", "lm_head"), *linear_methods,
         (PagedDecodeKernel, "__call__", "decode attention"), (FusedOps, "rms_norm", "RMSNorm (+ residual)"),
         (FusedOps, "silu_mul", "SiLU x up"), (FusedOps, "rotary_write_kv", "rotary + K/V write"),
         (model_runner.ModelRunner, "_sample", "sampler"), (model_runner, "prepare_inputs", "input preparation"),
         (Scheduler, "schedule", "scheduling"), (Scheduler, "update_from_output", "scheduler update"),
     ]
     ids = peer.start_decoding(prompts, args.steps)
-    undo = [_timed(owner, name, part, totals, calls) for owner, name, part in parts]
+    active: list[str] = []
+    undo = [_timed(owner, name, part, totals, calls, active) for owner, name, part in parts]
     load_start = load_avg()
     try:
         start = time.perf_counter()
@@ -85,18 +105,16 @@ def main() -> None:
         for u in undo:
             u()
     peer.stop_decoding(ids)
-    totals["matmuls in the layers"] -= totals["lm_head"]  # the lm_head goes through the linear method too
-    calls["matmuls in the layers"] -= calls["lm_head"]
     step_ms = elapsed / args.steps * 1e3
     rows = [{"part": part, "ms_per_step": totals[part] / args.steps * 1e3, "share": totals[part] / elapsed,
-             "calls_per_step": calls[part] / args.steps} for _, _, part in parts]
+             "calls_per_step": calls[part] / args.steps} for part in dict.fromkeys(p for _, _, p in parts)]
     rest = elapsed - sum(totals.values())
     rows.append({"part": "the rest", "ms_per_step": rest / args.steps * 1e3, "share": rest / elapsed,
                  "calls_per_step": ""})
     print_table(rows, ["part", "ms_per_step", "share", "calls_per_step"],
                 title=f"decode step of {args.model.name} at batch {args.batch} (contexts {args.prompt_len}-"
                       f"{args.prompt_len + args.steps}): {step_ms:.1f} ms, {args.batch / step_ms * 1e3:.0f} tok/s "
-                      f"({args.threads} threads, {args.steps} steps, wrappers on)")
+                      f"({args.threads} threads, {args.steps} steps, eager, wrappers on)")
     print(f"load {load_start} -> {load_avg()}")
     write_json(args.json, {"benchmark": "step_breakdown", "args": vars(args),
                            "step_ms": step_ms, "parts": rows})
