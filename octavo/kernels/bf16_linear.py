@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes
 from functools import cache
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -37,6 +38,8 @@ class Bf16LinearKernel:
         isa.restype = ctypes.c_char_p
         self.name = name
         self.isa: str = isa().decode()
+        # The build's cache folder, named by a hash of source, compiler, flags and CPU.
+        self.build: str = Path(lib._name).parent.name
 
     @staticmethod
     def fits(weight: torch.Tensor) -> bool:

@@ -51,7 +51,7 @@ import torch
 from torch.nn import functional as F
 
 from octavo.kernels import ops
-from octavo.kernels.bf16_linear import bf16_gemm_kernel, bf16_linear_widening_kernel
+from octavo.kernels.bf16_linear import bf16_gemm_kernel, bf16_linear_kernel, bf16_linear_widening_kernel
 from octavo.kernels.build import cache_root, cpu_signature
 from octavo.kernels.cpu_features import CpuTarget, cpu_target
 
@@ -154,6 +154,12 @@ def _fp32_tiles(pw: PlannedWeight, x: torch.Tensor, bias: Optional[torch.Tensor]
     return fp32_tiles(pw.weight, x, bias)
 
 
+def _kernel_builds() -> list[str]:
+    """The builds of the native kernels the table's ways call."""
+    kernels = (bf16_linear_kernel(), bf16_linear_widening_kernel(), bf16_gemm_kernel(), bf16_gemm_kernel(dot=True))
+    return sorted(k.build for k in kernels if k is not None)
+
+
 WAYS: dict[str, Callable[[PlannedWeight, torch.Tensor, Optional[torch.Tensor]], torch.Tensor]] = {
     "rows": _rows, "rows_widen": _rows_widen, "gemm": _gemm, "gemm_dot": _gemm_dot, "onednn": _onednn,
     "fp32_tiles": _fp32_tiles, "fp32_convert": _fp32_convert, "onednn_packed": _onednn_packed, "fp32_copy": _fp32_copy,
@@ -210,11 +216,12 @@ class LinearTable:
             pass
 
     def _default_path(self) -> Path:
-        # The ways measured are part of the key: a table chosen among fewer
-        # ways (an older Octavo, a target without some kernel) is not reused.
+        # The ways measured and the native builds that run them are part of
+        # the key: a table chosen among fewer ways (an older Octavo, a target
+        # without some kernel) or timed on other kernel code is not reused.
         key = "\0".join([cpu_signature(), cpu_target().name, torch.__version__, str(torch.get_num_threads()),
                          str(self.copies), ",".join(map(str, BUCKETS)),
-                         ",".join(sorted({way for b in BUCKETS for way in self.candidates(b)}))])
+                         ",".join(sorted({way for b in BUCKETS for way in self.candidates(b)})), *_kernel_builds()])
         return cache_root() / f"linear-table-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
     def candidates(self, rows: int) -> list[str]:

@@ -125,6 +125,14 @@ def test_table_file_changes_with_the_ways_measured(monkeypatch, tmp_path):
     assert cpu_linear.LinearTable().path != now
 
 
+def test_table_file_changes_with_the_kernel_builds(monkeypatch, tmp_path):
+    """A table timed on an older build of a kernel (another source, compiler or flags) is measured again."""
+    monkeypatch.setenv("OCTAVO_CACHE_DIR", str(tmp_path))
+    now = cpu_linear.LinearTable().path
+    monkeypatch.setattr(bf16_gemm_kernel(), "build", "bf16_gemm-elsewhere")
+    assert cpu_linear.LinearTable().path != now
+
+
 def test_compiled_gemm_op_matches_eager():
     w = torch.randn(48, 96).to(torch.bfloat16)
     bias = torch.randn(48).to(torch.bfloat16)
