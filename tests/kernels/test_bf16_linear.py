@@ -129,20 +129,32 @@ def test_copies_are_candidates_only_when_allowed(tmp_path):
 
 
 def test_whole_weight_conversion_is_measured_only_under_its_memory_cap(tmp_path, monkeypatch):
-    measured: list[str] = []
-    real = cpu_linear._best_seconds
+    def timed_ways(path):
+        return {key.split(":")[1].removesuffix("_ms") for key in json.loads(path.read_text()) if ":" in key}
 
-    def record(fn, repeats=3):
-        measured.append(fn.__defaults__[1])  # the lambda's ``way``
-        return real(fn, repeats)
-
-    monkeypatch.setattr(cpu_linear, "_best_seconds", record)
     cpu_linear.LinearTable(path=tmp_path / "a.json").ways(32, 16)
-    assert "fp32_convert" in measured
-    measured.clear()
+    assert "fp32_convert" in timed_ways(tmp_path / "a.json")
     monkeypatch.setattr(cpu_linear, "CONVERT_MAX_BYTES", 32 * 16 * 4 - 1)
     ways = cpu_linear.LinearTable(path=tmp_path / "b.json").ways(32, 16)
-    assert measured and "fp32_convert" not in measured and "fp32_convert" not in ways.values()
+    assert "fp32_convert" not in timed_ways(tmp_path / "b.json") and "fp32_convert" not in ways.values()
+
+
+def test_few_row_buckets_are_timed_on_weights_read_in_turn(tmp_path, monkeypatch):
+    """Up to ROWS_KERNEL_MAX rows each timed call reads the copy of the weight least recently read (as decode
+    reads weights from beyond L2); past it, one weight (compute-bound products)."""
+    read: dict[int, list[int]] = {}
+    real = cpu_linear.WAYS["gemm"]
+
+    def gemm(pw, x, bias):
+        read.setdefault(x.shape[0], []).append(pw.weight.data_ptr())
+        return real(pw, x, bias)
+
+    monkeypatch.setitem(cpu_linear.WAYS, "gemm", gemm)
+    monkeypatch.setattr(cpu_linear, "STREAMED_BYTES", 64 * 48 * 2 * 6)  # six copies of a 64 x 48 weight
+    cpu_linear.LinearTable(path=tmp_path / "t.json").ways(64, 48)
+    few = read[cpu_linear.ROWS_KERNEL_MAX]
+    assert len(set(few)) == len(few) == 4  # a warm call and three timed ones, each on another copy
+    assert len(set(read[max(cpu_linear.BUCKETS)])) == 1
 
 
 def test_few_rows_choose_only_between_the_few_row_kernel_builds(tmp_path):
