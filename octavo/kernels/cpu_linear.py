@@ -31,8 +31,10 @@ ways measured:
 
 ``LinearTable`` times each way for a weight shape at ``BUCKETS`` rows (a
 product of m rows uses the first bucket >= m, the last beyond) on random
-data, once per CPU/target/torch/threads (cached as JSON next to the built
-kernels), so a start-up pays for it only the first time.
+data (up to 64 rows on copies of the weight read in turn, as decode streams
+them: ``STREAMED_BYTES``), once per CPU/target/torch/threads/kernel build
+(cached as JSON next to the built kernels), so a start-up pays for it only
+the first time.
 """
 from __future__ import annotations
 
