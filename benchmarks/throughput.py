@@ -2,6 +2,7 @@
 
     python -m benchmarks.throughput --model benchmarks/models/llama-100m --num-prompts 256
     python -m benchmarks.throughput --num-prompts 32 --peers octavo,hf --hf-batch-sizes 16,32   # quick
+    python -m benchmarks.throughput --num-prompts 128 --peers octavo --step-split   # where Octavo's time goes
 
 Output tokens/s counts only the requested tokens (outputs are fixed by
 ignore_eos); each peer loads its model before its clock starts and does one
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import gc
+from contextlib import nullcontext
+from typing import Optional
 
 from benchmarks.peers.hf import HFPeer
 from benchmarks.peers.llamacpp import LlamaCppPeer
@@ -19,6 +22,7 @@ from benchmarks.options import (
     add_common_args, add_sharegpt_args, apply_threads, int_list, sharegpt_from_args, timed_runs,
 )
 from benchmarks.report import PeerResult, load_avg, print_table, write_json
+from benchmarks.step_split import StepSplit
 from benchmarks.workload import Workload
 
 PEERS = ("octavo", "hf", "llamacpp")
@@ -30,15 +34,17 @@ def subset_size(args: argparse.Namespace, peer: str, workload: Workload) -> int:
     return min(cap, len(workload.prompts)) if cap else len(workload.prompts)
 
 
-def run_peer(name: str, args: argparse.Namespace, workload: Workload,
-             peers: list[str]) -> tuple[PeerResult, list[PeerResult]]:
+def run_peer(name: str, args: argparse.Namespace, workload: Workload, peers: list[str],
+             split: Optional[StepSplit] = None) -> tuple[PeerResult, list[PeerResult]]:
     """The peer's headline result plus the runs behind it: HF's batch-size
     sweep, or Octavo on the same leading subsets the capped peers ran, so
-    every ratio can be taken over identical requests."""
+    every ratio can be taken over identical requests. ``split`` records
+    Octavo's steps over the whole workload."""
     if name == "octavo":
         peer = OctavoPeer.from_args(args)
         peer.warmup()
-        full = timed_runs(lambda: peer.run(workload), args.repeats)
+        with split.recording(peer.llm.engine) if split else nullcontext():
+            full = timed_runs(lambda: peer.run(workload), args.repeats)
         sizes = sorted({subset_size(args, p, workload) for p in peers} - {len(workload.prompts)})
         return full, [timed_runs(lambda: peer.run(workload.head(k)), args.repeats) for k in sizes]
     if name == "hf":
@@ -67,6 +73,8 @@ def main() -> None:
                         help="run HF on only the first K prompts (it is slow); 0 = all")
     parser.add_argument("--llamacpp-max-prompts", type=int, default=0,
                         help="run llama.cpp on only the first K prompts; 0 = all")
+    parser.add_argument("--step-split", action="store_true",
+                        help="also print where Octavo's time went, by kind of step and rows (benchmarks/step_split.py)")
     args = parser.parse_args()
     apply_threads(args)
     peers = [p for p in args.peers.split(",") if p]
@@ -78,8 +86,9 @@ def main() -> None:
     print(f"workload: {workload.summary()}", flush=True)
     results: dict[str, PeerResult] = {}
     sweeps: dict[str, list[PeerResult]] = {}
+    split = StepSplit() if args.step_split else None
     for name in peers:
-        results[name], sweeps[name] = run_peer(name, args, workload, peers)
+        results[name], sweeps[name] = run_peer(name, args, workload, peers, split)
         print(f"{name}: {results[name].output_tok_s:.1f} output tok/s (load {load_avg()})", flush=True)
         gc.collect()
 
@@ -104,10 +113,15 @@ def main() -> None:
                 ratios[f"octavo all {len(workload.prompts)}/{p}"] = results["octavo"].output_tok_s / r.output_tok_s
     for key, value in ratios.items():
         print(f"{key}: {value:.2f}x")
+    split_rows = split.rows() if split else []
+    if split_rows:
+        print_table(split_rows, ["kind", "rows_up_to", "steps", "seconds", "share", "ms_per_step", "tokens"],
+                    title=f"Octavo's steps over the {len(workload.prompts)} requests ({args.repeats} run(s))")
     write_json(args.json, {
         "benchmark": "throughput", "args": vars(args), "workload": workload.summary(),
         "results": {k: v.to_dict() for k, v in results.items()},
         "runs_behind": {k: [r.to_dict() for r in v] for k, v in sweeps.items()}, "ratios": ratios,
+        "step_split": split_rows,
     })
 
 
