@@ -11,7 +11,11 @@ bf16_gemm.c for the process's target (``gemm_<isa>``, float32 products, and
 ``gemm_dot_<isa>``, AVX-512 BF16 dot products, where the target has them),
 and with ``--targets`` the few-row kernel bf16_linear.c and the GEMM built
 for each named CPU target (``rows_<isa>``, ``gemm_<isa>``, ``gemm_dot_<isa>``). Run under ``OCTAVO_CPU_TARGET=avx512_bf16`` (which also caps
-oneDNN, see octavo/kernels/cpu_features.py) to see a CPU without AMX. Reported: ms per pass over all matrices, GB/s of weights read
+oneDNN, see octavo/kernels/cpu_features.py) to see a CPU without AMX.
+``--gemm-baseline`` also builds another source of bf16_gemm.c for the
+process's target (e.g. ``git show main:octavo/kernels/bf16_gemm.c``, with
+its common.h beside it) as ``gemm_baseline``; the two GEMMs are then timed in
+turns, so that the machine's drifting speed (a shared VM) hits both alike. Reported: ms per pass over all matrices, GB/s of weights read
 (what bounds few rows) and GFLOP/s (what bounds many), next to a plain
 full-buffer sum of the same byte count (the read-bandwidth yardstick that
 benchmarks/roofline.py uses).
@@ -19,9 +23,15 @@ benchmarks/roofline.py uses).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
+import platform
+import statistics
+import subprocess
+import tempfile
+import time
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch.nn import functional as F
@@ -29,6 +39,9 @@ from torch.nn import functional as F
 from benchmarks.options import DEFAULT_MODEL, int_list
 from benchmarks.report import load_avg, print_table, write_json
 from benchmarks.roofline import median_time
+
+if TYPE_CHECKING:
+    from octavo.kernels.bf16_linear import Bf16LinearKernel
 
 
 def model_matrices(model: Path) -> list[tuple[int, int]]:
@@ -41,6 +54,32 @@ def model_matrices(model: Path) -> list[tuple[int, int]]:
     return layer * cfg["num_hidden_layers"] + [(cfg["vocab_size"], hidden)]
 
 
+def build_gemm_baseline(source: Path) -> Bf16LinearKernel:
+    """``source`` (a bf16_gemm.c) compiled as build.py compiles the kernel for the process's target."""
+    from octavo.kernels.build import _compiler
+    from octavo.kernels.cpu_features import compile_flags, cpu_target
+
+    library = Path(tempfile.mkdtemp()) / "libbf16_gemm.so"
+    subprocess.run([_compiler(), *compile_flags(cpu_target(), platform.machine()), str(source), "-o", str(library),
+                    "-lm"], check=True)
+    from octavo.kernels.bf16_linear import Bf16LinearKernel
+
+    return Bf16LinearKernel(ctypes.CDLL(str(library)), "bf16_gemm")
+
+
+def in_turns(runs: dict[str, Callable[[], None]], repeats: int, fastest: bool) -> dict[str, float]:
+    """Each run warmed once, then timed ``repeats`` times in turns with the others: median (or fastest) seconds."""
+    for run in runs.values():
+        run()
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - start)
+    return {name: min(t) if fastest else statistics.median(t) for name, t in times.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL)
@@ -50,6 +89,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     parser.add_argument("--fastest", action="store_true",
                         help="report the fastest of --repeats runs, not the median (a machine shared with other jobs)")
+    parser.add_argument("--gemm-baseline", type=Path, help="another bf16_gemm.c, timed in turns with the current one")
     parser.add_argument("--targets", type=lambda s: [t for t in s.split(",") if t], default=[],
                         help="also the few-row kernel (bf16_linear.c) and the GEMM (bf16_gemm.c) built for "
                              "these CPU targets, e.g. avx512_bf16,avx512,avx2")
@@ -86,18 +126,24 @@ def main() -> None:
             if kernel is not None:
                 name = f"gemm{'_dot' if kernel.name.endswith('_dot') else ''}_{kernel.isa}"
                 forms[name] = [lambda x, w=w, kernel=kernel: kernel(x, w) for w in weights]
+    if args.gemm_baseline is not None:
+        baseline = build_gemm_baseline(args.gemm_baseline)
+        forms["gemm_baseline"] = [lambda x, w=w: baseline(x, w) for w in weights]
     flat = torch.ones(nbytes // 4)
     sum_s = median_time(flat.sum, args.repeats, fastest=args.fastest)
     load_start = load_avg()
     rows_out = []
     for m in args.rows:
         inputs = {k: torch.randn(m, k).to(torch.bfloat16) for k in {s[1] for s in shapes}}
-        for name, fns in forms.items():
-            def run() -> None:
-                for (_, k), fn in zip(shapes, fns):
-                    fn(inputs[k])
+        def run(fns: list[Callable[[torch.Tensor], torch.Tensor]]) -> None:
+            for (_, k), fn in zip(shapes, fns):
+                fn(inputs[k])
 
-            t = median_time(run, args.repeats, fastest=args.fastest)
+        current = bf16_gemm_kernel()
+        paired = [f"gemm_{current.isa}", "gemm_baseline"] if args.gemm_baseline is not None and current else []
+        times = in_turns({name: (lambda fns=forms[name]: run(fns)) for name in paired}, args.repeats, args.fastest)
+        for name, fns in forms.items():
+            t = times[name] if name in times else median_time(lambda: run(fns), args.repeats, fastest=args.fastest)
             rows_out.append({"rows": m, "backend": name, "ms": t * 1e3, "weight_gbs": nbytes / t / 1e9,
                              "gflops": m * nbytes / t / 1e9, "of_sum_rate": sum_s / t})
     print_table(rows_out, ["rows", "backend", "ms", "weight_gbs", "gflops", "of_sum_rate"],
