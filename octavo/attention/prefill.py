@@ -10,6 +10,27 @@ from torch.nn import functional as F
 
 from octavo.attention.base import MaskByWindow, PrefillChunk, StepLayout
 from octavo.attention.kv_quant import LayerKVCache, gather_blocks
+from octavo.kernels.cpu_features import cpu_target
+
+# On an x86 CPU without AMX, torch's bf16 SDPA multiplies through oneDNN's bf16
+# GEMMs, the slow ones on such CPUs (issue 18), and its float32 SDPA through
+# float32 ones. Measured on an Emerald Rapids VM without AMX, 12/4 and 14/2
+# heads of 64 (benchmarks/prefill_attention.py): 11-36% less time for chunks
+# of 64-2048 tokens, 26-45% more at 32. So chunks of FLOAT32_MIN_QUERY tokens
+# and more attend in float32 there; the output is rounded to the model's
+# dtype as before (and is closer to the exact one).
+FLOAT32_MIN_QUERY = 64
+
+
+def _x86_without_amx() -> bool:
+    target = cpu_target()
+    return target.arch == "x86_64" and target.name != "amx"
+
+
+def attends_in_float32(q: torch.Tensor) -> bool:
+    """Whether ``attend`` computes this bf16 chunk (q [B, heads, Q, D]) in float32."""
+    return (q.dtype == torch.bfloat16 and q.device.type == "cpu" and q.shape[-2] >= FLOAT32_MIN_QUERY
+            and _x86_without_amx())
 
 
 def window_mask(query_pos: torch.Tensor, keys: torch.Tensor, window: Optional[int]) -> torch.Tensor:
@@ -54,10 +75,15 @@ def attend(
 ) -> torch.Tensor:
     """q [B, heads, Q, D] over k, v [B, kv_heads, K, D] (query head h reads
     KV head h // (heads / kv_heads)); ``mask`` broadcast to [B, heads, Q, K],
-    True where a query attends; None: the causal square (Q == K). SDPA,
-    except with a soft cap, which SDPA cannot apply between the product and
-    the softmax: then the scores are formed explicitly, in float32."""
+    True where a query attends; None: the causal square (Q == K). SDPA (in
+    float32 where ``attends_in_float32``), except with a soft cap, which SDPA
+    cannot apply between the product and the softmax: then the scores are
+    formed explicitly, in float32."""
     if softcap is None:
+        if attends_in_float32(q):
+            out = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask,
+                                                 is_causal=mask is None, scale=scale, enable_gqa=True)
+            return out.to(q.dtype)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
                                               enable_gqa=True)
     b, heads, q_len, d = q.shape

@@ -131,3 +131,29 @@ def test_backends_attend_over_the_paged_cache(name, window, cache_dtype, scoring
         ref = _reference(q, k, v, cache, inputs, window, *scoring)
         assert (ref - _reference(q, k, v, cache, inputs, window, scoring[0])).abs().max() > 1e-2
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("in_float32", [False, True])
+@pytest.mark.parametrize("masked", [False, True])
+def test_prefill_chunks_attend_in_float32_where_chosen(monkeypatch, in_float32, masked):
+    """A bf16 chunk of FLOAT32_MIN_QUERY tokens or more goes through float32 SDPA on x86 CPUs without AMX
+    (chosen there for speed) and through bf16 SDPA elsewhere; both give causal GQA attention, rounded to bf16."""
+    from octavo.attention import prefill
+
+    monkeypatch.setattr(prefill, "_x86_without_amx", lambda: in_float32)
+    gen = torch.Generator().manual_seed(3)
+    n = prefill.FLOAT32_MIN_QUERY
+    q, k, v = (torch.randn(1, h, n, DIM, generator=gen).to(torch.bfloat16) for h in (HEADS, KV_HEADS, KV_HEADS))
+    assert prefill.attends_in_float32(q) == in_float32
+    assert not prefill.attends_in_float32(q[:, :, : n - 1])
+    assert not prefill.attends_in_float32(q.float())
+    mask = torch.ones(n, n, dtype=torch.bool).tril() if masked else None
+    out = prefill.attend(q, k, v, mask, DIM**-0.5, None)
+    # float64 reference: query head h reads KV head h // (HEADS // KV_HEADS), causal.
+    group = HEADS // KV_HEADS
+    kk, vv = (t.double().repeat_interleave(group, dim=1) for t in (k, v))
+    scores = (q.double() @ kk.transpose(-1, -2)) * DIM**-0.5
+    scores = scores.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
+    expected = torch.softmax(scores, dim=-1) @ vv
+    assert out.dtype == torch.bfloat16 and out.shape == q.shape
+    torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=2e-2)
