@@ -29,13 +29,9 @@ same target and times it on the same data, interleaved with the current one.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import itertools
 import json
-import platform
 import random
-import subprocess
-import tempfile
 from pathlib import Path
 import statistics
 import time
@@ -124,14 +120,10 @@ def build_baseline(source: Path) -> PagedDecodeKernel:
     flags), wrapped like the current one. A source from before q's row stride
     argument (main before issue 18) is called without it: the sweep's q is
     contiguous, so that is the same call."""
-    from octavo.kernels.build import _compiler
-    from octavo.kernels.cpu_features import compile_flags, cpu_target
+    from octavo.kernels.build import load_other_source
     from octavo.kernels.paged_decode import _ARGTYPES, PagedDecodeKernel
 
-    library = Path(tempfile.mkdtemp()) / "libbaseline.so"
-    flags = compile_flags(cpu_target(), platform.machine())
-    subprocess.run([_compiler(), *flags, str(source), "-o", str(library), "-lm"], check=True)
-    lib = ctypes.CDLL(str(library))
+    lib = load_other_source(source)
     kernel = PagedDecodeKernel(lib)
     if "q_stride" not in source.read_text():
         fn = lib.octavo_paged_decode

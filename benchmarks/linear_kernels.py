@@ -23,13 +23,7 @@ benchmarks/roofline.py uses).
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
-import platform
-import statistics
-import subprocess
-import tempfile
-import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -38,7 +32,7 @@ from torch.nn import functional as F
 
 from benchmarks.options import DEFAULT_MODEL, int_list
 from benchmarks.report import load_avg, print_table, write_json
-from benchmarks.roofline import median_time
+from benchmarks.roofline import in_turns, median_time
 
 if TYPE_CHECKING:
     from octavo.kernels.bf16_linear import Bf16LinearKernel
@@ -56,28 +50,10 @@ def model_matrices(model: Path) -> list[tuple[int, int]]:
 
 def build_gemm_baseline(source: Path) -> Bf16LinearKernel:
     """``source`` (a bf16_gemm.c) compiled as build.py compiles the kernel for the process's target."""
-    from octavo.kernels.build import _compiler
-    from octavo.kernels.cpu_features import compile_flags, cpu_target
-
-    library = Path(tempfile.mkdtemp()) / "libbf16_gemm.so"
-    subprocess.run([_compiler(), *compile_flags(cpu_target(), platform.machine()), str(source), "-o", str(library),
-                    "-lm"], check=True)
     from octavo.kernels.bf16_linear import Bf16LinearKernel
+    from octavo.kernels.build import load_other_source
 
-    return Bf16LinearKernel(ctypes.CDLL(str(library)), "bf16_gemm")
-
-
-def in_turns(runs: dict[str, Callable[[], None]], repeats: int, fastest: bool) -> dict[str, float]:
-    """Each run warmed once, then timed ``repeats`` times in turns with the others: median (or fastest) seconds."""
-    for run in runs.values():
-        run()
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for _ in range(repeats):
-        for name, run in runs.items():
-            start = time.perf_counter()
-            run()
-            times[name].append(time.perf_counter() - start)
-    return {name: min(t) if fastest else statistics.median(t) for name, t in times.items()}
+    return Bf16LinearKernel(load_other_source(source), "bf16_gemm")
 
 
 def main() -> None:

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
 
 import torch
@@ -19,6 +17,7 @@ from torch.nn import functional as F
 
 from benchmarks.options import DEFAULT_MODEL, int_list
 from benchmarks.report import load_avg, print_table, write_json
+from benchmarks.roofline import in_turns
 
 
 def main() -> None:
@@ -43,21 +42,16 @@ def main() -> None:
     for length in args.lengths:
         q = torch.randn(1, heads, length, head_dim).to(torch.bfloat16)
         k, v = (torch.randn(1, kv_heads, length, head_dim).to(torch.bfloat16) for _ in range(2))
-        runs = {
-            "bf16": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True),
-            "float32": lambda: F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True,
-                                                              enable_gqa=True).to(torch.bfloat16),
-        }
-        times: dict[str, list[float]] = {name: [] for name in runs}
-        for run in runs.values():
-            run()
-        for _ in range(args.repeats):
-            for name, run in runs.items():
-                start = time.perf_counter()
-                for _ in range(layers):
-                    run()
-                times[name].append(time.perf_counter() - start)
-        median = {name: statistics.median(t) for name, t in times.items()}
+        def bf16() -> None:
+            for _ in range(layers):
+                F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+        def float32() -> None:
+            for _ in range(layers):
+                F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True,
+                                               enable_gqa=True).to(torch.bfloat16)
+
+        median = in_turns({"bf16": bf16, "float32": float32}, args.repeats)
         # q.k and p.v over the causal half: 2 products of 2 FLOPs per (query, key, dim), per head and layer.
         flops = layers * heads * length * (length + 1) / 2 * head_dim * 4
         rows.append({"tokens": length, "bf16_ms": median["bf16"] * 1e3, "float32_ms": median["float32"] * 1e3,

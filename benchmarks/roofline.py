@@ -53,6 +53,21 @@ def median_time(fn: Callable[[], object], repeats: int, warm: bool = True, faste
     return min(times) if fastest else statistics.median(times)
 
 
+def in_turns(runs: dict[str, Callable[[], object]], repeats: int, fastest: bool = False) -> dict[str, float]:
+    """Each run warmed once, then timed ``repeats`` times in turns with the
+    others, so that a machine drifting in speed hits them alike: median (or
+    fastest) seconds per run."""
+    for run in runs.values():
+        run()
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - start)
+    return {name: min(t) if fastest else statistics.median(t) for name, t in times.items()}
+
+
 def bandwidth_gbs(size_bytes: int, repeats: int) -> dict[str, float]:
     """Read bandwidth of a full-buffer sum, and of a copy (read + write counted)."""
     x = torch.ones(size_bytes // 4, dtype=torch.float32)

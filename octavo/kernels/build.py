@@ -87,12 +87,29 @@ def _load(name: str, target: CpuTarget) -> ctypes.CDLL:
         # Build beside the library and rename: concurrent engines never load a half-written file.
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=library.parent)
         os.close(fd)
-        result = subprocess.run([cc, *flags, str(source), "-o", tmp, "-lm"], capture_output=True, text=True)
-        if result.returncode != 0:
+        try:
+            _compile(cc, flags, source, Path(tmp), target)
+        except KernelBuildError:
             os.unlink(tmp)
-            raise KernelBuildError(f"building {source.name} for {target.name} failed:\n{result.stderr.strip()}")
+            raise
         os.replace(tmp, library)
         logger.info("built %s kernel for %s: %s", name, target.name, library)
+    return ctypes.CDLL(str(library))
+
+
+def _compile(cc: str, flags: list[str], source: Path, library: Path, target: CpuTarget) -> None:
+    result = subprocess.run([cc, *flags, str(source), "-o", str(library), "-lm"], capture_output=True, text=True)
+    if result.returncode != 0:
+        raise KernelBuildError(f"building {source.name} for {target.name} failed:\n{result.stderr.strip()}")
+
+
+def load_other_source(source: Path) -> ctypes.CDLL:
+    """Another copy of a kernel source (an older version, for a benchmark's
+    A/B) compiled as ``load_kernel`` compiles it for the process's target, into
+    a fresh temporary folder, uncached; its headers are the ones beside it."""
+    target = cpu_target()
+    library = Path(tempfile.mkdtemp()) / f"lib{source.stem}.so"
+    _compile(_compiler(), compile_flags(target, platform.machine()), source, library, target)
     return ctypes.CDLL(str(library))
 
 

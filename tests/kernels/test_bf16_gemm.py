@@ -133,6 +133,22 @@ def test_table_file_changes_with_the_kernel_builds(monkeypatch, tmp_path):
     assert cpu_linear.LinearTable().path != now
 
 
+def test_another_copy_of_the_source_builds_to_the_same_kernel(tmp_path):
+    """load_other_source (benchmarks' A/B of an older source) compiles as load_kernel does, headers beside it."""
+    from pathlib import Path
+
+    from octavo.kernels.bf16_linear import Bf16LinearKernel
+    from octavo.kernels.build import load_other_source
+
+    kernels = Path(cpu_linear.__file__).parent
+    for name in ("bf16_gemm.c", "common.h"):
+        (tmp_path / name).write_text((kernels / name).read_text())
+    other = Bf16LinearKernel(load_other_source(tmp_path / "bf16_gemm.c"), "bf16_gemm")
+    x, w = torch.randn(20, 48).to(torch.bfloat16), torch.randn(40, 48).to(torch.bfloat16)
+    assert other.isa == bf16_gemm_kernel().isa
+    assert torch.equal(other(x, w), bf16_gemm_kernel()(x, w))
+
+
 def test_compiled_gemm_op_matches_eager():
     w = torch.randn(48, 96).to(torch.bfloat16)
     bias = torch.randn(48).to(torch.bfloat16)
