@@ -75,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_arg(gen)
     add_engine_args(gen)
     gen.add_argument("--prompt", action="append", required=True, help="repeat for several prompts (no default)")
-    gen.add_argument("--max-tokens", type=int, default=64, help="most tokens generated per prompt")
+    gen.add_argument("--max-tokens", type=int,
+                     help="most tokens generated per prompt; default: the model's max_new_tokens, else 64")
     # Unset sampling options take the model's generation_config.json values,
     # as the server does: tiny models loop under greedy decoding.
     gen.add_argument("--temperature", type=float, default=None, help="default: the model's, else 1.0")
@@ -309,7 +310,7 @@ def _generate(args: argparse.Namespace) -> None:
         temperature=pick("temperature", 1.0),
         top_p=pick("top_p", 1.0),
         top_k=int(pick("top_k", 0)),
-        max_tokens=args.max_tokens,
+        max_tokens=args.max_tokens if args.max_tokens is not None else int(defaults.get("max_new_tokens", 64)),
     )
     prompts = llm.encode_chat([[{"role": "user", "content": p}] for p in args.prompt]) if args.chat else args.prompt
     _print_streams(args.prompt, llm.stream(prompts, params))

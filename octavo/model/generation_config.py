@@ -33,6 +33,9 @@ def load_generation_defaults(folder: str | Path) -> GenerationDefaults:
         value = raw.get(key)
         return kind(value) if value is not None else None
 
+    max_new_tokens = pick("max_new_tokens", int)
+    if max_new_tokens is not None and max_new_tokens < 1:
+        raise ValueError(f"{path}: max_new_tokens must be >= 1, got {max_new_tokens}")
     return GenerationDefaults(
         eos_token_ids=token_id_list(raw.get("eos_token_id")),
         temperature=pick("temperature", float),
@@ -40,5 +43,5 @@ def load_generation_defaults(folder: str | Path) -> GenerationDefaults:
         top_k=pick("top_k", int),
         min_p=pick("min_p", float),
         repetition_penalty=pick("repetition_penalty", float),
-        max_new_tokens=pick("max_new_tokens", int),
+        max_new_tokens=max_new_tokens,
     )

@@ -97,7 +97,9 @@ class ServerState:
 
     def check_prompt_ids(self, ids: list[int], max_tokens: Optional[int], param: str = "prompt") -> int:
         """Validate a tokenized prompt; returns max_tokens, defaulting to the
-        rest of the context when the request left it unset."""
+        model's generation_config ``max_new_tokens`` when the request left it
+        unset (as transformers' generate and vLLM take it), capped by the rest
+        of the context, which is the default without one."""
         if not ids:
             raise bad_request(f"{param} must not be empty", param)
         vocab = self.client.info.vocab_size
@@ -107,6 +109,9 @@ class ServerState:
         limit = self.max_model_len
         if max_tokens is None:
             resolved = limit - len(ids)
+            default = self.client.info.generation_defaults.get("max_new_tokens")
+            if default is not None:
+                resolved = min(resolved, default)
             requested = len(ids) + 1  # room for at least one token
         else:
             resolved = max_tokens

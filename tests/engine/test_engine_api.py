@@ -260,3 +260,6 @@ def test_generation_config_source(tmp_path):
     assert LLM(folder, dtype="float32", num_blocks=16, generation_config=str(other)).engine.generation_defaults == {"top_k": 7}
     with pytest.raises(ValueError, match="generation_config"):
         LLM(folder, dtype="float32", num_blocks=16, generation_config=str(tmp_path / "missing"))
+    (other / "generation_config.json").write_text('{"max_new_tokens": 0}')
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 1, got 0"):
+        LLM(folder, dtype="float32", num_blocks=16, generation_config=str(other))

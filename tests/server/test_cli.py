@@ -31,6 +31,19 @@ def test_generate_takes_unset_sampling_options_from_generation_config(tmp_path, 
     assert capsys.readouterr().out == first
 
 
+def test_generate_length_defaults_to_max_new_tokens(tmp_path, capsys):
+    from tests.model_factory import make_tiny_model
+
+    folder = make_tiny_model(tmp_path, "llama", generation_config={"max_new_tokens": 3, "temperature": 0.0})
+    args = ["generate", str(folder), "--dtype", "float32", "--num-blocks", "64", "--prompt", "Hello"]
+    main(args)
+    unset = capsys.readouterr().out
+    main(args + ["--max-tokens", "3"])
+    assert capsys.readouterr().out == unset
+    main(args + ["--max-tokens", "64"])  # the built-in default when the file has none
+    assert capsys.readouterr().out != unset
+
+
 def test_bad_arguments_exit_with_a_message(tmp_path, capsys):
     with pytest.raises(SystemExit) as exc:
         main(["serve", str(tmp_path / "missing")])

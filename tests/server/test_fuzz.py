@@ -99,9 +99,16 @@ class FuzzWatch:
 
 @pytest.fixture(scope="module")
 def fuzz_server(model_path, tmp_path_factory):
+    # A body without max_tokens generates max_new_tokens, not the rest of the
+    # context: the endpoints, not long generations, are what is fuzzed (with
+    # the context as the default, half the run went to chat and responses
+    # bodies generating hundreds of tokens each).
+    defaults = tmp_path_factory.mktemp("fuzz-defaults")
+    (defaults / "generation_config.json").write_text('{"max_new_tokens": 16}')
     srv = ServerProcess(
         model_path,
         tmp_path_factory.mktemp("fuzz") / "server.log",
+        "--generation-config", str(defaults),
         "--num-blocks", "512",
         "--max-num-seqs", "32",
         "--max-body-size", "64KiB",
