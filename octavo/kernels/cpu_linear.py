@@ -32,7 +32,7 @@ ways measured:
 ``LinearTable`` times each way for a weight shape at ``BUCKETS`` rows (a
 product of m rows uses the first bucket >= m, the last beyond) on random
 data (up to 64 rows on copies of the weight read in turn, as decode streams
-them: ``STREAMED_BYTES``), once per CPU/target/torch/threads/kernel build
+them: ``STREAMED_BYTES``; the ways in turns), once per CPU/target/torch/threads/kernel build
 (cached as JSON next to the built kernels), so a start-up pays for it only
 the first time.
 """
@@ -189,16 +189,22 @@ def make_copies(weight: torch.Tensor, ways: dict[int, str]) -> PlannedWeight:
     return PlannedWeight(weight, ways, packed, weight_f32)
 
 
-def _best_seconds(fn: Callable[[], object], repeats: int = 3) -> float:
-    """The fastest of ``repeats`` runs after a warm one (first-call set-up such
-    as oneDNN's primitive creation is not what a step costs). The fastest, not
-    the median: on a shared machine the others measure the neighbours."""
-    fn()
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
+def _best_seconds_in_turns(ways: dict[str, Callable[[], object]], repeats: int = 3) -> dict[str, float]:
+    """Each way's fastest of ``repeats`` runs after a warm one (first-call
+    set-up such as oneDNN's primitive creation is not what a step costs),
+    the ways taking turns run by run: a VM's speed drifts by a third within
+    minutes (Emerald Rapids VM: float32 matmuls at 286-423 GFLOP/s), and timing
+    one way's runs and then the next's would rank the moments, not the ways.
+    The fastest, not the median: on a shared machine the others measure the
+    neighbours."""
+    for fn in ways.values():
         fn()
-        best = min(best, time.perf_counter() - start)
+    best = dict.fromkeys(ways, float("inf"))
+    for _ in range(repeats):
+        for way, fn in ways.items():
+            start = time.perf_counter()
+            fn()
+            best[way] = min(best[way], time.perf_counter() - start)
     return best
 
 
@@ -283,7 +289,7 @@ class LinearTable:
         started = time.perf_counter()
         chosen = {}
         for b in buckets:
-            times = {way: _best_seconds(fn) for way, fn in ways_at(b).items()}
+            times = _best_seconds_in_turns(ways_at(b))
             chosen[b] = min(times, key=times.__getitem__)
             for way, seconds in times.items():
                 self._entries[f"{key}@{b}:{way}_ms"] = round(seconds * 1e3, 4)

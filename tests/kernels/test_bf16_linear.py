@@ -118,8 +118,16 @@ def test_table_measures_once_and_reads_its_file(tmp_path, monkeypatch):
     def no_measuring(*_):
         raise AssertionError("measured again")
 
-    monkeypatch.setattr(cpu_linear, "_best_seconds", no_measuring)
+    monkeypatch.setattr(cpu_linear, "_best_seconds_in_turns", no_measuring)
     assert cpu_linear.LinearTable(path=path).ways(40, 24) == ways
+
+
+def test_ways_are_timed_taking_turns():
+    """A warm call each, then the ways' runs interleaved: a drift in the machine's speed reaches every way alike."""
+    calls: list[str] = []
+    times = cpu_linear._best_seconds_in_turns({way: (lambda way=way: calls.append(way)) for way in ("a", "b", "c")})
+    assert calls == ["a", "b", "c"] * 4
+    assert set(times) == {"a", "b", "c"} and all(0 <= t < 1 for t in times.values())
 
 
 def test_copies_are_candidates_only_when_allowed(tmp_path):

@@ -145,7 +145,7 @@ def test_the_many_row_way_is_measured_once_per_shape_and_kept(monkeypatch, tmp_p
     def no_measuring(*_):
         raise AssertionError("measured again")
 
-    monkeypatch.setattr(cpu_linear, "_best_seconds", no_measuring)
+    monkeypatch.setattr(cpu_linear, "_best_seconds_in_turns", no_measuring)
     again = _int8(96, 256, seed=17)  # the same shape: read from the table
     again.amx = False
     _check(again, 1500, torch.bfloat16, seed=5)
