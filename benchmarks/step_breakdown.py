@@ -1,8 +1,12 @@
 """Where a decode step's time goes at batch B: wall time per step split into
 the engine's parts, measured by timing each part's calls during steady decode
-(every prompt prefilled first, as in benchmarks/roofline.py).
+(every prompt prefilled first, as in benchmarks/roofline.py). With --prefill,
+a prompt step's instead: each timed step prefills B fresh prompts at once
+(B x --prompt-len tokens, at most --max-num-batched-tokens) and samples one
+token each.
 
     python -m benchmarks.step_breakdown --model benchmarks/models/llama-100m --batch 256
+    python -m benchmarks.step_breakdown --model benchmarks/models/llama-100m --prefill --batch 12 --prompt-len 170
 
 The parts do not overlap: a call made inside another timed call counts for the
 outer one only (the lm_head's product is "lm_head"; "sampler" includes its greedy
@@ -63,11 +67,17 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--prefill", action="store_true", help="time prompt steps instead of decode steps")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    if args.prefill and args.batch * args.prompt_len > args.max_num_batched_tokens:
+        parser.error("--prefill: --batch x --prompt-len must fit one step's --max-num-batched-tokens")
     torch.set_num_threads(args.threads)
 
     from benchmarks.peers.octavo_peer import OctavoPeer
+    from octavo import SamplingParams
+    from octavo.attention import native_cpu
     from octavo.core.scheduler import Scheduler
     from octavo.kernels.fused_ops import FusedOps
     from octavo.kernels.paged_decode import PagedDecodeKernel
@@ -76,10 +86,20 @@ def main() -> None:
     from octavo.worker import model_runner
 
     peer = OctavoPeer(args.model, "bfloat16", max_num_seqs=max(args.batch, 256), enable_prefix_caching=False,
-                      kv_cache_memory_bytes=2 * 2**30, enforce_eager=True)
+                      kv_cache_memory_bytes=2 * 2**30, enforce_eager=True,
+                      max_num_batched_tokens=args.max_num_batched_tokens)
     rng = random.Random(0)
-    prompts = [[rng.randrange(100, 30000) for _ in range(args.prompt_len)] for _ in range(args.batch)]
-    peer.steady_decode_rate(prompts, 4)  # warm-up
+
+    def new_prompts() -> list[list[int]]:
+        return [[rng.randrange(100, 30000) for _ in range(args.prompt_len)] for _ in range(args.batch)]
+
+    prompts = new_prompts()
+    one_token = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    if args.prefill:  # warm-up; fresh prompts each step (prefix caching is off anyway)
+        batches = [new_prompts() for _ in range(args.steps)]
+        peer.llm.generate(prompts, one_token, use_tqdm=False)
+    else:
+        peer.steady_decode_rate(prompts, 4)
 
     totals: dict[str, float] = defaultdict(float)
     calls: dict[str, int] = defaultdict(int)
@@ -87,34 +107,42 @@ def main() -> None:
                       if "apply" in cls.__dict__]
     parts = [
         (ParallelLMHead, "forward", "lm_head"), *linear_methods,
-        (PagedDecodeKernel, "__call__", "decode attention"), (FusedOps, "rms_norm", "RMSNorm (+ residual)"),
+        (PagedDecodeKernel, "__call__", "decode attention"), (native_cpu, "attend_prefills", "prefill attention"),
+        (FusedOps, "rms_norm", "RMSNorm (+ residual)"),
         (FusedOps, "silu_mul", "SiLU x up"), (FusedOps, "rotary_write_kv", "rotary + K/V write"),
         (model_runner.ModelRunner, "_sample", "sampler"), (model_runner, "prepare_inputs", "input preparation"),
         (Scheduler, "schedule", "scheduling"), (Scheduler, "update_from_output", "scheduler update"),
     ]
-    ids = peer.start_decoding(prompts, args.steps)
+    ids = [] if args.prefill else peer.start_decoding(prompts, args.steps)
     active: list[str] = []
     undo = [_timed(owner, name, part, totals, calls, active) for owner, name, part in parts]
     load_start = load_avg()
     try:
         start = time.perf_counter()
-        for _ in range(args.steps):
-            peer.llm.engine.step()
+        for i in range(args.steps):
+            if args.prefill:
+                peer.llm.generate(batches[i], one_token, use_tqdm=False)  # one step: the prompts fit its budget
+            else:
+                peer.llm.engine.step()
         elapsed = time.perf_counter() - start
     finally:
         for u in undo:
             u()
-    peer.stop_decoding(ids)
+    if ids:
+        peer.stop_decoding(ids)
     step_ms = elapsed / args.steps * 1e3
+    tokens = args.batch * (args.prompt_len if args.prefill else 1)
+    kind = (f"prompt step of {args.model.name}: {args.batch} prompts of {args.prompt_len} tokens" if args.prefill
+            else f"decode step of {args.model.name} at batch {args.batch} (contexts {args.prompt_len}-"
+                 f"{args.prompt_len + args.steps})")
     rows = [{"part": part, "ms_per_step": totals[part] / args.steps * 1e3, "share": totals[part] / elapsed,
              "calls_per_step": calls[part] / args.steps} for part in dict.fromkeys(p for _, _, p in parts)]
     rest = elapsed - sum(totals.values())
     rows.append({"part": "the rest", "ms_per_step": rest / args.steps * 1e3, "share": rest / elapsed,
                  "calls_per_step": ""})
     print_table(rows, ["part", "ms_per_step", "share", "calls_per_step"],
-                title=f"decode step of {args.model.name} at batch {args.batch} (contexts {args.prompt_len}-"
-                      f"{args.prompt_len + args.steps}): {step_ms:.1f} ms, {args.batch / step_ms * 1e3:.0f} tok/s "
-                      f"({args.threads} threads, {args.steps} steps, eager, wrappers on)")
+                title=f"{kind}: {step_ms:.1f} ms, {tokens / step_ms * 1e3:.0f} tok/s ({args.threads} threads, "
+                      f"{args.steps} steps, eager, wrappers on)")
     print(f"load {load_start} -> {load_avg()}")
     write_json(args.json, {"benchmark": "step_breakdown", "args": vars(args),
                            "step_ms": step_ms, "parts": rows})
