@@ -374,10 +374,36 @@ ALWAYS_INLINE void span_scores_quant(const void *q, const float *qscale, const c
     }
 }
 
+/* Half of 32 bf16 at src as float32: the even elements (odd 0) or the odd ones. */
+ALWAYS_INLINE __m512 load16_bf16_half(const char *src, int odd) {
+    const __m512i raw = _mm512_loadu_si512((const void *)src);
+    return _mm512_castsi512_ps(odd ? _mm512_and_si512(raw, _mm512_set1_epi32((int)0xffff0000u))
+                                   : _mm512_slli_epi32(raw, 16));
+}
+
+/* Each 32 of a BF16 accumulator (16 even elements, 16 odd: span_values)
+ * back in order, times `factor`. */
+ALWAYS_INLINE void interleave_bf16_acc(float *a, int64_t head_dim, float factor) {
+    const __m512i lo = _mm512_set_epi32(23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    const __m512i hi = _mm512_set_epi32(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8);
+    const __m512 f = _mm512_set1_ps(factor);
+    for (int64_t d = 0; d < head_dim; d += 32) {
+        const __m512 even = _mm512_mul_ps(_mm512_loadu_ps(a + d), f), odd = _mm512_mul_ps(_mm512_loadu_ps(a + d + 16), f);
+        _mm512_storeu_ps(a + d, _mm512_permutex2var_ps(even, lo, odd));
+        _mm512_storeu_ps(a + d + 16, _mm512_permutex2var_ps(even, hi, odd));
+    }
+}
+
 /* acc[head] += sum over the span's rows of p * v, in float32; per KV head the
  * group's accumulators sit in registers for the span when they fit. `kind`:
  * BF16, or I8 / FP8 with the span's V scales `sc` (KV head 0's; see
- * span_scales) folded into each row's weights. */
+ * span_scales) folded into each row's weights.
+ *
+ * BF16 rows are widened 32 at a time: a bf16 is the top half of a float32,
+ * so one 64-byte load gives the even elements by a shift and the odd ones
+ * by a mask, two operations where widening 16 in order takes two per 16
+ * (vpmovzxwd and a shift, on the ports the FMAs use). acc then holds each
+ * 32 elements as 16 even, 16 odd (see interleave_bf16_acc). */
 #define MAX_REG_ACC 24 /* zmm accumulators kept in registers (of 32) */
 ALWAYS_INLINE void span_values(const float *scores, const char *span, const float *sc, int64_t count, int64_t t,
                                int64_t n, int64_t kv0, int64_t kv1, int64_t group, int64_t head_dim, int64_t row_bytes,
@@ -390,7 +416,7 @@ ALWAYS_INLINE void span_values(const float *scores, const char *span, const floa
         float *a = acc + kv * group * head_dim;
         const char *row = span + kv * head_dim * elem;
 #define ROW_WEIGHT(h, i) (kind == BF16 ? p[(h) * n + (i)] : p[(h) * n + (i)] * vs[i] * QUANT_UNIT(kind))
-#define ROW_VALUES(c) (kind == BF16 ? load16_bf16(row + (c) * 32) : load16_quant(row + (c) * 16, kind))
+#define ROW_VALUES(c) (kind == BF16 ? load16_bf16_half(row + (c) / 2 * 64, (c) % 2) : load16_quant(row + (c) * 16, kind))
         if (group * lanes <= MAX_REG_ACC) {
             __m512 regs[MAX_REG_ACC];
             for (int64_t j = 0; j < group * lanes; j++) regs[j] = _mm512_loadu_ps(a + j * 16);
@@ -493,10 +519,15 @@ ALWAYS_INLINE void sequence_avx512(const void *q, const float *qscale, float sca
         span_values(scores, span, kind == BF16 ? NULL : span_scales(sv, v_scales, t), count, t, n, sv->kv0, sv->kv1,
                     group, head_dim, sv->row_bytes, sv->block_size, kind, acc, ra);
     }
-    for (int64_t h = h0; h < h0 + heads; h++)
+    for (int64_t h = h0; h < h0 + heads; h++) {
+        if (kind == BF16) {
+            interleave_bf16_acc(acc + h * head_dim, head_dim, inv[h]);
+            continue;
+        }
         for (int64_t d = 0; d < head_dim; d += 16)
             _mm512_storeu_ps(acc + h * head_dim + d, _mm512_mul_ps(_mm512_loadu_ps(acc + h * head_dim + d),
                                                                    _mm512_set1_ps(inv[h])));
+    }
 }
 
 #define OCTAVO_SHAPE(KIND, G, D)                                                                                  \
