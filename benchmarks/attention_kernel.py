@@ -21,10 +21,12 @@ without the memory traffic.
 1/32/128/256, contexts 48/512/2048, 12/4 and 32/8 heads of 64 and 128, bf16,
 blocks at shuffled places, caches on huge pages as the engine's unless
 ``--small-pages``), one layer per call with enough layers' caches in
-turn that K/V comes from memory, not from the caches; ``--baseline`` also
-builds another source of paged_decode.c (e.g. ``git show
+turn that K/V comes from memory, not from the caches. ``--baseline`` (either
+mode) also builds another source of paged_decode.c (e.g. ``git show
 main:octavo/kernels/paged_decode.c``, with its common.h beside it) for the
-same target and times it on the same data, interleaved with the current one.
+same target and times it on the same data, interleaved with the current one
+(without ``--sweep``: ``baseline`` rows from memory and in cache, median of
+the turns, in place of ``torch``).
 """
 from __future__ import annotations
 
@@ -42,7 +44,7 @@ from torch.nn import functional as F
 
 from benchmarks.options import DEFAULT_MODEL
 from benchmarks.report import load_avg, print_table, write_json
-from benchmarks.roofline import median_time
+from benchmarks.roofline import in_turns, median_time
 
 if TYPE_CHECKING:
     from octavo.kernels.paged_decode import PagedDecodeKernel
@@ -86,7 +88,7 @@ def main() -> None:
     scale = head_dim**-0.5
     kernel = paged_decode_kernel(required=True)
 
-    def native(block_tables: torch.Tensor) -> None:
+    def native(block_tables: torch.Tensor, kernel: PagedDecodeKernel = kernel) -> None:
         for cache in caches:
             kernel(q, cache[0], cache[1], block_tables, lens, None, scale)
 
@@ -101,10 +103,16 @@ def main() -> None:
     sum_s = median_time(torch.ones(kv_bytes // 4).sum, args.repeats)
     load_start = load_avg()
     runs = {"native": lambda: native(tables), "torch": gathered, "native, data in cache": lambda: native(in_cache)}
-    rows = []
-    for name, run in runs.items():
-        t = median_time(run, args.repeats)
-        rows.append({"backend": name, "ms": t * 1e3, "kv_gbs": kv_bytes / t / 1e9, "of_sum_rate": sum_s / t})
+    if args.baseline is None:
+        times = {name: median_time(run, args.repeats) for name, run in runs.items()}
+    else:  # the two builds in turns, so that the machine's drift hits both
+        baseline = build_baseline(args.baseline)
+        del runs["torch"]
+        runs["baseline"] = lambda: native(tables, baseline)
+        runs["baseline, data in cache"] = lambda: native(in_cache, baseline)
+        times = in_turns(runs, args.repeats)
+    rows = [{"backend": name, "ms": t * 1e3, "kv_gbs": kv_bytes / t / 1e9, "of_sum_rate": sum_s / t}
+            for name, t in times.items()]
     print_table(rows, ["backend", "ms", "kv_gbs", "of_sum_rate"],
                 title=f"decode attention, {args.model.name} ({layers} layers, {heads}/{kv_heads} heads of "
                       f"{head_dim}), batch {batch}, context {ctx}: {kv_bytes / 1e6:.0f} MB of K/V per step; "
