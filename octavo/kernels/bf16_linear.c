@@ -82,9 +82,7 @@ ALWAYS_INLINE xvec load_x(const row_t *x, int64_t k) {
 }
 ALWAYS_INLINE vec step(vec acc, const uint16_t *row, int64_t k, __mmask32 m, xvec x) {
     const __m512i v = _mm512_maskz_loadu_epi16(m, row + k);
-    acc = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(v, 16)), x.even, acc);
-    return _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000u))), x.odd,
-                           acc);
+    return _mm512_fmadd_ps(bf16_odds(v), x.odd, _mm512_fmadd_ps(bf16_evens(v), x.even, acc));
 }
 ALWAYS_INLINE void prepare_row(const uint16_t *x, int64_t K, int64_t width, row_t *dst) {
     for (int64_t k = 0; k < width; k++)

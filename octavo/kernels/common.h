@@ -163,6 +163,14 @@ static inline __m512 sum16(const __m512 v[16]) {
     const __m512 s23 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x44), _mm512_shuffle_f32x4(b[2], b[3], 0xEE));
     return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xDD));
 }
+
+/* 32 bf16 (one 64-byte load) as two float32 vectors: a bf16 is the top half
+ * of a float32, so the 16 even elements come by a shift and the 16 odd ones
+ * by a mask, one operation each where widening 16 in order takes two. */
+ALWAYS_INLINE __m512 bf16_evens(__m512i pairs) { return _mm512_castsi512_ps(_mm512_slli_epi32(pairs, 16)); }
+ALWAYS_INLINE __m512 bf16_odds(__m512i pairs) {
+    return _mm512_castsi512_ps(_mm512_and_si512(pairs, _mm512_set1_epi32((int)0xffff0000u)));
+}
 #endif
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)

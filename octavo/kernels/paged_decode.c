@@ -376,9 +376,8 @@ ALWAYS_INLINE void span_scores_quant(const void *q, const float *qscale, const c
 
 /* Half of 32 bf16 at src as float32: the even elements (odd 0) or the odd ones. */
 ALWAYS_INLINE __m512 load16_bf16_half(const char *src, int odd) {
-    const __m512i raw = _mm512_loadu_si512((const void *)src);
-    return _mm512_castsi512_ps(odd ? _mm512_and_si512(raw, _mm512_set1_epi32((int)0xffff0000u))
-                                   : _mm512_slli_epi32(raw, 16));
+    const __m512i pairs = _mm512_loadu_si512((const void *)src);
+    return odd ? bf16_odds(pairs) : bf16_evens(pairs);
 }
 
 /* Each 32 of a BF16 accumulator (16 even elements, 16 odd: span_values)
@@ -399,11 +398,10 @@ ALWAYS_INLINE void interleave_bf16_acc(float *a, int64_t head_dim, float factor)
  * BF16, or I8 / FP8 with the span's V scales `sc` (KV head 0's; see
  * span_scales) folded into each row's weights.
  *
- * BF16 rows are widened 32 at a time: a bf16 is the top half of a float32,
- * so one 64-byte load gives the even elements by a shift and the odd ones
- * by a mask, two operations where widening 16 in order takes two per 16
- * (vpmovzxwd and a shift, on the ports the FMAs use). acc then holds each
- * 32 elements as 16 even, 16 odd (see interleave_bf16_acc). */
+ * BF16 rows are widened 32 at a time (bf16_evens / bf16_odds): two
+ * operations per 32 elements on the ports the FMAs use, where widening in
+ * order (vpmovzxwd and a shift per 16) took four. acc then holds each 32
+ * elements as 16 even, 16 odd (see interleave_bf16_acc). */
 #define MAX_REG_ACC 24 /* zmm accumulators kept in registers (of 32) */
 ALWAYS_INLINE void span_values(const float *scores, const char *span, const float *sc, int64_t count, int64_t t,
                                int64_t n, int64_t kv0, int64_t kv1, int64_t group, int64_t head_dim, int64_t row_bytes,
