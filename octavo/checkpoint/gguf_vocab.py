@@ -42,6 +42,7 @@ class _ByteLevelSplit:
     regex: Optional[str]  # None: GPT-2's own (ByteLevel's built-in regex)
     nfc: bool = False  # Qwen2 normalizes to NFC first
     ignore_merges: bool = False  # Llama 3 takes a word that is a token whole, before any merge
+    single_digits: bool = False  # SmolLM (StarCoder's split): every digit is a word of its own first
 
 
 _PRE_TOKENIZERS = {
@@ -50,6 +51,7 @@ _PRE_TOKENIZERS = {
     "llama-bpe": _ByteLevelSplit(_LLAMA3_SPLIT, ignore_merges=True),
     "llama3": _ByteLevelSplit(_LLAMA3_SPLIT, ignore_merges=True),
     "qwen2": _ByteLevelSplit(_QWEN2_SPLIT, nfc=True),
+    "smollm": _ByteLevelSplit(None, single_digits=True),
 }
 
 
@@ -115,13 +117,13 @@ def _byte_level(file: GgufFile, tokens: list[str], types: list[int]) -> Tokenize
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=split.ignore_merges))
     if split.nfc:
         tok.normalizer = normalizers.NFC()
+    steps = [pre_tokenizers.Digits(individual_digits=True)] if split.single_digits else []
     if split.regex is None:
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True))
     else:
-        tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(split.regex), behavior="isolated", invert=False),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ])
+        steps += [pre_tokenizers.Split(Regex(split.regex), behavior="isolated", invert=False),
+                  pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    tok.pre_tokenizer = steps[0] if len(steps) == 1 else pre_tokenizers.Sequence(steps)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False)
                             for t, k in zip(tokens, types) if k == CONTROL])

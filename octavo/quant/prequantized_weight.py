@@ -43,7 +43,12 @@ def kernel_weight(weight: IntWeight, dtype: torch.dtype,
     as the checkpoint's config was checked to say)."""
     if weight.group_size == 1 and not int8_activations:
         return DequantizedWeight(weight, dtype)
-    q, scales, zeros = weight.q.contiguous(), weight.scales.float(), weight.zeros.float()
+    q, scales = weight.q.contiguous(), weight.scales.float()
+    if weight.mins is not None:  # an offset per group (GGUF Q4_1), as the kernels take it
+        if weight.bits != 4:
+            raise ValueError("offsets per group (mins) are only read for 4-bit weights")
+        return Int4Weight(q, scales, None, weight.group_size, weight.perm, mins=weight.mins)
+    zeros = weight.zeros.float()
     if weight.bits == 4:
         return Int4Weight(q, scales, zeros, weight.group_size, weight.perm)
     # int8 kernels read signed values: the unsigned ones less 128 (the same
@@ -53,3 +58,4 @@ def kernel_weight(weight: IntWeight, dtype: torch.dtype,
         return W8A8Weight(signed, scales[:, 0])
     signed_zeros = None if weight.symmetric_zero is not None else zeros - 128
     return QuantizedWeight(signed, 8, scales, signed_zeros, weight.group_size, weight.perm)
+

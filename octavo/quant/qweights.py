@@ -71,18 +71,25 @@ class QuantizedWeight:
     """A packed int8/int4 weight; call it like ``F.linear(x, weight, bias)``."""
 
     def __init__(self, q: torch.Tensor, bits: int, scales: torch.Tensor, zeros: Optional[torch.Tensor],
-                 group_size: int, perm: Optional[torch.Tensor]) -> None:
+                 group_size: int, perm: Optional[torch.Tensor], mins: Optional[torch.Tensor] = None) -> None:
+        """``zeros`` (w = (q - zero) * scale) or ``mins`` (w = q * scale + min), or neither (symmetric)."""
         n, k = q.shape
         if scales.dim() != 2 or scales.shape[0] != n or k % scales.shape[1] or k // scales.shape[1] != group_size:
             raise ValueError(f"scales must be [{n}, {k} / group_size {group_size}]; got {tuple(scales.shape)}")
-        if zeros is not None and zeros.shape != scales.shape:
-            raise ValueError(f"zeros must be shaped like scales {tuple(scales.shape)}; got {tuple(zeros.shape)}")
+        for name, t in (("zeros", zeros), ("mins", mins)):
+            if t is not None and t.shape != scales.shape:
+                raise ValueError(f"{name} must be shaped like scales {tuple(scales.shape)}; got {tuple(t.shape)}")
+        if zeros is not None and mins is not None:
+            raise ValueError("give zeros or mins, not both")
         if perm is not None and tuple(perm.shape) != (k,):
             raise ValueError(f"perm must be [{k}]; got {tuple(perm.shape)}")
         self.bits, self.out_features, self.in_features, self.group_size = bits, n, k, group_size
         self.perm = perm
         scales = scales.float()
-        mins = None if zeros is None else -zeros.float() * scales
+        if mins is not None:
+            mins = mins.float()
+        elif zeros is not None:
+            mins = -zeros.float() * scales
         kernel = quant_linear_kernel() if q.is_cpu else None
         native = kernel is not None and n % LANES == 0 and group_size % 4 == 0
         self.kernel: Optional[QuantLinearKernel] = kernel if native else None
@@ -179,10 +186,10 @@ class Int8Weight(QuantizedWeight):
 
 
 class Int4Weight(QuantizedWeight):
-    def __init__(self, q: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-                 perm: Optional[torch.Tensor] = None) -> None:
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor, zeros: Optional[torch.Tensor], group_size: int,
+                 perm: Optional[torch.Tensor] = None, mins: Optional[torch.Tensor] = None) -> None:
         if q.dtype != torch.uint8 or q.dim() != 2 or q.shape[1] % 2:
             raise ValueError(f"q must be uint8 [N, K] with K even; got {q.dtype} {tuple(q.shape)}")
         if int(q.max()) > 15:
             raise ValueError("q holds values above 15: int4 values are 0..15")
-        super().__init__(q, 4, scales, zeros, group_size, perm)
+        super().__init__(q, 4, scales, zeros, group_size, perm, mins)

@@ -24,7 +24,7 @@ from octavo.checkpoint.sentencepiece import read_model_file
 
 ARCH_NAMES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",
               "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
-_TYPES = {name: getattr(gguf.GGMLQuantizationType, name) for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q5_0")}
+_TYPES = {name: getattr(gguf.GGMLQuantizationType, name) for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0")}
 _GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
            "lm_head.weight": "output.weight"}
 _BLOCK = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",

@@ -1,6 +1,6 @@
 """GGUF files written from tiny transformers models (as llama.cpp's converter
 writes them) load as the same model: F32/BF16 files give transformers'
-logits on the stored weights, Q8_0/Q4_0 files run on the int8/int4 kernels
+logits on the stored weights, Q8_0/Q4_0/Q4_1 files run on the int8/int4 kernels
 within 1e-3 of transformers on the dequantized weights with identical
 greedy tokens, other block types are dequantized; the tokenizer built from
 the file's vocabulary gives the Hugging Face tokenizer's ids; broken or
@@ -68,12 +68,13 @@ def test_float_files_match_transformers(files, arch, matrix_type):
 
 @pytest.mark.parametrize("arch, matrix_type", [
     ("llama", "Q8_0"), ("qwen2", "Q8_0"), ("qwen3", "Q8_0"), ("llama", "Q4_0"), ("qwen2", "Q4_0"), ("qwen3", "Q4_0"),
+    ("llama", "Q4_1"), ("qwen3", "Q4_1"),
 ])
-def test_q8_0_and_q4_0_run_on_the_int_kernels(files, arch, matrix_type):
+def test_block_types_run_on_the_int_kernels(files, arch, matrix_type):
     path, reference = files(arch, matrix_type)
     kernels = _kernels(path)
     # Every linear layer of the blocks runs quantized; lm_head stays float (as with --quantization).
-    bits = {"Q8_0": 8, "Q4_0": 4}[matrix_type]
+    bits = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4}[matrix_type]
     assert all(k.startswith(f"gguf {matrix_type} (int{bits} group 32): int{bits}")
                for name, k in kernels.items() if name != "lm_head"), kernels
     assert not kernels["lm_head"].startswith("gguf")
@@ -81,7 +82,7 @@ def test_q8_0_and_q4_0_run_on_the_int_kernels(files, arch, matrix_type):
     torch.testing.assert_close(got, hf_logits(load_hf_model(reference), tokens), atol=QUANT_ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("arch, matrix_type", [("llama", "Q4_0"), ("qwen2", "Q8_0"), ("llama", "F32")])
+@pytest.mark.parametrize("arch, matrix_type", [("llama", "Q4_0"), ("qwen2", "Q8_0"), ("llama", "Q4_1"), ("llama", "F32")])
 def test_greedy_tokens_match_transformers(files, arch, matrix_type):
     path, reference = files(arch, matrix_type)
     prompts = [PROMPT[:n] for n in (1, 9, 24)]
@@ -170,9 +171,12 @@ def test_serve_a_gguf_file(files, tmp_path):
 def test_truncated_file_is_named(files, tmp_path):
     path, _ = files("llama", "F32")
     broken = tmp_path / "broken.gguf"
-    broken.write_bytes(path.read_bytes()[:300])
-    with pytest.raises(ValueError, match="broken.gguf is not a readable GGUF file"):
-        load_arch_config(broken)
+    whole = path.read_bytes()
+    for cut, reason in ((300, "more than its 300 bytes can hold"), (len(whole) - 64, "lies outside the file"),
+                        (0, "not a readable GGUF file"), (10, "not a GGUF file")):
+        broken.write_bytes(whole[:cut])
+        with pytest.raises(ValueError, match=f"broken.gguf.*{reason}"):
+            load_arch_config(broken)
 
 
 def _rewrite(src, dst, drop=(), **fields):
@@ -201,7 +205,7 @@ def _rewrite(src, dst, drop=(), **fields):
 
 def test_a_file_that_is_not_gguf_is_named(tmp_path):
     (tmp_path / "model.gguf").write_text("not a model")
-    with pytest.raises(ValueError, match="model.gguf' is a file but not a GGUF file"):
+    with pytest.raises(ValueError, match="model.gguf is not a GGUF file"):
         LLM(tmp_path / "model.gguf")
 
 

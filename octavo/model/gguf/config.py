@@ -5,7 +5,7 @@ names); this maps them back, so the rest of Octavo builds the model from
 the same ``ArchConfig`` as for a Hugging Face folder. Tied embeddings are
 read from the tensors (no ``output.weight``), the vocabulary size from the
 embedding, the stop tokens from the tokenizer metadata. Linear layers whose
-blocks are Q8_0 or Q4_0 become a ``quantization_config`` of method "gguf"
+blocks are Q8_0, Q4_0 or Q4_1 become a ``quantization_config`` of method "gguf"
 (octavo/quant/checkpoint_config.py) so they run on the int8/int4 kernels.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from octavo.checkpoint.gguf_vocab import end_token_ids
 from octavo.model.gguf.names import ARCHITECTURES, FUSED_GROUPS, hf_name
 
 # Block types the int8/int4 kernels run as stored (octavo/quant/formats/gguf.py).
-KERNEL_TYPES = {"Q8_0": "q8_0", "Q4_0": "q4_0"}
+KERNEL_TYPES = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
 FLOAT_TYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 _ROPE_SCALING = ("none", "linear", "yarn")
 
@@ -97,7 +97,7 @@ def _float_dtype(file: GgufFile) -> str:
 
 def quantized_modules(file: GgufFile) -> dict[str, str]:
     """Linear module (Hugging Face name) -> block type, for the layers that
-    run quantized: Q8_0/Q4_0 weights whose fused partners (q/k/v,
+    run quantized: Q8_0/Q4_0/Q4_1 weights whose fused partners (q/k/v,
     gate/up) share the type. Others are dequantized while loading; lm_head
     always is (the output layer stays float, as with --quantization)."""
     types: dict[str, str] = {}

@@ -1,11 +1,11 @@
 """A GGUF file's tensors under Hugging Face names, in the layouts the
 layers load.
 
-Float tensors (F32, F16, BF16) are read as they are. Q8_0 and Q4_0
+Float tensors (F32, F16, BF16) are read as they are. Q8_0, Q4_0 and Q4_1
 matrices of the layers ``quantized_modules`` keeps quantized are split
-into their integers and block scales (``<module>.qweight``,
-``<module>.scales``, see octavo/quant/formats/gguf.py): nothing is
-dequantized. Every other type (K-quants, IQ types, and Q8_0/Q4_0 where the
+into their integers and block factors (``<module>.qweight``,
+``<module>.scales``, Q4_1's ``<module>.mins``, see octavo/quant/formats/gguf.py): nothing is
+dequantized. Every other type (K-quants, IQ types, and Q8_0/Q4_0/Q4_1 where the
 layer runs in float) is dequantized by the ``gguf`` package to float32 and
 converted to the model's dtype as it loads; a log line says which.
 """
@@ -23,7 +23,7 @@ from octavo.checkpoint.gguf_file import GgufFile, gguf_package, open_gguf
 from octavo.model.checkpoint_tensors import TensorSource
 from octavo.model.gguf.config import FLOAT_TYPES, KERNEL_TYPES, quantized_modules
 from octavo.model.gguf.names import hf_name, rotary_heads, unpermute_rows
-from octavo.quant.formats.gguf import GGUF_BLOCK
+from octavo.quant.formats.gguf import GGUF_BLOCK, WITH_MINS, GgufBlockFormat
 
 logger = logging.getLogger(__name__)
 
@@ -47,8 +47,8 @@ class GgufSource(TensorSource):
                 continue
             module = name.removesuffix(".weight")
             if name.endswith(".weight") and module in self._quantized:
-                self._records[f"{module}.qweight"] = (record, "qweight")
-                self._records[f"{module}.scales"] = (record, "scales")
+                for part in ("qweight", *GgufBlockFormat(self._quantized[module]).group_tensors()):
+                    self._records[f"{module}.{part}"] = (record, part)
             else:
                 self._records[name] = (record, "")
 
@@ -57,7 +57,7 @@ class GgufSource(TensorSource):
 
     def tensors(self, wanted: set[str], device: str | torch.device) -> Iterator[tuple[str, torch.Tensor]]:
         dequantized: Counter[str] = Counter()
-        blocks: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # one decode per record for qweight + scales
+        blocks: dict[int, dict[str, torch.Tensor]] = {}  # one split per record for qweight, scales (, mins)
         for name, (record, part) in self._records.items():
             if name not in wanted:
                 continue
@@ -65,8 +65,8 @@ class GgufSource(TensorSource):
             if part:
                 if id(record) not in blocks:
                     blocks[id(record)] = _split_blocks(record)
-                tensor = blocks[id(record)][0 if part == "qweight" else 1]
-                if part == "scales":
+                tensor = blocks[id(record)].pop(part)
+                if not blocks[id(record)]:
                     del blocks[id(record)]
             else:
                 if kind not in FLOAT_TYPES:
@@ -86,7 +86,7 @@ class GgufSource(TensorSource):
 
     def _float(self, record: object) -> torch.Tensor:
         kind = record.tensor_type.name
-        shape = tuple(int(d) for d in reversed(record.shape.tolist()))
+        shape = tuple(reversed(record.shape))
         data = np.asarray(record.data)
         if kind == "F32" or kind == "F16":
             return torch.from_numpy(data.copy()).reshape(shape)
@@ -101,16 +101,21 @@ class GgufSource(TensorSource):
         return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(shape)
 
 
-def _split_blocks(record: object) -> tuple[torch.Tensor, torch.Tensor]:
-    """(values [N, K], scales [N, K / 32] float32) of a Q8_0 or Q4_0 matrix:
-    int8 values for Q8_0, uint8 0..15 for Q4_0 (see octavo/quant/formats/gguf.py)."""
+def _split_blocks(record: object) -> dict[str, torch.Tensor]:
+    """``qweight`` [N, K], ``scales`` [N, K / 32] float32 (and Q4_1's ``mins``,
+    alike) of a Q8_0, Q4_0 or Q4_1 matrix: int8 values for Q8_0, uint8 0..15
+    for the others (see octavo/quant/formats/gguf.py)."""
     kind = KERNEL_TYPES[record.tensor_type.name]
     n, k = int(record.shape[1]), int(record.shape[0])
     raw = np.asarray(record.data).reshape(n, k // GGUF_BLOCK, -1)
-    scales = torch.from_numpy(raw[:, :, :2].copy().view(np.float16)).reshape(n, -1).float()
-    payload = torch.from_numpy(raw[:, :, 2:].copy())
+    halves = 2 if kind in WITH_MINS else 1  # float16 d, then m for Q4_1
+    factors = torch.from_numpy(raw[:, :, :2 * halves].copy().view(np.float16)).float()
+    split = {"scales": factors[:, :, 0].contiguous()}
+    if halves == 2:
+        split["mins"] = factors[:, :, 1].contiguous()
+    payload = torch.from_numpy(raw[:, :, 2 * halves:].copy())
     if kind == "q8_0":
-        return payload.view(torch.int8).reshape(n, k), scales
-    # Q4_0: byte j of a block holds input j (low nibble) and input j + 16 (high nibble).
-    values = torch.cat([payload & 0x0F, payload >> 4], dim=-1)
-    return values.reshape(n, k), scales
+        split["qweight"] = payload.view(torch.int8).reshape(n, k)
+    else:  # byte j of a block holds input j (low nibble) and input j + 16 (high nibble)
+        split["qweight"] = torch.cat([payload & 0x0F, payload >> 4], dim=-1).reshape(n, k)
+    return split

@@ -4,6 +4,11 @@ group of input features, groups contiguous.
 
 ``W[n, perm[k]] = (q[n, k] - zeros[n, k // group_size]) * scales[n, k // group_size]``
 
+or, for formats that store a float offset per group instead of a zero point
+(GGUF's Q4_1: ``w = d * q + m``), ``q * scales + mins`` with ``zeros`` None.
+Such an offset is kept as it is: turning it into a zero point ``-m / d``
+would round it (and has no value where ``d`` is 0).
+
 Act-order checkpoints (GPTQ ``desc_act``, compressed-tensors ``actorder:
 group``) quantize the input features in order of decreasing activation
 size, so a group's features are scattered over the row and ``g_idx`` says
@@ -26,17 +31,20 @@ import torch
 class IntWeight:
     q: torch.Tensor  # uint8 [N, K], values 0 .. 2**bits - 1, columns in kernel order
     scales: torch.Tensor  # float [N, G]
-    zeros: torch.Tensor  # int32 [N, G]; a GPTQ v1 zero may be 2**bits (see gptq.py)
+    zeros: Optional[torch.Tensor]  # int32 [N, G]; a GPTQ v1 zero may be 2**bits (see gptq.py); None: mins
     bits: int
     group_size: int  # columns per group; K for one scale per row
     perm: Optional[torch.Tensor] = None  # int64 [K]: column k is input feature perm[k]; None: identity
+    mins: Optional[torch.Tensor] = None  # float [N, G] offsets added to q * scales, where zeros is None
 
     def __post_init__(self) -> None:
         n, k = self.q.shape
         if self.group_size <= 0 or k % self.group_size:
             raise ValueError(f"group_size {self.group_size} does not divide the {k} input features")
+        if (self.zeros is None) == (self.mins is None):
+            raise ValueError("an IntWeight has either zero points or offsets (mins), one of the two")
         groups = k // self.group_size
-        for name in ("scales", "zeros"):
+        for name in ("scales", "zeros" if self.mins is None else "mins"):
             shape = tuple(getattr(self, name).shape)
             if shape != (n, groups):
                 raise ValueError(f"{name} has shape {shape}; expected {(n, groups)} for {k} input features "
@@ -46,12 +54,16 @@ class IntWeight:
     def symmetric_zero(self) -> Optional[int]:
         """The zero point when every group has the mid-range one (2**(bits-1)), else None."""
         mid = 1 << (self.bits - 1)
-        return mid if bool((self.zeros == mid).all()) else None
+        return mid if self.zeros is not None and bool((self.zeros == mid).all()) else None
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """W [N, K] in the input features' own order, in ``dtype``."""
         expand = lambda t: t.repeat_interleave(self.group_size, dim=1)  # noqa: E731
-        w = (self.q - expand(self.zeros)).to(torch.float32) * expand(self.scales.to(torch.float32))
+        scales = expand(self.scales.to(torch.float32))
+        if self.mins is None:
+            w = (self.q - expand(self.zeros)).to(torch.float32) * scales
+        else:
+            w = self.q.to(torch.float32) * scales + expand(self.mins.to(torch.float32))
         if self.perm is not None:
             w = torch.empty_like(w).index_copy_(1, self.perm, w)
         return w.to(dtype)
