@@ -29,7 +29,7 @@ import torch.multiprocessing as mp
 
 from benchmarks.report import load_avg, print_table, write_json
 from octavo import LLM, SamplingParams
-from octavo.assets import DEFAULT_MODEL_PATH
+from octavo.assets import MINI_MODEL_PATH
 from octavo.model.config import load_arch_config
 from octavo.model.loader import resolve_dtype
 
@@ -126,7 +126,7 @@ def executor_overhead(model: Path, dtype: str) -> list[dict[str, Any]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL_PATH)
+    parser.add_argument("--model", type=Path, default=MINI_MODEL_PATH)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--num-prompts", type=int, default=32)
     parser.add_argument("--prompt-len", type=int, default=64)

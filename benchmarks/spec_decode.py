@@ -34,7 +34,7 @@ import torch
 
 from benchmarks.report import load_avg, print_table
 from octavo import LLM, SamplingParams
-from octavo.assets import DEFAULT_DRAFT_MODEL_PATH, DEFAULT_MODEL_PATH, HELDOUT_SAMPLE_PATH
+from octavo.assets import MINI_DRAFT_MODEL_PATH, MINI_MODEL_PATH, HELDOUT_SAMPLE_PATH
 from octavo.sampling_params import RequestOutputKind
 
 EDIT_MARKER = "\n\n# The same module once more, unchanged:\n"
@@ -185,8 +185,8 @@ def llamacpp_speculative(args: argparse.Namespace, prompts: dict[str, list[list[
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL_PATH)
-    parser.add_argument("--draft", type=Path, default=DEFAULT_DRAFT_MODEL_PATH)
+    parser.add_argument("--model", type=Path, default=MINI_MODEL_PATH)
+    parser.add_argument("--draft", type=Path, default=MINI_DRAFT_MODEL_PATH)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
     parser.add_argument("--ks", type=lambda s: [int(x) for x in s.split(",")], default=[2, 3, 4])

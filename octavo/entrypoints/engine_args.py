@@ -17,6 +17,8 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any, Optional
 
+from octavo.assets import MINI_DRAFT_MODEL_PATH, MINI_MODEL_PATH
+from octavo.assets.default_model import SMOLLM2, default_model
 from octavo.config import EngineConfig
 from octavo.entrypoints.hub import looks_like_hub_id, resolve_hub_model
 
@@ -71,8 +73,10 @@ def engine_config(model: Optional[str | Path] = None, **options: Any) -> EngineC
             raise ValueError(f"unknown engine option {name!r} (the options are the fields of octavo.config)")
         by_section.setdefault(known[name].section, {})[name] = value
     model_section = by_section.setdefault("model", {})
-    model_section["model"] = resolve_model_path(model)
-    if model is not None and not os.path.exists(model):
+    resolved = model_section["model"] = resolve_model_path(model)
+    if Path(resolved).name == SMOLLM2.filename:
+        model_section.setdefault("served_model_name", (SMOLLM2.name,))
+    elif model is not None and not os.path.exists(model) and Path(resolved) != MINI_MODEL_PATH:
         # A hub id: served (and reported) under the id the user typed, not the snapshot's hash folder.
         model_section.setdefault("served_model_name", (str(model),))
     speculative = by_section.get("speculative", {})
@@ -84,10 +88,8 @@ def engine_config(model: Optional[str | Path] = None, **options: Any) -> EngineC
 
 def resolve_draft_path(draft: str | Path) -> str:
     """A draft model folder, or the name of the shipped draft (octavo-mini-draft)."""
-    from octavo.assets import DEFAULT_DRAFT_MODEL_PATH
-
-    if str(draft) == DEFAULT_DRAFT_MODEL_PATH.name and not os.path.isdir(draft):
-        return str(DEFAULT_DRAFT_MODEL_PATH)
+    if str(draft) == MINI_DRAFT_MODEL_PATH.name and not os.path.isdir(draft):
+        return str(MINI_DRAFT_MODEL_PATH)
     if not os.path.isdir(draft):
         raise ValueError(f"speculative_model folder not found: {draft}")
     return str(draft)
@@ -95,14 +97,16 @@ def resolve_draft_path(draft: str | Path) -> str:
 
 def resolve_model_path(model: Optional[str | Path]) -> str:
     """The local checkpoint for ``model``: a folder or GGUF file as given, a
-    hub id from the Hugging Face cache (or downloaded), None the built-in model."""
-    if model is None:
-        from octavo.assets import DEFAULT_MODEL_PATH
-
-        model = DEFAULT_MODEL_PATH
+    hub id from the Hugging Face cache (or downloaded); None or
+    "smollm2-135m-instruct" the default model (fetched on first use; octavo-mini
+    where it cannot be had), "octavo-mini" the shipped test model."""
     # Checked here so a typo is one line of error, not an engine start-up traceback.
-    if os.path.isdir(model) or os.path.isfile(model):
+    if model is not None and (os.path.isdir(model) or os.path.isfile(model)):
         return str(model)
+    if model is None or str(model) == SMOLLM2.name:
+        return str(default_model() or MINI_MODEL_PATH)
+    if str(model) == MINI_MODEL_PATH.name:
+        return str(MINI_MODEL_PATH)
     if looks_like_hub_id(str(model)):
         return resolve_hub_model(str(model))
     raise ValueError(f"model folder not found: {model}")

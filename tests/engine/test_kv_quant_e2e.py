@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from octavo import LLM, SamplingParams
-from octavo.assets import DEFAULT_MODEL_PATH
+from octavo.assets import MINI_MODEL_PATH
 from tests.engine.conftest import assert_no_leak, random_prompts, shared_prefix_prompts
 from tests.test_default_model import ENGINE_PROMPTS, GOLDEN_COMPLETION, GOLDEN_NEW_TOKENS
 
@@ -29,13 +29,13 @@ def test_octavo_mini_greedy_output_is_unchanged(kv):
     golden prompt's among them. bf16 weights: the golden completion too (the
     third prompt meets a near-tie after 5 tokens under bf16 + int8)."""
     params = SamplingParams(temperature=0, max_tokens=GOLDEN_NEW_TOKENS)
-    exact = _tokens(LLM(model=DEFAULT_MODEL_PATH, dtype="float32", num_blocks=64), ENGINE_PROMPTS, params)
-    llm = LLM(model=DEFAULT_MODEL_PATH, dtype="float32", num_blocks=64, kv_cache_dtype=kv)
+    exact = _tokens(LLM(model=MINI_MODEL_PATH, dtype="float32", num_blocks=64), ENGINE_PROMPTS, params)
+    llm = LLM(model=MINI_MODEL_PATH, dtype="float32", num_blocks=64, kv_cache_dtype=kv)
     outs = llm.generate(ENGINE_PROMPTS, params, use_tqdm=False)
     assert outs[0].outputs[0].text == GOLDEN_COMPLETION
     assert [o.outputs[0].token_ids for o in outs] == exact
     assert_no_leak(llm)
-    bf16 = LLM(model=DEFAULT_MODEL_PATH, dtype="bfloat16", num_blocks=64, kv_cache_dtype=kv)
+    bf16 = LLM(model=MINI_MODEL_PATH, dtype="bfloat16", num_blocks=64, kv_cache_dtype=kv)
     assert bf16.generate([ENGINE_PROMPTS[0]], params, use_tqdm=False)[0].outputs[0].text == GOLDEN_COMPLETION
 
 

@@ -10,7 +10,7 @@ from typing import Optional
 import pytest
 
 from octavo import LLM, SamplingParams
-from octavo.assets import DEFAULT_MODEL_PATH, HELDOUT_SAMPLE_PATH
+from octavo.assets import MINI_MODEL_PATH, HELDOUT_SAMPLE_PATH
 
 # The model's context is 512: a window of 511 prompt tokens leaves room for the one drawn.
 WINDOW = 511
@@ -19,7 +19,7 @@ WINDOW = 511
 def engine_perplexity(quantization: Optional[str]) -> float:
     """exp(mean NLL) of heldout_sample.txt in non-overlapping windows, every
     token but each window's first predicted once, from prompt logprobs."""
-    llm = LLM(DEFAULT_MODEL_PATH, dtype="bfloat16", quantization=quantization, num_blocks=160)
+    llm = LLM(MINI_MODEL_PATH, dtype="bfloat16", quantization=quantization, num_blocks=160)
     try:
         ids = llm.get_tokenizer().encode(HELDOUT_SAMPLE_PATH.read_text(encoding="utf-8"), add_special_tokens=False)
         windows = [ids[i : i + WINDOW] for i in range(0, len(ids) - 1, WINDOW)]

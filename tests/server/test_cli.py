@@ -60,15 +60,14 @@ def test_bad_arguments_exit_with_a_message(tmp_path, capsys):
         assert exc.value.code == 2 and "tensor_parallel_size must be" in capsys.readouterr().err
 
 
-def test_no_model_means_the_built_in_one(tmp_path, monkeypatch):
-    import octavo.assets
+def test_no_model_means_the_default_one(smollm2, monkeypatch):
     from octavo.entrypoints.cli import build_parser
     from octavo.entrypoints.engine_args import engine_config_from_args
 
-    monkeypatch.setattr(octavo.assets, "DEFAULT_MODEL_PATH", tmp_path)
+    monkeypatch.setenv("OCTAVO_CACHE_DIR", str(smollm2.parents[2]))
     args = build_parser().parse_args(["serve", "--kv-cache-memory", "2GiB", "--no-prefix-caching"])
     config = engine_config_from_args(args)
-    assert config.model.model == str(tmp_path)
+    assert config.model.model == str(smollm2) and config.model.served_model_name == ("smollm2-135m-instruct",)
     assert config.cache.kv_cache_memory_bytes == 2 * 2**30 and not config.cache.enable_prefix_caching
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from octavo import LLM, SamplingParams
-from octavo.assets import DEFAULT_DRAFT_MODEL_PATH, DEFAULT_MODEL_PATH
+from octavo.assets import MINI_DRAFT_MODEL_PATH, MINI_MODEL_PATH
 from tests.engine.conftest import ARCHS, assert_no_leak, random_prompts, shared_prefix_prompts
 from tests.model_factory import make_tiny_model
 from tests.spec_decode.draft_models import noisy_copy, small_draft
@@ -126,16 +126,16 @@ def test_octavo_mini_with_its_draft_on_the_golden_prompt():
     bf16 rounds multi-token verification rows differently from single-token
     decode rows, which can flip a near-tie)."""
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
-    base = LLM(str(DEFAULT_MODEL_PATH), dtype="float32")
+    base = LLM(str(MINI_MODEL_PATH), dtype="float32")
     prompt = "def fibonacci(n):"
     expected = base.generate(prompt, params, use_tqdm=False)[0].outputs[0]
-    spec = LLM(str(DEFAULT_MODEL_PATH), dtype="float32", speculative_model="octavo-mini-draft",
+    spec = LLM(str(MINI_MODEL_PATH), dtype="float32", speculative_model="octavo-mini-draft",
                speculative_adaptive=False)
     out = spec.generate(prompt, params, use_tqdm=False)[0].outputs[0]
     assert out.token_ids == expected.token_ids and out.text == expected.text
     assert acceptance(spec).num_accepted_tokens > 0
     assert_no_leak(spec)
-    assert str(DEFAULT_DRAFT_MODEL_PATH).endswith("octavo-mini-draft")
+    assert str(MINI_DRAFT_MODEL_PATH).endswith("octavo-mini-draft")
 
 
 @pytest.mark.parametrize("split", [dict(pipeline_parallel_size=2), dict(tensor_parallel_size=2)])
