@@ -136,7 +136,7 @@ generation prompt as `<|assistant|>\\n`; roles other than system, user and assis
   its acceptance rate against the target will be low.
 - Context length 512 tokens; English and Python only.
 
-`tests/test_default_model.py` checks the held-out sample perplexity of both models against the bounds
+`tests/test_mini_model.py` checks the held-out sample perplexity of both models against the bounds
 above, the golden greedy completion, tokenizer agreement between Octavo and transformers, and that the
 Octavo engine's greedy tokens equal transformers'.
 

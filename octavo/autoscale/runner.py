@@ -18,6 +18,7 @@ from octavo.autoscale.config import AutoscaleConfig
 from octavo.autoscale.gateway_admin import GatewayAdmin
 from octavo.autoscale.policy import Autoscaler, ScaleDecision
 from octavo.autoscale.samples import MetricsSample
+from octavo.extras import require
 
 logger = logging.getLogger("octavo.autoscale")
 
@@ -63,6 +64,10 @@ class ControlLoop:
 
 
 def build(config: AutoscaleConfig) -> ControlLoop:
+    if config.actuator == "kubernetes":
+        require("kubernetes", "autoscale", "the kubernetes actuator")
+    if config.policy.predictive.enabled:
+        require("statsmodels", "autoscale", "the predictive policy")
     actuator = build_actuator(config)
     return ControlLoop(Autoscaler(config.policy), build_signals(config, actuator), actuator, config.interval_s)
 

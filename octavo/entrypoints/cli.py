@@ -14,6 +14,7 @@ import octavo
 from octavo.autoscale.config import add_flags as add_autoscale_flags, load_config as load_autoscale_config
 from octavo.entrypoints.config_file import apply_config_file, config_path, fill_lists
 from octavo.entrypoints.engine_args import add_engine_args, engine_config_from_args, engine_options, parse_bytes
+from octavo.extras import require
 from octavo.log import configure_logging
 from octavo.outputs import RequestOutput
 from octavo.server.config import DEFAULT_PUBLIC_ROUTES, ServerConfig
@@ -176,10 +177,15 @@ def _add_simulate_parser(sub: argparse._SubParsersAction) -> None:
 
 def _simulate(args: argparse.Namespace) -> None:
     if args.simulate_command == "calibrate":
+        require("scipy", "simulate", "octavo simulate calibrate (its least-squares fit)")
         from octavo.entrypoints.calibrate import run_calibrate
 
         run_calibrate(args)
     else:
+        if args.plot is not None:
+            require("matplotlib", "simulate", "--plot")
+        if args.autoscale == "predictive":
+            require("statsmodels", "simulate", "--autoscale predictive")
         from octavo.simulate.cli import run
 
         run(args)
@@ -213,6 +219,8 @@ def gateway_config(args: argparse.Namespace) -> GatewayConfig:
     if args.no_cache:
         overrides["cache"] = {"enabled": False}
     config = load_config(args.config, overrides)
+    if config.redis_url:
+        require("redis", "gateway", "--redis-url")
     if not config.replicas and not config.discovery_dns and not config.kv_events and not config.admin_key:
         raise ValueError("no replicas: give --replica, --discovery-dns, or an --admin-key to add them at run time")
     return config

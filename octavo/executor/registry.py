@@ -6,6 +6,7 @@ import importlib
 
 from octavo.config import EngineConfig
 from octavo.executor.base import Executor
+from octavo.extras import require
 
 _BACKENDS = {
     "uni": ("octavo.executor.uniproc", "UniProcExecutor"),
@@ -18,12 +19,6 @@ def create_executor(config: EngineConfig) -> Executor:
     """The executor ``config.parallel`` asks for, started."""
     backend = config.parallel.executor_backend
     module_name, class_name = _BACKENDS[backend]
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        if backend == "ray":
-            raise ValueError(
-                "distributed_executor_backend 'ray' needs Ray: pip install 'octavo[ray]'"
-            ) from exc
-        raise
-    return getattr(module, class_name)(config)
+    if backend == "ray":
+        require("ray", "ray", "distributed_executor_backend 'ray'")
+    return getattr(importlib.import_module(module_name), class_name)(config)

@@ -9,7 +9,7 @@ import pytest
 from octavo import LLM, SamplingParams
 from octavo.assets import MINI_MODEL_PATH
 from tests.engine.conftest import assert_no_leak, random_prompts, shared_prefix_prompts
-from tests.test_default_model import ENGINE_PROMPTS, GOLDEN_COMPLETION, GOLDEN_NEW_TOKENS
+from tests.test_mini_model import ENGINE_PROMPTS, GOLDEN_COMPLETION, GOLDEN_NEW_TOKENS
 
 KV = ["int8", "fp8"]
 
