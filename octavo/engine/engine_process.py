@@ -81,7 +81,10 @@ class EngineProcess:
                 if isinstance(m, msg.EngineFailed):
                     # One line: what failed. The traceback is for whoever debugs.
                     logger.debug("engine start-up traceback:\n%s", m.message)
-                    raise EngineDeadError(f"engine failed to start: {last_line(m.message)}")
+                    reason = last_line(m.message)
+                    if reason.startswith(_BAD_INPUT):  # a bad model file or option: the user's to fix, said as such
+                        raise ValueError(reason.removeprefix(_BAD_INPUT))
+                    raise EngineDeadError(f"engine failed to start: {reason}")
                 if isinstance(m, msg.EngineReady):
                     return m
                 continue
@@ -128,6 +131,9 @@ class EngineProcess:
         if self.proc.is_alive():  # SIGKILL: the engine ignores SIGTERM (see core_process)
             self.proc.kill()
             self.proc.join()
+
+
+_BAD_INPUT = "ValueError: "
 
 
 def last_line(report: str) -> str:

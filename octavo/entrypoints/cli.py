@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import os
 import sys
 from dataclasses import fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Optional, Sequence
 
 import octavo
 from octavo.autoscale.config import add_flags as add_autoscale_flags, load_config as load_autoscale_config
@@ -26,8 +27,51 @@ if TYPE_CHECKING:
     from octavo.gateway.config import GatewayConfig
 
 
+class _Parser(argparse.ArgumentParser):
+    """Every (sub)command's parser: no abbreviated options (``--max-num-seq 4`` must not silently mean
+    ``--max-num-seqs``), and an unknown option is reported by the subcommand it was given to, with that
+    subcommand's usage and the closest option it has."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def parse_args(self, args: Optional[Sequence[str]] = None,  # type: ignore[override]
+                   namespace: Optional[argparse.Namespace] = None) -> argparse.Namespace:
+        ns, extras = self.parse_known_args(args, namespace)
+        target = self._chosen_subparser(ns)
+        if extras:
+            target.error(f"unrecognized arguments: {' '.join(extras)}{_did_you_mean(extras, target)}")
+        if getattr(ns, "model_option", None) is not None:  # --model X, as vLLM users type it
+            if ns.model is not None and ns.model != ns.model_option:
+                target.error(f"give the model once: MODEL {ns.model!r} or --model {ns.model_option!r}")
+            ns.model = ns.model_option
+        if hasattr(ns, "model_option"):
+            del ns.model_option
+        return ns
+
+    def _chosen_subparser(self, ns: argparse.Namespace) -> argparse.ArgumentParser:
+        parser: argparse.ArgumentParser = self
+        while True:
+            action = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+            chosen = None if action is None else getattr(ns, action.dest, None)
+            if chosen is None:
+                return parser
+            parser = action.choices[chosen]
+
+
+def _did_you_mean(extras: list[str], parser: argparse.ArgumentParser) -> str:
+    options = [s for a in parser._actions for s in a.option_strings if s.startswith("--")]
+    for extra in extras:
+        if extra.startswith("--"):
+            close = difflib.get_close_matches(extra.split("=", 1)[0], options, n=1, cutoff=0.6)
+            if close:
+                return f" (did you mean {close[0]}?)"
+    return ""
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="octavo", description="Octavo LLM inference engine")
+    parser = _Parser(prog="octavo", description="Octavo LLM inference engine")
     parser.add_argument("--version", action="version", version=f"octavo {octavo.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import os
 import re
 import typing
@@ -70,7 +71,9 @@ def engine_config(model: Optional[str | Path] = None, **options: Any) -> EngineC
     known = {f.name: f for f in config_fields()}
     for name, value in options.items():
         if name not in known:
-            raise ValueError(f"unknown engine option {name!r} (the options are the fields of octavo.config)")
+            close = difflib.get_close_matches(name, list(known), n=1, cutoff=0.6)
+            hint = f"did you mean {close[0]!r}? " if close else ""
+            raise ValueError(f"unknown engine option {name!r} ({hint}the options are the fields of octavo.config)")
         by_section.setdefault(known[name].section, {})[name] = value
     model_section = by_section.setdefault("model", {})
     resolved = model_section["model"] = resolve_model_path(model)
@@ -83,7 +86,12 @@ def engine_config(model: Optional[str | Path] = None, **options: Any) -> EngineC
     if speculative.get("speculative_model") is not None:
         speculative["speculative_model"] = resolve_draft_path(speculative["speculative_model"])
     sections = typing.get_type_hints(EngineConfig)
-    return EngineConfig(**{name: sections[name](**values) for name, values in by_section.items()})
+    config = EngineConfig(**{name: sections[name](**values) for name, values in by_section.items()})
+    folder = config.model.model
+    if os.path.isdir(folder) and not os.path.isfile(os.path.join(folder, "config.json")):
+        # Said before the tokenizer is looked for, which would otherwise be blamed.
+        raise ValueError(f"no config.json in {folder}: not a Hugging Face checkpoint folder")
+    return config
 
 
 def resolve_draft_path(draft: str | Path) -> str:
@@ -119,6 +127,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         meta = cf.field.metadata
         if cf.name == "model":
             parser.add_argument("model", nargs="?", default=None, help=meta["help"])
+            parser.add_argument("--model", dest="model_option", default=None, metavar="MODEL",
+                                help="the same as MODEL (vLLM's spelling)")
             continue
         names = [cf.flag, *meta.get("aliases", ())]
         kwargs: dict[str, Any] = {"dest": cf.name, "default": argparse.SUPPRESS, "help": help_text(cf)}

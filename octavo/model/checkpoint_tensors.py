@@ -44,16 +44,24 @@ class SafetensorsSource(TensorSource):
     def names(self) -> set[str]:
         names: set[str] = set()
         for file in self.files:
-            with safe_open(str(file), framework="pt", device="cpu") as f:
+            with _open_safetensors(file, "cpu") as f:
                 names.update(f.keys())
         return names
 
     def tensors(self, wanted: set[str], device: str | torch.device) -> Iterator[tuple[str, torch.Tensor]]:
         for file in self.files:
-            with safe_open(str(file), framework="pt", device=str(device)) as f:
+            with _open_safetensors(file, device) as f:
                 for name in f.keys():
                     if name in wanted:
                         yield name, f.get_tensor(name)
+
+
+def _open_safetensors(file: Path, device: str | torch.device) -> Any:
+    """``safe_open``, its failures (a corrupt header, a truncated file) a ValueError naming the file."""
+    try:
+        return safe_open(str(file), framework="pt", device=str(device))
+    except Exception as exc:  # SafetensorError, OSError: all mean "not readable"
+        raise ValueError(f"{file} is not a readable safetensors file: {exc}") from None
 
 
 class TorchBinSource(TensorSource):

@@ -48,26 +48,38 @@ def _exit_with(code: int) -> Callable[[int, Optional[FrameType]], None]:
 _Message = MutableMapping[str, Any]
 
 
-def _one_line_startup_errors(app: FastAPI) -> Callable[..., Awaitable[None]]:
-    """The ASGI app, except that a failed start (a bad model folder, an engine
-    that cannot load) is reported as one line: Starlette hands uvicorn the
-    whole traceback as the failure message. The traceback goes to the debug log."""
+class _StartupFailure:
+    """A failed start (a bad model file, an engine that cannot load), kept for the command to report as
+    its one ``octavo: error:`` line: Starlette hands uvicorn the whole traceback as the failure message,
+    and uvicorn adds a line of its own. The traceback goes to the debug log, uvicorn's lines nowhere."""
 
-    async def wrapped(scope: _Message, receive: Callable[[], Awaitable[_Message]],
-                      send: Callable[[_Message], Awaitable[None]]) -> None:
-        if scope["type"] != "lifespan":
-            await app(scope, receive, send)
-            return
+    def __init__(self) -> None:
+        self.reason: Optional[str] = None
 
-        async def send_short(message: _Message) -> None:
-            if message["type"] == "lifespan.startup.failed" and message.get("message"):
-                logger.debug("start-up traceback:\n%s", message["message"])
-                message = {**message, "message": f"start-up failed: {last_line(message['message'])}"}
-            await send(message)
+    def wrap(self, app: FastAPI) -> Callable[..., Awaitable[None]]:
+        async def wrapped(scope: _Message, receive: Callable[[], Awaitable[_Message]],
+                          send: Callable[[_Message], Awaitable[None]]) -> None:
+            if scope["type"] != "lifespan":
+                await app(scope, receive, send)
+                return
 
-        await app(scope, receive, send_short)
+            async def send_short(message: _Message) -> None:
+                if message["type"] == "lifespan.startup.failed":
+                    logger.debug("start-up traceback:\n%s", message.get("message"))
+                    self.reason = last_line(message.get("message") or "")
+                    message = {**message, "message": ""}
+                await send(message)
 
-    return wrapped
+            await app(scope, receive, send_short)
+
+        return wrapped
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.reason is None or "startup failed" not in record.getMessage()
+
+    def raise_if_failed(self) -> None:
+        if self.reason is not None:
+            raise ValueError(self.reason.removeprefix("ValueError: "))
 
 
 def check_port_free(host: str, port: int) -> None:
@@ -105,8 +117,9 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> None:
             server.should_exit = True
 
     app = build_app(engine_config, server_config, engine_gave_up)
+    failure = _StartupFailure()
     config = uvicorn.Config(
-        _one_line_startup_errors(app),
+        failure.wrap(app),
         host=server_config.host,
         port=server_config.port,
         log_level=server_config.log_level,
@@ -118,6 +131,12 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> None:
         access_log=server_config.access_log,
     )
     server = _Server(config, app)
-    server.run()
+    logging.getLogger("uvicorn.error").addFilter(failure.filter)
+    try:
+        server.run()
+    except SystemExit:  # uvicorn exits 3 on a failed start; the reason is ours to report
+        failure.raise_if_failed()
+        raise
+    failure.raise_if_failed()
     if exit_code:
         raise SystemExit(exit_code)

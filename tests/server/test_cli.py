@@ -195,3 +195,63 @@ def test_a_port_in_use_is_one_line_before_the_model_loads(model_path, capsys, mo
             main(["serve", str(model_path), "--port", str(port)])
     err = capsys.readouterr().err
     assert exc.value.code == 2 and f"cannot listen on 127.0.0.1:{port}" in err and err.count("\n") == 1
+
+
+def test_options_are_never_abbreviated_and_typos_get_the_closest_name(tmp_path, capsys):
+    from octavo.entrypoints.cli import build_parser
+
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["serve", str(tmp_path), "--max-num-seq", "4"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "octavo serve: error: unrecognized arguments: --max-num-seq" in err
+    assert "did you mean --max-num-seqs?" in err and err.startswith("usage: octavo serve")
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["simulate", "run", "--cost-model", "c.json", "--durat", "5"])
+    assert "octavo simulate run: error:" in capsys.readouterr().err
+
+
+def test_model_is_also_taken_as_an_option(tmp_path, capsys):
+    from octavo.entrypoints.cli import build_parser
+
+    assert build_parser().parse_args(["serve", "--model", str(tmp_path)]).model == str(tmp_path)
+    assert build_parser().parse_args(["generate", str(tmp_path), "--prompt", "x"]).model == str(tmp_path)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "a", "--model", "b"])
+    assert "give the model once" in capsys.readouterr().err
+
+
+def test_llm_keyword_typos_get_the_closest_name():
+    from octavo import LLM
+
+    with pytest.raises(ValueError, match="unknown engine option 'max_num_seq' \\(did you mean 'max_num_seqs'"):
+        LLM("octavo-mini", max_num_seq=4)
+
+
+@pytest.mark.parametrize("broken, words", [
+    ("safetensors", "model.safetensors is not a readable safetensors file"),
+    ("config", "no config.json in"),
+    ("gguf", "model.gguf is not a readable GGUF file"),
+])
+def test_start_up_failures_are_one_error_line_naming_the_file(tmp_path, broken, words):
+    import shutil
+    import subprocess
+    import sys
+
+    from octavo.assets import MINI_MODEL_PATH
+    from tests.server.conftest import REPO, free_port
+
+    model = tmp_path / "model"
+    if broken == "gguf":
+        model = tmp_path / "model.gguf"
+        model.write_bytes(b"")
+    else:
+        shutil.copytree(MINI_MODEL_PATH, model)
+        if broken == "safetensors":
+            (model / "model.safetensors").write_bytes((model / "model.safetensors").read_bytes()[:100])
+        else:
+            (model / "config.json").unlink()
+    result = subprocess.run([sys.executable, "-m", "octavo.entrypoints.cli", "serve", str(model), "--port",
+                             str(free_port())], cwd=REPO, capture_output=True, text=True, timeout=300)
+    errors = [line for line in result.stderr.splitlines() if "error" in line.lower()]
+    assert result.returncode == 2 and len(errors) == 1, result.stderr
+    assert errors[0].startswith("octavo: error: ") and words in errors[0]
