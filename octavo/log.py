@@ -9,6 +9,7 @@ import os
 LOG_FORMAT = "%(asctime)s %(levelname)s %(processName)s %(name)s: %(message)s"
 # Child processes started as plain subprocesses (the ranks) read their level here.
 LOG_LEVEL_ENV = "OCTAVO_LOG_LEVEL"
+QUIET_LIBRARIES = ("httpx", "httpcore")
 
 
 def configure_logging(level: int | str) -> None:
@@ -17,6 +18,10 @@ def configure_logging(level: int | str) -> None:
         level = logging.getLevelName(level.upper())
     logging.basicConfig(level=level, format=LOG_FORMAT)
     logging.getLogger().setLevel(level)
+    # A line per HTTP request made (the gateway's upstream calls, the autoscaler's probes, run-batch's
+    # in-process requests) drowns what Octavo itself says; their failures still show at WARNING.
+    for name in QUIET_LIBRARIES:
+        logging.getLogger(name).setLevel(max(level, logging.WARNING))
 
 
 def current_level() -> int:

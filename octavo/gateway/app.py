@@ -285,7 +285,7 @@ def _generate_route(path: str):
             )
         except NoReplica:
             gw.metrics.unavailable.inc()
-            return _unavailable()
+            return _unavailable(gw.config)
         if upstream is None:  # the client left first
             return Response(status_code=499)
         headers = {**upstream.headers, "x-octavo-replica": upstream.replica.url}
@@ -395,10 +395,12 @@ def _rate_limited(limit: str, retry_after_s: float) -> JSONResponse:
     return JSONResponse(body, 429, headers={"Retry-After": retry_after_header(retry_after_s)})
 
 
-def _unavailable() -> JSONResponse:
+def _unavailable(config: GatewayConfig) -> JSONResponse:
     body = error_body(503, "no replica could serve the request (all failed or none is available)",
                       code="no_replica_available")
-    return JSONResponse(body, 503)
+    # The soonest a replica can be routable again: an open breaker's cool-down, then a probe.
+    retry_after_s = config.breaker.cooldown_s + config.probe_interval_s
+    return JSONResponse(body, 503, headers={"Retry-After": retry_after_header(retry_after_s)})
 
 
 def _passthrough_route(path: str):
@@ -410,7 +412,7 @@ def _passthrough_route(path: str):
             upstream = await gw.forwarder.send(request.method, path, raw, _forward_headers(request), RouteInput(), False)
         except NoReplica:
             gw.metrics.unavailable.inc()
-            return _unavailable()
+            return _unavailable(gw.config)
         return Response(upstream.body, upstream.status, headers=upstream.headers)
 
     return route

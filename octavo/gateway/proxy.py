@@ -10,6 +10,7 @@ replica's breaker; every answer under 500 counts for it.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import dataclass
 from typing import AsyncIterator, Optional
@@ -19,6 +20,8 @@ import httpx
 from octavo.gateway.metrics import GatewayMetrics
 from octavo.gateway.replicas import Replica, ReplicaSet
 from octavo.gateway.routing import Policy, RouteInput
+
+logger = logging.getLogger(__name__)
 
 # 504: the request's own deadline ran out on the replica; another replica would not help.
 _RETRIED = {500, 502, 503}
@@ -112,11 +115,14 @@ class Forwarder:
             async for event in events:
                 yield event
             self._succeeded(replica, 200)
-        except httpx.HTTPError:
+        except httpx.HTTPError as exc:
+            logger.warning("replica %s lost mid-stream (%s): the client gets an in-band error",
+                           replica.url, type(exc).__name__)
             self._failed(replica)
             error = {"error": {"message": "the replica failed during the stream", "type": "server_error",
                                "param": None, "code": "replica_failed"}}
-            yield f"data: {json.dumps(error)}\n\n".encode()
+            # The error, then the stream's usual end: clients that wait for [DONE] stop waiting.
+            yield f"data: {json.dumps(error)}\n\ndata: [DONE]\n\n".encode()
         finally:
             replica.in_flight -= 1
             await response.aclose()

@@ -10,11 +10,14 @@ failed request, and the probe runs every ``probe_interval_s`` anyway.
 from __future__ import annotations
 
 import enum
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
 from octavo.gateway.config import BreakerConfig
+
+logger = logging.getLogger(__name__)
 
 
 class BreakerState(enum.IntEnum):
@@ -30,14 +33,20 @@ class Breaker:
     state: BreakerState = BreakerState.CLOSED
     failures: int = 0
     opened_at: float = 0.0
+    replica: str = ""  # whose breaker, for the log lines of its transitions
 
     def record_success(self) -> None:
+        if self.state != BreakerState.CLOSED:
+            logger.info("replica %s: breaker closed (it answers again)", self.replica)
         self.failures = 0
         self.state = BreakerState.CLOSED
 
     def record_failure(self, now: Optional[float] = None) -> None:
         self.failures += 1
         if self.state == BreakerState.HALF_OPEN or self.failures >= self.config.failure_threshold:
+            if self.state != BreakerState.OPEN:
+                logger.warning("replica %s: breaker opened after %d failures; no requests for %g s",
+                               self.replica, self.failures, self.config.cooldown_s)
             self.state = BreakerState.OPEN
             self.opened_at = time.monotonic() if now is None else now
 
@@ -87,7 +96,7 @@ class ReplicaSet:
     def add(self, url: str) -> Replica:
         url = normalize_url(url)
         if url not in self._replicas:
-            self._replicas[url] = Replica(url, Breaker(self.breaker_config))
+            self._replicas[url] = Replica(url, Breaker(self.breaker_config, replica=url))
         return self._replicas[url]
 
     def remove(self, url: str) -> bool:

@@ -163,11 +163,20 @@ def load_model(
         _load_tensors(net, source, wanted, device)
         kernels = _process_weights_after_loading(net, backends.quantization.describe())
     net.eval()
-    logger.info(
-        "loaded %s from %s: %d tensors, dtype %s, device %s; linear layers by kernel: %s",
-        arch.architecture, folder, len(stored), torch_dtype, device, kernels,
-    )
+    logger.info("loaded %s (%d tensors, %s on %s) from %s", arch.architecture, len(stored),
+                str(torch_dtype).removeprefix("torch."), device, folder)
+    logger.info("linear layers: %s", _kernel_summary(kernels))
+    logger.debug("linear layers by kernel: %s", kernels)
     return net, arch
+
+
+def _kernel_summary(kernels: dict[str, int], shown: int = 2, width: int = 60) -> str:
+    """The most used kernels, one short phrase each: the whole table (a dozen kinds on some CPUs) is at DEBUG."""
+    ranked = sorted(kernels.items(), key=lambda kv: -kv[1])
+    parts = [f"{n} on {name if len(name) <= width else name[:width - 3] + '...'}" for name, n in ranked[:shown]]
+    if len(ranked) > shown:
+        parts.append(f"{sum(n for _, n in ranked[shown:])} on {len(ranked) - shown} other kernels (--log-level debug)")
+    return "; ".join(parts)
 
 
 def _layer_index(name: str) -> Optional[int]:
@@ -233,6 +242,7 @@ def _process_weights_after_loading(net: torch.nn.Module, scheme: str) -> dict[st
             method.process_weights_after_loading(module)
             after += method.weight_bytes(module)
             kernels[method.kernel_name(module)] += 1
-    logger.info("linear weights (%s): %.1f MiB as loaded, %.1f MiB as the kernels hold them (%.2fx)",
-                scheme, before / 2**20, after / 2**20, before / max(after, 1))
+    logger.info("linear weights: %.1f MiB as loaded, %.1f MiB as the kernels hold them (%.2fx)",
+                before / 2**20, after / 2**20, before / max(after, 1))
+    logger.debug("linear weights' scheme: %s", scheme)
     return dict(kernels)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from typing import AsyncIterator, Callable, Optional
 
@@ -27,6 +28,8 @@ from octavo.server.middleware import APIKeyMiddleware, BodyLimitMiddleware, Requ
 from octavo.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from octavo.server.state import ServerState
 from octavo.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 _STARTED = time.time()
 
@@ -57,6 +60,12 @@ def build_app(
                                   lambda: client.num_restarts, lambda: client.engine_pid)
             metrics = ServerMetrics(registry, source, client.info.max_model_len)
             app.state.server = ServerState(client, tokenizer, server_config, metrics)
+            info = client.info
+            task = "embed" if info.pooler is not None else "generate"
+            pooling = f", {info.pooler.pooling_type} pooling" if info.pooler is not None else ""
+            logger.info("serving %s (%s%s): up to %d sequences at once, context %d tokens; API key %s",
+                        info.model_name, task, pooling, engine_config.scheduler.max_num_seqs, info.max_model_len,
+                        "required" if server_config.api_keys else "not required (no --api-key)")
             yield
         finally:
             await client.shutdown()

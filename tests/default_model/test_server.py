@@ -20,7 +20,7 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 @pytest.fixture(scope="module")
 def server(smollm2, tmp_path_factory):
     proc = ServerProcess(smollm2, tmp_path_factory.mktemp("logs") / "serve.log", "--served-model-name", MODEL,
-                         "--dtype", "bfloat16", api_key=None)
+                         "--dtype", "bfloat16", "--log-level", "info", api_key=None)
     yield proc
     proc.stop()
 
@@ -54,3 +54,12 @@ def test_forced_tool_calls_are_valid(server, choice):
         assert call.function.name == WEATHER["function"]["name"]
     jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
     assert reply.choices[0].finish_reason == "tool_calls"
+
+
+def test_start_up_log_says_what_is_served_in_short_lines(server):
+    log = server.log()
+    assert (f"serving {MODEL} (generate): up to 256 sequences at once, context 8192 tokens; "
+            "API key not required") in log
+    assert "linear layers: 120 on gguf Q4_1 (int4 group 32)" in log
+    long_lines = [line for line in log.splitlines() if " INFO " in line and len(line) > 220]
+    assert not long_lines

@@ -115,8 +115,22 @@ def test_every_replica_failing_is_a_clear_503(tmp_path):
         r = httpx.post(f"{gw.url}/v1/completions", json={"prompt": "a", "max_tokens": 1}, timeout=30)
         assert r.status_code == 503
         assert r.json()["error"]["code"] == "no_replica_available"
+        assert int(r.headers["retry-after"]) >= 1  # a breaker's cool-down and a probe away
         errors = {k: v for k, v in gw.metrics().items() if k.startswith("octavo_gateway:replica_errors_total")}
         # Each replica tried at most once (probes may have opened a breaker before the request came).
         assert len(errors) <= 2 and all(v == 1.0 for v in errors.values())
+    finally:
+        gw.stop()
+
+
+def test_breakers_opening_are_logged_by_replica(tmp_path):
+    from tests.server.conftest import free_port
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    gw = GatewayProcess(tmp_path / "gw.log", "--replica", dead)
+    try:
+        for _ in range(3):
+            httpx.post(f"{gw.url}/v1/completions", json={"prompt": "a", "max_tokens": 1}, timeout=30)
+        assert f"replica {dead}: breaker opened after" in gw.log()
     finally:
         gw.stop()
