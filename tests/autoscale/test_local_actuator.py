@@ -172,3 +172,20 @@ def test_a_replica_that_dies_is_counted_out(tmp_path: Path, monkeypatch):
         assert actuator.states()[replica.url] is State.STOPPED
     finally:
         actuator.close()
+
+
+def test_a_replica_that_cannot_start_is_named_with_its_reason_and_backed_off(tmp_path: Path, monkeypatch, caplog):
+    monkeypatch.setenv("PYTHONPATH", str(REPO))
+    missing = tmp_path / "no-such-model"
+    actuator = LocalActuator(LocalConfig(serve_args=(str(missing),), start_timeout_s=60.0), gateway=None)
+    try:
+        with caplog.at_level(logging.ERROR):
+            actuator.scale(1)
+            _wait(lambda: set(actuator.states().values()) == {State.STOPPED}, 60, "the failed start")
+            actuator.scale(1)  # within the back-off: nothing new is started
+        assert len(actuator.states()) == 1
+        [line] = [r.getMessage() for r in caplog.records if "while starting" in r.getMessage()]
+        assert f"octavo: error: model folder not found: {missing}" in line and "replica-" in line
+        assert "next start in 5 s" in line
+    finally:
+        actuator.close()

@@ -20,6 +20,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -39,6 +40,9 @@ logger = logging.getLogger(__name__)
 # on its way to the replica: its queue is not read as idle before this.
 _DEREGISTER_GRACE_S = 1.0
 _POLL_S = 0.5
+# After a replica fails to start, new ones wait this long, doubling with each failure in a row up to the
+# cap: a replica that cannot start (a bad model path, a port range in use) is not retried every round.
+_BACKOFF_S, _BACKOFF_CAP_S = 5.0, 300.0
 
 
 @dataclass
@@ -50,7 +54,8 @@ class LocalConfig:
     drain_timeout_s: float = option(120.0, "longest wait for a deregistered replica's requests to finish "
                                            "before SIGTERM (which drains for its own --shutdown-timeout)")
     stop_timeout_s: float = option(60.0, "after SIGTERM, this long until SIGKILL")
-    log_dir: Optional[str] = option(None, "one log file per replica here (default: discarded)")
+    log_dir: Optional[str] = option(None, "one log file per replica here (default: a temporary folder, "
+                                          "named in the error when a replica fails to start)")
 
     def __post_init__(self) -> None:
         for name in ("start_timeout_s", "drain_timeout_s", "stop_timeout_s"):
@@ -74,6 +79,16 @@ class LocalReplica:
     started_at: float
     state: State = State.STARTING
     log: Optional[IO[bytes]] = field(default=None, repr=False)
+    log_path: Optional[Path] = None
+
+
+def _last_line(path: Optional[Path]) -> str:
+    """The last non-empty line of a replica's log (its ``octavo: error:`` line when it failed to start)."""
+    try:
+        lines = [line.strip() for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    except (OSError, AttributeError):
+        return ""
+    return lines[-1][:300] if lines else ""
 
 
 def free_port(host: str) -> int:
@@ -90,6 +105,9 @@ class LocalActuator(Actuator):
         self._replicas: list[LocalReplica] = []
         self._threads: list[threading.Thread] = []
         self._http = httpx.Client(timeout=5.0)
+        self._log_dir = Path(config.log_dir) if config.log_dir else Path(tempfile.mkdtemp(prefix="octavo-replicas-"))
+        self._failed_starts = 0
+        self._no_start_before = 0.0
 
     def replicas(self) -> int:
         self._reap()
@@ -124,7 +142,10 @@ class LocalActuator(Actuator):
             raise ValueError(f"replicas must be >= 0, got {replicas}")
         with self._lock:
             active = [r for r in self._replicas if r.state in (State.STARTING, State.READY)]
-            for _ in range(replicas - len(active)):
+            missing = replicas - len(active)
+            if missing > 0 and time.monotonic() < self._no_start_before:
+                missing = 0  # backing off after failed starts; a later round starts them
+            for _ in range(missing):
                 replica = self._spawn()
                 self._replicas.append(replica)
                 self._run(self._bring_up, replica)
@@ -152,16 +173,29 @@ class LocalActuator(Actuator):
     def _spawn(self) -> LocalReplica:
         port = free_port(self.config.host)
         url = f"http://{self.config.host}:{port}"
-        cmd = [sys.executable, "-m", "octavo.entrypoints.cli", "serve", *self.config.serve_args,
+        # -P: the working folder is not put on sys.path, so a folder holding some other checkout named
+        # octavo/ cannot shadow the installed package (Python 3.11+).
+        safe_path = ["-P"] if sys.version_info >= (3, 11) else []
+        cmd = [sys.executable, *safe_path, "-m", "octavo.entrypoints.cli", "serve", *self.config.serve_args,
                "--host", self.config.host, "--port", str(port)]
-        log: Optional[IO[bytes]] = None
-        if self.config.log_dir is not None:
-            Path(self.config.log_dir).mkdir(parents=True, exist_ok=True)
-            log = open(Path(self.config.log_dir) / f"replica-{port}.log", "wb")
-        process = subprocess.Popen(cmd, env=dict(os.environ), stdout=log or subprocess.DEVNULL,
-                                   stderr=subprocess.STDOUT)
-        logger.info("starting replica %s (pid %d)", url, process.pid)
-        return LocalReplica(url, process, time.monotonic(), log=log)
+        self._log_dir.mkdir(parents=True, exist_ok=True)
+        log_path = self._log_dir / f"replica-{port}.log"
+        log = open(log_path, "wb")
+        process = subprocess.Popen(cmd, env=dict(os.environ), stdout=log, stderr=subprocess.STDOUT)
+        logger.info("starting replica %s (pid %d, log %s)", url, process.pid, log_path)
+        return LocalReplica(url, process, time.monotonic(), log=log, log_path=log_path)
+
+    def _start_failed(self, replica: LocalReplica, how: str) -> None:
+        """One line with the replica's own last words and where the rest is; new starts back off."""
+        if replica.log is not None:
+            replica.log.flush()
+        last = _last_line(replica.log_path)
+        with self._lock:
+            self._failed_starts += 1
+            wait = min(_BACKOFF_S * 2 ** (self._failed_starts - 1), _BACKOFF_CAP_S)
+            self._no_start_before = time.monotonic() + wait
+        logger.error("replica %s %s%s (log %s); next start in %.0f s", replica.url, how,
+                     f": {last}" if last else "", replica.log_path, wait)
 
     def _bring_up(self, replica: LocalReplica) -> None:
         deadline = replica.started_at + self.config.start_timeout_s
@@ -169,7 +203,7 @@ class LocalActuator(Actuator):
             if replica.state is not State.STARTING:
                 return  # scaled down while starting: the drain thread stops it
             if replica.process.poll() is not None:
-                logger.error("replica %s exited with %s while starting", replica.url, replica.process.returncode)
+                self._start_failed(replica, f"exited with {replica.process.returncode} while starting")
                 self._set(replica, State.STOPPED)
                 return
             if self._healthy(replica.url):
@@ -182,6 +216,7 @@ class LocalActuator(Actuator):
                 with self._lock:
                     if replica.state is State.STARTING:
                         replica.state = State.READY
+                        self._failed_starts = 0
                         logger.info("replica %s ready after %.1fs", replica.url,
                                     time.monotonic() - replica.started_at)
                         return
@@ -189,7 +224,7 @@ class LocalActuator(Actuator):
                 self._deregister(replica)
                 return
             time.sleep(_POLL_S)
-        logger.error("replica %s did not become ready; stopping it", replica.url)
+        self._start_failed(replica, f"was not ready within {self.config.start_timeout_s:g} s; stopping it")
         with self._lock:
             if replica.state is not State.STARTING:
                 return
