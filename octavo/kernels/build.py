@@ -19,15 +19,18 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import threading
+import time
 from functools import cache
 from pathlib import Path
-from typing import Optional
+from typing import Iterable, Optional
 
 import torch  # noqa: F401  (loads torch's libgomp.so.1 first, which the kernels then share)
 
 from octavo.kernels.cpu_features import CpuTarget, compile_flags, cpu_target
 
 logger = logging.getLogger(__name__)
+_BUILD_LOCKS: dict[tuple[str, str], threading.Lock] = {}
 
 
 class KernelBuildError(RuntimeError):
@@ -66,35 +69,87 @@ def load_kernel(name: str, target: Optional[CpuTarget] = None) -> ctypes.CDLL:
 def clear_loaded() -> None:
     """Forget the libraries loaded so far (tests that change the compiler or cache folder)."""
     _load.cache_clear()
+    _compiler_version.cache_clear()
+
+
+def prebuild(names: Iterable[str], target: Optional[CpuTarget] = None) -> None:
+    """Start compiling the named kernels for ``target`` on background threads, each its own compiler
+    process, so a cold start compiles them side by side and while the model loads; ``load_kernel``
+    then waits for the build in flight instead of starting its own. Failures surface when loaded."""
+    target = target or cpu_target()
+    try:
+        missing = [name for name in names if not _planned(name, target)[3].exists()]
+    except KernelBuildError:
+        return  # no compiler: the torch paths, as the loads will say
+    if missing:
+        logger.info("compiling %d native kernels for this CPU (%s): %s; once, then cached in %s",
+                    len(missing), target.name, ", ".join(missing), cache_root())
+    for name in missing:
+        thread = threading.Thread(target=_build_quietly, args=(name, target), name=f"build {name}", daemon=True)
+        thread.start()
+
+
+def default_kernels(target: Optional[CpuTarget] = None) -> tuple[str, ...]:
+    """The kernels a CPU engine loads on ``target`` for a float or int8/int4 model."""
+    linear = ("amx_linear",) if "amx" in (target or cpu_target()).name else ("bf16_linear", "bf16_gemm")
+    return ("paged_decode", "fused_ops", "quant_linear", *linear)
+
+
+def _build_quietly(name: str, target: CpuTarget) -> None:
+    try:
+        _build(name, target)
+    except KernelBuildError:
+        pass  # reported by the load that needs it
 
 
 @cache
 def _load(name: str, target: CpuTarget) -> ctypes.CDLL:
-    source = Path(__file__).with_name(f"{name}.c")
-    flags = compile_flags(target, platform.machine())
-    cc = _compiler()
-    try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError) as exc:
-        raise KernelBuildError(f"C compiler {cc!r} does not run: {exc}") from exc
-    headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]
-    key = hashlib.sha256(
-        "\0".join([source.read_text(), *headers, cc, version, " ".join(flags), target.name, cpu_signature()]).encode()
-    ).hexdigest()[:16]
-    library = cache_root() / f"{name}-{target.name}-{key}" / f"lib{name}.so"
+    return ctypes.CDLL(str(_build(name, target)))
+
+
+def _build(name: str, target: CpuTarget) -> Path:
+    """The library of ``name`` for ``target``, compiled unless cached; one build at a time per kernel."""
+    with _BUILD_LOCKS.setdefault((name, target.name), threading.Lock()):
+        return _build_locked(name, target)
+
+
+def _build_locked(name: str, target: CpuTarget) -> Path:
+    cc, flags, source, library = _planned(name, target)
     if not library.exists():
         library.parent.mkdir(parents=True, exist_ok=True)
         # Build beside the library and rename: concurrent engines never load a half-written file.
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=library.parent)
         os.close(fd)
+        started = time.monotonic()
         try:
             _compile(cc, flags, source, Path(tmp), target)
         except KernelBuildError:
             os.unlink(tmp)
             raise
         os.replace(tmp, library)
-        logger.info("built %s kernel for %s: %s", name, target.name, library)
-    return ctypes.CDLL(str(library))
+        logger.info("built %s kernel for %s in %.1f s", name, target.name, time.monotonic() - started)
+    return library
+
+
+def _planned(name: str, target: CpuTarget) -> tuple[str, list[str], Path, Path]:
+    """(compiler, flags, source, library path) of ``name`` for ``target``: the path names a hash of all the rest."""
+    source = Path(__file__).with_name(f"{name}.c")
+    flags = compile_flags(target, platform.machine())
+    cc = _compiler()
+    headers = [h.read_text() for h in sorted(source.parent.glob("*.h"))]
+    key = hashlib.sha256(
+        "\0".join([source.read_text(), *headers, cc, _compiler_version(cc), " ".join(flags), target.name,
+                   cpu_signature()]).encode()
+    ).hexdigest()[:16]
+    return cc, flags, source, cache_root() / f"{name}-{target.name}-{key}" / f"lib{name}.so"
+
+
+@cache
+def _compiler_version(cc: str) -> str:
+    try:
+        return subprocess.run([cc, "--version"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as exc:
+        raise KernelBuildError(f"C compiler {cc!r} does not run: {exc}") from exc
 
 
 def _compile(cc: str, flags: list[str], source: Path, library: Path, target: CpuTarget) -> None:

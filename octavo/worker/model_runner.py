@@ -15,6 +15,7 @@ from octavo.config import CacheConfig, ModelConfig, SchedulerConfig, Speculative
 from octavo.core.outputs import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from octavo.core.step_state import BatchState, CachedRequestState, ScheduledRow
 from octavo.distributed.parallel_state import get_parallel_state
+from octavo.kernels.build import default_kernels, prebuild
 from octavo.model.config import load_arch_config
 from octavo.model.kv_scales import load_static_kv_scales
 from octavo.model.loader import load_model, model_path, resolve_dtype
@@ -84,6 +85,8 @@ class ModelRunner:
         (see ``num_cache_blocks``)."""
         folder = model_path(model_config.model)
         self.device = torch.device(model_config.device)
+        if self.device.type == "cpu":
+            prebuild(default_kernels())  # compiled side by side while the checkpoint loads (cold starts)
         arch = load_arch_config(folder)
         if arch.quantization is not None and model_config.quantization is not None:
             raise ValueError(f"quantization {model_config.quantization!r} quantizes a float checkpoint while "
