@@ -126,7 +126,7 @@ def main() -> None:
 def build_baseline(source: Path) -> PagedDecodeKernel:
     """``source`` compiled as build.py compiles the kernel (same target and
     flags), wrapped like the current one. A source from before q's row stride
-    argument (main before issue 18) is called without it: the sweep's q is
+    argument (an older paged_decode.c) is called without it: the sweep's q is
     contiguous, so that is the same call."""
     from octavo.kernels.build import load_other_source
     from octavo.kernels.paged_decode import _ARGTYPES, PagedDecodeKernel

@@ -1,6 +1,6 @@
 """`octavo gateway`: routing policies on a multi-tenant workload, and the gateway's own overhead.
 
-    python -m benchmarks.gateway --model /work/main/benchmarks/models/llama-100m --replicas 2
+    python -m benchmarks.gateway --model benchmarks/models/llama-100m --replicas 2
 
 Part 1 (routing): ``--replicas`` `octavo serve` replicas (each publishing KV
 events), restarted cold for each policy; ``--tenants`` system prompts of
@@ -245,7 +245,7 @@ def _measure(name: str, url: str, args: argparse.Namespace) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", type=Path, default=Path("/work/main/benchmarks/models/llama-100m"))
+    p.add_argument("--model", type=Path, default=Path(__file__).resolve().parent / "models" / "llama-100m")
     p.add_argument("--replicas", type=int, default=2)
     p.add_argument("--tenants", type=int, default=4)
     p.add_argument("--system-len", default="500,1000", help="LOW,HIGH tokens of each tenant's system prompt")

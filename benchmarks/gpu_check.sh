@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
-# The CUDA path, checked and measured on a machine with an NVIDIA GPU, in one prepared run (the device tool lends
-# one for minutes at a time). From the repository root, with torch (CUDA build), triton and the test extra present:
+# The CUDA path, checked and measured on a machine with an NVIDIA GPU, in one prepared run of a few minutes.
+# From the repository root, with torch (CUDA build), triton and the test extra present:
 #
 #   benchmarks/gpu_check.sh [OUT_DIR]        # default benchmarks/results/gpu
 #
 # 1. versions and the GPU; 2. the CUDA tests (engine vs transformers, eager and CUDA graphs; the Triton kernel
 # compiled); 3. offline throughput vs transformers on the same GPU with decode graphs; 4. online serving
 # (`octavo serve --device cuda`, closed loop at 32 and 128 in flight); 5. batch-1 decode speed; 6. offline
-# throughput with graphs off. Each step's output goes to OUT_DIR and has its own time limit (the device is lent
-# for minutes: the whole run fits in about 8); a failing step is reported and the next one still runs.
+# throughput with graphs off. Each step's output goes to OUT_DIR and has its own time limit (the whole run
+# fits in about 8 minutes); a failing step is reported and the next one still runs.
 # The project itself need not be installed (it runs from this folder), but its dependencies must import: on an
 # image with CUDA torch and transformers that lacks some (fastapi, uvicorn, pydantic, msgspec, pyzmq, llguidance
 # were missing on one), put their wheels on PYTHONPATH first.
-# $PYTHON picks the interpreter (default python3: on the lent machines, the one that holds CUDA torch).
+# $PYTHON picks the interpreter (default python3: on GPU images, usually the one that holds CUDA torch).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-${OUT:-benchmarks/results/gpu}}

@@ -1,6 +1,6 @@
 """The long-context decode step with a bf16, int8 and fp8 KV cache.
 
-    python -m benchmarks.kv_cache_dtype --model /work/main/benchmarks/models/llama-100m --batch 32 --context 2048
+    python -m benchmarks.kv_cache_dtype --model benchmarks/models/llama-100m --batch 32 --context 2048
 
 A ModelRunner per cache dtype (bf16 weights), each holding ``batch``
 sequences of ``context`` tokens: their caches are filled with random K/V

@@ -1,7 +1,7 @@
 """Does the capacity simulator predict one real replica? Calibrate, then run
 the same traces against `octavo serve` and through `octavo simulate`.
 
-    python -m benchmarks.simulator_validation --model /work/main/benchmarks/models/llama-100m
+    python -m benchmarks.simulator_validation --model benchmarks/models/llama-100m
 
 Steps, back to back (the machine is shared: the load average is recorded
 around each one):
@@ -159,7 +159,7 @@ def simulate(cost: CostModel, trace: list[TraceRequest], overhead: float, step_o
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", type=Path, default=Path("/work/main/benchmarks/models/llama-100m"))
+    p.add_argument("--model", type=Path, default=Path(__file__).resolve().parent / "models" / "llama-100m")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--kv-cache-memory", default="1GiB")

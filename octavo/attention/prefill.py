@@ -13,8 +13,8 @@ from octavo.attention.kv_quant import LayerKVCache, gather_blocks
 from octavo.kernels.cpu_features import cpu_target
 
 # On an x86 CPU without AMX, torch's bf16 SDPA multiplies through oneDNN's bf16
-# GEMMs, the slow ones on such CPUs (issue 18), and its float32 SDPA through
-# float32 ones. Measured on an Emerald Rapids VM without AMX, 12/4 and 14/2
+# GEMMs, the slow ones on such CPUs (benchmarks/linear_kernels.py), and its
+# float32 SDPA through float32 ones. Measured on an Emerald Rapids VM without AMX, 12/4 and 14/2
 # heads of 64 (benchmarks/prefill_attention.py): 11-36% less time for chunks
 # of 64-2048 tokens, 26-45% more at 32. So chunks of FLOAT32_MIN_QUERY tokens
 # and more attend in float32 there; the output is rounded to the model's

@@ -6,7 +6,8 @@ that at the read rate, so up to ``ALWAYS_ROWS_KERNEL`` rows only its builds
 compete (where the target has vdpbf16ps, the widening build too). Beyond,
 arithmetic starts to matter and the best way depends
 on the CPU (on a Xeon with AVX-512 BF16 but no AMX, oneDNN's bf16 matmul ran
-at 85-139 GFLOP/s where torch's float32 one ran at 221-256: issue 18). The
+at 85-139 GFLOP/s where torch's float32 one ran at 221-256, measured by
+benchmarks/linear_kernels.py). The
 ways measured:
 
 - ``rows``: bf16_linear.c (up to 64 rows); ``rows_widen``: the same built to

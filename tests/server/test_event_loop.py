@@ -1,4 +1,4 @@
-"""One request's tokenization or template rendering must not stall other clients (issue 13).
+"""One request's tokenization or template rendering must not stall other clients.
 
 A 7.9 MB prompt used to block /health for ~10 s: tokenization ran on the
 event loop and HF ``Tokenizer.encode`` holds the GIL throughout. Both now run

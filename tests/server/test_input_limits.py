@@ -1,4 +1,4 @@
-"""Bad and oversized input is a 400 naming the field, at the HTTP edge (issue 13).
+"""Bad and oversized input is a 400 naming the field, at the HTTP edge.
 
 Lone UTF-16 surrogates and integers beyond int64 used to pass validation and
 fail later (tokenizer, msgpack, UTF-8 output) as 500s or engine crashes; a
