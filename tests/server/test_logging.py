@@ -25,7 +25,8 @@ def test_a_failed_start_is_one_line(model_path, tmp_path):
         assert srv.proc.wait(timeout=180) != 0
         log = srv.log()
         srv.stop()
-        failure = [line for line in log.splitlines() if "start-up failed" in line]
-        assert len(failure) == 1 and "engine failed to start: SafetensorError: " in failure[0], log
+        failure = [line for line in log.splitlines() if line.startswith(("octavo: error", "ERROR")) or " ERROR " in line]
+        assert len(failure) == 1 and failure[0].startswith("octavo: error: "), log
+        assert f"{broken / 'model.safetensors'} is not a readable safetensors file" in failure[0]
         # The traceback is there for whoever asks for debug output, and only then.
         assert ("Traceback" in log) == traceback, log
