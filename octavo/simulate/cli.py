@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from octavo.autoscale.policy import Autoscaler, AutoscalerConfig, PredictiveConfig, ReactiveConfig
 from octavo.config import CacheConfig, SchedulerConfig
 from octavo.simulate.autoscaling import PolicyScaler
 from octavo.simulate.cost_model import CostModel
 from octavo.simulate.replica import ReplicaShape
-from octavo.simulate.report import SLO, summarize
+from octavo.simulate.report import SLO, headline, summarize
 from octavo.simulate.simulator import ROUTING_POLICIES, FleetConfig, Simulator
 from octavo.simulate.traces import TRACE_KINDS, LengthDist, TraceRequest, TraceSpec, generate, load_jsonl
 
@@ -153,8 +154,11 @@ def run(args: argparse.Namespace) -> dict:
     text = json.dumps(summary, indent=2)
     if args.summary is not None:
         args.summary.write_text(text + "\n")
+        print(headline(summary, result.records))
+        print(f"summary: {args.summary}")
     else:
         print(text)
+        print(headline(summary, result.records), file=sys.stderr)
     if args.plot is not None:
         from octavo.simulate.plots import plot_timeline
 

@@ -87,3 +87,23 @@ def summarize(result: SimResult, slo: SLO, slo_from_s: Optional[float] = None) -
         },
     } | ({} if slo_from_s is None else {"slo_from": {
         "from_s": slo_from_s, "attainment": attainment([r for r in records if r.arrival_s >= slo_from_s], slo)}})
+
+
+def headline(summary: dict, records: Sequence[RequestRecord]) -> str:
+    """A few lines a person reads after a run: what was served and refused (and why), latency, cost."""
+    def ms(stats: dict, q: str) -> str:
+        return "-" if stats.get(q) is None else f"{stats[q] * 1e3:.0f} ms"
+
+    thr, reps = summary["throughput"], summary["replicas"]
+    lines = [f"{summary['finished']} of {summary['requests']} requests finished in {summary['duration_s']:.0f} s "
+             f"({thr['requests_per_s']:.2f} req/s, {thr['output_tokens_per_s']:.0f} output tok/s)",
+             f"TTFT p50 {ms(summary['ttft_s'], 'p50')}, p99 {ms(summary['ttft_s'], 'p99')}; "
+             f"TPOT p50 {ms(summary['tpot_s'], 'p50')}, p99 {ms(summary['tpot_s'], 'p99')}; "
+             f"SLO attainment {summary['slo']['attainment'] or 0:.1%}",
+             f"replicas: {reps['started']} started, at most {reps['max_live']} at once, "
+             f"{reps['replica_hours']:.2f} replica-hours"]
+    refused = [r.error for r in records if r.error is not None]
+    if refused:
+        reasons = sorted(set(refused), key=refused.count, reverse=True)
+        lines.append(f"{len(refused)} requests refused ({len(refused) / len(records):.0%}), e.g.: {reasons[0]}")
+    return "\n".join(lines)

@@ -32,7 +32,7 @@ def test_calibration_writes_a_fitted_model_with_the_engine_shape(cost_file):
     assert cost.machine.cpu and cost.machine.threads >= 1 and cost.machine.model.startswith("llama")
 
 
-def test_run_writes_summary_and_plot(cost_file, tmp_path):
+def test_run_writes_summary_and_plot(cost_file, tmp_path, capsys):
     pytest.importorskip("matplotlib")  # the optional extra octavo[simulate]; the test extra installs it
     summary, plot = tmp_path / "summary.json", tmp_path / "timeline.png"
     main(["simulate", "run", "--cost-model", str(cost_file), "--trace", "diurnal", "--rate", "2",
@@ -46,6 +46,19 @@ def test_run_writes_summary_and_plot(cost_file, tmp_path):
     assert data["replicas"]["started"] == 2 and data["replicas"]["replica_hours"] > 0
     assert data["machine"]["model"].startswith("llama")
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    printed = capsys.readouterr().out  # the headline, for a person; the JSON went to the file
+    assert f"{data['finished']} of {data['requests']} requests finished" in printed and "TTFT p50" in printed
+
+
+def test_refused_requests_are_said_on_screen(cost_file, tmp_path, capsys):
+    trace = tmp_path / "t.jsonl"
+    too_long = 100_000  # longer than any context the cost file's engine has
+    trace.write_text("".join(json.dumps({"arrival_s": i * 0.5, "prompt_tokens": too_long if i % 2 else 20,
+                                         "output_tokens": 4}) + "\n" for i in range(10)))
+    main(["simulate", "run", "--cost-model", str(cost_file), "--trace", str(trace), "--summary",
+          str(tmp_path / "s.json")])
+    printed = capsys.readouterr().out
+    assert "5 requests refused (50%)" in printed
 
 
 def test_a_recorded_trace_runs(cost_file, tmp_path, capsys):
