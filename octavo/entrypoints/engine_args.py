@@ -86,12 +86,7 @@ def engine_config(model: Optional[str | Path] = None, **options: Any) -> EngineC
     if speculative.get("speculative_model") is not None:
         speculative["speculative_model"] = resolve_draft_path(speculative["speculative_model"])
     sections = typing.get_type_hints(EngineConfig)
-    config = EngineConfig(**{name: sections[name](**values) for name, values in by_section.items()})
-    folder = config.model.model
-    if os.path.isdir(folder) and not os.path.isfile(os.path.join(folder, "config.json")):
-        # Said before the tokenizer is looked for, which would otherwise be blamed.
-        raise ValueError(f"no config.json in {folder}: not a Hugging Face checkpoint folder")
-    return config
+    return EngineConfig(**{name: sections[name](**values) for name, values in by_section.items()})
 
 
 def resolve_draft_path(draft: str | Path) -> str:

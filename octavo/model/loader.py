@@ -242,7 +242,6 @@ def _process_weights_after_loading(net: torch.nn.Module, scheme: str) -> dict[st
             method.process_weights_after_loading(module)
             after += method.weight_bytes(module)
             kernels[method.kernel_name(module)] += 1
-    logger.info("linear weights: %.1f MiB as loaded, %.1f MiB as the kernels hold them (%.2fx)",
-                before / 2**20, after / 2**20, before / max(after, 1))
-    logger.debug("linear weights' scheme: %s", scheme)
+    logger.info("linear weights (%s): %.1f MiB as loaded, %.1f MiB as the kernels hold them (%.2fx)",
+                scheme, before / 2**20, after / 2**20, before / max(after, 1))
     return dict(kernels)
