@@ -48,9 +48,9 @@ def load_tokenizer_files(path: str | Path) -> TokenizerFiles:
                     "unk_token": vocab.piece(vocab.unk_id), "pad_token": vocab.piece(vocab.pad_id)}
         config = {**{k: v for k, v in defaults.items() if v is not None}, **config}
         return TokenizerFiles(build_tokenizer(vocab), config, jinja)
-    if not (path / "config.json").is_file():  # not a checkpoint at all: say that, not what it lacks second
-        raise ValueError(f"no config.json in {path}: not a Hugging Face checkpoint folder")
-    raise ValueError(f"no tokenizer.json or tokenizer.model in {path}")
+    # A folder without config.json is no checkpoint at all: said too, so a model folder typed wrong reads as such.
+    bare = "" if (path / "config.json").is_file() else " (nor a config.json: not a Hugging Face checkpoint folder)"
+    raise ValueError(f"no tokenizer.json or tokenizer.model in {path}{bare}")
 
 
 def read_json(path: Path) -> dict[str, Any]:

@@ -230,6 +230,7 @@ def test_llm_keyword_typos_get_the_closest_name():
 @pytest.mark.parametrize("broken, words", [
     ("safetensors", "model.safetensors is not a readable safetensors file"),
     ("config", "no config.json in"),
+    ("folder", "nor a config.json: not a Hugging Face checkpoint folder"),
     ("gguf", "model.gguf is not a readable GGUF file"),
 ])
 def test_start_up_failures_are_one_error_line_naming_the_file(tmp_path, broken, words):
@@ -244,6 +245,8 @@ def test_start_up_failures_are_one_error_line_naming_the_file(tmp_path, broken, 
     if broken == "gguf":
         model = tmp_path / "model.gguf"
         model.write_bytes(b"")
+    elif broken == "folder":
+        model.mkdir()
     else:
         shutil.copytree(MINI_MODEL_PATH, model)
         if broken == "safetensors":
