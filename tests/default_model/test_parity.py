@@ -21,6 +21,8 @@ from tests.worker.runner_utils import hf_logits
 # transformers multiplies by the dequantized float32 weight. The sums run in another order, so the logits
 # (magnitudes up to ~30) differ by float32 rounding carried through 30 layers: measured max 2e-4.
 LOGIT_ATOL = 2e-3
+NEW_TOKENS = 24
+PAD = 2  # the file's padding token (<|im_end|>)
 PROMPTS = [
     "The capital of France is",
     "def fibonacci(n):",
@@ -76,14 +78,19 @@ def test_q4_1_blocks_run_on_the_int4_kernels_with_transformers_logits(smollm2, h
 
 def test_greedy_tokens_match_transformers(smollm2, hf):
     model, tokenizer = hf
-    outs = LLM(smollm2, dtype="float32").generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=24,
+    outs = LLM(smollm2, dtype="float32").generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS,
                                                                           ignore_eos=True), use_tqdm=False)
-    for prompt, out in zip(PROMPTS, outs):
-        ids = tokenizer.encode(prompt, add_special_tokens=False)
-        assert list(out.prompt_token_ids) == ids
-        with torch.no_grad():
-            ref = model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=24, min_new_tokens=24)
-        assert list(out.outputs[0].token_ids) == ref[0, len(ids):].tolist(), prompt
+    prompts = [tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
+    assert [list(o.prompt_token_ids) for o in outs] == prompts
+    # One left-padded batch through generate, as a user of transformers runs several prompts.
+    width = max(map(len, prompts))
+    ids = torch.tensor([[PAD] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    with torch.no_grad():
+        ref = model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=NEW_TOKENS,
+                             min_new_tokens=NEW_TOKENS, pad_token_id=PAD)
+    for prompt, out, row in zip(PROMPTS, outs, ref[:, width:].tolist()):
+        assert list(out.outputs[0].token_ids) == row, prompt
 
 
 def test_it_answers_sensibly(smollm2):
