@@ -1,7 +1,7 @@
 """The default model, SmolLM2-135M-Instruct (Q4_1 GGUF), in Octavo and its peers: speed and quality, one run.
 
-    python -m benchmarks.default_model                  # ~15 min on 2 cores
-    python -m benchmarks.default_model --quick          # ~3 min: shorter outputs, 8 requests, 2 windows
+    python -m benchmarks.default_model                  # ~7 min on 2 quiet cores (25 min at load 3)
+    python -m benchmarks.default_model --quick          # ~1.5 min: shorter outputs, 8 requests, 2 windows
     python -m benchmarks.default_model --rounds 5 --out benchmarks/results/default_model.json
 
 Engines, 2 threads each (``--threads``):
@@ -307,7 +307,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=3, help="rounds of the speed runs, every engine once in each")
     parser.add_argument("--quick", action="store_true",
-                        help="~3 min: 32 new tokens, 8 requests of 32 output tokens, 2 perplexity windows")
+                        help="~1.5 min: 32 new tokens, 8 requests of 32 output tokens, 2 perplexity windows")
     parser.add_argument("--threads", type=int, default=2, help="CPU threads of every engine")
     parser.add_argument("--prompt-len", type=int, default=64, help="batch-1 prompt tokens")
     parser.add_argument("--new-tokens", type=int, help="batch-1 new tokens (default 128; --quick 32)")
