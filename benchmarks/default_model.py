@@ -1,6 +1,6 @@
 """The default model, SmolLM2-135M-Instruct (Q4_1 GGUF), in Octavo and its peers: speed and quality, one run.
 
-    python -m benchmarks.default_model                  # ~7 min on 2 quiet cores (25 min at load 3)
+    python -m benchmarks.default_model                  # ~8 min on 2 quiet cores (26 min at load 3)
     python -m benchmarks.default_model --quick          # ~1.5 min: shorter outputs, 8 requests, 2 windows
     python -m benchmarks.default_model --rounds 5 --out benchmarks/results/default_model.json
 
@@ -49,7 +49,6 @@ from __future__ import annotations
 import argparse
 import gc
 import math
-import os
 import random
 import statistics
 import time
@@ -62,7 +61,7 @@ import torch
 from benchmarks.peers.hf import HFPeer
 from benchmarks.peers.llamacpp import LlamaCppPeer
 from benchmarks.peers.octavo_peer import OctavoPeer
-from benchmarks.report import load_avg, machine_info, print_table, write_json
+from benchmarks.report import load_avg, print_table, write_json
 from benchmarks.workload import Workload, ordinary_token_ids
 
 DEQUANTIZED = Path(__file__).resolve().parent / "models" / "smollm2-135m-dequantized"
@@ -257,12 +256,6 @@ def batch1_decode(engines: dict[str, Callable[[list[int], int], object]], prompt
     return rates
 
 
-def offline(engines: dict[str, Callable[[], object]], output_tokens: int, rounds: int) -> dict[str, Any]:
-    times = in_rounds(engines, rounds)
-    return {name: {"output_tok_s": [output_tokens / t[0] for t in ts], "wall_s": [t[0] for t in ts],
-                   "cpu_s": [t[1] for t in ts]} for name, ts in times.items()}
-
-
 def ratios(rates: dict[str, Any], key: str, ours: Sequence[str], peers: Sequence[str]) -> list[dict[str, Any]]:
     rows = []
     for o in ours:
@@ -366,7 +359,8 @@ def main() -> None:
         rates = batch1_decode(engines, prompt, args.new_tokens, args.rounds)
         results["decode"] = {"rates": rates, "load": f"{before} -> {load_avg()}",
                              "ratios": ratios(rates, "decode_tok_s", ["octavo-q4_1", "octavo-bf16"],
-                                              ["llama.cpp", hf_name])}
+                                              ["llama.cpp", hf_name])
+                             + ratios(rates, "decode_tok_s", ["octavo-q4_1"], ["octavo-bf16"])}
         rows = [{"engine": n, "decode tok/s": fmt_spread(spread(r["decode_tok_s"]), 1),
                  "end-to-end tok/s": fmt_spread(spread(r["end_to_end_tok_s"]), 1),
                  "CPU ms/token": 1000 * statistics.median(r["cpu_s_per_token"])} for n, r in rates.items()]
