@@ -28,6 +28,8 @@ What a recording sees, and how each is replayed:
 from __future__ import annotations
 
 import ctypes
+import importlib
+import threading
 from typing import Any, Callable, Optional
 
 import torch
@@ -88,6 +90,14 @@ def record_tape(run: Callable[[], torch.Tensor]) -> tuple[KernelTape, torch.Tens
         out = run()
     recorder.keep.append(out)
     return KernelTape(recorder.entries, recorder.keep, recorder.made), out
+
+
+def import_recorder_dependencies() -> None:
+    """Start importing torch._dynamo on a thread. Entering the first TorchDispatchMode imports it
+    (1.8 s on a 2-core machine), which made the first request after every start wait that long;
+    begun while the checkpoint loads, it is done by the first decode step."""
+    threading.Thread(target=importlib.import_module, args=("torch._dynamo",), name="import torch._dynamo",
+                     daemon=True).start()
 
 
 class _Recorder(TorchDispatchMode):

@@ -32,7 +32,8 @@ from octavo.worker.backends import model_backends
 from octavo.worker.decode_graphs import CudaGraphRecorder, DecodeGraphs, capture_sizes
 from octavo.worker.draft_runner import DraftModelProposer
 from octavo.worker.input_batch import StepInputs, prepare_inputs
-from octavo.worker.kernel_tape import TAPE_MAX_BATCH, TAPE_MEMORY_BUDGET, TapeRecorder
+from octavo.worker.kernel_tape import (TAPE_MAX_BATCH, TAPE_MEMORY_BUDGET, TapeRecorder,
+                                       import_recorder_dependencies)
 from octavo.worker.kv_cache import (
     CacheShape,
     allocate_kv_caches,
@@ -87,6 +88,7 @@ class ModelRunner:
         self.device = torch.device(model_config.device)
         if self.device.type == "cpu":
             prebuild(default_kernels())  # compiled side by side while the checkpoint loads (cold starts)
+            import_recorder_dependencies()
         arch = load_arch_config(folder)
         if arch.quantization is not None and model_config.quantization is not None:
             raise ValueError(f"quantization {model_config.quantization!r} quantizes a float checkpoint while "

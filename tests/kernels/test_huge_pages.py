@@ -53,3 +53,22 @@ def test_the_kv_cache_is_eligible_for_huge_pages():
         finally:
             del view
             plain.close()
+
+
+def test_a_large_buffer_is_mapped_not_written_and_returned_when_freed():
+    def resident_kib() -> int:
+        return int(next(line for line in Path("/proc/self/status").read_text().splitlines()
+                        if line.startswith("VmRSS:")).split()[1])
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("needs Linux (/proc/self/status)")
+    before = resident_kib()
+    t = huge_pages.zeros((256, 1024, 1024), torch.float32, torch.device("cpu"))  # 1 GiB
+    assert resident_kib() - before < 64 * 1024  # not touched yet: nothing resident
+    t[-1, -1, -1] = 5.0
+    assert t[-1, -1, -1].item() == 5.0 and t[0, 0, 0].item() == 0.0
+    address = t.data_ptr()
+    del t
+    maps = Path("/proc/self/maps").read_text().splitlines()
+    assert not any(int(m.split()[0].split("-")[0], 16) <= address < int(m.split()[0].split("-")[1], 16)
+                   for m in maps)
