@@ -1,4 +1,5 @@
-"""config.json -> ArchConfig: the model's shape and switches, validated."""
+"""config.json -> ArchConfig: the model's shape, validated; its family's class says how to read the
+parts where families differ (``ConfigReading``)."""
 from __future__ import annotations
 
 import json
@@ -9,7 +10,7 @@ from typing import Any, Optional
 
 from octavo.checkpoint.gguf_file import is_gguf, open_gguf
 from octavo.model.gguf.config import gguf_config_json
-from octavo.model.registry import ArchSwitches, switches_for
+from octavo.model.registry import model_class_for
 from octavo.quant.checkpoint_config import CheckpointQuantization, parse_quantization_config
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
@@ -44,6 +45,19 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
+class ConfigReading:
+    """Where families read config.json differently (each model class's ``config_reading``)."""
+
+    sliding_window: bool = False  # config.json's sliding_window applies (many checkpoints carry one unused)
+    # Every sliding_pattern-th layer is global, the others slide, where
+    # config.json has no layer_types (Gemma 2: 2; Gemma 3: 6); 0: no pattern.
+    sliding_pattern: int = 0
+    local_rope: bool = False  # sliding layers have a rotary embedding of their own (Gemma 3)
+    partial_rotary: bool = False  # partial_rotary_factor may rotate a leading part of each head only
+    query_pre_attn_scalar: bool = False  # the softmax scale is query_pre_attn_scalar ** -0.5 (Gemma)
+
+
+@dataclass(frozen=True)
 class ArchConfig:
     architecture: str
     hidden_size: int
@@ -58,7 +72,6 @@ class ArchConfig:
     tie_word_embeddings: bool
     hidden_act: str
     rope: RopeConfig
-    switches: ArchSwitches
     # Per layer: the sliding window (tokens a query may look back, itself
     # included) or None for full attention.
     layer_windows: tuple[Optional[int], ...]
@@ -76,6 +89,9 @@ class ArchConfig:
     # The rotary embedding of sliding-window layers where it differs from
     # ``rope`` (Gemma 3: rope_local_base_freq, unscaled); None: ``rope`` everywhere.
     local_rope: Optional[RopeConfig] = None
+    # config.json's attention_bias / mlp_bias (families decide whether they apply).
+    attention_bias: bool = False
+    mlp_bias: bool = False
 
     def layer_rope(self, layer_idx: int) -> RopeConfig:
         """The rotary embedding layer ``layer_idx`` uses."""
@@ -104,7 +120,7 @@ def parse_arch_config(raw: dict[str, Any]) -> ArchConfig:
     if not archs:
         raise ValueError("config.json has no 'architectures' entry")
     architecture = archs[0]
-    switches = switches_for(architecture, raw)  # ValueError for unknown archs
+    reading = model_class_for(architecture).config_reading(raw)  # ValueError for unknown archs
 
     hidden = _positive_int(raw, "hidden_size")
     heads = _positive_int(raw, "num_attention_heads")
@@ -115,11 +131,11 @@ def parse_arch_config(raw: dict[str, Any]) -> ArchConfig:
         )
     head_dim = raw.get("head_dim") or hidden // heads
     num_layers = _positive_int(raw, "num_hidden_layers")
-    window = raw.get("sliding_window") if switches.sliding_window_enabled else None
+    window = raw.get("sliding_window") if reading.sliding_window else None
     if raw.get("use_bidirectional_attention"):
         raise ValueError("use_bidirectional_attention (an encoder layout) is not supported by a causal LM")
-    rope, local_rope = _ropes(raw, switches)
-    scalar = raw.get("query_pre_attn_scalar") if switches.query_pre_attn_scalar else None
+    rope, local_rope = _ropes(raw, reading)
+    scalar = raw.get("query_pre_attn_scalar") if reading.query_pre_attn_scalar else None
     return ArchConfig(
         architecture=architecture,
         hidden_size=hidden,
@@ -135,8 +151,7 @@ def parse_arch_config(raw: dict[str, Any]) -> ArchConfig:
         # Gemma names it hidden_activation (its hidden_act, where present, is stale).
         hidden_act=raw.get("hidden_activation") or raw.get("hidden_act", "silu"),
         rope=rope,
-        switches=switches,
-        layer_windows=_layer_windows(raw, num_layers, window, switches.sliding_pattern),
+        layer_windows=_layer_windows(raw, num_layers, window, reading.sliding_pattern),
         dtype=raw.get("dtype") or raw.get("torch_dtype"),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=token_id_list(raw.get("eos_token_id")),
@@ -145,16 +160,18 @@ def parse_arch_config(raw: dict[str, Any]) -> ArchConfig:
         attn_logit_softcap=_positive_or_none(raw, "attn_logit_softcapping"),
         final_logit_softcap=_positive_or_none(raw, "final_logit_softcapping"),
         local_rope=local_rope,
+        attention_bias=bool(raw.get("attention_bias", False)),
+        mlp_bias=bool(raw.get("mlp_bias", False)),
     )
 
 
-def _ropes(raw: dict[str, Any], switches: ArchSwitches) -> tuple[RopeConfig, Optional[RopeConfig]]:
+def _ropes(raw: dict[str, Any], reading: ConfigReading) -> tuple[RopeConfig, Optional[RopeConfig]]:
     """(the rope of full-attention layers, that of sliding layers if it
     differs). Gemma 3 gives sliding layers their own: transformers v5 writes
     ``rope_parameters`` per layer type, older files ``rope_local_base_freq``
     beside ``rope_theta`` / ``rope_scaling`` (which then apply to global layers only)."""
-    if not switches.local_rope:
-        return parse_rope(raw, partial_ok=switches.partial_rotary), None
+    if not reading.local_rope:
+        return parse_rope(raw, partial_ok=reading.partial_rotary), None
     params = raw.get("rope_parameters") or {}
     if "full_attention" in params or "sliding_attention" in params:
         full, local = params.get("full_attention") or {}, params.get("sliding_attention") or {}

@@ -15,14 +15,14 @@ import torch
 
 from octavo.attention.kv_quant import QMAX
 from octavo.model.loader import checkpoint_source
-from octavo.model.models.decoder import DecoderForCausalLM
+from octavo.model.models.causal_lm import CausalLM
 
 SCALE_NAMES = ("k_scale", "v_scale")
 FP8_MAX = QMAX[torch.float8_e4m3fn]
 
 
 def load_static_kv_scales(
-    net: DecoderForCausalLM, folder: Path, cache_dtype: torch.dtype
+    net: CausalLM, folder: Path, cache_dtype: torch.dtype
 ) -> list[Optional[torch.Tensor]]:
     """Per local layer: [2, this rank's kv_heads] float32 quantization steps
     for a ``cache_dtype`` cache (K's, then V's), or None when the checkpoint

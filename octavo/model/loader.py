@@ -1,5 +1,5 @@
-"""Load a checkpoint into the decoder: a Hugging Face folder (safetensors or
-pytorch_model.bin) or a GGUF file."""
+"""Load a checkpoint into its family's model class (octavo/model/registry.py): a Hugging Face folder
+(safetensors or pytorch_model.bin) or a GGUF file."""
 from __future__ import annotations
 
 import logging
@@ -17,7 +17,8 @@ from octavo.checkpoint.gguf_file import is_gguf
 from octavo.model.config import ArchConfig, load_arch_config
 from octavo.model.gguf.tensors import GgufSource
 from octavo.model.layers.linear import load_shard
-from octavo.model.models.decoder import DecoderForCausalLM
+from octavo.model.models.causal_lm import CausalLM
+from octavo.model.registry import model_class_for
 from octavo.quant.prequantized import CheckpointScheme
 
 logger = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ ShardId = Union[int, str, None]
 _ALL_PARTS = "all parts"
 
 
-def _checkpoint_name_map(net: DecoderForCausalLM, fused_stored: bool) -> dict[str, tuple[str, ShardId]]:
+def _checkpoint_name_map(net: CausalLM, fused_stored: bool) -> dict[str, tuple[str, ShardId]]:
     """Checkpoint tensor name -> (parameter name, shard id) for every tensor
     the model needs: a fused module's parameter is expected once per part
     (``q_proj`` ... for ``qkv_proj``), as ``packed_modules_mapping`` says,
@@ -110,7 +111,7 @@ def load_model(
     max_model_len: Optional[int] = None,
     backends: Optional[ModelBackends] = None,
     lm_head: bool = True,
-) -> tuple[DecoderForCausalLM, ArchConfig]:
+) -> tuple[CausalLM, ArchConfig]:
     """Build the model for ``model``'s config (config.json, or a GGUF file's
     metadata) with ``backends`` (default: torch ops throughout) and fill it
     from its tensors (octavo/model/checkpoint_tensors.py).
@@ -134,13 +135,14 @@ def load_model(
     torch_dtype = resolve_dtype(dtype, arch.dtype)
     source = checkpoint_source(folder)
     backends = backends or ModelBackends()
+    model_class = model_class_for(arch.architecture)
     if arch.quantization is not None:
         # The checkpoint's quantized layers load as stored; the rest as ``backends`` says.
         backends = replace(backends, quantization=CheckpointScheme(
-            arch.quantization, DecoderForCausalLM.packed_modules_mapping, backends.quantization))
+            arch.quantization, model_class.packed_modules_mapping, backends.quantization))
     with default_dtype(torch_dtype), torch.device(device):
-        net = DecoderForCausalLM(arch, arch.max_model_len(max_model_len), backends, lm_head=lm_head)
-    fused_stored = arch.switches.fused_checkpoint
+        net = model_class(arch, arch.max_model_len(max_model_len), backends, lm_head=lm_head)
+    fused_stored = model_class.fused_checkpoint
     if fused_stored and arch.quantization is not None:
         raise ValueError(f"{arch.architecture} stores qkv_proj / gate_up_proj fused; splitting them is supported "
                          f"for unquantized checkpoints only, not quantization_config {arch.quantization.method!r}")

@@ -87,10 +87,9 @@ def test_default_rope_and_shape_fields():
     assert parse_arch_config(BASE).max_model_len(10**6) == 4096
 
 
-def test_architecture_switches_and_windows():
+def test_each_family_reads_its_windows_and_biases():
     qwen2 = parse_arch_config({**BASE, "architectures": ["Qwen2ForCausalLM"], "num_hidden_layers": 3,
                                "use_sliding_window": True, "sliding_window": 64, "max_window_layers": 1})
-    assert qwen2.switches.qkv_bias and not qwen2.switches.o_bias
     assert qwen2.layer_windows == (None, 64, 64)
     # Qwen2 checkpoints routinely carry a sliding_window they do not use.
     off = parse_arch_config({**BASE, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 64})
@@ -99,9 +98,9 @@ def test_architecture_switches_and_windows():
     assert mistral.layer_windows == (32, 32)
     typed = parse_arch_config({**BASE, "architectures": ["Qwen3ForCausalLM"], "use_sliding_window": True,
                                "sliding_window": 8, "layer_types": ["sliding_attention", "full_attention"]})
-    assert typed.layer_windows == (8, None) and typed.switches.qk_norm
+    assert typed.layer_windows == (8, None)
     llama = parse_arch_config({**BASE, "attention_bias": True, "mlp_bias": True, "sliding_window": 8})
-    assert llama.switches.qkv_bias and llama.switches.o_bias and llama.switches.mlp_bias
+    assert llama.attention_bias and llama.mlp_bias
     assert llama.layer_windows == (None, None)
 
 
@@ -152,8 +151,6 @@ def test_gemma2_alternates_windows_without_layer_types():
     assert arch.head_dim == 32 and arch.attention_scale == pytest.approx(144**-0.5)
     assert (arch.attn_logit_softcap, arch.final_logit_softcap) == (50.0, 30.0)
     assert arch.hidden_act == "gelu_pytorch_tanh" and arch.local_rope is None
-    sw = arch.switches
-    assert sw.gemma_norm and sw.sandwich_norms and sw.scale_embeddings and not sw.qk_norm
 
 
 def test_gemma3_ropes_in_both_layouts():
@@ -172,7 +169,6 @@ def test_gemma3_ropes_in_both_layouts():
         assert (arch.rope.rope_type, arch.rope.theta, arch.rope.factor) == ("linear", 1e6, 8.0)
         assert (arch.local_rope.rope_type, arch.local_rope.theta) == ("default", 1e4)
         assert arch.layer_rope(0) is arch.local_rope and arch.layer_rope(2) is arch.rope
-        assert arch.switches.qk_norm
     # Neither theta written: transformers' defaults (1e6 global, 1e4 local).
     bare = parse_arch_config(common)
     assert (bare.rope.theta, bare.local_rope.theta) == (1e6, 1e4)

@@ -22,7 +22,7 @@ from octavo.model.layers.linear import (
 )
 from octavo.model.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from octavo.model.loader import default_dtype, load_model
-from octavo.model.models.decoder import DecoderForCausalLM
+from octavo.model.models.causal_lm import CausalLM
 
 
 def _randn(*shape: int, seed: int) -> torch.Tensor:
@@ -190,4 +190,4 @@ def test_a_whole_model_loads_each_ranks_shards(variant, tp):
         assert torch.equal(torch.cat([m.down_proj.weight for m in mlp], dim=1), stored[f"{prefix}.mlp.down_proj.weight"])
     for name in ("model.embed_tokens.weight", "lm_head.weight"):
         assert torch.equal(torch.cat([m.get_parameter(name) for m in models]), stored[name])
-    assert DecoderForCausalLM.packed_modules_mapping["k_proj"] == ("qkv_proj", "k")
+    assert CausalLM.packed_modules_mapping["k_proj"] == ("qkv_proj", "k")

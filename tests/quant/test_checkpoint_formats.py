@@ -10,7 +10,7 @@ import pickle
 import pytest
 import torch
 
-from octavo.model.models.decoder import DecoderForCausalLM
+from octavo.model.models.causal_lm import CausalLM
 from octavo.quant.checkpoint_config import parse_quantization_config
 from octavo.quant.formats.base import LayerShape
 from octavo.quant.formats.int_weight import IntWeight, with_group_index
@@ -173,7 +173,7 @@ def test_a_quantized_lm_head_is_refused():
     qc = quantization_config(Quant("compressed-tensors"))
     qc["ignore"] = []
     scheme = CheckpointScheme(parse_quantization_config({"quantization_config": qc}),
-                              DecoderForCausalLM.packed_modules_mapping, UniformScheme())
+                              CausalLM.packed_modules_mapping, UniformScheme())
     assert scheme.linear_method("model.layers.0.mlp.gate_up_proj").fmt.describe() == "compressed-tensors int4 group 32"
     with pytest.raises(ValueError, match="a quantized lm_head is not supported"):
         scheme.linear_method("lm_head")

@@ -4,6 +4,8 @@ the paged cache (per layer: window, softmax scale, soft cap), o_proj
 row-parallel (one all-reduce for the block under tensor parallelism)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
@@ -17,24 +19,34 @@ from octavo.model.layers.norm import RMSNorm
 from octavo.model.layers.rotary import RotaryEmbedding, rotary_dim
 
 
+@dataclass(frozen=True)
+class AttentionOptions:
+    """Where families' self-attention blocks differ (the model class says)."""
+
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False  # RMSNorm over each head of q and k before rotary
+    unit_offset_norm: bool = False  # those norms scale by (1 + weight) (Gemma)
+
+
 class Attention(nn.Module):
-    def __init__(self, arch: ArchConfig, layer_idx: int, backends: ModelBackends, prefix: str) -> None:
+    def __init__(self, arch: ArchConfig, layer_idx: int, backends: ModelBackends, prefix: str,
+                 options: AttentionOptions) -> None:
         """``prefix``: the block's module path (``model.layers.0.self_attn``)."""
         super().__init__()
-        sw = arch.switches
         self.qkv_proj = QKVParallelLinear(
-            arch.hidden_size, arch.head_dim, arch.num_heads, arch.num_kv_heads, sw.qkv_bias,
+            arch.hidden_size, arch.head_dim, arch.num_heads, arch.num_kv_heads, options.qkv_bias,
             backends.linear_method(f"{prefix}.qkv_proj"), f"{prefix}.qkv_proj",
         )
         # This rank's heads.
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.head_dim = arch.head_dim
-        self.o_proj = RowParallelLinear(arch.num_heads * arch.head_dim, arch.hidden_size, sw.o_bias,
+        self.o_proj = RowParallelLinear(arch.num_heads * arch.head_dim, arch.hidden_size, options.o_bias,
                                         backends.linear_method(f"{prefix}.o_proj"), f"{prefix}.o_proj")
-        self.qk_norm = sw.qk_norm
-        if sw.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, backends.fused_ops, sw.gemma_norm)
-            self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, backends.fused_ops, sw.gemma_norm)
+        self.qk_norm = options.qk_norm
+        if options.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, backends.fused_ops, options.unit_offset_norm)
+            self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, backends.fused_ops, options.unit_offset_norm)
         self.window = arch.layer_windows[layer_idx]
         self.scale = arch.attention_scale if arch.attention_scale is not None else self.head_dim**-0.5
         self.softcap = arch.attn_logit_softcap
@@ -43,7 +55,7 @@ class Attention(nn.Module):
         # layout every backend shares; q/k norm must run before rotary, so not
         # then, and it rotates whole heads, so not with partial rotary either.
         partial = rotary_dim(arch.layer_rope(layer_idx), self.head_dim) < self.head_dim
-        self.ops = None if sw.qk_norm or partial else backends.fused_ops
+        self.ops = None if options.qk_norm or partial else backends.fused_ops
 
     def forward(
         self,

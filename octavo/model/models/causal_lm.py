@@ -1,13 +1,14 @@
-"""The decoder-only transformer shared by Llama, Mistral, Qwen2, Qwen3,
-Gemma 2, Gemma 3 and Phi-3; the registry's switches say where they differ.
+"""What every decoder-only family shares: the stack (embedding, this pipeline stage's layers, final
+norm) and the causal LM around it (rotary tables, pipeline hand-over, logits).
 
-Module names mirror Hugging Face checkpoints (``model.layers.0.self_attn.o_proj``
-...) so loading is a name match; the fused projections (``qkv_proj``,
-``gate_up_proj``) take their parts' tensors through ``packed_modules_mapping``
-(Phi-3 stores them fused; the loader splits them into those parts)."""
+A family subclasses ``CausalLM`` in a file of its own and says what differs: its decoder layer
+(``make_layer``), how its config.json is read (``config_reading``), how its checkpoint names and
+stores tensors (``packed_modules_mapping``, ``fused_checkpoint``), its norms and embedding scale.
+Module names mirror Hugging Face checkpoints (``model.layers.0.self_attn.o_proj`` ...) so loading
+is a name match."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional, Protocol
 
 import torch
 from torch import nn
@@ -17,75 +18,34 @@ from octavo.attention.kv_quant import LayerKVCache
 from octavo.distributed.communication import pipeline_recv, pipeline_send
 from octavo.distributed.parallel_state import get_parallel_state, stage_layers
 from octavo.model.backends import ModelBackends
-from octavo.model.config import ArchConfig
-from octavo.model.layers.attention import Attention
-from octavo.model.layers.mlp import GatedMLP
+from octavo.model.config import ArchConfig, ConfigReading
 from octavo.model.layers.norm import RMSNorm
 from octavo.model.layers.rotary import RotaryEmbedding
 from octavo.model.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 
 
-class DecoderLayer(nn.Module):
-    def __init__(self, arch: ArchConfig, layer_idx: int, backends: ModelBackends) -> None:
+class DecoderLayer(Protocol):
+    """One layer of the stack: (its output, the residual stream before it is added); each add is
+    done by the next norm, fused with it. ``rope_index``: which of the model's rotary tables it reads."""
+
+    rope_index: int
+
+    def __call__(self, h: torch.Tensor, residual: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
+                 kv_cache: LayerKVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class DecoderStack(nn.Module):
+    """``model.*`` of a checkpoint. Layers of other pipeline stages are empty placeholders, so that
+    the ones here keep their checkpoint names (model.layers.<global index>)."""
+
+    def __init__(self, arch: ArchConfig, layer_range: range, layers: list[nn.Module], norm: RMSNorm,
+                 embed_scale: Optional[float] = None) -> None:
         super().__init__()
-        ops, sw = backends.fused_ops, arch.switches
-
-        def norm() -> RMSNorm:
-            return RMSNorm(arch.hidden_size, arch.rms_norm_eps, ops, sw.gemma_norm)
-
-        self.input_layernorm = norm()
-        prefix = f"model.layers.{layer_idx}"
-        self.self_attn = Attention(arch, layer_idx, backends, f"{prefix}.self_attn")
-        # Without sandwich norms this one is the MLP's input norm; with them
-        # (Gemma) it normalises the attention output, pre_feedforward_layernorm
-        # the MLP's input and post_feedforward_layernorm its output.
-        self.post_attention_layernorm = norm()
-        self.sandwich = sw.sandwich_norms
-        if self.sandwich:
-            self.pre_feedforward_layernorm = norm()
-            self.post_feedforward_layernorm = norm()
-        self.mlp = GatedMLP(arch.hidden_size, arch.intermediate_size, arch.hidden_act, sw.mlp_bias,
-                            backends, f"{prefix}.mlp")
-        # Which of the model's rotary tables this layer reads (Gemma 3's sliding layers: their own).
-        self.rope_index = int(arch.layer_rope(layer_idx) is not arch.rope)
-
-    def forward(
-        self,
-        h: torch.Tensor,
-        residual: Optional[torch.Tensor],
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_cache: LayerKVCache,
-        meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(this layer's output, the residual stream before it is added):
-        each add is done by the next norm (``add_forward``), fused with it."""
-        if residual is None:
-            residual, h = h, self.input_layernorm(h)
-        else:
-            h, residual = self.input_layernorm.add_forward(h, residual)
-        h = self.self_attn(h, cos, sin, kv_cache, meta)
-        if not self.sandwich:
-            h, residual = self.post_attention_layernorm.add_forward(h, residual)
-            return self.mlp(h), residual
-        h, residual = self.pre_feedforward_layernorm.add_forward(self.post_attention_layernorm(h), residual)
-        return self.post_feedforward_layernorm(self.mlp(h)), residual
-
-
-class DecoderModel(nn.Module):
-    def __init__(self, arch: ArchConfig, backends: ModelBackends) -> None:
-        super().__init__()
-        state = get_parallel_state()
-        self.layer_range = stage_layers(arch.num_layers, state)
+        self.layer_range = layer_range
         self.embed_tokens = VocabParallelEmbedding(arch.vocab_size, arch.hidden_size)
-        # Layers of other pipeline stages are empty placeholders, so that the
-        # ones here keep their checkpoint names (model.layers.<global index>).
-        self.layers = nn.ModuleList(
-            DecoderLayer(arch, i, backends) if i in self.layer_range else nn.Module() for i in range(arch.num_layers)
-        )
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, backends.fused_ops, arch.switches.gemma_norm)
-        # Gemma multiplies the embeddings by sqrt(hidden_size) rounded to the model dtype.
-        self.embed_scale = arch.hidden_size**0.5 if arch.switches.scale_embeddings else None
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm
+        self.embed_scale = embed_scale
         # ... as a tensor per dtype, made once: a recorded decode step refuses tensors made from Python values.
         self._embed_scales: dict[torch.dtype, torch.Tensor] = {}
 
@@ -99,7 +59,7 @@ class DecoderModel(nn.Module):
         return h
 
 
-class DecoderForCausalLM(nn.Module):
+class CausalLM(nn.Module):
     # Checkpoint module name -> (this model's fused module, the part's shard id).
     packed_modules_mapping: dict[str, tuple[str, int | str]] = {
         "q_proj": ("qkv_proj", "q"),
@@ -108,13 +68,34 @@ class DecoderForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
+    # Whether checkpoints store the fused modules whole (split into their parts on load).
+    fused_checkpoint = False
+
+    @classmethod
+    def config_reading(cls, raw: dict[str, Any]) -> ConfigReading:
+        """How this family reads the parts of config.json where families differ."""
+        return ConfigReading()
+
+    def make_layer(self, arch: ArchConfig, layer_idx: int, backends: ModelBackends) -> nn.Module:
+        """Decoder layer ``layer_idx`` (a ``DecoderLayer``)."""
+        raise NotImplementedError
+
+    def make_norm(self, arch: ArchConfig, dim: int, backends: ModelBackends) -> RMSNorm:
+        return RMSNorm(dim, arch.rms_norm_eps, backends.fused_ops)
+
+    def embed_scale(self, arch: ArchConfig) -> Optional[float]:
+        """A factor on the embeddings (Gemma: sqrt(hidden_size)); None: none."""
+        return None
 
     def __init__(self, arch: ArchConfig, max_len: int, backends: ModelBackends, lm_head: bool = True) -> None:
         """``lm_head`` False: an embedding model, which needs the final norm's
         output only (``final_hidden``), not logits."""
         super().__init__()
         self.arch = arch
-        self.model = DecoderModel(arch, backends)
+        here = stage_layers(arch.num_layers, get_parallel_state())
+        layers = [self.make_layer(arch, i, backends) if i in here else nn.Module() for i in range(arch.num_layers)]
+        self.model = DecoderStack(arch, here, layers, self.make_norm(arch, arch.hidden_size, backends),
+                                  self.embed_scale(arch))
         self.lm_head: Optional[ParallelLMHead] = None
         if lm_head:
             self.lm_head = ParallelLMHead(arch.vocab_size, arch.hidden_size, backends.linear_method("lm_head"),
@@ -129,7 +110,7 @@ class DecoderForCausalLM(nn.Module):
         self.last_stage = state.pp_rank == state.pp_size - 1
 
     @property
-    def local_layers(self) -> list[DecoderLayer]:
+    def local_layers(self) -> list[nn.Module]:
         """This pipeline stage's layers, in order (all of them without pipelining)."""
         r = self.model.layer_range
         return list(self.model.layers[r.start : r.stop])
@@ -140,7 +121,7 @@ class DecoderForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[LayerKVCache],
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
+    ) -> Optional[torch.Tensor]:
         """[T] tokens -> [T, hidden] final hidden states before the last norm
         (``compute_logits`` applies it to the rows that need logits only).
         ``kv_caches``: one per layer of this stage. Under pipeline
@@ -165,7 +146,7 @@ class DecoderForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> Optional[torch.Tensor]:
         """Logits of ``hidden``'s rows; None on a tensor-parallel rank other
         than the driver (the vocabulary shards are gathered on the driver only).
-        Gemma 2's final soft cap applies to the gathered logits."""
+        A final soft cap (Gemma 2) applies to the gathered logits."""
         logits = self.lm_head(self.final_hidden(hidden))
         cap = self.arch.final_logit_softcap
         if logits is None or cap is None:
