@@ -70,6 +70,9 @@ class AttentionBackend(ABC):
     name: ClassVar[str]
     # What ``supports`` asks for, in words (for the error when it says no).
     requirement: ClassVar[str] = "runs anywhere"
+    # Device types on which a decode step can be recorded once and replayed (octavo/worker/decode_graphs.py);
+    # such a backend implements ``static_decode_metadata``.
+    recorded_on: ClassVar[frozenset[str]] = frozenset()
 
     def __init__(self, windows: Iterable[Optional[int]]) -> None:
         self.windows = frozenset(windows)

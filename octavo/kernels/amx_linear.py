@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 from torch.nn import functional as F
 
-from octavo.kernels.build import load_kernel, try_load_kernel
+from octavo.kernels.build import kernel_library
 from octavo.kernels.cpu_features import CpuTarget, cpu_target
 from octavo.kernels.launch import launch
 
@@ -106,7 +106,7 @@ def amx_linear_kernel(required: bool = False) -> Optional[AmxLinearKernel]:
 @cache
 def _kernel(target: CpuTarget, required: bool) -> Optional[AmxLinearKernel]:
     # Cached: the eager op looks the kernel up on every product.
-    lib = load_kernel("amx_linear", target) if required else try_load_kernel("amx_linear", target)
+    lib = kernel_library("amx_linear", target, required=required)
     if lib is None:
         return None
     if not lib.octavo_amx_available():

@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-from octavo.kernels.build import load_kernel, try_load_kernel
+from octavo.kernels.build import kernel_library
 from octavo.kernels.cpu_features import BY_NAME, CpuTarget, cpu_target
 from octavo.kernels.launch import launch
 
@@ -67,7 +67,7 @@ class Bf16LinearKernel:
 
 @cache
 def _kernel(source: str, name: str, target: CpuTarget, required: bool) -> Optional[Bf16LinearKernel]:
-    lib = load_kernel(source, target) if required else try_load_kernel(source, target)
+    lib = kernel_library(source, target, required=required)
     if lib is None or not hasattr(lib, f"octavo_{name}"):  # a function only some targets' builds have
         return None
     return Bf16LinearKernel(lib, name)

@@ -168,6 +168,12 @@ def load_other_source(source: Path) -> ctypes.CDLL:
     return ctypes.CDLL(str(library))
 
 
+def kernel_library(name: str, target: Optional[CpuTarget] = None, required: bool = False) -> Optional[ctypes.CDLL]:
+    """What every kernel's accessor loads: ``load_kernel`` when the caller ``required`` it (a build error is
+    raised), else ``try_load_kernel`` (None, and the torch path, where it cannot be built)."""
+    return load_kernel(name, target) if required else try_load_kernel(name, target)
+
+
 def try_load_kernel(name: str, target: Optional[CpuTarget] = None) -> Optional[ctypes.CDLL]:
     """``load_kernel``, or None (logged once) when the machine cannot build it."""
     try:

@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch
 
-from octavo.kernels.build import load_kernel, try_load_kernel
+from octavo.kernels.build import kernel_library
 from octavo.kernels.launch import launch
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -147,5 +147,5 @@ class FusedOps:
 def fused_ops(required: bool = False) -> Optional[FusedOps]:
     """The kernels, built on first use; None when they cannot be built, unless
     ``required`` (then the build error is raised)."""
-    lib = load_kernel("fused_ops") if required else try_load_kernel("fused_ops")
+    lib = kernel_library("fused_ops", required=required)
     return None if lib is None else FusedOps(lib)

@@ -6,7 +6,7 @@ from typing import Optional
 
 import torch
 
-from octavo.kernels.build import load_kernel, try_load_kernel
+from octavo.kernels.build import kernel_library
 from octavo.kernels.launch import launch
 
 _DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -102,5 +102,5 @@ class PagedDecodeKernel:
 def paged_decode_kernel(required: bool = False) -> Optional[PagedDecodeKernel]:
     """The kernel, built on first use; None when it cannot be built, unless
     ``required`` (then the build error is raised)."""
-    lib = load_kernel("paged_decode") if required else try_load_kernel("paged_decode")
+    lib = kernel_library("paged_decode", required=required)
     return None if lib is None else PagedDecodeKernel(lib)

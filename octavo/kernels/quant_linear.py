@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from octavo.kernels.build import load_kernel, try_load_kernel
+from octavo.kernels.build import kernel_library
 from octavo.kernels.cpu_features import CpuTarget, cpu_target
 from octavo.kernels.launch import launch
 
@@ -100,7 +100,7 @@ class QuantLinearKernel:
 
 @cache
 def _kernel(target: CpuTarget, required: bool) -> Optional[QuantLinearKernel]:
-    lib = load_kernel("quant_linear", target) if required else try_load_kernel("quant_linear", target)
+    lib = kernel_library("quant_linear", target, required=required)
     return None if lib is None else QuantLinearKernel(lib)
 
 

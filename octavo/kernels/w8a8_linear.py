@@ -10,7 +10,7 @@ from typing import Optional
 import torch
 from torch.nn import functional as F
 
-from octavo.kernels.build import load_kernel, try_load_kernel
+from octavo.kernels.build import kernel_library
 from octavo.kernels.cpu_features import CpuTarget, cpu_target
 from octavo.kernels.launch import launch
 
@@ -69,7 +69,7 @@ class W8A8LinearKernel:
 
 @cache
 def _kernel(target: CpuTarget, required: bool) -> Optional[W8A8LinearKernel]:
-    lib = load_kernel("w8a8_linear", target) if required else try_load_kernel("w8a8_linear", target)
+    lib = kernel_library("w8a8_linear", target, required=required)
     return None if lib is None else W8A8LinearKernel(lib)
 
 

@@ -9,8 +9,6 @@ from typing import Callable, Optional
 import torch
 
 from octavo.attention.kv_quant import KV_QUANT_DTYPES
-from octavo.attention.native_cpu import NativeCpuBackend
-from octavo.attention.triton_cuda import TritonBackend
 from octavo.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from octavo.core.outputs import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from octavo.core.step_state import BatchState, CachedRequestState, ScheduledRow
@@ -274,9 +272,7 @@ class ModelRunner:
         native one) at one rank (no collectives or stage hand-offs inside a recording), without speculation
         (its steps are multi-token rows), for generating models (an embedding model never decodes)."""
         state = get_parallel_state()
-        backend = self.backends.attention
-        recordable = ((self.device.type == "cuda" and isinstance(backend, TritonBackend))
-                      or (self.device.type == "cpu" and isinstance(backend, NativeCpuBackend)))
+        recordable = self.device.type in self.backends.attention.recorded_on
         return (recordable and not model_config.enforce_eager and state.tp_size == 1 and state.pp_size == 1
                 and not spec.enabled and self.pooler is None)
 

@@ -29,9 +29,12 @@ class RMSNorm(nn.Module):
             return native.call(self.ops.rms_norm, torch.ops.octavo.rms_norm, x, self.weight, self.eps, None)
         return self._torch(x)
 
-    def add_forward(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def add_forward(self, x: torch.Tensor, residual: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """(norm(x + residual), x + residual): the residual stream's add and
-        the next norm in one pass. ``residual`` may be updated in place."""
+        the next norm in one pass. ``residual`` may be updated in place; None
+        (the first layer's input): (norm(x), x)."""
+        if residual is None:
+            return self(x), x
         if self.ops is not None and x.is_contiguous() and residual.is_contiguous():
             out = native.call(self.ops.rms_norm, torch.ops.octavo.rms_norm, x, self.weight, self.eps, residual)
             return out, residual

@@ -40,10 +40,7 @@ class GemmaDecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, residual: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: LayerKVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, h = h, self.input_layernorm(h)
-        else:
-            h, residual = self.input_layernorm.add_forward(h, residual)
+        h, residual = self.input_layernorm.add_forward(h, residual)
         h = self.self_attn(h, cos, sin, kv_cache, meta)
         h, residual = self.pre_feedforward_layernorm.add_forward(self.post_attention_layernorm(h), residual)
         return self.post_feedforward_layernorm(self.mlp(h)), residual

@@ -30,10 +30,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, residual: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
                 kv_cache: LayerKVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, h = h, self.input_layernorm(h)
-        else:
-            h, residual = self.input_layernorm.add_forward(h, residual)
+        h, residual = self.input_layernorm.add_forward(h, residual)
         h = self.self_attn(h, cos, sin, kv_cache, meta)
         h, residual = self.post_attention_layernorm.add_forward(h, residual)
         return self.mlp(h), residual
