@@ -148,7 +148,7 @@ def test_generate_options_reach_the_engine(tmp_path, monkeypatch, capsys):
     )
     runner = engine.executor.worker.runner  # the default in-process executor
     assert runner.backends.attention.name == "torch"
-    assert runner.backends.fused_ops is None
+    assert runner.backends.ops.name == "torch"
     assert engine.scheduler.config.max_num_seqs == 3
 
 

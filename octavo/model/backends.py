@@ -4,11 +4,10 @@ layer at construction: no module attribute is switched after loading."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 from octavo.attention.base import AttentionBackend
 from octavo.attention.torch_sdpa import TorchSdpaBackend
-from octavo.kernels.fused_ops import FusedOps
+from octavo.model.layers.elementwise import TORCH_OPS, ElementwiseOps
 from octavo.quant.base import LinearMethod, QuantizationScheme
 from octavo.quant.unquantized import UniformScheme
 
@@ -20,9 +19,8 @@ class ModelBackends:
     quantization: QuantizationScheme = field(default_factory=UniformScheme)
     # Attention over the paged cache; its windows must cover the model's layers'.
     attention: AttentionBackend = field(default_factory=lambda: TorchSdpaBackend({None}))
-    # Native RMSNorm (+ residual), SiLU-and-multiply and rotary + K/V write;
-    # None: torch ops (the same values).
-    fused_ops: Optional[FusedOps] = None
+    # RMSNorm (+ residual), the gated activation, rotary (+ K/V write), argmax: torch or native.
+    ops: ElementwiseOps = TORCH_OPS
 
     def linear_method(self, prefix: str) -> LinearMethod:
         """The method of the linear layer at ``prefix`` (e.g. ``lm_head``)."""

@@ -42,9 +42,9 @@ class Sampler:
     temperature-scaled distribution. Seeded rows draw from their own
     generator so their tokens do not depend on the rest of the batch."""
 
-    def __init__(self, argmax: Optional[Callable[[torch.Tensor], torch.Tensor]] = None) -> None:
-        # A native argmax for contiguous CPU logits in the model's dtype
-        # (FusedOps.argmax); None: torch's.
+    def __init__(self, argmax: Callable[[torch.Tensor], torch.Tensor] = lambda logits: logits.max(dim=-1).indices
+                 ) -> None:
+        # The model's (ElementwiseOps.argmax: native for contiguous CPU logits).
         self._argmax = argmax
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
@@ -52,11 +52,7 @@ class Sampler:
         if meta.all_greedy and meta.max_num_logprobs is None and _nothing_to_process(meta):
             # Plain greedy: the argmax of the logits as they come (rounding to
             # the model dtype and back is exact, so the index is the same).
-            if self._argmax is not None and logits.is_contiguous() and logits.device.type == "cpu":
-                token_ids = self._argmax(logits)
-            else:
-                token_ids = logits.max(dim=-1).indices
-            return SamplerOutput(token_ids)
+            return SamplerOutput(self._argmax(logits))
         logits = logits.float()
         logprobs = None
         if meta.max_num_logprobs is not None:

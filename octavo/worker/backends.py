@@ -9,6 +9,7 @@ import torch
 from octavo.attention.registry import select_attention_backend
 from octavo.config import ModelConfig
 from octavo.kernels.fused_ops import FusedOps, fused_ops
+from octavo.model.layers.elementwise import TORCH_OPS, NativeElementwiseOps
 from octavo.model.backends import ModelBackends
 from octavo.quant.schemes import quantization_scheme
 
@@ -22,9 +23,9 @@ def model_backends(
 ) -> ModelBackends:
     """Quantization scheme (linear method per layer), attention backend and fused ops for a model of ``dtype``
     with a KV cache of ``cache_dtype``; ``windows``: its layers' sliding windows."""
-    ops = fused_ops() if config.fused_ops and FusedOps.supports(device, dtype) else None
+    kernels = fused_ops() if config.fused_ops and FusedOps.supports(device, dtype) else None
     return ModelBackends(
         quantization=quantization_scheme(config, device, dtype),
         attention=select_attention_backend(config.attention_backend, device, dtype, cache_dtype, set(windows)),
-        fused_ops=ops,
+        ops=TORCH_OPS if kernels is None else NativeElementwiseOps(kernels),
     )

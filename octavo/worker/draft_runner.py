@@ -171,10 +171,10 @@ class _Draw:
         generators: list[Optional[torch.Generator]],
         vocab_size: int,
         device: torch.device,
-        argmax: Optional[Callable[[torch.Tensor], torch.Tensor]],
+        argmax: Callable[[torch.Tensor], torch.Tensor],
     ) -> None:
-        """``argmax``: the native one for contiguous CPU logits (``FusedOps.argmax``;
-        torch's is several times slower on bf16 rows), None for torch's."""
+        """``argmax``: the model's (``ElementwiseOps.argmax``: native for contiguous CPU logits,
+        where torch's is several times slower on bf16 rows)."""
         self._argmax = argmax
         self.request_ids = [r.request_id for r in requests]
         self.random = [j for j, r in enumerate(requests) if not r.sampling_params.greedy]
@@ -188,8 +188,7 @@ class _Draw:
 
     def __call__(self, logits: torch.Tensor, rows: list[int]) -> list[int]:
         """Tokens for ``logits`` [len(rows), V], row i being request ``rows[i]``."""
-        fast = self._argmax is not None and logits.is_contiguous() and logits.device.type == "cpu"
-        tokens = self._argmax(logits) if fast else logits.max(dim=-1).indices
+        tokens = self._argmax(logits)
         at = {j: i for i, j in enumerate(self.random)}
         mine = [i for i, j in enumerate(rows) if j in at]
         if mine:
@@ -350,9 +349,8 @@ class DraftModelProposer(Proposer):
         """The first proposal from the catch-up's logits, then one
         single-token forward per further proposal, for the rows that want it."""
         requests = [p.input.state for p in proposing]
-        ops = self.backends.fused_ops
         draw = _Draw(requests, [self._generator(r) for r in requests], self.arch.vocab_size, self.device,
-                     ops.argmax if ops is not None else None)
+                     self.backends.ops.argmax)
         active = list(range(len(proposing)))
         steps = _DecodeSteps(proposing, self.block_size, self.backends.attention, self.device)
         while True:

@@ -97,7 +97,6 @@ class ModelRunner:
             cache_config.cache_dtype, str(self.dtype).removeprefix("torch.")
         )
         self.backends = model_backends(model_config, self.device, self.dtype, cache_dtype, arch.layer_windows)
-        ops = self.backends.fused_ops
         # An embedding model: every request pools its prompt's hidden states, no logits.
         pooler_config = resolve_pooler(model_config)
         self.pooler = Pooler(pooler_config) if pooler_config is not None else None
@@ -132,7 +131,7 @@ class ModelRunner:
         if self._draft is not None:
             self._draft.allocate(self.num_blocks)
 
-        self.sampler = Sampler(argmax=ops.argmax if ops is not None else None)
+        self.sampler = Sampler(argmax=self.backends.ops.argmax)
         self.batch = BatchState()  # the requests this rank holds, kept across steps
         self._grammar: Optional[GrammarBitmask] = None  # this step's, for the sampler
         self._generators: dict[str, torch.Generator] = {}

@@ -36,7 +36,7 @@ class ParallelBlockLayer(nn.Module):
     def __init__(self, arch: ArchConfig, layer_idx: int, backends: ModelBackends) -> None:
         super().__init__()
         prefix = f"model.layers.{layer_idx}"
-        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, backends.fused_ops)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, backends.ops)
         self.self_attn = Attention(arch, layer_idx, backends, f"{prefix}.self_attn", AttentionOptions())
         self.mlp = GatedMLP(arch.hidden_size, arch.intermediate_size, arch.hidden_act, False, backends, f"{prefix}.mlp")
         self.rope_index = 0

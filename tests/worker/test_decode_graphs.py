@@ -13,6 +13,7 @@ from octavo.attention.native_cpu import NativeCpuBackend
 from octavo.core.request import Request
 from octavo.core.step_state import ScheduledRow
 from octavo.kernels.fused_ops import fused_ops
+from octavo.model.layers.elementwise import NativeElementwiseOps
 from octavo.model.backends import ModelBackends
 from octavo.model.loader import load_model
 from octavo.sampling_params import SamplingParams
@@ -67,8 +68,8 @@ STEPS = (([30, 17, 9, 5, 2, 11], 1), ([21, 3, 8, 14, 6], 2), ([31, 18, 10, 6, 3,
 def _run_steps(tmp_path, make_backend, forward_wrap=lambda f: f, memory_budget=None, before_step=None):
     folder = make_tiny_model(tmp_path, "llama", num_hidden_layers=2)
     backend, recorder = make_backend()
-    model, arch = load_model(folder, "float32", CPU, MAX_LEN, ModelBackends(attention=backend,
-                                                                             fused_ops=fused_ops(required=True)))
+    model, arch = load_model(folder, "float32", CPU, MAX_LEN, ModelBackends(
+        attention=backend, ops=NativeElementwiseOps(fused_ops(required=True))))
     layer = model.local_layers[0].self_attn
     null_block = NUM_BLOCKS  # the pool the scheduler sees is 0 .. NUM_BLOCKS-1
 

@@ -11,7 +11,6 @@ from torch import nn
 
 from octavo.attention.base import AttentionMetadata
 from octavo.attention.kv_quant import LayerKVCache
-from octavo.kernels import ops as native
 from octavo.model.backends import ModelBackends
 from octavo.model.config import ArchConfig
 from octavo.model.layers.linear import QKVParallelLinear, RowParallelLinear
@@ -45,17 +44,18 @@ class Attention(nn.Module):
                                         backends.linear_method(f"{prefix}.o_proj"), f"{prefix}.o_proj")
         self.qk_norm = options.qk_norm
         if options.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, backends.fused_ops, options.unit_offset_norm)
-            self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, backends.fused_ops, options.unit_offset_norm)
+            self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, backends.ops, options.unit_offset_norm)
+            self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps, backends.ops, options.unit_offset_norm)
         self.window = arch.layer_windows[layer_idx]
         self.scale = arch.attention_scale if arch.attention_scale is not None else self.head_dim**-0.5
         self.softcap = arch.attn_logit_softcap
         self.backend = backends.attention
-        # The native rotary kernel also writes K/V into the cache, in the one
-        # layout every backend shares; q/k norm must run before rotary, so not
-        # then, and it rotates whole heads, so not with partial rotary either.
+        # A fused rotary also writes K/V into the cache, in the one layout every
+        # backend shares; q/k norm must run before rotary, so not then, and it
+        # rotates whole heads, so not with partial rotary either.
         partial = rotary_dim(arch.layer_rope(layer_idx), self.head_dim) < self.head_dim
-        self.ops = None if options.qk_norm or partial else backends.fused_ops
+        self.ops = backends.ops
+        self.fused_rotary = backends.ops.fuses_rotary_write and not (options.qk_norm or partial)
 
     def forward(
         self,
@@ -67,12 +67,12 @@ class Attention(nn.Module):
     ) -> torch.Tensor:
         n = x.shape[0]
         qkv = self.qkv_proj(x)
-        if self.ops is not None and (kv_cache.dtype == x.dtype or kv_cache.quantized):
+        if self.fused_rotary and (kv_cache.dtype == x.dtype or kv_cache.quantized):
             # Rotary in place on the projection's output, K/V straight into
             # their slots (quantized there when the cache is).
             slots = kv_cache.slots()
-            native.call(
-                self.ops.rotary_write_kv, torch.ops.octavo.rotary_write_kv, qkv, self.num_heads, self.num_kv_heads, cos.view(n, -1), sin.view(n, -1), slots[0], slots[1],
+            self.ops.rotary_write_kv(
+                qkv, self.num_heads, self.num_kv_heads, cos.view(n, -1), sin.view(n, -1), slots[0], slots[1],
                 meta.slot_mapping, kv_cache.scales, kv_cache.static_scales,
             )
             q, k, v = self._heads(qkv)

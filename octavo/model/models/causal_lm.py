@@ -81,7 +81,7 @@ class CausalLM(nn.Module):
         raise NotImplementedError
 
     def make_norm(self, arch: ArchConfig, dim: int, backends: ModelBackends) -> RMSNorm:
-        return RMSNorm(dim, arch.rms_norm_eps, backends.fused_ops)
+        return RMSNorm(dim, arch.rms_norm_eps, backends.ops)
 
     def embed_scale(self, arch: ArchConfig) -> Optional[float]:
         """A factor on the embeddings (Gemma: sqrt(hidden_size)); None: none."""

@@ -24,7 +24,7 @@ class GemmaDecoderLayer(nn.Module):
         super().__init__()
 
         def norm() -> RMSNorm:
-            return RMSNorm(arch.hidden_size, arch.rms_norm_eps, backends.fused_ops, unit_offset=True)
+            return RMSNorm(arch.hidden_size, arch.rms_norm_eps, backends.ops, unit_offset=True)
 
         prefix = f"model.layers.{layer_idx}"
         self.input_layernorm = norm()
@@ -60,7 +60,7 @@ class Gemma2ForCausalLM(CausalLM):
         return GemmaDecoderLayer(arch, layer_idx, backends, self.attention_options(arch))
 
     def make_norm(self, arch: ArchConfig, dim: int, backends: ModelBackends) -> RMSNorm:
-        return RMSNorm(dim, arch.rms_norm_eps, backends.fused_ops, unit_offset=True)
+        return RMSNorm(dim, arch.rms_norm_eps, backends.ops, unit_offset=True)
 
     def embed_scale(self, arch: ArchConfig) -> Optional[float]:
         return arch.hidden_size**0.5

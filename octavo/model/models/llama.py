@@ -22,9 +22,9 @@ class LlamaDecoderLayer(nn.Module):
                  mlp: nn.Module) -> None:
         """``mlp``: the feed-forward block the family chose (gated dense; a mixture of experts)."""
         super().__init__()
-        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, backends.fused_ops)
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, backends.ops)
         self.self_attn = Attention(arch, layer_idx, backends, f"model.layers.{layer_idx}.self_attn", attention)
-        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, backends.fused_ops)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, backends.ops)
         self.mlp = mlp
         self.rope_index = 0
 
