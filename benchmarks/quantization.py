@@ -208,7 +208,7 @@ def _layer_kernels(shape: Shape, group: int) -> dict[str, list[Callable[[torch.T
         with default_dtype(torch.bfloat16):
             layer = RowParallelLinear(k, n, False, method)
         layer.weight.data.copy_(w)
-        method.process_weights_after_loading(layer)
+        layer.finish_loading()
         q8, q4 = quantize_int8(w), quantize_int4(w, group)
         ints8, scales8, _ = q8.unpack()
         ints4, scales4, mins4 = q4.unpack()

@@ -19,6 +19,7 @@ from octavo.model.gguf.tensors import GgufSource
 from octavo.model.layers.linear import load_shard
 from octavo.model.models.causal_lm import CausalLM
 from octavo.model.registry import model_class_for
+from octavo.quant.base import LinearWeightHolder
 from octavo.quant.prequantized import CheckpointScheme
 
 logger = logging.getLogger(__name__)
@@ -237,11 +238,11 @@ def _process_weights_after_loading(net: torch.nn.Module, scheme: str) -> dict[st
     kernels: Counter[str] = Counter()
     before = after = 0
     for module in net.modules():
-        method = getattr(module, "linear_method", None)
-        if method is not None:
+        if isinstance(module, LinearWeightHolder):
+            method = module.linear_method
             before += sum(p.numel() * p.element_size() for n, p in module.named_parameters(recurse=False)
                           if n != "bias")
-            method.process_weights_after_loading(module)
+            module.finish_loading()
             after += method.weight_bytes(module)
             kernels[method.kernel_name(module)] += 1
     logger.info("linear weights (%s): %.1f MiB as loaded, %.1f MiB as the kernels hold them (%.2fx)",

@@ -6,8 +6,9 @@ int4 ...) and which kernel multiplies it. The layer hands the method its
 per-rank shape, the checkpoint fills the parameters the method created
 (through the layer's ``weight_loader``), the method then repacks them once
 for its kernel, and every forward goes through ``apply``. One method object
-serves every layer it is given to: whatever it derives per layer is kept on
-that layer.
+serves every layer it is given to: what it derives per layer after loading is
+one object it returns (``PreparedWeight``), which the layer keeps in its
+``prepared`` slot; a method sets no attribute on a layer.
 
 Which method a layer gets is the ``QuantizationScheme``'s choice, per layer,
 by the layer's ``prefix``: its module path as in the checkpoint
@@ -22,6 +23,7 @@ returns methods whose ``create_weights`` register the checkpoint's tensors
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -41,6 +43,16 @@ def set_weight_attrs(param: nn.Parameter, **attrs: Any) -> None:
         setattr(param, name, value)
 
 
+@dataclass(frozen=True)
+class PreparedWeight:
+    """What a method derived from a layer's loaded parameters for its kernel."""
+
+    kernel_weight: Any  # the method's own object (a prepacked weight, a quantized weight ...)
+    # Parameters the kernel no longer reads: they keep their names (and shapes) on the meta
+    # device for the loader's bookkeeping, their memory freed.
+    released: tuple[str, ...] = ()
+
+
 class LinearMethod(ABC):
     @abstractmethod
     def create_weights(
@@ -53,9 +65,11 @@ class LinearMethod(ABC):
         loader knows where to put a checkpoint's shard; the layer adds the
         loader itself. Bias is the layer's, never quantized."""
 
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
-        """Called once per layer when every parameter holds its checkpoint
-        values: repack for the kernel, drop what the kernel does not read."""
+    def process_weights_after_loading(self, layer: nn.Module) -> Optional[PreparedWeight]:
+        """Called once per layer (``LinearWeightHolder.finish_loading``) when every parameter holds
+        its checkpoint values: what the kernel reads instead of them, if anything; None: ``apply``
+        multiplies the parameters as loaded."""
+        return None
 
     @abstractmethod
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -86,3 +100,20 @@ class QuantizationScheme(ABC):
     def describe(self) -> str:
         """One line for the start-up log."""
         return type(self).__name__
+
+
+class LinearWeightHolder(nn.Module):
+    """A module whose weight a ``LinearMethod`` creates and multiplies (the linear layers, the LM
+    head). ``prepared``: the method's ``PreparedWeight.kernel_weight`` once loaded, else None."""
+
+    linear_method: LinearMethod
+    prepared: Any = None
+
+    def finish_loading(self) -> None:
+        """Let the method prepare the loaded weight for its kernel; free what the kernel no longer reads."""
+        prepared = self.linear_method.process_weights_after_loading(self)
+        if prepared is None:
+            return
+        self.prepared = prepared.kernel_weight
+        for name in prepared.released:
+            setattr(self, name, nn.Parameter(getattr(self, name).detach().to("meta"), requires_grad=False))

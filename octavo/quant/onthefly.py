@@ -106,7 +106,7 @@ class OnTheFlyLinearMethod(QuantizedLinearMethod):
                              f"{input_size} of {prefix}")
         UnquantizedLinearMethod().create_weights(layer, input_size, output_sizes, dtype)
 
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
+    def process_weights_after_loading(self, layer: nn.Module) -> PreparedWeight:
         weight = layer.weight.detach()
         packed: Union[QuantizedWeight, W8A8Weight]
         if self.activations:
@@ -115,7 +115,7 @@ class OnTheFlyLinearMethod(QuantizedLinearMethod):
             packed = quantize_int8(weight, _whole_row_max(layer, weight))
         else:
             packed = quantize_int4(weight, self.group_size)
-        self.install(layer, packed, ("weight",))
+        return self.prepared(packed, ("weight",))
 
 
 class OnTheFlyScheme(QuantizationScheme):

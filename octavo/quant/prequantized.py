@@ -44,14 +44,14 @@ class PrequantizedLinearMethod(QuantizedLinearMethod):
             layer.register_parameter(spec.name, param)
         layer.quant_shape, layer.quant_dtype = shape, dtype
 
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
+    def process_weights_after_loading(self, layer: nn.Module) -> PreparedWeight:
         """Unpack the checkpoint's tensors and install the kernels' weight in their place."""
         names = tuple(spec.name for spec in self.fmt.tensors(layer.quant_shape))
         try:
             weight = self.fmt.unpack({name: getattr(layer, name).data for name in names}, layer.quant_shape)
         except ValueError as exc:
             raise ValueError(f"{self.fmt.describe()} layer {getattr(layer, 'prefix', '')}: {exc}") from exc
-        self.install(layer, kernel_weight(weight, layer.quant_dtype, self.fmt.int8_activations), names)
+        return self.prepared(kernel_weight(weight, layer.quant_dtype, self.fmt.int8_activations), names)
 
     def kernel_name(self, layer: nn.Module) -> str:
         return f"{self.fmt.describe()}: {super().kernel_name(layer)}"

@@ -27,7 +27,7 @@ from octavo.kernels.amx_linear import AmxLinearKernel, AmxWeight, amx_linear_ker
 from octavo.kernels.bf16_linear import bf16_linear_kernel
 from octavo.kernels.cpu_features import target_has
 from octavo.kernels.cpu_linear import LinearTable, PlannedWeight, make_copies
-from octavo.quant.base import LinearMethod, QuantizationScheme, set_weight_attrs
+from octavo.quant.base import LinearMethod, PreparedWeight, QuantizationScheme, set_weight_attrs
 
 # Batch size oneDNN picks the packed layout for; it serves 1 to 1000+ rows alike.
 _PACK_HINT = 128
@@ -91,13 +91,11 @@ class UnquantizedLinearMethod(LinearMethod):
         weight = nn.Parameter(torch.empty(sum(output_sizes), input_size, dtype=dtype), requires_grad=False)
         set_weight_attrs(weight, output_dim=0, input_dim=1)
         layer.register_parameter("weight", weight)
-        layer.packed_weight = None
 
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
-        """Pack a bf16 weight, then drop the plain copy (a meta tensor keeps its
-        shape and dtype). A tied embedding keeps its own reference to it."""
+    def process_weights_after_loading(self, layer: nn.Module) -> Optional[PreparedWeight]:
+        """Pack a bf16 weight, then release the plain copy. A tied embedding keeps its own reference to it."""
         if not self.pack or layer.weight.dtype != torch.bfloat16:
-            return
+            return None
         weight = layer.weight.detach()
         onednn = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_HINT)
         amx = None if self.amx is None else self.amx.share_onednn(onednn, weight)
@@ -105,11 +103,10 @@ class UnquantizedLinearMethod(LinearMethod):
             raise ValueError(f"linear_backend 'native': the AMX kernel cannot read the packed weight "
                              f"{tuple(weight.shape)} (in-features not a multiple of 32, or a oneDNN layout "
                              "it does not know)")
-        layer.packed_weight = PackedWeight(onednn, amx)
-        layer.weight = nn.Parameter(weight.to("meta"), requires_grad=False)
+        return PreparedWeight(PackedWeight(onednn, amx), released=("weight",))
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        packed = layer.packed_weight
+        packed: Optional[PackedWeight] = layer.prepared
         if packed is None:
             return F.linear(x, layer.weight, bias)
         if packed.amx is not None and x.numel() <= SMALL_ROWS * x.shape[-1]:
@@ -118,7 +115,7 @@ class UnquantizedLinearMethod(LinearMethod):
         return torch.ops.mkldnn._linear_pointwise(x, packed.onednn, bias, "none", [], "")
 
     def kernel_name(self, layer: nn.Module) -> str:
-        packed = layer.packed_weight
+        packed = layer.prepared
         if packed is None:
             return "torch"
         return "onednn" if packed.amx is None else f"amx (<= {SMALL_ROWS} rows) + onednn"
@@ -132,27 +129,20 @@ class TableLinearMethod(UnquantizedLinearMethod):
         super().__init__()
         self.table = table
 
-    def create_weights(
-        self, layer: nn.Module, input_size: int, output_sizes: list[int], dtype: torch.dtype
-    ) -> None:
-        super().create_weights(layer, input_size, output_sizes, dtype)
-        layer.planned_weight = None
-
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
-        layer.planned_weight = None
+    def process_weights_after_loading(self, layer: nn.Module) -> Optional[PreparedWeight]:
         if layer.weight.dtype != torch.bfloat16:
-            return
+            return None
         weight = layer.weight.detach().contiguous()
-        layer.planned_weight = make_copies(weight, self.table.ways(*weight.shape))
+        return PreparedWeight(make_copies(weight, self.table.ways(*weight.shape)))
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-        planned: Optional[PlannedWeight] = layer.planned_weight
+        planned: Optional[PlannedWeight] = layer.prepared
         if planned is None:
             return F.linear(x, layer.weight, bias)
         return planned(x, bias)
 
     def kernel_name(self, layer: nn.Module) -> str:
-        planned = layer.planned_weight
+        planned = layer.prepared
         if planned is None:
             return "torch"
         kernel = bf16_linear_kernel()

@@ -54,7 +54,7 @@ def _rank_outputs(make_layer, tp: int, parts: list[dict], shard_ids: list, x_for
                     param.weight_loader(param, tensor)
                 else:
                     param.weight_loader(param, tensor, shard_id)
-        layer.linear_method.process_weights_after_loading(layer)
+        layer.finish_loading()
         outs.append(layer.linear_method.apply(layer, x_for_rank(rank), None))
     return outs
 

@@ -132,5 +132,5 @@ def test_start_up_reports_the_bytes_before_and_after(variant, caplog):
     assert len(quantized) == len(linears) - 1 and runner.model.lm_head not in quantized
     # bf16 -> int8 + a float32 scale a row: a little under half.
     before = sum(m.weight.numel() * 2 for m in quantized)
-    after = sum(m.quant_weight.nbytes for m in quantized)
+    after = sum(m.prepared.nbytes for m in quantized)
     assert 0.5 < after / before < 0.55

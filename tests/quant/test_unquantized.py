@@ -42,13 +42,13 @@ def test_create_weights_registers_the_shard_with_its_split_dims():
     UnquantizedLinearMethod().create_weights(layer, 48, [32, 16, 16], torch.bfloat16)
     assert layer.weight.shape == (64, 48) and layer.weight.dtype == torch.bfloat16
     assert (layer.weight.output_dim, layer.weight.input_dim) == (0, 1)
-    assert not layer.weight.requires_grad and layer.packed_weight is None
+    assert not layer.weight.requires_grad
 
 
 def test_the_torch_method_is_f_linear():
     layer = RowParallelLinear(24, 40, bias=True, linear_method=UnquantizedLinearMethod.for_backend("torch", CPU, torch.float32))
     params = _filled(layer, seed=1)
-    layer.linear_method.process_weights_after_loading(layer)
+    layer.finish_loading()
     x = torch.randn(5, 24)
     assert torch.equal(layer(x), F.linear(x, params["weight"], params["bias"]))
     assert layer.linear_method.kernel_name(layer) == "torch"
@@ -61,7 +61,7 @@ def test_packed_equals_plain(rows, bias):
     with default_dtype(torch.bfloat16):
         layer = MergedColumnParallelLinear(96, [100, 100], bias, UnquantizedLinearMethod(pack=True))
     params = _filled(layer, seed=rows)
-    layer.linear_method.process_weights_after_loading(layer)
+    layer.finish_loading()
     assert layer.weight.device.type == "meta"  # the plain copy is freed
     assert layer.linear_method.kernel_name(layer) == "onednn"
     x = torch.randn(rows, 96).bfloat16()
@@ -75,7 +75,7 @@ def test_tied_lm_head_is_packed_and_the_embedding_keeps_its_table():
         head = ParallelLMHead(50, 32, UnquantizedLinearMethod(pack=True))
     head.tie_to(embed)
     table = _filled(embed, seed=3)["weight"]
-    head.linear_method.process_weights_after_loading(head)
+    head.finish_loading()
     assert embed.weight.device.type == "cpu" and torch.equal(embed.weight, table)  # the embedding still reads it
     ids = torch.tensor([3, 7])
     _bf16_close(head(embed(ids)), F.linear(table[ids], table))
@@ -85,8 +85,8 @@ def test_float32_layers_are_left_alone():
     method = UnquantizedLinearMethod.for_backend("auto", CPU, torch.float32)
     layer = RowParallelLinear(8, 4, bias=False, linear_method=method)
     _filled(layer, seed=4)
-    method.process_weights_after_loading(layer)
-    assert layer.packed_weight is None and layer.weight.device.type == "cpu"
+    layer.finish_loading()
+    assert layer.prepared is None and layer.weight.device.type == "cpu"
     assert not can_pack(CPU, torch.float32)
 
 
@@ -105,12 +105,12 @@ def test_few_rows_go_to_the_amx_kernel(rows):
     with default_dtype(torch.bfloat16):
         layer = RowParallelLinear(96, 200, bias=True, linear_method=method)
     params = _filled(layer, seed=rows)
-    method.process_weights_after_loading(layer)
+    layer.finish_loading()
     assert method.kernel_name(layer).startswith("amx")
     x = torch.randn(rows, 96).bfloat16()
     out = layer(x)
     _bf16_close(out, F.linear(x, params["weight"], params["bias"]))
-    packed = layer.packed_weight
+    packed = layer.prepared
     onednn = torch.ops.mkldnn._linear_pointwise(x, packed.onednn, layer.bias, "none", [], "")
     assert torch.equal(out, packed.amx(x, layer.bias) if rows <= SMALL_ROWS else onednn)
 
@@ -124,9 +124,9 @@ def test_a_weight_the_kernel_cannot_read_stays_on_onednn_unless_native_is_requir
         _filled(layer, seed=5)
         if refused:
             with pytest.raises(ValueError, match="linear_backend 'native': the AMX kernel cannot read"):
-                method.process_weights_after_loading(layer)
+                layer.finish_loading()
         else:
-            method.process_weights_after_loading(layer)
+            layer.finish_loading()
             assert method.kernel_name(layer) == "onednn"
 
 
@@ -146,7 +146,7 @@ def test_table_method_keeps_the_plain_weight_and_matches_f_linear(rows, tmp_path
     with default_dtype(torch.bfloat16):
         layer = RowParallelLinear(70, 90, bias=True, linear_method=method)  # K = 70: not whole 32-blocks
     params = _filled(layer, seed=rows)
-    method.process_weights_after_loading(layer)
+    layer.finish_loading()
     assert layer.weight.device.type == "cpu" and method.kernel_name(layer).startswith("rows ")
     x = torch.randn(rows, 70).bfloat16()
     _bf16_close(layer(x), F.linear(x, params["weight"], params["bias"]))

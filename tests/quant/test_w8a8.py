@@ -74,7 +74,7 @@ def _logits(folder, **options) -> tuple[torch.Tensor, list[int]]:
 
 def _w8a8_layers(folder) -> list:
     model = make_runner(folder).model
-    return [m for m in model.modules() if isinstance(getattr(m, "quant_weight", None), W8A8Weight)]
+    return [m for m in model.modules() if isinstance(getattr(m, "prepared", None), W8A8Weight)]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -136,7 +136,7 @@ def test_on_the_fly_w8a8_quantizes_every_layer_but_lm_head(variant):
     linears = [m for m in runner.model.modules() if hasattr(m, "linear_method")]
     quantized = [m for m in linears if isinstance(m.linear_method, QuantizedLinearMethod)]
     assert len(quantized) == len(linears) - 1 and runner.model.lm_head not in quantized
-    assert all(isinstance(m.quant_weight, W8A8Weight) for m in quantized)
+    assert all(isinstance(m.prepared, W8A8Weight) for m in quantized)
     assert ModelConfig(model="m", quantization="w8a8").quantization == "w8a8"
 
 

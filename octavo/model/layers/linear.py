@@ -21,7 +21,7 @@ from torch import nn
 
 from octavo.distributed.communication import tensor_model_parallel_all_reduce
 from octavo.distributed.parallel_state import get_parallel_state
-from octavo.quant.base import LinearMethod, set_weight_attrs
+from octavo.quant.base import LinearMethod, LinearWeightHolder, set_weight_attrs
 from octavo.quant.unquantized import UnquantizedLinearMethod
 
 
@@ -68,7 +68,7 @@ def load_unsplit(param: nn.Parameter, loaded: torch.Tensor, part: int) -> None:
     load_shard(target, loaded, None, 0, 1)
 
 
-class LinearBase(nn.Module, ABC):
+class LinearBase(LinearWeightHolder, ABC):
     """This rank's ``input_size`` x ``sum(output_sizes)`` product: the weight
     is created by ``linear_method``, the bias (``bias_split``: sharded along
     the outputs, else whole) here, and every parameter gets ``weight_loader``.

@@ -17,7 +17,7 @@ from torch.nn import functional as F
 
 from octavo.distributed.communication import tensor_model_parallel_all_reduce, tensor_model_parallel_gather
 from octavo.distributed.parallel_state import get_parallel_state
-from octavo.quant.base import LinearMethod
+from octavo.quant.base import LinearMethod, LinearWeightHolder
 from octavo.quant.unquantized import UnquantizedLinearMethod
 
 
@@ -60,7 +60,7 @@ class VocabParallelEmbedding(_VocabRows):
         return tensor_model_parallel_all_reduce(out)
 
 
-class ParallelLMHead(_VocabRows):
+class ParallelLMHead(_VocabRows, LinearWeightHolder):
     """Hidden states -> logits over the whole vocabulary on the group's first
     rank, None on the others. Its weight belongs to ``linear_method`` (packed or quantized like
     any linear layer), or is the embedding's with ``tie_to``."""
