@@ -296,9 +296,9 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if self.speculative_max_batch_size is not None and self.speculative_max_batch_size < 1:
             raise ValueError(f"speculative_max_batch_size must be >= 1, got {self.speculative_max_batch_size}")
+        # The method itself is checked where proposers are registered
+        # (octavo/spec_decode/registry.py), which may hold more than the built-in ones.
         method = self.speculative_method
-        if method is not None and method not in SPECULATIVE_METHODS:
-            raise ValueError(f"speculative_method must be one of {', '.join(SPECULATIVE_METHODS)}; got {method!r}")
         if method == "draft_model" and self.speculative_model is None:
             raise ValueError("speculative_method draft_model needs speculative_model (the draft model folder)")
         if self.speculative_model is not None and method in ("none", "ngram"):

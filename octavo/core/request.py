@@ -4,8 +4,9 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Optional
 
+from octavo.core.structured_output import StructuredOutputGrammar
 from octavo.sampling_params import SamplingParams
 
 
@@ -59,10 +60,10 @@ class Request:
     # Mixed into every prefix-cache hash: requests with different salts never
     # share cached K/V (tenant isolation; adapters would go here too).
     cache_salt: Optional[str] = None
-    # Structured output: an octavo.sample.structured.GrammarMatcher, typed
-    # loosely so this module stays torch-free. The sampler masks with it and
-    # advances it after every sampled token.
-    grammar: Optional[Any] = None
+    # Structured output: this sequence's grammar, compiled by the engine's
+    # backend. The step's mask comes from it; the scheduler advances it by
+    # every sampled token.
+    grammar: Optional[StructuredOutputGrammar] = None
     # An embedding request's pooling type (octavo/pooling.py): it computes its
     # prompt and ends. Mean and cls pooling read every prompt position's
     # hidden state, so those requests take no prefix-cache hits.

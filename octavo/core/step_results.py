@@ -42,7 +42,7 @@ def append_sampled(
     for token_id in token_ids:
         if request.grammar is not None:
             # The worker masked with the grammar's state before this token.
-            request.grammar.accept(token_id)
+            request.grammar.accept_tokens([token_id])
         request.append_output_token(token_id)
         new_ids.append(token_id)
         status = check_stop(request, max_len)

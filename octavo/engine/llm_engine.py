@@ -13,6 +13,7 @@ from octavo.config import EngineConfig
 from octavo.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from octavo.core.request import Request, RequestStatus
 from octavo.core.scheduler import Scheduler
+from octavo.core.structured_output import StructuredOutputBackend, StructuredOutputGrammar
 from octavo.engine.detokenizer import IncrementalDetokenizer
 from octavo.engine.kv_events_publisher import KVEventPublisher
 from octavo.engine.request_state import RequestState, SequenceState
@@ -96,8 +97,8 @@ class LLMEngine:
         # Steps submitted to the executor, oldest first, with whether they
         # went to the workers and the requests whose grammar mask failed.
         self._in_flight: deque[tuple[SchedulerOutput, bool, dict[str, str]]] = deque()
-        self._grammar_compiler = None
-        self._grammar_ids: set[str] = set()  # sequences with a grammar matcher
+        self._grammar_backend: Optional[StructuredOutputBackend] = None  # built at the first constrained request
+        self._grammar_ids: set[str] = set()  # sequences with a grammar
         self._prompt_tokens = 0
         self._generation_tokens = 0
         self._steps = StepStats()
@@ -147,7 +148,8 @@ class LLMEngine:
         self._check_prompt(prompt_ids, params)
         params.check_vocab(self.vocab_size)
         params = self._resolve_params(params, len(prompt_ids))
-        grammars = self._compile_grammar(params)
+        num_seqs = params.best_of or params.n
+        grammars = self._compile_grammars(params, num_seqs)
 
         state = RequestState(
             request_id=request_id,
@@ -159,7 +161,6 @@ class LLMEngine:
             metrics=RequestMetrics(arrival_time=arrival_time or time.monotonic()),
             pooling=pooling,
         )
-        num_seqs = params.best_of or params.n
         seq_params = params
         if num_seqs > params.n and params.logprobs is None:
             # Ranking by cumulative logprob needs the chosen tokens' logprobs;
@@ -184,8 +185,8 @@ class LLMEngine:
                     pooling=self.pooler_config.pooling_type if pooling is not None else None,
                 )
             )
-            if grammars is not None:
-                children[-1].grammar = grammars.new_matcher()
+            if grammars:
+                children[-1].grammar = grammars[i]
             state.child_ids.append(child_id)
             detok = (
                 IncrementalDetokenizer(self.tokenizer, prompt_ids, params)
@@ -326,8 +327,8 @@ class LLMEngine:
 
     def _attach_grammar(self, sched_out: SchedulerOutput) -> dict[str, str]:
         """Pack what the grammars of the requests sampling this step allow
-        into the step (the matchers stay here; the scheduler advances them
-        with the sampled tokens). A matcher that raises fails its request
+        into the step (the grammars stay here; the scheduler advances them
+        with the sampled tokens). A grammar that raises fails its request
         alone: its row goes unmasked and its token is discarded. Returns
         those requests' errors."""
         from octavo.sample.structured import grammar_bitmask
@@ -335,25 +336,28 @@ class LLMEngine:
         rows = [s for s in sched_out.scheduled if s.sample and s.request_id in self._grammar_ids]
         if not rows:
             return {}
+        backend = self._grammar_backend
+        assert backend is not None, "a request has a grammar, so the backend that compiled it exists"
         ids = [s.request_id for s in rows]
-        matchers = [self.scheduler.get_request(rid).grammar for rid in ids]
+        grammars = [self.scheduler.get_request(rid).grammar for rid in ids]
         # Proposals being verified need a mask at each of their positions.
         proposals = [s.spec_token_ids for s in rows]
         try:
-            sched_out.grammar = grammar_bitmask(ids, matchers, self.vocab_size, proposals)
+            sched_out.grammar = grammar_bitmask(backend, ids, grammars, self.vocab_size, proposals)
             return {}
         except Exception:
             logger.exception("grammar masks of %d requests failed; computing each alone", len(ids))
         failed: dict[str, str] = {}
-        for rid, matcher, spec in zip(ids, matchers, proposals):
+        for rid, grammar, spec in zip(ids, grammars, proposals):
             try:
-                grammar_bitmask([rid], [matcher], self.vocab_size, [spec])
+                grammar_bitmask(backend, [rid], [grammar], self.vocab_size, [spec])
             except Exception as exc:
                 failed[rid] = f"structured output failed: {type(exc).__name__}: {exc}"
         good = [i for i, rid in enumerate(ids) if rid not in failed]
         if good:
             sched_out.grammar = grammar_bitmask(
-                [ids[i] for i in good], [matchers[i] for i in good], self.vocab_size, [proposals[i] for i in good]
+                backend, [ids[i] for i in good], [grammars[i] for i in good], self.vocab_size,
+                [proposals[i] for i in good],
             )
         return failed
 
@@ -473,15 +477,17 @@ class LLMEngine:
             params.resolve_bad_words(self.tokenizer)
         return params
 
-    def _compile_grammar(self, params: SamplingParams):
+    def _compile_grammars(self, params: SamplingParams, num_seqs: int) -> list[StructuredOutputGrammar]:
+        """One grammar per sequence of a constrained request (none otherwise);
+        ValueError for a constraint the backend cannot serve."""
         if params.structured_outputs is None:
-            return None
-        if self._grammar_compiler is None:
-            from octavo.sample.structured import GrammarCompiler
+            return []
+        if self._grammar_backend is None:
+            from octavo.sample.structured_registry import create_structured_output_backend
 
             eos_ids = [self.eos_token_id, *self._extra_eos_ids] if self.eos_token_id is not None else []
-            self._grammar_compiler = GrammarCompiler(self.tokenizer, self.vocab_size, eos_token_ids=eos_ids)
-        return self._grammar_compiler.compile(params.structured_outputs)
+            self._grammar_backend = create_structured_output_backend(self.tokenizer, self.vocab_size, eos_ids)
+        return [self._grammar_backend.compile(params.structured_outputs) for _ in range(num_seqs)]
 
 
 def _error_output(state: RequestState, exc: BaseException) -> RequestOutput:

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from octavo.distributed.communication import tensor_model_parallel_all_gather
-from octavo.quant.base import LinearMethod, QuantizationScheme
+from octavo.quant.base import LinearMethod, PreparedWeight, QuantizationScheme
 from octavo.quant.qweights import Int4Weight, Int8Weight, QuantizedWeight
 from octavo.quant.quantized import QuantizedLinearMethod
 from octavo.quant.unquantized import UnquantizedLinearMethod

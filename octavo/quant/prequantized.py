@@ -17,7 +17,7 @@ from typing import Mapping, Union
 import torch
 from torch import nn
 
-from octavo.quant.base import LinearMethod, QuantizationScheme, set_weight_attrs
+from octavo.quant.base import LinearMethod, PreparedWeight, QuantizationScheme, set_weight_attrs
 from octavo.quant.checkpoint_config import CheckpointQuantization
 from octavo.quant.formats.base import LayerShape, PackedFormat
 from octavo.quant.prequantized_weight import kernel_weight

@@ -25,13 +25,14 @@ block size and block count as the target's, indexed by the same block ids, so
 the scheduler's block tables serve both. The scheduler reserves
 ``SpeculativeConfig.num_lookahead_slots`` slots past the verified positions
 so that the draft can write the K/V of its own k proposal steps; those slots
-are scratch (rolled back with the rejected tokens). The draft model's proposer
-(``octavo/worker/draft_runner.py``: it lays out its steps as the worker does)
-is built by the model runner before the pool is sized, and ``num_cache_blocks``
-counts both caches per block.
+are scratch (rolled back with the rejected tokens). The model runner builds
+the proposer before it sizes the pool: the draft has the runner load its
+model and reserve its cache (``ProposerContext.host``, a
+``model_host.DraftModelHost``), and ``num_cache_blocks`` counts both caches
+per block.
 
-Adding a proposer: a subclass here, built in ``registry.create_proposer`` for
-its ``SpeculativeConfig.method``.
+Adding a proposer: a subclass of ``Proposer`` and a factory registered for
+its ``SpeculativeConfig.method`` (``registry.register_proposer``).
 """
 from __future__ import annotations
 
@@ -43,19 +44,23 @@ import torch
 
 from octavo.config import CacheConfig, ModelConfig
 from octavo.core.step_state import CachedRequestState
+from octavo.model.config import ArchConfig
+from octavo.spec_decode.model_host import DraftModelHost
 
 
 @dataclass(frozen=True)
 class ProposerContext:
     """What the target's model runner knows that a proposer may need to
-    build itself (a draft model: the device, and a KV cache with the same
-    block size and block count as the target's)."""
+    build itself, given before the KV pool is sized (a draft model: the
+    target's vocabulary and context length to match, and the runner's help
+    to load itself and have a cache in the pool)."""
 
     model_config: ModelConfig
     cache_config: CacheConfig
     device: torch.device
-    num_blocks: int
     max_model_len: int
+    target_arch: ArchConfig
+    host: DraftModelHost
 
 
 @dataclass

@@ -28,7 +28,7 @@ from octavo.spec_decode.proposer import ProposalInput, ProposerContext
 from octavo.spec_decode.registry import create_proposer
 from octavo.worker.backends import model_backends
 from octavo.worker.decode_graphs import CudaGraphRecorder, DecodeGraphs, capture_sizes
-from octavo.worker.draft_runner import DraftModelProposer
+from octavo.worker.draft_host import DraftHost
 from octavo.worker.input_batch import StepInputs, prepare_inputs
 from octavo.worker.kernel_tape import (TAPE_MAX_BATCH, TAPE_MEMORY_BUDGET, TapeRecorder,
                                        import_recorder_dependencies)
@@ -113,14 +113,15 @@ class ModelRunner:
         shape = CacheShape(len(layers), self.block_size, layers[0].self_attn.num_kv_heads, self.arch.head_dim,
                            cache_dtype)
         spec = speculative_config or SpeculativeConfig()
-        # A draft model's cache shares the target's block ids: sized together, per block.
-        self._draft = (
-            DraftModelProposer(spec, model_config, cache_config, self.arch, self.max_model_len)
-            if spec.method == "draft_model" else None
-        )
+        # Built before the pool is sized: a draft model's cache shares the
+        # target's block ids, so the pool is sized for both, per block.
+        self._draft_host = DraftHost(model_config, cache_config, self.max_model_len)
+        context = ProposerContext(model_config, cache_config, self.device, self.max_model_len, self.arch,
+                                  self._draft_host)
+        self.proposer = create_proposer(spec, context)
         self.num_blocks = num_cache_blocks(
             cache_config, shape, self.device, scheduler_config.max_num_seqs * self.max_model_len, memory_share,
-            extra_shapes=[self._draft.cache_shape] if self._draft is not None else [],
+            extra_shapes=self._draft_host.cache_shapes,
         )
         static_scales = (load_static_kv_scales(self.model, folder, cache_dtype)
                          if cache_config.kv_cache_dtype != "auto" else None)
@@ -128,8 +129,7 @@ class ModelRunner:
         # Recorded steps pad batches with rows that write into one extra block the scheduler never hands out.
         self.kv_caches = allocate_kv_caches(shape, self.num_blocks, self.device, static_scales,
                                             padding_blocks=int(use_graphs))
-        if self._draft is not None:
-            self._draft.allocate(self.num_blocks)
+        self._draft_host.allocate(self.num_blocks)
 
         self.sampler = Sampler(argmax=self.backends.ops.argmax)
         self.batch = BatchState()  # the requests this rank holds, kept across steps
@@ -137,9 +137,6 @@ class ModelRunner:
         self._generators: dict[str, torch.Generator] = {}
         torch.manual_seed(model_config.seed)  # unseeded requests draw from the global RNG
         self.num_speculative_tokens = spec.num_speculative_tokens
-        self.proposer = self._draft or create_proposer(
-            spec, ProposerContext(model_config, cache_config, self.device, self.num_blocks, self.max_model_len)
-        )
         # A model proposer's q of the proposals sent back, until verified.
         self._draft_probs: dict[str, torch.Tensor] = {}
         self.governor = SpeculationGovernor(spec.speculative_adaptive, spec.speculative_max_batch_size)
@@ -256,8 +253,7 @@ class ModelRunner:
         rows = self.batch.apply(scheduler_output)
         self._grammar = scheduler_output.grammar
         copy_blocks(self.kv_caches, scheduler_output.block_copies)
-        if self._draft is not None:
-            self._draft.copy_blocks(scheduler_output.block_copies)
+        self._draft_host.copy_blocks(scheduler_output.block_copies)
         if not rows:
             return None
         inputs = prepare_inputs(rows, self.block_size, self.backends.attention, self.device)

@@ -56,12 +56,12 @@ def _raise(*_args: object) -> None:
 
 
 def break_grammar_advance(engine: LLMEngine) -> None:
-    engine.scheduler.get_request(VICTIM).grammar.accept = _raise
+    engine.scheduler.get_request(VICTIM).grammar.accept_tokens = _raise
 
 
 def break_grammar_mask(engine: LLMEngine) -> None:
     # llguidance's batched mask fill raises on a matcher that is not one.
-    engine.scheduler.get_request(VICTIM).grammar._matcher = object()
+    engine.scheduler.get_request(VICTIM).grammar.matcher = object()
 
 
 def break_detokenizer(engine: LLMEngine) -> None:

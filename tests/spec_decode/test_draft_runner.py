@@ -13,8 +13,9 @@ from octavo import LLM, SamplingParams
 from octavo.config import CacheConfig, ModelConfig, SpeculativeConfig
 from octavo.core.step_state import CachedRequestState
 from octavo.model.config import load_arch_config
-from octavo.spec_decode.proposer import ProposalInput
-from octavo.worker.draft_runner import DraftModelProposer
+from octavo.spec_decode.draft_model import DraftModelProposer
+from octavo.spec_decode.proposer import ProposalInput, ProposerContext
+from octavo.worker.draft_host import DraftHost
 from tests.model_factory import make_tiny_model
 from tests.spec_decode.draft_models import small_draft
 
@@ -47,13 +48,22 @@ def reference(models):
     return continuation
 
 
+def build_draft(spec: SpeculativeConfig, config: ModelConfig, cache: CacheConfig,
+                num_blocks: int = 1024) -> DraftModelProposer:
+    """The proposer as the model runner builds it: the worker's host loads the
+    model and allocates its cache once the pool is sized."""
+    host = DraftHost(config, cache, 512)
+    context = ProposerContext(config, cache, torch.device(config.device), 512, load_arch_config(config.model), host)
+    proposer = DraftModelProposer(spec, context)
+    host.allocate(num_blocks)
+    return proposer
+
+
 def make_draft(models, block_size: int) -> DraftModelProposer:
     target, draft = models
     config = ModelConfig(model=str(target), dtype="float32")
     spec = SpeculativeConfig(speculative_model=str(draft), num_speculative_tokens=K)
-    runner = DraftModelProposer(spec, config, CacheConfig(block_size=block_size), load_arch_config(target), 512)
-    runner.allocate(1024)
-    return runner
+    return build_draft(spec, config, CacheConfig(block_size=block_size))
 
 
 def propose(runner: DraftModelProposer, rows: list[ProposalInput]) -> dict[str, list[int]]:
@@ -171,5 +181,4 @@ def test_incompatible_draft_is_refused(tmp_path):
     target = make_tiny_model(tmp_path, "llama")
     other = make_tiny_model(tmp_path, "llama", vocab_size=384)
     with pytest.raises(ValueError, match="speculative_model"):
-        DraftModelProposer(SpeculativeConfig(speculative_model=str(other)), ModelConfig(model=str(target)),
-                           CacheConfig(), load_arch_config(target), 512)
+        build_draft(SpeculativeConfig(speculative_model=str(other)), ModelConfig(model=str(target)), CacheConfig())

@@ -1,12 +1,13 @@
 """The draft model of speculative decoding: a second, smaller model in the
 target's worker, proposing up to k tokens per request and step.
 
-Its KV cache is paged on the target's block ids: block b of a request holds
-the target's K/V in the target's tensors and the draft's in the draft's
-(shaped for the draft's layers and heads), so the scheduler's allocation,
-prefix sharing, copy-on-write and freeing cover both, and the memory sizing
-counts both per block. The scheduler reserves k lookahead slots past each
-step's positions (``SpeculativeConfig.num_lookahead_slots``): the K/V of the
+The worker builds and hosts the model (``model_host.DraftModelHost``). Its KV
+cache is paged on the target's block ids: block b of a request holds the
+target's K/V in the target's tensors and the draft's in the draft's (shaped
+for the draft's layers and heads), so the scheduler's allocation, prefix
+sharing, copy-on-write and freeing cover both, and the memory sizing counts
+both per block. The scheduler reserves k lookahead slots past each step's
+positions (``SpeculativeConfig.num_lookahead_slots``): the K/V of the
 draft's own guesses go there.
 
 The draft model is replicated, never split: it is built as a single rank
@@ -32,17 +33,13 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from octavo.attention.base import AttentionBackend, AttentionMetadata, StepLayout
-from octavo.config import CacheConfig, ModelConfig, SpeculativeConfig
+from octavo.config import SpeculativeConfig
 from octavo.core.step_state import CachedRequestState, ScheduledRow
-from octavo.distributed.parallel_state import ParallelState, parallel_state
 from octavo.model.config import ArchConfig, load_arch_config
-from octavo.model.loader import load_model, model_path, resolve_dtype
+from octavo.model.loader import model_path
 from octavo.sample.metadata import SamplingMetadata
 from octavo.sample.sampler import sample_from_probs, warp_logits
-from octavo.spec_decode.proposer import Proposal, ProposalInput, Proposer
-from octavo.worker.backends import model_backends
-from octavo.worker.input_batch import prepare_inputs
-from octavo.worker.kv_cache import CacheShape, allocate_kv_caches, copy_blocks
+from octavo.spec_decode.proposer import Proposal, ProposalInput, Proposer, ProposerContext
 
 
 @dataclass
@@ -94,7 +91,7 @@ class _Tokens:
 
 @dataclass
 class _Row:
-    """A row of a draft forward, as ``prepare_inputs`` reads it."""
+    """A row of a draft forward, as the worker's step layout reads it."""
 
     request_id: str
     all_token_ids: _Tokens
@@ -121,7 +118,7 @@ class _Proposing:
 
 class _DecodeSteps:
     """The proposal loop's single-token forwards, laid out without
-    ``prepare_inputs`` (a fifth of a draft step's time): the block table is
+    the worker's general step layout (a fifth of a draft step's time): the block table is
     built once per loop, each step only moves the positions on by one.
     Rows go longest context first, as the decode kernel's metadata wants."""
 
@@ -245,48 +242,24 @@ def _vocab(path: Path) -> dict:
 
 
 class DraftModelProposer(Proposer):
-    """The draft model, its KV cache on the target's block ids, its proposals."""
+    """The draft model's proposals, for speculative_method draft_model."""
 
-    def __init__(
-        self,
-        spec_config: SpeculativeConfig,
-        model_config: ModelConfig,
-        cache_config: CacheConfig,
-        target_arch: ArchConfig,
-        max_model_len: int,
-    ) -> None:
-        """Loads the draft (``spec_config.speculative_model``); its cache comes with ``allocate``."""
+    def __init__(self, spec_config: SpeculativeConfig, context: ProposerContext) -> None:
+        """Has the worker load the draft (``spec_config.speculative_model``) and reserve its cache."""
         draft = spec_config.speculative_model
         if draft is None:
             raise ValueError("speculative_model must name the draft model folder")
-        folder = model_path(draft)
-        arch = load_arch_config(folder)
-        check_compatible(arch, target_arch, draft, model_config.model)
-        self.device = torch.device(model_config.device)
-        dtype = resolve_dtype(model_config.dtype, arch.dtype)
-        cache_dtype = resolve_dtype(cache_config.cache_dtype, str(dtype).removeprefix("torch."))
-        self.backends = model_backends(model_config, self.device, dtype, cache_dtype, arch.layer_windows)
-        with parallel_state(ParallelState()):
-            self.model, self.arch = load_model(folder, model_config.dtype, self.device, max_model_len, self.backends)
-        if self.arch.max_model_len() < max_model_len:
+        check_compatible(load_arch_config(model_path(draft)), context.target_arch, draft, context.model_config.model)
+        self.model = context.host.load_draft_model(draft)
+        if self.model.arch.max_model_len() < context.max_model_len:
             raise ValueError(
-                f"speculative_model {draft!r} handles {self.arch.max_model_len()} positions, fewer than the "
-                f"model's context length {max_model_len}: lower max_model_len"
+                f"speculative_model {draft!r} handles {self.model.arch.max_model_len()} positions, fewer than "
+                f"the model's context length {context.max_model_len}: lower max_model_len"
             )
-        self.block_size = cache_config.block_size
-        self.cache_shape = CacheShape(arch.num_layers, self.block_size, arch.num_kv_heads, arch.head_dim,
-                                      cache_dtype)
-        self.kv_caches: list[torch.Tensor] = []
+        self.device = context.device
+        self.block_size = context.cache_config.block_size
         self._seqs: dict[str, _Seq] = {}
         self._generators: dict[str, torch.Generator] = {}
-
-    def allocate(self, num_blocks: int) -> None:
-        """The draft's cache: as many blocks as the target's pool."""
-        self.kv_caches = allocate_kv_caches(self.cache_shape, num_blocks, self.device)
-
-    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """The target's copy-on-write, applied to the draft's K/V too."""
-        copy_blocks(self.kv_caches, copies)
 
     def remove_requests(self, request_ids: set[str]) -> None:
         for rid in request_ids:
@@ -299,7 +272,7 @@ class DraftModelProposer(Proposer):
             forward, proposing = self._catch_up(rows)
             if not forward:
                 return [Proposal() for _ in rows]
-            logits = self._forward(forward, [p.row for p in proposing])
+            logits = self.model.run_rows(forward, [p.row for p in proposing])
             if proposing:
                 self._propose(proposing, logits)
         by_id = {p.input.request_id: p for p in proposing}
@@ -336,23 +309,14 @@ class DraftModelProposer(Proposer):
                 proposing.append(_Proposing(inp, seq, row, end, cap, list(inp.new_token_ids)))
         return forward, proposing
 
-    def _forward(self, rows: list[ScheduledRow], sample: list[ScheduledRow]) -> torch.Tensor:
-        """Run the draft on ``rows``; the logits of the last position of each of ``sample``."""
-        inputs = prepare_inputs(rows, self.block_size, self.backends.attention, self.device)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
-        # prepare_inputs reorders the rows (decodes first): find each one's last row.
-        where = {id(s): first + s.num_tokens - 1 for s, first in zip(inputs.order, inputs.q_starts)}
-        last = torch.tensor([where[id(s)] for s in sample], dtype=torch.int64, device=self.device)
-        return self.model.compute_logits(hidden.index_select(0, last))
-
     def _propose(self, proposing: list[_Proposing], logits: torch.Tensor) -> None:
         """The first proposal from the catch-up's logits, then one
         single-token forward per further proposal, for the rows that want it."""
         requests = [p.input.state for p in proposing]
-        draw = _Draw(requests, [self._generator(r) for r in requests], self.arch.vocab_size, self.device,
-                     self.backends.ops.argmax)
+        draw = _Draw(requests, [self._generator(r) for r in requests], self.model.arch.vocab_size, self.device,
+                     self.model.argmax)
         active = list(range(len(proposing)))
-        steps = _DecodeSteps(proposing, self.block_size, self.backends.attention, self.device)
+        steps = _DecodeSteps(proposing, self.block_size, self.model.attention, self.device)
         while True:
             for j, token in zip(active, draw(logits, active)):
                 proposing[j].tokens.append(token)
@@ -360,8 +324,7 @@ class DraftModelProposer(Proposer):
             if not active:
                 break
             input_ids, positions, attn = steps.inputs(active)
-            hidden = self.model(input_ids, positions, self.kv_caches, attn)
-            logits = self.model.compute_logits(hidden)
+            logits = self.model.run(input_ids, positions, attn)
         probs = draw.probs()
         for j, p in enumerate(proposing):
             proposals = p.tokens[len(p.input.new_token_ids):]

@@ -1,0 +1,83 @@
+"""The worker's side of a draft model (``spec_decode.model_host``): it loads
+the model with the kernels the config picks, lays out its catch-up steps as
+the target's, and owns its KV cache, which the model runner sizes and
+allocates with the target's pool and copies on write with it."""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from octavo.attention.base import AttentionMetadata
+from octavo.config import CacheConfig, ModelConfig
+from octavo.core.step_state import ScheduledRow
+from octavo.distributed.parallel_state import ParallelState, parallel_state
+from octavo.model.backends import ModelBackends
+from octavo.model.config import ArchConfig, load_arch_config
+from octavo.model.loader import load_model, model_path, resolve_dtype
+from octavo.worker.backends import model_backends
+from octavo.worker.input_batch import prepare_inputs
+from octavo.worker.kv_cache import CacheShape, allocate_kv_caches, copy_blocks
+
+
+class HostedDraftModel:
+    """A draft model and its KV cache on the target's block ids (a ``DraftModel``)."""
+
+    def __init__(self, model: torch.nn.Module, arch: ArchConfig, backends: ModelBackends, cache_shape: CacheShape,
+                 device: torch.device) -> None:
+        self.model, self.arch, self.device = model, arch, device
+        self.attention = backends.attention
+        self.argmax: Callable[[torch.Tensor], torch.Tensor] = backends.ops.argmax
+        self.cache_shape = cache_shape
+        self.kv_caches: list[torch.Tensor] = []  # allocated once the pool is sized
+
+    def run_rows(self, rows: list[ScheduledRow], sample: list[ScheduledRow]) -> torch.Tensor:
+        inputs = prepare_inputs(rows, self.cache_shape.block_size, self.attention, self.device)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
+        # prepare_inputs reorders the rows (decodes first): find each one's last row.
+        where = {id(s): first + s.num_tokens - 1 for s, first in zip(inputs.order, inputs.q_starts)}
+        last = torch.tensor([where[id(s)] for s in sample], dtype=torch.int64, device=self.device)
+        return self.model.compute_logits(hidden.index_select(0, last))
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
+        return self.model.compute_logits(self.model(input_ids, positions, self.kv_caches, attn))
+
+
+class DraftHost:
+    """Loads draft models for a proposer (a ``DraftModelHost``) and keeps
+    their caches in step with the target's pool."""
+
+    def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, max_model_len: int) -> None:
+        self._model_config, self._cache_config, self._max_model_len = model_config, cache_config, max_model_len
+        self.models: list[HostedDraftModel] = []
+
+    def load_draft_model(self, folder: str) -> HostedDraftModel:
+        config = self._model_config
+        device = torch.device(config.device)
+        path = model_path(folder)
+        # The kernels follow the draft's own dtypes and sliding windows.
+        arch = load_arch_config(path)
+        dtype = resolve_dtype(config.dtype, arch.dtype)
+        cache_dtype = resolve_dtype(self._cache_config.cache_dtype, str(dtype).removeprefix("torch."))
+        backends = model_backends(config, device, dtype, cache_dtype, arch.layer_windows)
+        with parallel_state(ParallelState()):  # whole on this rank: no collective
+            model, arch = load_model(path, config.dtype, device, self._max_model_len, backends)
+        shape = CacheShape(arch.num_layers, self._cache_config.block_size, arch.num_kv_heads, arch.head_dim,
+                           cache_dtype)
+        self.models.append(HostedDraftModel(model, arch, backends, shape, device))
+        return self.models[-1]
+
+    @property
+    def cache_shapes(self) -> list[CacheShape]:
+        """The draft caches each block of the pool also costs."""
+        return [m.cache_shape for m in self.models]
+
+    def allocate(self, num_blocks: int) -> None:
+        """Each draft's cache: as many blocks as the target's pool."""
+        for m in self.models:
+            m.kv_caches = allocate_kv_caches(m.cache_shape, num_blocks, m.device)
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """The target's copy-on-write, applied to the drafts' K/V too."""
+        for m in self.models:
+            copy_blocks(m.kv_caches, copies)
