@@ -100,11 +100,10 @@ class DecodeRun:
 
     def tokens_per_gib(self) -> int:
         """Tokens a 1 GiB pool holds in this dtype (the sizing the engine does)."""
-        from octavo.worker.kv_cache import CacheShape
+        from octavo.worker.kv_cache import bytes_per_block
 
-        c = self.runner.kv_caches[0]
-        shape = CacheShape(len(self.runner.kv_caches), c.block_size, c.data.shape[3], c.data.shape[4], c.dtype)
-        return 2**30 // shape.bytes_per_block * c.block_size
+        specs = self.runner.kv_cache_specs
+        return 2**30 // bytes_per_block(specs) * specs[0].block_size
 
     def kv_bytes_per_step(self) -> int:
         """K/V (and scale) bytes the attention of one step reads: every context position, every layer."""

@@ -1,10 +1,15 @@
 """The attention seam: a backend turns the step's layout into its metadata
 once per step, then runs every layer's attention over the paged KV cache.
 
-The cache of one layer is a ``LayerKVCache`` (kv_quant.py): one tensor
-``[2, num_blocks, block_size, kv_heads, head_dim]`` (K then V), allocated by
-the worker, plus per-(token, head) scales when it is quantized; every backend
-reads and writes that layout. Metadata is an explicit object the model passes down to
+The cache of one layer is a ``LayerKVCache`` (kv_quant.py), allocated by the
+backend from the layer's ``KVCacheSpec`` (kv_spec.py) when the worker sizes the
+pool. The backends here share one layout (``PAGED_KV``): one tensor
+``[2, num_blocks, block_size, kv_heads, head_dim]`` (K then V), plus
+per-(token, head) scales when it is quantized; a backend with another layout
+says so in ``cache_layout`` and allocates, writes and reads its own (the fused
+rotary + K/V write of the native elementwise ops writes ``PAGED_KV`` only).
+Blocks stay on dim 1 of ``data``, so block copies (copy-on-write) need no
+backend. Metadata is an explicit object the model passes down to
 each layer, never global state, so two steps (or two models) never share it.
 The model calls ``write_kv`` and ``forward`` and never knows which backend runs.
 """
@@ -16,8 +21,10 @@ from typing import ClassVar, Iterable, Optional
 
 import torch
 
-from octavo.attention.kv_quant import LayerKVCache, write_kv
+from octavo.attention.kv_quant import LayerKVCache, allocate_layer_cache, write_kv
+from octavo.attention.kv_spec import KVCacheSpec
 
+PAGED_KV = "[2, blocks, block_size, kv_heads, head_dim]"
 # window (None = full attention) -> mask; True marks keys a query attends to.
 MaskByWindow = dict[Optional[int], Optional[torch.Tensor]]
 
@@ -73,6 +80,7 @@ class AttentionBackend(ABC):
     # Device types on which a decode step can be recorded once and replayed (octavo/worker/decode_graphs.py);
     # such a backend implements ``static_decode_metadata``.
     recorded_on: ClassVar[frozenset[str]] = frozenset()
+    cache_layout: ClassVar[str] = PAGED_KV
 
     def __init__(self, windows: Iterable[Optional[int]]) -> None:
         self.windows = frozenset(windows)
@@ -120,6 +128,13 @@ class AttentionBackend(ABC):
         (default D ** -0.5), then ``softcap * tanh(score / softcap)`` when
         ``softcap`` is set (Gemma 2), before the mask and softmax. Every
         backend honours all of these. Returns [T, heads, D]."""
+
+    def allocate_cache(self, spec: KVCacheSpec, num_blocks: int, device: torch.device,
+                       static_scales: Optional[torch.Tensor] = None) -> LayerKVCache:
+        """A zero-filled cache of ``num_blocks`` blocks for a layer of ``spec``; ``static_scales``:
+        the checkpoint's [2, kv_heads] K/V scales (quantized caches)."""
+        return allocate_layer_cache(num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim, spec.dtype,
+                                    device, static_scales)
 
     def write_kv(self, kv_cache: LayerKVCache, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
         """k, v [T, kv_heads, D] of this step into the cache (quantized when it is)."""

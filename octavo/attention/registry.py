@@ -18,6 +18,12 @@ ATTENTION_BACKENDS: dict[str, type[AttentionBackend]] = {
 }
 
 
+def register_attention_backend(cls: type[AttentionBackend]) -> None:
+    """Make ``cls`` selectable as ``attention_backend=cls.name``; "auto" prefers the built-in ones,
+    which come first (torch's runs everywhere)."""
+    ATTENTION_BACKENDS[cls.name] = cls
+
+
 def select_attention_backend(
     name: str, device: torch.device, dtype: torch.dtype, cache_dtype: torch.dtype, windows: Iterable[Optional[int]]
 ) -> AttentionBackend:

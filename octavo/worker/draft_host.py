@@ -9,30 +9,33 @@ from typing import Callable
 import torch
 
 from octavo.attention.base import AttentionMetadata
+from octavo.attention.kv_spec import KVCacheSpec
 from octavo.config import CacheConfig, ModelConfig
 from octavo.core.step_state import ScheduledRow
 from octavo.distributed.parallel_state import ParallelState, parallel_state
 from octavo.model.backends import ModelBackends
 from octavo.model.config import ArchConfig, load_arch_config
 from octavo.model.loader import load_model, model_path, resolve_dtype
+from octavo.model.models.causal_lm import CausalLM
 from octavo.worker.backends import model_backends
 from octavo.worker.input_batch import prepare_inputs
-from octavo.worker.kv_cache import CacheShape, allocate_kv_caches, copy_blocks
+from octavo.worker.kv_cache import allocate_kv_caches, copy_blocks
 
 
 class HostedDraftModel:
     """A draft model and its KV cache on the target's block ids (a ``DraftModel``)."""
 
-    def __init__(self, model: torch.nn.Module, arch: ArchConfig, backends: ModelBackends, cache_shape: CacheShape,
-                 device: torch.device) -> None:
+    def __init__(self, model: CausalLM, arch: ArchConfig, backends: ModelBackends, block_size: int,
+                 cache_dtype: torch.dtype, device: torch.device) -> None:
         self.model, self.arch, self.device = model, arch, device
         self.attention = backends.attention
         self.argmax: Callable[[torch.Tensor], torch.Tensor] = backends.ops.argmax
-        self.cache_shape = cache_shape
+        self.block_size = block_size
+        self.kv_cache_specs = model.kv_cache_specs(block_size, cache_dtype)
         self.kv_caches: list[torch.Tensor] = []  # allocated once the pool is sized
 
     def run_rows(self, rows: list[ScheduledRow], sample: list[ScheduledRow]) -> torch.Tensor:
-        inputs = prepare_inputs(rows, self.cache_shape.block_size, self.attention, self.device)
+        inputs = prepare_inputs(rows, self.block_size, self.attention, self.device)
         hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
         # prepare_inputs reorders the rows (decodes first): find each one's last row.
         where = {id(s): first + s.num_tokens - 1 for s, first in zip(inputs.order, inputs.q_starts)}
@@ -62,20 +65,19 @@ class DraftHost:
         backends = model_backends(config, device, dtype, cache_dtype, arch.layer_windows)
         with parallel_state(ParallelState()):  # whole on this rank: no collective
             model, arch = load_model(path, config.dtype, device, self._max_model_len, backends)
-        shape = CacheShape(arch.num_layers, self._cache_config.block_size, arch.num_kv_heads, arch.head_dim,
-                           cache_dtype)
-        self.models.append(HostedDraftModel(model, arch, backends, shape, device))
+        self.models.append(HostedDraftModel(model, arch, backends, self._cache_config.block_size, cache_dtype,
+                                            device))
         return self.models[-1]
 
     @property
-    def cache_shapes(self) -> list[CacheShape]:
-        """The draft caches each block of the pool also costs."""
-        return [m.cache_shape for m in self.models]
+    def kv_cache_specs(self) -> list[KVCacheSpec]:
+        """The draft layers' caches, which each block of the pool also costs."""
+        return [spec for m in self.models for spec in m.kv_cache_specs]
 
     def allocate(self, num_blocks: int) -> None:
         """Each draft's cache: as many blocks as the target's pool."""
         for m in self.models:
-            m.kv_caches = allocate_kv_caches(m.cache_shape, num_blocks, m.device)
+            m.kv_caches = allocate_kv_caches(m.kv_cache_specs, m.attention, num_blocks, m.device)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """The target's copy-on-write, applied to the drafts' K/V too."""

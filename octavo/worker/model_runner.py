@@ -33,7 +33,6 @@ from octavo.worker.input_batch import StepInputs, prepare_inputs
 from octavo.worker.kernel_tape import (TAPE_MAX_BATCH, TAPE_MEMORY_BUDGET, TapeRecorder,
                                        import_recorder_dependencies)
 from octavo.worker.kv_cache import (
-    CacheShape,
     allocate_kv_caches,
     copy_blocks,
     num_cache_blocks,
@@ -109,9 +108,7 @@ class ModelRunner:
 
         self.block_size = cache_config.block_size
         # Each rank caches its own layers (pipeline) and KV heads (tensor) only.
-        layers = self.model.local_layers
-        shape = CacheShape(len(layers), self.block_size, layers[0].self_attn.num_kv_heads, self.arch.head_dim,
-                           cache_dtype)
+        self.kv_cache_specs = self.model.kv_cache_specs(self.block_size, cache_dtype)
         spec = speculative_config or SpeculativeConfig()
         # Built before the pool is sized: a draft model's cache shares the
         # target's block ids, so the pool is sized for both, per block.
@@ -120,15 +117,15 @@ class ModelRunner:
                                   self._draft_host)
         self.proposer = create_proposer(spec, context)
         self.num_blocks = num_cache_blocks(
-            cache_config, shape, self.device, scheduler_config.max_num_seqs * self.max_model_len, memory_share,
-            extra_shapes=self._draft_host.cache_shapes,
+            cache_config, [*self.kv_cache_specs, *self._draft_host.kv_cache_specs], self.device,
+            scheduler_config.max_num_seqs * self.max_model_len, memory_share,
         )
         static_scales = (load_static_kv_scales(self.model, folder, cache_dtype)
                          if cache_config.kv_cache_dtype != "auto" else None)
         use_graphs = self._can_use_graphs(model_config, spec)
         # Recorded steps pad batches with rows that write into one extra block the scheduler never hands out.
-        self.kv_caches = allocate_kv_caches(shape, self.num_blocks, self.device, static_scales,
-                                            padding_blocks=int(use_graphs))
+        self.kv_caches = allocate_kv_caches(self.kv_cache_specs, self.backends.attention, self.num_blocks,
+                                            self.device, static_scales, padding_blocks=int(use_graphs))
         self._draft_host.allocate(self.num_blocks)
 
         self.sampler = Sampler(argmax=self.backends.ops.argmax)

@@ -9,23 +9,27 @@ from octavo.attention.kv_quant import LayerKVCache, allocate_layer_cache, write_
 from octavo.attention.torch_sdpa import TorchSdpaBackend
 from octavo.core.step_state import ScheduledRow
 from octavo.worker.input_batch import prepare_inputs
-from octavo.worker.kv_cache import CacheShape, allocate_kv_caches, copy_blocks, num_cache_blocks
+from octavo.attention.kv_spec import KVCacheSpec, SlidingWindowSpec
+from octavo.worker.kv_cache import allocate_kv_caches, bytes_per_block, copy_blocks, num_cache_blocks
 from octavo.worker.memory import available_memory_bytes
 
 from .runner_utils import Blocks, make_request, make_runner, step
 
-SHAPE = CacheShape(num_layers=2, block_size=16, num_kv_heads=2, head_dim=16, dtype=torch.float32)
+LAYER = KVCacheSpec(block_size=16, num_kv_heads=2, head_dim=16, dtype=torch.float32)
+SHAPE = [LAYER, LAYER]  # two layers
 CPU = torch.device("cpu")
 
 
 def test_bytes_per_block():
-    assert SHAPE.bytes_per_block == 2 * 2 * 16 * 2 * 16 * 4
-    half = CacheShape(2, 16, 2, 16, torch.bfloat16)
-    assert half.bytes_per_block * 2 == SHAPE.bytes_per_block
+    assert bytes_per_block(SHAPE) == 2 * 2 * 16 * 2 * 16 * 4
+    half = KVCacheSpec(16, 2, 16, torch.bfloat16)
+    assert bytes_per_block([half, half]) * 2 == bytes_per_block(SHAPE)
+    # A sliding layer keeps as much per block (its blocks are not yet released outside the window).
+    assert SlidingWindowSpec(16, 2, 16, torch.float32, window=8).bytes_per_block == LAYER.bytes_per_block
 
 
 def test_num_blocks_precedence():
-    per_block = SHAPE.bytes_per_block
+    per_block = bytes_per_block(SHAPE)
     assert num_cache_blocks(CacheConfig(num_blocks=7, kv_cache_memory_bytes=per_block * 100), SHAPE, CPU) == 7
     assert num_cache_blocks(CacheConfig(kv_cache_memory_bytes=per_block * 10 + 5), SHAPE, CPU) == 10
     blocks = num_cache_blocks(CacheConfig(memory_fraction=0.01), SHAPE, CPU)
@@ -39,22 +43,23 @@ def test_quantized_blocks_hold_about_twice_the_tokens():
     KV head against two bytes per element."""
     budget = CacheConfig(kv_cache_memory_bytes=64 * 2**20)
     for head_dim, ratio in ((64, 128 / 68), (128, 256 / 132)):
-        bf16 = num_cache_blocks(budget, CacheShape(12, 16, 4, head_dim, torch.bfloat16), CPU)
+        bf16 = num_cache_blocks(budget, [KVCacheSpec(16, 4, head_dim, torch.bfloat16)] * 12, CPU)
         for dtype in (torch.int8, torch.float8_e4m3fn):
-            shape = CacheShape(12, 16, 4, head_dim, dtype)
-            assert shape.bytes_per_block == 2 * 12 * 16 * 4 * (head_dim + 4)
+            shape = [KVCacheSpec(16, 4, head_dim, dtype)] * 12
+            assert bytes_per_block(shape) == 2 * 12 * 16 * 4 * (head_dim + 4)
             quant = num_cache_blocks(budget, shape, CPU)
             assert abs(quant / bf16 - ratio) < 0.01 and quant / bf16 > 1.85
 
 
 def test_allocation_counts_the_scale_bytes_and_says_so(caplog):
-    shape = CacheShape(2, 16, 2, 64, torch.int8)
+    shape = [KVCacheSpec(16, 2, 64, torch.int8), SlidingWindowSpec(16, 2, 64, torch.int8, window=32)]
     with caplog.at_level("INFO", logger="octavo.worker.kv_cache"):
-        caches = allocate_kv_caches(shape, 5, CPU)
+        caches = allocate_kv_caches(shape, TorchSdpaBackend({None, 32}), 5, CPU)
     data_and_scales = sum(c.data.nbytes + c.scales.nbytes for c in caches)
-    assert data_and_scales == 5 * shape.bytes_per_block
+    assert data_and_scales == 5 * bytes_per_block(shape)
     assert caches[0].scales.shape == (2, 5, 2, 16) and caches[0].scales.dtype == torch.float32
     assert "5 blocks x 16 tokens = 80 tokens" in caplog.text and "torch.int8 + float32 scales" in caplog.text
+    assert "1 full: 2 KV heads x 64" in caplog.text and "1 sliding window 32: 2 KV heads x 64" in caplog.text
 
 
 def _filled(dtype: torch.dtype, seed: int) -> LayerKVCache:
@@ -144,13 +149,13 @@ def test_memory_fraction_default_is_capped_by_useful_tokens():
     assert capped == 32
     # An explicit byte budget is the user's choice and is not capped.
     explicit = num_cache_blocks(
-        CacheConfig(block_size=16, kv_cache_memory_bytes=SHAPE.bytes_per_block * 100), SHAPE, CPU, max_useful_tokens=256
+        CacheConfig(block_size=16, kv_cache_memory_bytes=bytes_per_block(SHAPE) * 100), SHAPE, CPU, max_useful_tokens=256
     )
     assert explicit == 100
 
 
 def test_ranks_sharing_one_memory_split_its_budget():
-    whole = CacheConfig(block_size=16, kv_cache_memory_bytes=SHAPE.bytes_per_block * 100)
+    whole = CacheConfig(block_size=16, kv_cache_memory_bytes=bytes_per_block(SHAPE) * 100)
     assert num_cache_blocks(whole, SHAPE, CPU, memory_share=0.5) == 50
     fraction = CacheConfig(block_size=16, memory_fraction=0.01)
     alone, halved = (num_cache_blocks(fraction, SHAPE, CPU, memory_share=s) for s in (1.0, 0.5))

@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from octavo.attention.base import AttentionMetadata
+from octavo.attention.base import PAGED_KV, AttentionMetadata
+from octavo.attention.kv_spec import KVCacheSpec, SlidingWindowSpec
 from octavo.attention.kv_quant import LayerKVCache
 from octavo.model.backends import ModelBackends
 from octavo.model.config import ArchConfig
@@ -50,12 +51,19 @@ class Attention(nn.Module):
         self.scale = arch.attention_scale if arch.attention_scale is not None else self.head_dim**-0.5
         self.softcap = arch.attn_logit_softcap
         self.backend = backends.attention
-        # A fused rotary also writes K/V into the cache, in the one layout every
-        # backend shares; q/k norm must run before rotary, so not then, and it
-        # rotates whole heads, so not with partial rotary either.
+        # A fused rotary also writes K/V into the cache, in the paged layout
+        # only; q/k norm must run before rotary, so not then, and it rotates
+        # whole heads, so not with partial rotary either.
         partial = rotary_dim(arch.layer_rope(layer_idx), self.head_dim) < self.head_dim
         self.ops = backends.ops
-        self.fused_rotary = backends.ops.fuses_rotary_write and not (options.qk_norm or partial)
+        self.fused_rotary = (backends.ops.fuses_rotary_write and self.backend.cache_layout == PAGED_KV
+                             and not (options.qk_norm or partial))
+
+    def kv_cache_spec(self, block_size: int, dtype: torch.dtype) -> KVCacheSpec:
+        """What this layer keeps per token: this rank's KV heads, in a cache of ``dtype``."""
+        if self.window is None:
+            return KVCacheSpec(block_size, self.num_kv_heads, self.head_dim, dtype)
+        return SlidingWindowSpec(block_size, self.num_kv_heads, self.head_dim, dtype, self.window)
 
     def forward(
         self,

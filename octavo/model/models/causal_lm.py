@@ -15,10 +15,12 @@ from torch import nn
 
 from octavo.attention.base import AttentionMetadata
 from octavo.attention.kv_quant import LayerKVCache
+from octavo.attention.kv_spec import KVCacheSpec
 from octavo.distributed.communication import pipeline_recv, pipeline_send
 from octavo.distributed.parallel_state import get_parallel_state, stage_layers
 from octavo.model.backends import ModelBackends
 from octavo.model.config import ArchConfig, ConfigReading
+from octavo.model.layers.attention import Attention
 from octavo.model.layers.norm import RMSNorm
 from octavo.model.layers.rotary import RotaryEmbedding
 from octavo.model.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
@@ -26,9 +28,11 @@ from octavo.model.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbe
 
 class DecoderLayer(Protocol):
     """One layer of the stack: (its output, the residual stream before it is added); each add is
-    done by the next norm, fused with it. ``rope_index``: which of the model's rotary tables it reads."""
+    done by the next norm, fused with it. ``rope_index``: which of the model's rotary tables it reads;
+    ``self_attn``: its attention block, which declares the layer's KV cache."""
 
     rope_index: int
+    self_attn: Attention
 
     def __call__(self, h: torch.Tensor, residual: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
                  kv_cache: LayerKVCache, meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]: ...
@@ -114,6 +118,10 @@ class CausalLM(nn.Module):
         """This pipeline stage's layers, in order (all of them without pipelining)."""
         r = self.model.layer_range
         return list(self.model.layers[r.start : r.stop])
+
+    def kv_cache_specs(self, block_size: int, dtype: torch.dtype) -> list[KVCacheSpec]:
+        """What each layer of this stage keeps per token, in order (the worker allocates a cache per layer)."""
+        return [layer.self_attn.kv_cache_spec(block_size, dtype) for layer in self.local_layers]
 
     def forward(
         self,
