@@ -75,7 +75,7 @@ def main() -> None:
     from octavo.kernels.amx_linear import amx_linear_kernel
     from octavo.kernels.bf16_linear import bf16_gemm_kernel, bf16_linear_kernel
     from octavo.kernels.cpu_features import BY_NAME, cpu_target
-    from octavo.kernels.cpu_linear import fp32_tiles
+    from octavo.quant.linear_table import fp32_tiles
 
     torch.manual_seed(0)
     shapes = model_matrices(args.model)
@@ -90,7 +90,7 @@ def main() -> None:
     shared = [amx.share_onednn(p, w) for p, w in zip(packed, weights)] if amx is not None else []
     if shared and all(shared):
         forms["native"] = shared
-    # The many-row ways cpu_linear.py chooses between without AMX.
+    # The many-row ways octavo/quant/linear_table.py chooses between without AMX.
     forms["fp32_tiles"] = [lambda x, w=w: fp32_tiles(w, x, None) for w in weights]
     copies = [w.float() for w in weights]
     forms["fp32_copy"] = [lambda x, w=w: F.linear(x.float(), w).to(torch.bfloat16) for w in copies]

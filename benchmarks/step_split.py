@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from typing import Any, Iterator
 
 from octavo.core.outputs import SchedulerOutput
-from octavo.kernels.cpu_linear import bucket
+from octavo.quant.linear_table import bucket
 
 
 class StepSplit:

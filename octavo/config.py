@@ -131,7 +131,7 @@ class ModelConfig:
     # "native" = on AMX CPUs onednn plus products of few rows (small-batch
     # decode) through the AMX kernel reading the same packed bytes; on other
     # CPUs Octavo's few-row kernel plus, for more rows, the way a measured
-    # table picks per shape (octavo/kernels/cpu_linear.py). "auto" = native
+    # table picks per shape (octavo/quant/linear_table.py). "auto" = native
     # when its kernels build, else onednn, else torch.
     linear_backend: str = option(
         "auto", "bf16 matmuls: weights prepacked for oneDNN (onednn); Octavo's kernels for few-row products "

@@ -33,7 +33,7 @@
  * Both exist on AVX-512 BF16 builds because which is faster depends on the
  * CPU: on a Sapphire Rapids core with AMX off, FLOAT ran at ~1.7x DOT's
  * products per second (vdpbf16ps issues at half vfmadd's rate there), where
- * CPUs with full-rate vdpbf16ps reverse that; cpu_linear.py's table measures.
+ * CPUs with full-rate vdpbf16ps reverse that; the measured table (octavo/quant/linear_table.py) decides.
  * Products of the same bf16 inputs are exact in float32 in both; only the
  * summation order differs (from each other and from torch's). Results are
  * rounded to bf16 to nearest even, as torch rounds. */

@@ -38,7 +38,7 @@ from torch.nn import functional as F
 
 from octavo.kernels import ops
 from octavo.kernels.bf16_linear import bf16_gemm_kernel
-from octavo.kernels.cpu_linear import shared_table
+from octavo.quant.linear_table import shared_table
 from octavo.kernels.quant_linear import (
     LANES,
     QuantLinearKernel,
@@ -57,7 +57,7 @@ from octavo.kernels.quant_linear import (
 # --kernels).
 FMA_ROWS = 4
 # Without AMX the FMA kernel takes up to this many rows (decode: it reads the
-# weight once at the read rate); beyond, a measured table (cpu_linear's,
+# weight once at the read rate); beyond, a measured table (octavo/quant/linear_table.py's,
 # ``MANY_ROW_BUCKETS``) picks between it and dequantizing the weight for a
 # float product (Octavo's bf16 GEMM for bf16 rows): the FMA kernel widens every
 # weight again for every 16-64 rows, which at prefill sizes costs more than

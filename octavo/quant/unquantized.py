@@ -11,7 +11,7 @@ faster than oneDNN does (BENCHMARKS.md has the figures).
 On CPUs without AMX (the kernels' target, octavo/kernels/cpu_features.py)
 bf16 weights stay plain: few-row products go through bf16_linear.c
 (AVX-512 BF16 / AVX-512F / AVX2 / portable), more rows through whichever way
-a measured table says is fastest for the shape (octavo/kernels/cpu_linear.py).
+a measured table says is fastest for the shape (octavo/quant/linear_table.py).
 """
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from octavo.kernels import ops
 from octavo.kernels.amx_linear import AmxLinearKernel, AmxWeight, amx_linear_kernel
 from octavo.kernels.bf16_linear import bf16_linear_kernel
 from octavo.kernels.cpu_features import target_has
-from octavo.kernels.cpu_linear import LinearTable, PlannedWeight, make_copies
+from octavo.quant.linear_table import LinearTable, PlannedWeight, make_copies
 from octavo.quant.base import LinearMethod, PreparedWeight, QuantizationScheme, set_weight_attrs
 
 # Batch size oneDNN picks the packed layout for; it serves 1 to 1000+ rows alike.

@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from octavo.kernels import cpu_linear, ops
+from octavo.kernels import ops
+from octavo.quant import linear_table as cpu_linear
 from octavo.kernels.bf16_linear import bf16_gemm_kernel
 from octavo.kernels.cpu_features import BY_NAME, TARGETS, cpu_info
 from tests.kernels.test_bf16_linear import ISA, assert_close_to_float32, runnable
@@ -140,7 +141,7 @@ def test_another_copy_of_the_source_builds_to_the_same_kernel(tmp_path):
     from octavo.kernels.bf16_linear import Bf16LinearKernel
     from octavo.kernels.build import load_other_source
 
-    kernels = Path(cpu_linear.__file__).parent
+    kernels = Path(ops.__file__).parent
     for name in ("bf16_gemm.c", "common.h"):
         (tmp_path / name).write_text((kernels / name).read_text())
     other = Bf16LinearKernel(load_other_source(tmp_path / "bf16_gemm.c"), "bf16_gemm")

@@ -1,6 +1,6 @@
 """The few-row bf16 kernel (bf16_linear.c) built for every target this CPU
 can execute, each forced, against a float32 reference on odd shapes; the
-large-row ways of cpu_linear.py and their measured table; the ops under
+large-row ways of octavo/quant/linear_table.py and their measured table; the ops under
 torch.compile."""
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from octavo.kernels import cpu_linear, ops
+from octavo.kernels import ops
+from octavo.quant import linear_table as cpu_linear
 from octavo.kernels.amx_linear import amx_linear_kernel
 from octavo.kernels.bf16_linear import bf16_gemm_kernel, bf16_linear_kernel, bf16_linear_widening_kernel
 from octavo.kernels.cpu_features import BY_NAME, TARGETS, cpu_info, cpu_target

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import octavo.quant.qweights as qweights
-from octavo.kernels import cpu_linear
+from octavo.quant import linear_table as cpu_linear
 from octavo.kernels.quant_linear import (
     pack_groups,
     pack_int4,

@@ -139,7 +139,7 @@ def test_the_seam_is_abstract():
 def test_table_method_keeps_the_plain_weight_and_matches_f_linear(rows, tmp_path):
     """The method CPUs without AMX get (forced here by building it directly):
     the weight stays plain, every row count gives F.linear's values."""
-    from octavo.kernels.cpu_linear import LinearTable
+    from octavo.quant.linear_table import LinearTable
     from octavo.quant.unquantized import TableLinearMethod
 
     method = TableLinearMethod(LinearTable(path=tmp_path / "table.json"))
