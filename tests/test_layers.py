@@ -19,9 +19,11 @@ ROOT = "<root>"  # tokenizer.py, config.py, sampling_params.py, outputs.py, ...:
 
 ALLOWED: dict[str, set[str]] = {
     # Fronts talk to engines only: the engine's async client (ZMQ) or HTTP.
-    "server": {"engine", ROOT},
-    # The gateway validates with the server's request models and hashes prompts as the prefix cache does.
-    "gateway": {"server.protocol", "server.api_requests", "server.errors", "core.prefix_hash", ROOT},
+    "server": {"engine", "openai", ROOT},
+    # The gateway validates with the replicas' request models and hashes prompts as the prefix cache does.
+    "gateway": {"openai", "core.prefix_hash", ROOT},
+    # The OpenAI API's bodies and errors, shared by both fronts: torch-free and engine-free.
+    "openai": set(),
     "autoscale": {ROOT},
     # The capacity simulator drives the real scheduler, the gateway's routing policies and the autoscaler's policy.
     "simulate": {"core", "gateway", "autoscale", ROOT},

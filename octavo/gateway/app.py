@@ -29,9 +29,10 @@ from octavo.gateway.proxy import Forwarder, NoReplica, split_events
 from octavo.gateway.ratelimit import Buckets, MemoryBuckets, RateLimiter, RedisBuckets, retry_after_header
 from octavo.gateway.replicas import ReplicaSet, normalize_url
 from octavo.gateway.routing import KVAware, LeastLoad, Policy, PrefixAffinity, RoundRobin, RouteInput, Session
-from octavo.server.api_requests import EmbeddingRequest, ResponsesRequest
-from octavo.server.errors import APIError, bad_request, error_body, error_response, validation_error
-from octavo.server.protocol import ChatCompletionRequest, CompletionRequest
+from octavo.openai.embeddings import EmbeddingRequest
+from octavo.openai.errors import APIError, bad_request, error_body, error_response, validation_error
+from octavo.openai.protocol import ChatCompletionRequest, CompletionRequest
+from octavo.openai.responses import ResponsesRequest
 from octavo.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)

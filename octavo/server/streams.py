@@ -9,8 +9,8 @@ from fastapi import Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
+from octavo.openai.errors import APIError, sse_error
 from octavo.outputs import OutputAccumulator, RequestOutput
-from octavo.server.errors import APIError, sse_error
 
 T = TypeVar("T")
 
