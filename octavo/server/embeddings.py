@@ -15,12 +15,13 @@ from typing import AsyncIterator, Optional, Union
 from fastapi import Request
 from fastapi.responses import Response
 
+from octavo.openai.disconnect import until_disconnected
 from octavo.openai.embeddings import EmbeddingData, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage
 from octavo.openai.errors import bad_request
 from octavo.outputs import RequestOutput
 from octavo.pooling import PoolingParams
 from octavo.server.state import ServerState
-from octavo.server.streams import merge, until_disconnected
+from octavo.server.streams import merge
 
 
 async def create_embedding(req: EmbeddingRequest, raw: Request, state: ServerState) -> Response:

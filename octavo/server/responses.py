@@ -33,6 +33,7 @@ from fastapi import Request
 from fastapi.responses import Response
 from pydantic import BaseModel
 
+from octavo.openai.disconnect import until_disconnected
 from octavo.openai.errors import APIError, bad_request
 from octavo.openai.protocol import (
     ChatCompletionRequest,
@@ -54,7 +55,7 @@ from octavo.outputs import RequestOutput
 from octavo.sampling_params import SamplingParams
 from octavo.server.chat import prepare_chat
 from octavo.server.state import ServerState
-from octavo.server.streams import collect, primed, sse_response, until_disconnected
+from octavo.server.streams import collect, primed, sse_response
 
 # OpenAI's limits on metadata.
 _MAX_METADATA = 16
