@@ -29,13 +29,14 @@ ALLOWED: dict[str, set[str]] = {
     "simulate": {"core", "gateway", "autoscale", ROOT},
     # The CLI and LLM(...) build one EngineConfig; `octavo serve` starts the server.
     "entrypoints": {"engine", "server", "gateway", "autoscale", "simulate", "assets", ROOT},
-    # Scheduler + executor; grammars compile and generation_config.json is read here.
-    "engine": {"core", "executor", "sample", "model", ROOT},
+    # Scheduler + executor; grammars compile and generation_config.json is read here, and the
+    # model path is checked (checkpoint/paths.py) before anything starts.
+    "engine": {"core", "executor", "sample", "model", "checkpoint", ROOT},
     "core": {ROOT},
     "executor": {"worker", "distributed", "core.outputs", ROOT},
     # The step contract (core/outputs.py, and core/step_state.py: the rank's half
     # of the request state the step deltas update) is the only part of core a rank reads.
-    "worker": {"core.outputs", "core.step_state", "model", "attention", "quant", "sample", "spec_decode",
+    "worker": {"core.outputs", "core.step_state", "model", "checkpoint", "attention", "quant", "sample", "spec_decode",
                "distributed", "kernels", ROOT},
     # The proposer reads the rank's request state (core/step_state.py), as the sampler does.
     "spec_decode": {"core.step_state", ROOT},

@@ -32,11 +32,13 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from octavo.attention.base import AttentionBackend, AttentionMetadata, StepLayout
+from octavo.checkpoint.paths import model_path
 from octavo.config import CacheConfig, ModelConfig, SpeculativeConfig
 from octavo.core.step_state import CachedRequestState, ScheduledRow
 from octavo.distributed.parallel_state import ParallelState, parallel_state
 from octavo.model.config import ArchConfig, load_arch_config
-from octavo.model.loader import load_model, model_path, resolve_dtype
+from octavo.model.dtypes import resolve_dtype
+from octavo.model.loader import load_model
 from octavo.sample.metadata import SamplingMetadata
 from octavo.sample.sampler import sample_from_probs, warp_logits
 from octavo.spec_decode.proposer import Proposal, ProposalInput, Proposer
