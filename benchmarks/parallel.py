@@ -31,7 +31,7 @@ from benchmarks.report import load_avg, print_table, write_json
 from octavo import LLM, SamplingParams
 from octavo.assets import MINI_MODEL_PATH
 from octavo.model.config import load_arch_config
-from octavo.model.loader import resolve_dtype
+from octavo.model.dtypes import resolve_dtype
 
 ROWS = [
     ("1 process, 1 thread", dict(), 1),

@@ -15,42 +15,46 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "octavo"
-ROOT = "<root>"  # tokenizer.py, config.py, sampling_params.py, outputs.py, ...: used by every layer
+ROOT = "<root>"  # tokenizer.py, config.py, sampling_params.py, outputs.py, ...: shared by the layers
 
 ALLOWED: dict[str, set[str]] = {
     # Fronts talk to engines only: the engine's async client (ZMQ) or HTTP.
-    "server": {"engine", ROOT},
-    # The gateway validates with the server's request models and hashes prompts as the prefix cache does.
-    "gateway": {"server.protocol", "server.api_requests", "server.errors", "core.prefix_hash", ROOT},
+    "server": {"engine", "openai", ROOT},
+    # The gateway validates with the replicas' request models and hashes prompts as the prefix cache does.
+    "gateway": {"openai", "core.prefix_hash", ROOT},
+    # The OpenAI API's bodies and errors, shared by both fronts: torch-free and engine-free.
+    "openai": set(),
     "autoscale": {ROOT},
     # The capacity simulator drives the real scheduler, the gateway's routing policies and the autoscaler's policy.
     "simulate": {"core", "gateway", "autoscale", ROOT},
     # The CLI and LLM(...) build one EngineConfig; `octavo serve` starts the server.
     "entrypoints": {"engine", "server", "gateway", "autoscale", "simulate", "assets", ROOT},
-    # Scheduler + executor; grammars compile and generation_config.json is read here.
-    "engine": {"core", "executor", "sample", "model", ROOT},
-    "core": {"kv_offload", ROOT},
+    # Scheduler + executor; grammars compile and generation_config.json is read here, and the
+    # model path is checked (checkpoint/paths.py) before anything starts.
+    "engine": {"core", "executor", "sample", "model", "checkpoint", ROOT},
+    "core": {ROOT},
     "executor": {"worker", "distributed", "core.outputs", ROOT},
     # The step contract (core/outputs.py, and core/step_state.py: the rank's half
     # of the request state the step deltas update) is the only part of core a rank reads.
-    "worker": {"core.outputs", "core.step_state", "model", "attention", "quant", "sample", "spec_decode", "kv_offload",
+    "worker": {"core.outputs", "core.step_state", "model", "checkpoint", "attention", "quant", "sample", "spec_decode",
                "distributed", "kernels", ROOT},
-    # The proposer reads the rank's request state (core/step_state.py), as the sampler does.
-    "spec_decode": {"core.step_state", "model", "sample", "attention", "quant", "distributed", "kernels", ROOT},
+    # The proposer reads the rank's request state (core/step_state.py), as the sampler does; the
+    # draft-model proposer lays out its draft's steps (attention), samples its proposals (sample) and
+    # checks the draft against the target (model config, checkpoint paths).
+    "spec_decode": {"core.step_state", "attention", "model", "sample", "checkpoint", ROOT},
     # GGUF metadata and vocabularies are read through checkpoint/ (torch-free, shared with the tokenizer).
     "model": {"attention", "quant", "distributed", "kernels", "checkpoint", ROOT},
-    "attention": {"distributed", "kernels", ROOT},
+    "attention": {"kernels"},
     "quant": {"distributed", "kernels", ROOT},
     # The sampler reads the rank's request state; the grammar bitmask travels in the step contract,
     # filled by grammars of the structured-output seam.
-    "sample": {"core.outputs", "core.step_state", "core.structured_output", "kernels", ROOT},
-    "kv_offload": {"distributed", "kernels", ROOT},
-    "distributed": {ROOT},
+    "sample": {"core.outputs", "core.step_state", "core.structured_output", ROOT},
+    "distributed": set(),
     "kernels": set(),
     "assets": set(),
     # Checkpoint files read without torch (GGUF, SentencePiece): below the package root's tokenizer.
     "checkpoint": set(),
-    ROOT: {ROOT, "checkpoint"},
+    ROOT: {"checkpoint"},
 }
 
 def _layer(module: str) -> str:
@@ -100,19 +104,37 @@ def _edges() -> list[tuple[str, str]]:
     return edges
 
 
-def _allowed(src: str, dst: str) -> bool:
+def _entry(src: str, dst: str) -> str | None:
+    """The entry of ALLOWED that lets ``src`` import ``dst``: the most specific
+    one ("core.outputs" before "core"), None when there is none."""
     target = dst.split(".", 1)[1] if _layer(dst) != ROOT else ROOT
-    return any(target == a or target.startswith(a + ".") for a in ALLOWED[_layer(src)])
+    matches = [a for a in ALLOWED[_layer(src)] if target == a or target.startswith(a + ".")]
+    return max(matches, key=len, default=None)
+
+
+def _allowed(src: str, dst: str) -> bool:
+    return _entry(src, dst) is not None
 
 
 def test_every_folder_has_a_place_in_the_design():
     folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").is_file()}
     assert folders <= set(ALLOWED), f"add {sorted(folders - set(ALLOWED))} to ALLOWED (and to DESIGN.md)"
+    # A layer without a folder is a rule about nothing.
+    assert set(ALLOWED) - {ROOT} <= folders, f"no folder for {sorted(set(ALLOWED) - {ROOT} - folders)} in ALLOWED"
 
 
 def test_no_import_runs_upward():
     bad = [f"{src} -> {dst}" for src, dst in _edges() if not _allowed(src, dst)]
     assert not bad, "imports against the layering of DESIGN.md:\n" + "\n".join(bad)
+
+
+def test_every_allowed_import_is_used():
+    """An allowed edge that no module needs only widens what a layer may
+    import without anyone noticing: the graph says what is, no more."""
+    used = {(_layer(src), _entry(src, dst)) for src, dst in _edges()}
+    unused = [f"{layer} -> {entry}" for layer, entries in ALLOWED.items() for entry in sorted(entries)
+              if (layer, entry) not in used]
+    assert not unused, "allowed but imported by no module (remove from ALLOWED):\n" + "\n".join(unused)
 
 
 def test_the_allowed_graph_has_no_cycle():

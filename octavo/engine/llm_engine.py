@@ -9,6 +9,7 @@ from collections import deque
 from pathlib import Path
 from typing import Iterable, Optional
 
+from octavo.checkpoint.paths import model_path
 from octavo.config import EngineConfig
 from octavo.core.outputs import EngineCoreOutput, ModelRunnerOutput, SchedulerOutput
 from octavo.core.request import Request, RequestStatus
@@ -22,7 +23,6 @@ from octavo.executor.registry import create_executor
 from octavo.model.config import load_arch_config
 from octavo.model.generation_config import GenerationDefaults, load_generation_defaults
 from octavo.model.pooler_config import resolve_pooler
-from octavo.model.loader import model_path
 from octavo.outputs import RequestMetrics, RequestOutput
 from octavo.pooling import PoolingParams
 from octavo.sampling_params import RequestOutputKind, SamplingParams

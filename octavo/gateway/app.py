@@ -29,9 +29,11 @@ from octavo.gateway.proxy import Forwarder, NoReplica, split_events
 from octavo.gateway.ratelimit import Buckets, MemoryBuckets, RateLimiter, RedisBuckets, retry_after_header
 from octavo.gateway.replicas import ReplicaSet, normalize_url
 from octavo.gateway.routing import KVAware, LeastLoad, Policy, PrefixAffinity, RoundRobin, RouteInput, Session
-from octavo.server.api_requests import EmbeddingRequest, ResponsesRequest
-from octavo.server.errors import APIError, bad_request, error_body, error_response, validation_error
-from octavo.server.protocol import ChatCompletionRequest, CompletionRequest
+from octavo.openai.disconnect import until_disconnected
+from octavo.openai.embeddings import EmbeddingRequest
+from octavo.openai.errors import APIError, bad_request, error_body, error_response, validation_error
+from octavo.openai.protocol import ChatCompletionRequest, CompletionRequest
+from octavo.openai.responses import ResponsesRequest
 from octavo.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -280,14 +282,13 @@ def _generate_route(path: str):
                 return _cached_response(hit, stream)
         route_input = await _route_input(gw, request, data, path)
         try:
-            upstream = await _until_disconnected(
+            # A client that leaves first gets a 499 nobody reads; the upstream call is closed with it.
+            upstream = await until_disconnected(
                 request, gw.forwarder.send("POST", path, raw, _forward_headers(request), route_input, stream)
             )
         except NoReplica:
             gw.metrics.unavailable.inc()
             return _unavailable(gw.config)
-        if upstream is None:  # the client left first
-            return Response(status_code=499)
         headers = {**upstream.headers, "x-octavo-replica": upstream.replica.url}
         gw.metrics.added_latency.observe(max(0.0, time.monotonic() - start - upstream.waited_s))
         if upstream.events is None:
@@ -302,29 +303,6 @@ def _generate_route(path: str):
         )
 
     return route
-
-
-async def _until_disconnected(request: Request, work: Any) -> Any:
-    """``work``'s result, or None (and ``work`` cancelled, closing its upstream
-    connection) when the client disconnects before it is done."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-    if not task.done():
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        return None
-    return task.result()
-
-
-async def _disconnected(request: Request) -> None:
-    # The body is read, so the next ASGI message can only be the disconnect.
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 def _for_key(data: dict[str, Any], raw: bytes, key: KeyConfig, usage_chunk: bool) -> tuple[bytes, bool]:

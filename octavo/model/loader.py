@@ -11,10 +11,12 @@ from typing import Iterator, Optional, Union
 
 import torch
 
+from octavo.checkpoint.gguf_file import is_gguf
+from octavo.checkpoint.paths import model_path
 from octavo.model.backends import ModelBackends
 from octavo.model.checkpoint_tensors import TensorSource, folder_source
-from octavo.checkpoint.gguf_file import is_gguf
 from octavo.model.config import ArchConfig, load_arch_config
+from octavo.model.dtypes import resolve_dtype
 from octavo.model.gguf.tensors import GgufSource
 from octavo.model.layers.linear import load_shard
 from octavo.model.models.causal_lm import CausalLM
@@ -24,36 +26,10 @@ from octavo.quant.prequantized import CheckpointScheme
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {
-    "float32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-    "half": torch.float16,
-}
 # Checkpoints may carry tensors that are recomputed rather than loaded, and
 # static K/V cache scales, which the worker reads for a quantized cache
 # (octavo/model/kv_scales.py).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "self_attn.k_scale", "self_attn.v_scale")
-
-
-def resolve_dtype(requested: str, checkpoint: Optional[str]) -> torch.dtype:
-    """"auto" means the checkpoint's dtype, float32 when config.json has none."""
-    name = (checkpoint or "float32") if requested == "auto" else requested
-    if name not in _DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(sorted(_DTYPES))}; got {name!r}")
-    return _DTYPES[name]
-
-
-def model_path(model: str | Path) -> Path:
-    """The model's checkpoint folder or GGUF file; ValueError when it is neither."""
-    path = Path(model)
-    if path.is_file() and not is_gguf(path):
-        raise ValueError(f"model {str(model)!r} is a file but not a GGUF file (expected a checkpoint folder "
-                         "or a .gguf file)")
-    if not (path.is_dir() or path.is_file()):
-        raise ValueError(f"model {str(model)!r} does not exist (expected a checkpoint folder or a .gguf file)")
-    return path
 
 
 def checkpoint_source(path: Path) -> TensorSource:

@@ -16,16 +16,18 @@ import octavo
 from octavo.config import EngineConfig
 from octavo.engine.async_client import AsyncEngineClient
 from octavo.engine.restart_policy import RestartPolicy
+from octavo.openai.embeddings import EmbeddingRequest
+from octavo.openai.errors import bad_request, error_body, install_error_handlers
+from octavo.openai.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from octavo.openai.responses import ResponsesRequest
 from octavo.server.chat import create_chat_completion, render_messages, template_tools
 from octavo.server.completions import create_completion
-from octavo.server.embeddings import EmbeddingRequest, create_embedding
-from octavo.server.responses import ResponsesRequest, create_response
 from octavo.server.config import ServerConfig
-from octavo.server.errors import bad_request, error_body, install_error_handlers
+from octavo.server.embeddings import create_embedding
 from octavo.server.engine_collector import EngineSource
 from octavo.server.metrics import ServerMetrics, instrument_http, new_registry
 from octavo.server.middleware import APIKeyMiddleware, BodyLimitMiddleware, RequestIdMiddleware
-from octavo.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from octavo.server.responses import create_response
 from octavo.server.state import ServerState
 from octavo.tokenizer import Tokenizer
 

@@ -11,11 +11,9 @@ from typing import Any, AsyncIterator, Optional
 from fastapi import Request
 from fastapi.responses import Response
 
-from octavo.outputs import RequestOutput
-from octavo.server.errors import bad_request
-from octavo.server.logprobs import chat_logprobs, prompt_logprobs_body
-from octavo.server.params import build_sampling_params, request_api_names
-from octavo.server.protocol import (
+from octavo.openai.disconnect import until_disconnected
+from octavo.openai.errors import bad_request
+from octavo.openai.protocol import (
     ChatChoice,
     ChatChunkChoice,
     ChatCompletionChunk,
@@ -28,8 +26,11 @@ from octavo.server.protocol import (
     ToolCall,
     Usage,
 )
+from octavo.outputs import RequestOutput
+from octavo.server.logprobs import chat_logprobs, prompt_logprobs_body
+from octavo.server.params import build_sampling_params, request_api_names
 from octavo.server.state import ServerState
-from octavo.server.streams import collect, primed, sse, sse_response, until_disconnected
+from octavo.server.streams import collect, primed, sse, sse_response
 from octavo.server.tools import ToolPlan, plan_tools
 
 # Template variables a request sets through their own fields, not chat_template_kwargs.

@@ -11,14 +11,15 @@ from typing import AsyncIterator, Optional
 from fastapi import Request
 from fastapi.responses import Response
 
+from octavo.openai.disconnect import until_disconnected
+from octavo.openai.errors import bad_request
+from octavo.openai.protocol import CompletionChoice, CompletionRequest, CompletionResponse, Usage
 from octavo.outputs import OutputAccumulator, RequestOutput, TokenLogprobs
 from octavo.sampling_params import SamplingParams
-from octavo.server.errors import bad_request
 from octavo.server.logprobs import LegacyLogprobs, aligned_prompt_logprobs, prompt_logprobs_body
 from octavo.server.params import build_sampling_params, request_api_names
-from octavo.server.protocol import CompletionChoice, CompletionRequest, CompletionResponse, Usage
 from octavo.server.state import ServerState
-from octavo.server.streams import merge, primed, sse, sse_response, until_disconnected
+from octavo.server.streams import merge, primed, sse, sse_response
 
 _MAX_LEGACY_LOGPROBS = 5
 

@@ -10,36 +10,18 @@ import asyncio
 import base64
 import contextlib
 import struct
-from typing import AsyncIterator, Literal, Optional, Union
+from typing import AsyncIterator, Optional, Union
 
 from fastapi import Request
 from fastapi.responses import Response
-from pydantic import BaseModel
 
+from octavo.openai.disconnect import until_disconnected
+from octavo.openai.embeddings import EmbeddingData, EmbeddingRequest, EmbeddingResponse, EmbeddingUsage
+from octavo.openai.errors import bad_request
 from octavo.outputs import RequestOutput
 from octavo.pooling import PoolingParams
-from octavo.server.errors import bad_request
-from octavo.server.api_requests import EmbeddingRequest
 from octavo.server.state import ServerState
-from octavo.server.streams import merge, until_disconnected
-
-
-class EmbeddingData(BaseModel):
-    object: Literal["embedding"] = "embedding"
-    index: int
-    embedding: Union[list[float], str]
-
-
-class EmbeddingUsage(BaseModel):
-    prompt_tokens: int
-    total_tokens: int
-
-
-class EmbeddingResponse(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[EmbeddingData]
-    model: str
-    usage: EmbeddingUsage
+from octavo.server.streams import merge
 
 
 async def create_embedding(req: EmbeddingRequest, raw: Request, state: ServerState) -> Response:

@@ -14,8 +14,8 @@ import json
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
-from octavo.server.errors import bad_request
-from octavo.server.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, TokenizeRequest
+from octavo.openai.errors import bad_request
+from octavo.openai.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, TokenizeRequest
 
 
 def _limit(default: int | float, help: str) -> Any:

@@ -3,8 +3,7 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from octavo.outputs import TokenLogprobs
-from octavo.server.protocol import (
+from octavo.openai.protocol import (
     ChatLogprobs,
     ChatTokenLogprob,
     CompletionLogprobs,
@@ -12,6 +11,7 @@ from octavo.server.protocol import (
     PromptLogprobs,
     TopLogprob,
 )
+from octavo.outputs import TokenLogprobs
 from octavo.tokenizer import Tokenizer
 
 

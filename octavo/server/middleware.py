@@ -14,7 +14,7 @@ from typing import Any, Awaitable, Callable
 
 from starlette.exceptions import HTTPException
 
-from octavo.server.errors import REQUEST_ID, error_body, internal_error
+from octavo.openai.errors import REQUEST_ID, error_body, internal_error
 
 Scope = dict[str, Any]
 Message = dict[str, Any]

@@ -5,9 +5,9 @@ import dataclasses
 import re
 from typing import Any, Optional
 
+from octavo.openai.errors import APIError, bad_request
+from octavo.openai.protocol import SamplingFields
 from octavo.sampling_params import SamplingParams, StructuredOutputParams
-from octavo.server.errors import APIError, bad_request
-from octavo.server.protocol import SamplingFields
 
 # Fields copied as they are when the request sets them.
 _DIRECT = (

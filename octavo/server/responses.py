@@ -27,26 +27,35 @@ import json
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Iterator, Literal, Optional
+from typing import Any, AsyncIterator, Iterator, Optional
 
 from fastapi import Request
 from fastapi.responses import Response
-from pydantic import BaseModel, Field
+from pydantic import BaseModel
 
-from octavo.outputs import RequestOutput
-from octavo.sampling_params import SamplingParams
-from octavo.server.api_requests import InputMessage, ResponsesRequest, TextConfig
-from octavo.server.chat import prepare_chat
-from octavo.server.errors import APIError, bad_request
-from octavo.server.protocol import (
+from octavo.openai.disconnect import until_disconnected
+from octavo.openai.errors import APIError, bad_request
+from octavo.openai.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     ContentPart,
     JsonSchemaFormat,
     ResponseFormat,
 )
+from octavo.openai.responses import (
+    InputMessage,
+    OutputMessage,
+    OutputText,
+    ResponseObject,
+    ResponsesRequest,
+    ResponseUsage,
+    TextConfig,
+)
+from octavo.outputs import RequestOutput
+from octavo.sampling_params import SamplingParams
+from octavo.server.chat import prepare_chat
 from octavo.server.state import ServerState
-from octavo.server.streams import collect, primed, sse_response, until_disconnected
+from octavo.server.streams import collect, primed, sse_response
 
 # OpenAI's limits on metadata.
 _MAX_METADATA = 16
@@ -56,53 +65,6 @@ _MAX_METADATA_VALUE = 512
 _FIELD_NAMES = {"messages": "input", "max_completion_tokens": "max_output_tokens", "response_format": "text"}
 # SamplingParams field -> this API's field, for errors from the engine.
 _API_NAMES = {"max_tokens": "max_output_tokens", "structured_outputs": "text"}
-
-
-class OutputText(BaseModel):
-    type: Literal["output_text"] = "output_text"
-    text: str
-    annotations: list[Any] = Field(default_factory=list)
-
-
-class OutputMessage(BaseModel):
-    type: Literal["message"] = "message"
-    id: str
-    status: Literal["in_progress", "completed", "incomplete"]
-    role: Literal["assistant"] = "assistant"
-    content: list[OutputText] = Field(default_factory=list)
-
-
-class ResponseUsage(BaseModel):
-    input_tokens: int
-    input_tokens_details: dict[str, int]
-    output_tokens: int
-    output_tokens_details: dict[str, int]
-    total_tokens: int
-
-
-class ResponseObject(BaseModel):
-    id: str
-    object: Literal["response"] = "response"
-    created_at: int
-    status: Literal["in_progress", "completed", "incomplete"]
-    error: None = None
-    incomplete_details: Optional[dict[str, str]] = None
-    instructions: Optional[str] = None
-    max_output_tokens: Optional[int] = None
-    model: str
-    output: list[OutputMessage] = Field(default_factory=list)
-    parallel_tool_calls: bool = False
-    previous_response_id: None = None
-    store: bool = False
-    temperature: float
-    top_p: float
-    text: dict[str, Any]
-    tool_choice: Literal["none"] = "none"
-    tools: list[Any] = Field(default_factory=list)
-    truncation: Literal["disabled"] = "disabled"
-    usage: Optional[ResponseUsage] = None
-    user: Optional[str] = None
-    metadata: dict[str, str] = Field(default_factory=dict)
 
 
 async def create_response(req: ResponsesRequest, raw: Request, state: ServerState) -> Response:

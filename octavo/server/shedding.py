@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from octavo.engine.stats import EngineStats
-from octavo.server.errors import APIError
+from octavo.openai.errors import APIError
 
 
 @dataclass

@@ -8,16 +8,16 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Optional
 
 from octavo.engine.async_client import AsyncEngineClient, EngineDeadError, EngineRequestError, RequestTimeoutError
+from octavo.openai.errors import APIError, bad_request
+from octavo.openai.protocol import SamplingFields
 from octavo.outputs import RequestOutput
 from octavo.pooling import PoolingParams
 from octavo.sampling_params import SamplingParams
-from octavo.server.config import ServerConfig
-from octavo.server.errors import APIError, bad_request
 from octavo.server import metrics
+from octavo.server.config import ServerConfig
 from octavo.server.metrics import ServerMetrics
-from octavo.server.protocol import SamplingFields
-from octavo.server.shedding import check_shedding
 from octavo.server.params import param_error
+from octavo.server.shedding import check_shedding
 from octavo.tokenizer import Tokenizer
 
 

@@ -1,16 +1,17 @@
-"""Async plumbing shared by the handlers: merging request streams, SSE, disconnects."""
+"""Async plumbing shared by the handlers: merging request streams, SSE."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import AsyncIterator, Awaitable, Callable, Optional, TypeVar
+from typing import AsyncIterator, Callable, Optional, TypeVar
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 
+from octavo.openai.disconnect import until_disconnected
+from octavo.openai.errors import APIError, sse_error
 from octavo.outputs import OutputAccumulator, RequestOutput
-from octavo.server.errors import APIError, sse_error
 
 T = TypeVar("T")
 
@@ -50,26 +51,6 @@ async def merge(streams: list[AsyncIterator[T]]) -> AsyncIterator[tuple[int, T]]
                 await stream.aclose()  # type: ignore[attr-defined]
 
 
-async def until_disconnected(request: Request, work: Awaitable[T]) -> T:
-    """Run ``work`` unless the client goes away first, in which case it is
-    cancelled (its engine requests abort) and the handler's task ends too."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_disconnect(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(BaseException):
-                await task
-    if task.cancelled():
-        # Nobody reads this answer; it just ends the handler without an
-        # exception (499: nginx's "client closed request").
-        raise APIError(499, "client disconnected")
-    return task.result()
-
-
 async def primed(request: Request, stream: AsyncIterator[T]) -> AsyncIterator[T]:
     """Wait for the stream's first item before the response starts, so that
     a request the engine refuses still gets a real error status (not an
@@ -83,12 +64,6 @@ async def primed(request: Request, stream: AsyncIterator[T]) -> AsyncIterator[T]
                 yield item
 
     return replay()
-
-
-async def _wait_disconnect(request: Request) -> None:
-    # The body has been read, so the next ASGI message is the disconnect.
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 def sse(chunk: BaseModel) -> str:

@@ -21,9 +21,9 @@ import copy
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from octavo.openai.errors import bad_request
+from octavo.openai.protocol import ChatCompletionRequest, ChatMessageOut, FunctionCallOut, NamedToolChoice, ToolCallOut
 from octavo.server.config import ServerConfig
-from octavo.server.errors import bad_request
-from octavo.server.protocol import ChatCompletionRequest, ChatMessageOut, FunctionCallOut, NamedToolChoice, ToolCallOut
 from octavo.server.tool_parsers import PARSERS, Parsed, ParsedCall, ToolParser
 from octavo.server.tool_parsers.base import call_from_object, decode_json
 

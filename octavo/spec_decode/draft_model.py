@@ -33,10 +33,10 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from octavo.attention.base import AttentionBackend, AttentionMetadata, StepLayout
+from octavo.checkpoint.paths import model_path
 from octavo.config import SpeculativeConfig
 from octavo.core.step_state import CachedRequestState, ScheduledRow
 from octavo.model.config import ArchConfig, load_arch_config
-from octavo.model.loader import model_path
 from octavo.sample.metadata import SamplingMetadata
 from octavo.sample.sampler import sample_from_probs, warp_logits
 from octavo.spec_decode.proposer import Proposal, ProposalInput, Proposer, ProposerContext

@@ -15,7 +15,9 @@ from octavo.core.step_state import ScheduledRow
 from octavo.distributed.parallel_state import ParallelState, parallel_state
 from octavo.model.backends import ModelBackends
 from octavo.model.config import ArchConfig, load_arch_config
-from octavo.model.loader import load_model, model_path, resolve_dtype
+from octavo.checkpoint.paths import model_path
+from octavo.model.dtypes import resolve_dtype
+from octavo.model.loader import load_model
 from octavo.model.models.causal_lm import CausalLM
 from octavo.worker.backends import model_backends
 from octavo.worker.input_batch import prepare_inputs

@@ -9,14 +9,16 @@ from typing import Callable, Optional
 import torch
 
 from octavo.attention.kv_quant import KV_QUANT_DTYPES
+from octavo.checkpoint.paths import model_path
 from octavo.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from octavo.core.outputs import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from octavo.core.step_state import BatchState, CachedRequestState, ScheduledRow
 from octavo.distributed.parallel_state import get_parallel_state
 from octavo.kernels.build import default_kernels, prebuild
 from octavo.model.config import load_arch_config
+from octavo.model.dtypes import resolve_dtype
 from octavo.model.kv_scales import load_static_kv_scales
-from octavo.model.loader import load_model, model_path, resolve_dtype
+from octavo.model.loader import load_model
 from octavo.model.pooler_config import resolve_pooler
 from octavo.outputs import TokenLogprobs
 from octavo.sample.logprobs import token_logprobs

@@ -1,7 +1,9 @@
 """The torch-free parts of the design (DESIGN.md): octavo/core, the fronts
-that run without torch (gateway/, autoscale/, simulate/) and the package-root modules
-every layer uses. Each is imported in a fresh interpreter, since any earlier
-test may have imported torch into this one."""
+(server/, gateway/ and the OpenAI API they share in openai/), autoscale/,
+simulate/, and the package-root modules every layer uses. The server is
+torch-free whole because its engine runs in a process of its own. Each module
+is imported in a fresh interpreter, since any earlier test may have imported
+torch into this one."""
 from __future__ import annotations
 
 import subprocess
@@ -11,7 +13,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "octavo"
-TORCH_FREE_FOLDERS = ("core", "gateway", "autoscale", "simulate", "checkpoint")
+TORCH_FREE_FOLDERS = ("core", "server", "openai", "gateway", "autoscale", "simulate", "checkpoint")
 
 
 def _torch_free_modules() -> list[str]:
@@ -25,9 +27,11 @@ def _torch_free_modules() -> list[str]:
     return modules
 
 
-def test_the_list_covers_the_core_and_the_root_modules():
+def test_the_list_covers_the_core_the_fronts_and_the_root_modules():
     modules = _torch_free_modules()
-    assert {"octavo.core.scheduler", "octavo.config", "octavo.outputs", "octavo.tokenizer"} <= set(modules)
+    assert {"octavo", "octavo.core.scheduler", "octavo.config", "octavo.outputs", "octavo.tokenizer",
+            "octavo.server.launcher", "octavo.openai.protocol", "octavo.gateway.app",
+            "octavo.autoscale.runner"} <= set(modules)
 
 
 @pytest.mark.parametrize("module", _torch_free_modules())

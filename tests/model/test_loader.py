@@ -8,7 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from octavo.model.loader import load_model, resolve_dtype
+from octavo.model.dtypes import resolve_dtype
+from octavo.model.loader import load_model
 from tests.model_factory import make_tiny_model
 
 

@@ -8,9 +8,9 @@ import httpx
 import pytest
 
 from octavo.config import EngineConfig, ModelConfig
+from octavo.openai.errors import REQUEST_ID, APIError, error_response
 from octavo.server.app import build_app
 from octavo.server.config import ServerConfig
-from octavo.server.errors import REQUEST_ID, APIError, error_response
 
 
 class _BrokenState:

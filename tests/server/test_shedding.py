@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from octavo.engine.stats import EngineStats
-from octavo.server.errors import APIError
+from octavo.openai.errors import APIError
 from octavo.server.shedding import ShedConfig, check_shedding
 from tests.model_factory import make_tiny_model
 from tests.server.conftest import ServerProcess

@@ -9,9 +9,9 @@ import random
 
 import pytest
 
+from octavo.openai.errors import APIError
+from octavo.openai.protocol import ChatCompletionRequest
 from octavo.server.config import ServerConfig
-from octavo.server.errors import APIError
-from octavo.server.protocol import ChatCompletionRequest
 from octavo.server.tool_parsers import PARSERS
 from octavo.server.tools import ToolOutput, plan_tools
 

@@ -28,7 +28,7 @@ _TYPES = {
     503: "service_unavailable_error",
 }
 
-# Set per request by RequestIdMiddleware; read where errors are logged and answered.
+# Set per request by the server's RequestIdMiddleware; read where errors are logged and answered.
 REQUEST_ID: contextvars.ContextVar[str] = contextvars.ContextVar("octavo_request_id", default="-")
 
 

@@ -1,28 +1,12 @@
-"""Request bodies of /v1/embeddings and /v1/responses.
-
-Apart from their routes so that the gateway, which must stay torch-free, can
-validate these bodies with the very models a replica uses (as it does with
-octavo/server/protocol.py for completions and chat)."""
+"""Bodies of /v1/responses, OpenAI's Responses API (its text subset): the
+request's input items and the response object its stream and answer carry."""
 from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
 
-from pydantic import Field
+from pydantic import BaseModel, Field
 
-from octavo.server.protocol import _Body, _Request
-
-
-class EmbeddingRequest(_Body):
-    model: Optional[str] = None
-    # A text, texts, token ids, or lists of token ids (OpenAI's four shapes).
-    input: Union[str, list[str], list[int], list[list[int]]]
-    encoding_format: Literal["float", "base64"] = "float"
-    dimensions: Optional[int] = None
-    user: Optional[str] = None
-    # Extensions (vLLM's names).
-    priority: int = 0
-    add_special_tokens: bool = True
-
+from octavo.openai.protocol import _Body, _Request
 
 
 class InputContent(_Request):
@@ -78,3 +62,50 @@ class ResponsesRequest(_Body):
     # Extensions (vLLM's names).
     seed: Optional[int] = None
     priority: int = 0
+
+
+class OutputText(BaseModel):
+    type: Literal["output_text"] = "output_text"
+    text: str
+    annotations: list[Any] = Field(default_factory=list)
+
+
+class OutputMessage(BaseModel):
+    type: Literal["message"] = "message"
+    id: str
+    status: Literal["in_progress", "completed", "incomplete"]
+    role: Literal["assistant"] = "assistant"
+    content: list[OutputText] = Field(default_factory=list)
+
+
+class ResponseUsage(BaseModel):
+    input_tokens: int
+    input_tokens_details: dict[str, int]
+    output_tokens: int
+    output_tokens_details: dict[str, int]
+    total_tokens: int
+
+
+class ResponseObject(BaseModel):
+    id: str
+    object: Literal["response"] = "response"
+    created_at: int
+    status: Literal["in_progress", "completed", "incomplete"]
+    error: None = None
+    incomplete_details: Optional[dict[str, str]] = None
+    instructions: Optional[str] = None
+    max_output_tokens: Optional[int] = None
+    model: str
+    output: list[OutputMessage] = Field(default_factory=list)
+    parallel_tool_calls: bool = False
+    previous_response_id: None = None
+    store: bool = False
+    temperature: float
+    top_p: float
+    text: dict[str, Any]
+    tool_choice: Literal["none"] = "none"
+    tools: list[Any] = Field(default_factory=list)
+    truncation: Literal["disabled"] = "disabled"
+    usage: Optional[ResponseUsage] = None
+    user: Optional[str] = None
+    metadata: dict[str, str] = Field(default_factory=dict)

@@ -1,4 +1,5 @@
-"""OpenAI API request and response bodies (pydantic).
+"""OpenAI API bodies of completions, chat and tokenize (pydantic), and the
+checks every request body gets.
 
 An unknown request field is a 400 naming it, never silently dropped: a client
 that sends ``tools`` or ``audio`` and gets plain text with a 200 cannot tell
@@ -11,7 +12,7 @@ from typing import Any, ClassVar, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_serializer, model_validator
 
-from octavo.server.errors import FieldError
+from octavo.openai.errors import FieldError
 
 _INT64 = 2**63 - 1
 
@@ -196,7 +197,7 @@ class ContentPart(_Request):
 
 class FunctionCall(_Request):
     name: str
-    # A JSON text, as OpenAI sends it (templates get it parsed: see chat.py).
+    # A JSON text, as OpenAI sends it (templates get it parsed: see octavo/server/chat.py).
     arguments: str
 
 
