@@ -45,9 +45,9 @@ class _Reader:
                 self.names[option.dest.replace("_", "-")] = (option, False)
                 continue
             for flag in option.flags:
-                self.names[flag[2:]] = (option, False)
+                self.names[flag.lstrip("-")] = (option, False)
             for flag in option.negative_flags:
-                self.names[flag[2:]] = (option, True)
+                self.names[flag.lstrip("-")] = (option, True)
 
     def read(self, values: dict, section: tuple[str, ...]) -> dict[str, Any]:
         result: dict[str, Any] = {}
