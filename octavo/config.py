@@ -25,8 +25,17 @@ QUANTIZATION_GROUP_SIZES = (32, 64, 128)
 
 
 def option(default: Any, help: str, **extra: Any) -> Any:
-    """A config field with its command-line help (and choices, unit, aliases)."""
+    """A config field with its command-line help (and choices, unit, aliases: the keys
+    octavo/entrypoints/options.py reads). A list or dict default is copied for each instance."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help, **extra})
     return field(default=default, metadata={"help": help, **extra})
+
+
+def section(cls: type, prefixed: bool = False) -> Any:
+    """A config dataclass nested in another. Its fields are options of the same command: under their own names,
+    or ``prefixed`` with the section's (``--cache-max-entries`` for ``cache.max_entries``)."""
+    return field(default_factory=cls, metadata={"prefixed": prefixed})
 
 
 @dataclass
@@ -35,14 +44,14 @@ class CacheConfig:
     set, else from ``memory_fraction`` of free device memory (on CPU: of
     available system memory), else from ``num_blocks`` when forced."""
 
-    block_size: int = option(16, "tokens per KV cache block")
+    block_size: int = option(16, "tokens per KV cache block", unit="tokens")
     kv_cache_memory_bytes: Optional[int] = option(
         None, "KV cache size, e.g. 2GiB (default: memory_fraction of the free memory)",
         unit="bytes", aliases=("--kv-cache-memory",),
     )
     memory_fraction: float = option(
         0.3, "share of the memory free after loading the weights given to the KV cache",
-        aliases=("--gpu-memory-utilization",),
+        aliases=("--gpu-memory-utilization",), unit="fraction",
     )
     num_blocks: Optional[int] = option(None, "force the KV cache block count (testing); overrides the memory budget")
     enable_prefix_caching: bool = option(
@@ -329,7 +338,7 @@ class SpeculativeConfig:
 @dataclass
 class EngineConfig:
     model: ModelConfig
-    cache: CacheConfig = field(default_factory=CacheConfig)
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    cache: CacheConfig = section(CacheConfig)
+    scheduler: SchedulerConfig = section(SchedulerConfig)
+    parallel: ParallelConfig = section(ParallelConfig)
+    speculative: SpeculativeConfig = section(SpeculativeConfig)

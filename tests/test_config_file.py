@@ -1,25 +1,21 @@
-"""`--config FILE` (YAML) for serve / generate / run-batch, and `--help` showing every default."""
+"""`--config FILE` (YAML) for every command, and `--help` showing every default."""
 from __future__ import annotations
 
 import argparse
 
 import pytest
 
-from octavo.entrypoints.cli import _CONFIG_COMMANDS, subparser, build_parser, main, server_config_from_args
-from octavo.entrypoints.config_file import apply_config_file, config_path, fill_lists
+from octavo.entrypoints.cli import build_parser, main, parse_command, server_config_from_args, subparser
 from octavo.entrypoints.engine_args import engine_config_from_args
+
+_CONFIG_COMMANDS = ("serve", "generate", "run-batch")
 
 
 def _parse(tmp_path, yaml_text: str, *argv: str) -> argparse.Namespace:
     """What main() does before running the command."""
     (tmp_path / "c.yaml").write_text(yaml_text)
     argv_list = [argv[0], str(tmp_path), "--config", str(tmp_path / "c.yaml"), *argv[1:]]
-    parser = build_parser()
-    command, path = config_path(argv_list, _CONFIG_COMMANDS)
-    lists = apply_config_file(subparser(parser, command), path)
-    args = parser.parse_args(argv_list)
-    fill_lists(subparser(parser, command), args, lists)
-    return args
+    return parse_command(build_parser(), argv_list)[0]
 
 
 SERVE_YAML = """
@@ -44,22 +40,22 @@ def test_values_are_typed_as_the_flags_are(tmp_path):
     assert engine.model.max_model_len == 4000
     assert engine.cache.enable_prefix_caching is False and engine.speculative.speculative_adaptive is False
     assert engine.model.served_model_name == ("one", "two")
-    server = server_config_from_args(args, access_log=args.access_log)
+    server = server_config_from_args(args)
     assert server.limits.max_n == 4 and server.request_timeout_s == 2.5 and server.access_log is False
-    assert args.api_key == ["key-a", "key-b"]
+    assert server.api_keys == ("key-a", "key-b")
 
 
 def test_command_line_flags_override_the_file(tmp_path):
     args = _parse(tmp_path, SERVE_YAML, "serve", "--max-num-seqs", "3", "--prefix-caching", "--api-key", "key-c")
     engine = engine_config_from_args(args)
     assert engine.scheduler.max_num_seqs == 3 and engine.cache.enable_prefix_caching is True
-    assert args.api_key == ["key-c"]  # replaced, not appended to
+    assert server_config_from_args(args).api_keys == ("key-c",)  # replaced, not appended to
     assert engine.cache.kv_cache_memory_bytes == 64 * 2**20  # the rest still from the file
 
 
 def test_generate_and_run_batch_take_a_file_too(tmp_path):
     args = _parse(tmp_path, "prompt: [a, b]\nmax_tokens: 3\ntemperature: 0\n", "generate")
-    assert args.prompt == ["a", "b"] and args.max_tokens == 3 and args.temperature == 0.0
+    assert list(args.prompt) == ["a", "b"] and args.max_tokens == 3 and args.temperature == 0.0
     args = _parse(tmp_path, "input_file: in.jsonl\noutput-file: out.jsonl\nblock_size: 32\n", "run-batch")
     assert (args.input_file, args.output_file) == ("in.jsonl", "out.jsonl")
     assert engine_config_from_args(args).cache.block_size == 32
@@ -97,12 +93,7 @@ def test_a_required_option_may_come_from_the_file_only(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["generate", str(tmp_path)])
     assert "required: --prompt" in capsys.readouterr().err
-    assert _parse(tmp_path, "prompt: hi\n", "generate").prompt == ["hi"]
-
-
-def test_the_gateway_keeps_its_own_config_option():
-    # `octavo gateway --config` is the gateway's settings file, read by the gateway.
-    assert config_path(["gateway", "--config", "gw.yaml"], _CONFIG_COMMANDS) is None
+    assert list(_parse(tmp_path, "prompt: hi\n", "generate").prompt) == ["hi"]
 
 
 @pytest.mark.parametrize("command", _CONFIG_COMMANDS)

@@ -21,8 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from octavo.autoscale.config import load_config as load_autoscale_config
-from octavo.entrypoints.cli import build_parser, gateway_config, subparser
+from octavo.entrypoints.cli import autoscale_config, build_parser, gateway_config, subparser
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", ROOT / "BENCHMARKS.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -157,7 +156,7 @@ def test_documented_octavo_command_exists(command: Command, args: list[str]):
     # commands do (a --config file a doc names only as an example is not there to read).
     if getattr(parsed, "config", None) is None and name in ("gateway", "autoscale"):
         try:
-            gateway_config(parsed) if name == "gateway" else load_autoscale_config(parsed)
+            gateway_config(parsed) if name == "gateway" else autoscale_config(parsed)
         except ValueError as exc:
             pytest.fail(f"{command}\n`octavo {name}` would refuse these settings: {exc}")
 

@@ -29,7 +29,7 @@ from typing import Optional, Sequence
 from octavo.autoscale.forecast import Forecast, RateHistory, fit_forecast
 from octavo.autoscale.reactive import SIGNALS, RateLimit, Recommendation, Stabiliser, hpa_recommendation
 from octavo.autoscale.samples import MetricsSample
-from octavo.config import option
+from octavo.config import option, section
 
 __all__ = [
     "SIGNALS", "MetricsSample", "ReactiveConfig", "PredictiveConfig", "AutoscalerConfig", "ScaleDecision",
@@ -46,7 +46,7 @@ class ReactiveConfig:
 
     targets: dict[str, float] = field(default_factory=lambda: {"in_flight": 8.0}, metadata={
         "help": f"per-replica target of each signal to scale on ({', '.join(SIGNALS)}); the largest "
-                "recommendation wins"})
+                "recommendation wins", "metavar": "SIGNAL=VALUE"})
     metric_window_s: float = option(30.0, "seconds of samples a signal's value is averaged over")
     tolerance: float = option(0.1, "no change while value/target is within 1 +- this")
 
@@ -114,8 +114,8 @@ class AutoscalerConfig:
     scale_down_pods: int = option(0, "scale down by at most max(pods, percent) per period")
     scale_down_percent: float = option(100.0, "scale down by at most max(pods, percent) per period")
     scale_down_period_s: float = option(15.0, "the scale-down limit's period (seconds)")
-    reactive: ReactiveConfig = field(default_factory=ReactiveConfig)
-    predictive: PredictiveConfig = field(default_factory=PredictiveConfig)
+    reactive: ReactiveConfig = section(ReactiveConfig, prefixed=True)
+    predictive: PredictiveConfig = section(PredictiveConfig, prefixed=True)
 
     def __post_init__(self) -> None:
         if self.min_replicas < 1:

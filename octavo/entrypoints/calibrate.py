@@ -12,18 +12,17 @@ is read from the ``SchedulerOutput`` that step scheduled.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import octavo
-from octavo.entrypoints.engine_args import add_engine_args, engine_options
+from octavo.config import option
 from octavo.sampling_params import SamplingParams
 from octavo.simulate.cost_model import CostModel, EngineShape, MachineInfo, StepWork, step_work
 
@@ -170,20 +169,22 @@ def calibrate(model: Optional[str], options: dict, repeats: int = 2, max_batch: 
     return CostModel.fit_steps(works, seconds, machine, shape)
 
 
-def add_calibrate_args(p: argparse.ArgumentParser) -> None:
-    add_engine_args(p)
-    p.add_argument("-o", "--output", type=Path, required=True, help="the cost model JSON to write")
-    p.add_argument("--repeats", type=int, default=2, help="times to run the probe set (default: %(default)s)")
-    p.add_argument("--max-batch", type=int, default=64, help="largest probe batch (default: %(default)s)")
-    p.add_argument("--steps-out", type=Path, default=None, help="also write every timed step (JSONL)")
+@dataclass
+class CalibrateConfig:
+    """``octavo simulate calibrate``'s options besides the engine's."""
+
+    output: Path = field(metadata={"help": "the cost model JSON to write", "aliases": ("-o",)})
+    repeats: int = option(2, "times to run the probe set")
+    max_batch: int = option(64, "largest probe batch")
+    steps_out: Optional[Path] = option(None, "also write every timed step (JSONL)")
 
 
-def run_calibrate(args: argparse.Namespace) -> CostModel:
+def run_calibrate(model: Optional[str], engine_options: dict[str, Any], args: CalibrateConfig) -> CostModel:
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     if args.max_batch < 1:
         raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
-    cost = calibrate(args.model, engine_options(args), args.repeats, args.max_batch, args.steps_out)
+    cost = calibrate(model, engine_options, args.repeats, args.max_batch, args.steps_out)
     cost.save(args.output)
     fit = cost.fit
     print(f"cost model: {args.output} ({fit.num_steps} steps; |error| mean {100 * fit.mean_abs_rel_error:.1f}%, "

@@ -1,62 +1,88 @@
-"""``--config serve.yaml``: a command's options from a YAML file.
+"""``--config FILE``: a command's options from a YAML file, for every command.
 
-The keys are the command's option names (``max-num-seqs`` or
-``max_num_seqs``; ``model`` for the positional MODEL). Each value goes
-through the same parser as the command-line flag (``2GiB``, ``4k``, the
-choices), then becomes that option's default, so a flag given on the command
-line wins over the file; the config dataclasses validate the result as they
-validate flags. Repeatable options (``api-key``, ``prompt``) take a list; on
-the command line they replace the file's list instead of adding to it.
+The keys are the command's option names (``max-num-seqs`` or ``max_num_seqs``, an alias such as
+``kv-cache-memory``, a switch's negation such as ``no_prefix_caching``; ``model`` for the positional MODEL), or
+a section's name holding a mapping of its fields (``breaker: {failure_threshold: 5}``, ``policy: {reactive:
+{...}}``), as the config dataclasses nest. Each value goes through the same parser as the flag (``2GiB``, ``4k``,
+the choices). Flags given on the command line win over the file (a list option given on the command line
+replaces the file's list, unless its field says the command line adds to it); the config dataclasses validate the
+result as they validate flags.
 """
 from __future__ import annotations
 
 import argparse
 import difflib
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Iterable, Optional
 
-_BOOL_ACTIONS = (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse.BooleanOptionalAction)
-
-
-def config_path(argv: Sequence[str], commands: Sequence[str]) -> Optional[tuple[str, str]]:
-    """(command, path) when ``argv`` runs one of ``commands`` with ``--config PATH``."""
-    command = next((i for i, a in enumerate(argv) if not a.startswith("-")), None)
-    if command is None or argv[command] not in commands:
-        return None
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--config")
-    known, _ = pre.parse_known_args(argv[command + 1 :])
-    return (argv[command], known.config) if known.config is not None else None
+from octavo.entrypoints.options import Option
 
 
-def apply_config_file(parser: argparse.ArgumentParser, path: str) -> dict[str, list]:
-    """Set ``parser``'s defaults from the YAML file at ``path``. Returns the
-    repeatable options' lists, which ``fill_lists`` applies after parsing
-    (argparse would append the command line's values to a list default).
-    ``ValueError`` naming the file and the key for anything wrong."""
-    values = _load(path)
-    by_name = _options(parser)
-    defaults: dict[str, Any] = {}
-    lists: dict[str, list] = {}
-    for key, value in values.items():
-        action = by_name.get(str(key).replace("_", "-"))
-        if action is None:
-            raise ValueError(f"{path}: unknown option {key!r}{_suggest(str(key), by_name)}")
-        converted = _convert(path, str(key), action, value)
-        action.required = False  # given by the file
-        if isinstance(action, argparse._AppendAction):
-            lists[action.dest] = converted
-        else:
-            defaults[action.dest] = converted
-    parser.set_defaults(**defaults)
-    return lists
+def read_config_file(path: str, options: Iterable[Option]) -> dict[str, Any]:
+    """The file's values by option dest. ``ValueError`` naming the file and the key for anything wrong."""
+    return _Reader(path, list(options)).read(_load(path), ())
 
 
-def fill_lists(parser: argparse.ArgumentParser, args: argparse.Namespace, lists: dict[str, list]) -> None:
-    """The file's list for each repeatable option the command line left out."""
-    for action in parser._actions:
-        if action.dest in lists and getattr(args, action.dest) == action.default:
-            setattr(args, action.dest, lists[action.dest])
+def merge_config_file(args: argparse.Namespace, path: str, options: Iterable[Option]) -> None:
+    """Fill ``args`` with the file's values for the options the command line left out."""
+    by_dest = {o.dest: o for o in options}
+    for dest, value in read_config_file(path, by_dest.values()).items():
+        option = by_dest[dest]
+        if not hasattr(args, dest):
+            setattr(args, dest, value)
+        elif option.meta.get("add_to_file"):
+            setattr(args, dest, list(value) + list(getattr(args, dest)))
+
+
+class _Reader:
+    def __init__(self, path: str, options: list[Option]) -> None:
+        self.path = path
+        self.options = options
+        # Top level: every spelling of every option, without dashes ('max-num-seqs', 'no-prefix-caching').
+        self.names: dict[str, tuple[Option, bool]] = {}
+        for option in options:
+            if not option.on_command_line:
+                self.names[option.dest.replace("_", "-")] = (option, False)
+                continue
+            for flag in option.flags:
+                self.names[flag.lstrip("-")] = (option, False)
+            for flag in option.negative_flags:
+                self.names[flag.lstrip("-")] = (option, True)
+
+    def read(self, values: dict, section: tuple[str, ...]) -> dict[str, Any]:
+        result: dict[str, Any] = {}
+        for key, value in values.items():
+            key = str(key)
+            path = section + (key,)
+            dotted = ".".join(path)
+            if isinstance(value, dict) and self._is_section(path):
+                result.update(self.read(value, path))
+                continue
+            found = self._find(key, section)
+            if found is None:
+                raise ValueError(f"{self.path}: unknown option {dotted!r}{self._suggest(key, section)}")
+            option, negated = found
+            result[option.dest] = _convert(f"{self.path}: {dotted}", option, value, negated)
+        return result
+
+    def _is_section(self, path: tuple[str, ...]) -> bool:
+        return any(len(o.path) > len(path) and o.path[: len(path)] == path for o in self.options)
+
+    def _find(self, key: str, section: tuple[str, ...]) -> Optional[tuple[Option, bool]]:
+        if not section:
+            return self.names.get(key.replace("_", "-"))
+        return next(((o, False) for o in self.options if o.path == section + (key,)), None)
+
+    def _suggest(self, key: str, section: tuple[str, ...]) -> str:
+        if section:
+            known = [o.path[len(section)] for o in self.options if o.path[: len(section)] == section]
+            close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+            return f" (did you mean {close[0]!r}?)" if close else ""
+        close = difflib.get_close_matches(key.replace("_", "-"), list(self.names), n=1, cutoff=0.6)
+        if not close:
+            return ""
+        name = close[0].replace("-", "_") if "_" in key else close[0]
+        return f" (did you mean {name!r}?)"
 
 
 def _load(path: str) -> dict:
@@ -77,52 +103,36 @@ def _load(path: str) -> dict:
     return values
 
 
-def _options(parser: argparse.ArgumentParser) -> dict[str, argparse.Action]:
-    """Option name without dashes ('max-num-seqs', 'no-prefix-caching', 'model') -> its action."""
-    result: dict[str, argparse.Action] = {}
-    for action in parser._actions:
-        if isinstance(action, (argparse._HelpAction, argparse._VersionAction)) or action.dest == "config":
-            continue
-        names = [s for s in action.option_strings if s.startswith("--")] or [action.dest]
-        for name in names:
-            result[name.lstrip("-")] = action
-    return result
-
-
-def _suggest(key: str, by_name: dict[str, argparse.Action]) -> str:
-    close = difflib.get_close_matches(key.replace("_", "-"), list(by_name), n=1, cutoff=0.6)
-    if not close:
-        return ""
-    name = close[0].replace("-", "_") if "_" in key else close[0]
-    return f" (did you mean {name!r}?)"
-
-
-def _convert(path: str, key: str, action: argparse.Action, value: Any) -> Any:
-    where = f"{path}: {key}"
-    if isinstance(action, _BOOL_ACTIONS):
+def _convert(where: str, option: Option, value: Any, negated: bool) -> Any:
+    if option.type is bool:
         if not isinstance(value, bool):
             raise ValueError(f"{where}: expected true or false, got {value!r}")
-        negated = key.replace("_", "-").startswith("no-") and f"--{key.replace('_', '-')}" in action.option_strings
-        return value != (negated or isinstance(action, argparse._StoreFalseAction))
-    if isinstance(action, argparse._AppendAction) or action.nargs in ("+", "*"):
+        return value != negated
+    if not option.on_command_line:  # structured values no flag spells (the gateway's keys): the dataclass checks
+        return value
+    if "parse" in option.meta and isinstance(value, list):  # the list itself, not one string to split
+        return [str(item) for item in value]
+    if option.is_list:
+        if isinstance(value, dict):  # a mapping option written as a mapping
+            value = [f"{k}={v}" for k, v in value.items()]
         items = value if isinstance(value, list) else [value]
-        if not items and action.nargs == "+":
+        if not items and not option.meta.get("repeatable"):
             raise ValueError(f"{where}: expected at least one value")
-        return [_scalar(where, action, item) for item in items]
-    return _scalar(where, action, value)
+        return [_scalar(where, option, item) for item in items]
+    return _scalar(where, option, value)
 
 
-def _scalar(where: str, action: argparse.Action, value: Any) -> Any:
+def _scalar(where: str, option: Option, value: Any) -> Any:
     # Leaving a key out keeps the default; null would bypass the option's type.
     if value is None or isinstance(value, (bool, dict, list)):
         raise ValueError(f"{where}: expected a single value, got {value!r}")
-    text = str(value)
+    parse = option.parser()
     try:
-        converted = action.type(text) if action.type is not None else text
+        converted = parse(str(value))
     except argparse.ArgumentTypeError as exc:  # the option's own parser says what it takes
         raise ValueError(f"{where}: {exc}") from None
     except (ValueError, TypeError):
-        raise ValueError(f"{where}: expected {getattr(action.type, '__name__', 'a valid value')}, got {value!r}") from None
-    if action.choices is not None and converted not in action.choices:
-        raise ValueError(f"{where}: {value!r} is not one of {', '.join(map(str, action.choices))}")
+        raise ValueError(f"{where}: expected {getattr(parse, '__name__', 'a valid value')}, got {value!r}") from None
+    if option.choices is not None and converted not in option.choices:
+        raise ValueError(f"{where}: {value!r} is not one of {', '.join(map(str, option.choices))}")
     return converted

@@ -11,7 +11,6 @@ request gets an ``error`` (and no response) and the others run.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import json
@@ -26,6 +25,7 @@ from fastapi import FastAPI
 from tqdm import tqdm
 
 from octavo.config import EngineConfig
+from octavo.entrypoints.command_options import BatchConfig
 from octavo.engine.engine_process import last_line
 from octavo.server.app import build_app
 from octavo.server.config import ServerConfig
@@ -77,7 +77,7 @@ def served_urls(app: FastAPI) -> tuple[str, ...]:
     return tuple(url for url in BATCH_URLS if url in paths)
 
 
-def run_batch(args: argparse.Namespace, engine_config: EngineConfig, server_config: ServerConfig) -> None:
+def run_batch(args: BatchConfig, engine_config: EngineConfig, server_config: ServerConfig) -> None:
     """The command: read ``args.input_file``, write ``args.output_file``."""
     app = build_app(engine_config, server_config)
     lines = _read_lines(args.input_file)

@@ -1,11 +1,13 @@
 """The gateway's configuration: dataclasses, filled from the command line and
-an optional YAML file (the file holds what does not fit on a command line:
-API keys with their limits and priority classes)."""
+an optional YAML file (octavo/entrypoints/config_file.py; the file also holds
+what does not fit on a command line: API keys with their limits and priority
+classes)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, is_dataclass
-from pathlib import Path
+from dataclasses import dataclass, fields
 from typing import Any, Optional
+
+from octavo.config import option, section
 
 ROUTING_POLICIES = ("round-robin", "least-load", "prefix", "kv-aware", "session")
 
@@ -16,8 +18,9 @@ class BreakerConfig:
     timeouts of requests or probes) open the breaker; after ``cooldown_s`` the
     next probe is the half-open trial that closes or re-opens it."""
 
-    failure_threshold: int = 3
-    cooldown_s: float = 5.0
+    failure_threshold: int = option(3, "consecutive failures of a replica that open its circuit breaker")
+    cooldown_s: float = option(5.0, "seconds an open breaker waits before the probe that may close it",
+                               unit="seconds")
 
     def __post_init__(self) -> None:
         if self.failure_threshold < 1:
@@ -30,10 +33,11 @@ class BreakerConfig:
 class CacheConfig:
     """Response cache of deterministic requests (temperature 0 or a seed)."""
 
-    enabled: bool = True
-    max_entries: int = 1024
-    max_bytes: int = 64 * 2**20
-    ttl_s: float = 300.0
+    enabled: bool = option(True, "cache the responses of deterministic requests (temperature 0 or a seed)",
+                           aliases=("--cache",))
+    max_entries: int = option(1024, "most responses cached")
+    max_bytes: int = option(64 * 2**20, "most bytes of responses cached", unit="bytes")
+    ttl_s: float = option(300.0, "seconds a cached response is served", unit="seconds")
 
     def __post_init__(self) -> None:
         for name in ("max_entries", "max_bytes"):
@@ -64,41 +68,43 @@ class KeyConfig:
 
 @dataclass
 class GatewayConfig:
-    replicas: list[str] = field(default_factory=list)
+    replicas: list[str] = option([], "a replica's URL; repeat for several (the command line adds to the config "
+                                     "file's list)", aliases=("--replica",), repeatable=True, add_to_file=True,
+                                 metavar="URL")
     # A DNS name resolved every discovery_interval_s; each address is a replica
     # (a Kubernetes headless service lists one address per pod).
-    discovery_dns: Optional[str] = None
-    discovery_port: int = 8000
-    discovery_interval_s: float = 5.0
-    host: str = "127.0.0.1"
-    port: int = 8080
-    routing: str = "least-load"
-    # Model folder whose tokenizer kv-aware routing uses (the replicas' model).
-    tokenizer: Optional[str] = None
-    # ZMQ endpoints of the replicas' --kv-events-endpoint, by replica URL.
-    kv_events: dict[str, str] = field(default_factory=dict)
-    block_size: int = 16
-    # kv-aware: the replica with the longest cached prefix is skipped when its
-    # load exceeds the least loaded replica's by more than this many requests.
-    max_imbalance: int = 4
-    # prefix policy: bytes of prompt text per hashed chunk.
-    prefix_chunk_bytes: int = 256
-    session_header: str = "x-session-id"
-    probe_interval_s: float = 1.0
-    probe_timeout_s: float = 2.0
-    request_timeout_s: float = 600.0
-    connect_timeout_s: float = 2.0
-    max_connections: int = 1000
-    # Larger request bodies get 413 (a replica's own --max-body-size default).
-    max_body_bytes: int = 8 * 2**20
-    breaker: BreakerConfig = field(default_factory=BreakerConfig)
-    cache: CacheConfig = field(default_factory=CacheConfig)
-    redis_url: Optional[str] = None
-    keys: list[KeyConfig] = field(default_factory=list)
+    discovery_dns: Optional[str] = option(None, "a DNS name whose addresses are replicas")
+    discovery_port: int = option(8000, "the replicas' port at the discovered addresses")
+    discovery_interval_s: float = option(5.0, "seconds between DNS lookups", unit="seconds")
+    host: str = option("127.0.0.1", "address to listen on")
+    port: int = option(8080, "port to listen on")
+    routing: str = option("least-load", "how a replica is chosen for a request", choices=ROUTING_POLICIES)
+    tokenizer: Optional[str] = option(None, "the replicas' model folder (kv-aware routing tokenizes with it)")
+    kv_events: dict[str, str] = option({}, "a replica's --kv-events-endpoint, e.g. "
+                                           "http://10.0.0.5:8000=tcp://10.0.0.5:5557; repeat for several",
+                                       repeatable=True, metavar="URL=ENDPOINT")
+    block_size: int = option(16, "the replicas' KV cache block size (kv-aware routing hashes blocks of it)",
+                             unit="tokens")
+    max_imbalance: int = option(4, "kv-aware/prefix/session give way to least-load beyond this many queued "
+                                   "requests")
+    prefix_chunk_bytes: int = option(256, "prefix routing: bytes of prompt text per hashed chunk", unit="bytes")
+    session_header: str = option("x-session-id", "session routing: the request header naming the session")
+    probe_interval_s: float = option(1.0, "seconds between health probes of each replica", unit="seconds")
+    probe_timeout_s: float = option(2.0, "seconds a health probe may take", unit="seconds")
+    request_timeout_s: float = option(600.0, "seconds a proxied request may take", unit="seconds")
+    connect_timeout_s: float = option(2.0, "seconds to connect to a replica", unit="seconds")
+    max_connections: int = option(1000, "most open connections to the replicas")
+    max_body_bytes: int = option(8 * 2**20, "larger request bodies get 413 (a replica's own --max-body-size "
+                                            "default)", unit="bytes")
+    breaker: BreakerConfig = section(BreakerConfig, prefixed=True)
+    cache: CacheConfig = section(CacheConfig, prefixed=True)
+    redis_url: Optional[str] = option(None, "share the response cache and rate limits through Redis")
     # Without keys the gateway is open; with keys, every /v1 request needs one.
-    admin_key: Optional[str] = None
-    upstream_api_key: Optional[str] = None
-    log_level: str = "info"
+    keys: list[KeyConfig] = option([], "API keys with their limits and priority classes (config file only)",
+                                   cli=False)
+    admin_key: Optional[str] = option(None, "bearer key of the admin API (default: $OCTAVO_GATEWAY_ADMIN_KEY)")
+    upstream_api_key: Optional[str] = option(None, "bearer key sent to the replicas")
+    log_level: str = option("info", "log level", choices=("debug", "info", "warning", "error"))
 
     def __post_init__(self) -> None:
         if self.routing not in ROUTING_POLICIES:
@@ -113,6 +119,7 @@ class GatewayConfig:
         for name in ("probe_interval_s", "probe_timeout_s", "request_timeout_s", "connect_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        self.keys = [_key_config(k, i) for i, k in enumerate(self.keys)]
         seen = set()
         for k in self.keys:
             if k.key in seen:
@@ -120,44 +127,14 @@ class GatewayConfig:
             seen.add(k.key)
 
 
-def _build(cls: type, data: dict[str, Any], where: str) -> Any:
-    """A dataclass from a YAML mapping; unknown keys are errors (typos must not pass silently)."""
-    if not isinstance(data, dict):
-        raise ValueError(f"{where or 'config'}: expected a mapping")
-    known = {f.name: f for f in fields(cls)}
-    unknown = sorted(set(data) - set(known))
+def _key_config(value: Any, index: int) -> KeyConfig:
+    """A ``keys`` entry: a KeyConfig, or its mapping from the config file (unknown keys are errors: typos must
+    not pass silently)."""
+    if isinstance(value, KeyConfig):
+        return value
+    if not isinstance(value, dict):
+        raise ValueError(f"keys[{index}]: expected a mapping")
+    unknown = sorted(set(value) - {f.name for f in fields(KeyConfig)})
     if unknown:
-        raise ValueError(f"{where + '.' if where else ''}{unknown[0]}: unknown setting")
-    kwargs: dict[str, Any] = {}
-    for name, value in data.items():
-        default = known[name].default_factory() if callable(known[name].default_factory) else known[name].default
-        if is_dataclass(default):
-            value = _build(type(default), value, f"{where}.{name}" if where else name)
-        elif name == "keys":
-            if not isinstance(value, list):
-                raise ValueError("keys: expected a list")
-            value = [_build(KeyConfig, v, f"keys[{i}]") for i, v in enumerate(value)]
-        kwargs[name] = value
-    return cls(**kwargs)
-
-
-def load_config(path: Optional[str | Path], overrides: dict[str, Any]) -> GatewayConfig:
-    """The YAML file (if any) with the command line's settings on top."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        import yaml  # only with a config file
-
-        try:
-            data = yaml.safe_load(Path(path).read_text()) or {}
-        except OSError as exc:
-            raise ValueError(f"--config: cannot read {path}: {exc.strerror}") from None
-        except yaml.YAMLError as exc:
-            raise ValueError(f"--config: {path} is not valid YAML: {exc}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"--config: {path} must hold a mapping")
-    for name, value in overrides.items():
-        if name == "replicas":
-            data["replicas"] = list(data.get("replicas", [])) + list(value)
-        else:
-            data[name] = value
-    return _build(GatewayConfig, data, "")
+        raise ValueError(f"keys[{index}].{unknown[0]}: unknown setting")
+    return KeyConfig(**value)

@@ -1,62 +1,108 @@
 """HTTP server settings (the engine's own settings live in octavo.config)."""
 from __future__ import annotations
 
+import argparse
+import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
+
+from octavo.config import option, section
 
 from octavo.server.limits import RequestLimits
 from octavo.server.shedding import ShedConfig
 from octavo.server.tool_parsers import PARSERS
 
 DEFAULT_PUBLIC_ROUTES = ("/health", "/metrics")
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+def parse_routes(text: str) -> tuple[str, ...]:
+    """'/health,/metrics' -> ('/health', '/metrics')."""
+    return tuple(r.strip() for r in text.split(",") if r.strip())
+
+
+def parse_origins(text: str) -> tuple[str, ...]:
+    """'["https://a.example", "*"]' (vLLM's JSON) or 'https://a.example,https://b.example'."""
+    if text.lstrip().startswith("["):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise argparse.ArgumentTypeError(f"not a JSON list: {exc}") from None
+        if not isinstance(value, list) or not all(isinstance(o, str) for o in value):
+            raise argparse.ArgumentTypeError("must be a JSON list of strings")
+        return tuple(value)
+    return tuple(o.strip() for o in text.split(",") if o.strip())
 
 
 @dataclass
 class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 8000
+    """``octavo serve``'s options besides the engine's (``run-batch`` takes the request-handling ones)."""
+
+    host: str = option("127.0.0.1", "address to listen on")
+    port: int = option(8000, "port to listen on")
     # Empty: no authentication. Else every route except ``public_routes``
     # needs "Authorization: Bearer <one of api_keys>".
-    api_keys: tuple[str, ...] = ()
-    public_routes: tuple[str, ...] = DEFAULT_PUBLIC_ROUTES
+    api_keys: tuple[str, ...] = option(
+        (), "require this bearer key; repeat for several (default: $OCTAVO_API_KEY, else none)",
+        aliases=("--api-key",), repeatable=True, metavar="KEY")
+    # Keys in a file stay out of the process list; the command line adds them to api_keys.
+    api_key_file: Optional[str] = option(None, "file of bearer keys, one a line (# comments); keeps keys out of "
+                                               "the process list")
+    public_routes: tuple[str, ...] = option(DEFAULT_PUBLIC_ROUTES, "comma-separated paths served without the API "
+                                            "key", parse=parse_routes, metavar="PATHS")
     # Requests admitted but not yet producing tokens beyond which new ones get 503.
-    max_waiting_requests: Optional[int] = None
-    shutdown_timeout_s: float = 30.0
-    max_body_bytes: int = 8 * 1024 * 1024
-    engine_start_timeout_s: float = 600.0
-    log_level: str = "info"
-    limits: RequestLimits = field(default_factory=RequestLimits)
+    max_waiting_requests: Optional[int] = option(None, "beyond this many pending: 503 (default: no limit)")
+    shutdown_timeout_s: float = option(30.0, "seconds to drain on SIGTERM", unit="seconds",
+                                       aliases=("--shutdown-timeout",))
+    max_body_bytes: int = option(8 * 1024 * 1024, "larger bodies get 413", unit="bytes", aliases=("--max-body-size",))
+    engine_start_timeout_s: float = option(600.0, "seconds the engine may take to start", unit="seconds")
+    log_level: str = option("info", "log level", choices=LOG_LEVELS)
+    limits: RequestLimits = section(RequestLimits)
     # Near capacity, new low-priority requests get 503 (octavo/server/shedding.py).
-    shedding: ShedConfig = field(default_factory=ShedConfig)
+    shedding: ShedConfig = section(ShedConfig)
     # Jinja from the client runs in a sandbox with a deadline, but is still
     # code of the client's choosing: off unless the operator opts in.
-    trust_request_chat_template: bool = False
+    trust_request_chat_template: bool = option(
+        False, "accept chat_template (and chat_template_kwargs.chat_template) from requests")
     # Non-empty: /metrics needs one of these keys (and no other), whatever
     # public_routes and api_keys say.
-    metrics_api_keys: tuple[str, ...] = ()
+    metrics_api_keys: tuple[str, ...] = option(
+        (), "/metrics needs this key (repeatable) instead of being public or using --api-key",
+        aliases=("--metrics-api-key",), repeatable=True, metavar="KEY")
     # Engine supervision (octavo.engine.restart_policy): a dead engine is
     # restarted up to this many times within the window; one more death
     # there and the server exits non-zero. 0: exit at the first death.
-    engine_max_restarts: int = 3
-    engine_restart_window_s: float = 60.0
+    engine_max_restarts: int = option(
+        3, "restart a dead engine up to this many times per window, then exit 1 (0: exit at once)")
+    engine_restart_window_s: float = option(60.0, "the window of --engine-max-restarts", unit="seconds",
+                                            aliases=("--engine-restart-window",))
     # Seconds from arrival after which a request is aborted (504); None: no limit.
-    request_timeout_s: Optional[float] = None
-    # The chat template's text, replacing the model's own (--chat-template).
-    chat_template: Optional[str] = None
+    request_timeout_s: Optional[float] = option(
+        None, "abort requests older than this many seconds, 504 (default: no limit)", unit="seconds",
+        aliases=("--request-timeout",))
+    # The chat template's text, replacing the model's own; the command line also takes a file holding it.
+    chat_template: Optional[str] = option(
+        None, "a Jinja chat template, or a file holding one, to use instead of the model's (default: the model's)")
     # tool_choice "auto": calls read from the model's text by this parser
     # (octavo.server.tool_parsers); both must be set, as in vLLM.
-    enable_auto_tool_choice: bool = False
-    tool_call_parser: Optional[str] = None
+    enable_auto_tool_choice: bool = option(
+        False, 'serve tool_choice "auto": calls read from the model\'s text by --tool-call-parser')
+    tool_call_parser: Optional[str] = option(
+        None, "how the model writes tool calls, for --enable-auto-tool-choice", choices=tuple(sorted(PARSERS)))
     # Browser origins allowed to call the API (CORS); ("*",) for any. Empty: no CORS headers.
-    allowed_origins: tuple[str, ...] = ()
+    allowed_origins: tuple[str, ...] = option(
+        (), 'browser origins allowed to call the API (CORS): a JSON list as vLLM takes it (\'["*"]\') or '
+            'comma-separated', parse=parse_origins, metavar="ORIGINS")
     # The path prefix a reverse proxy serves the API under ("/api").
-    root_path: str = ""
+    root_path: str = option("", "path prefix when served behind a reverse proxy, e.g. /api (default: none)")
     # Both set: HTTPS.
-    ssl_keyfile: Optional[str] = None
-    ssl_certfile: Optional[str] = None
+    ssl_keyfile: Optional[str] = option(None, "TLS private key file (with --ssl-certfile: HTTPS; default: plain "
+                                              "HTTP)")
+    ssl_certfile: Optional[str] = option(None, "TLS certificate file")
     # One log line per HTTP request (uvicorn's access log).
-    access_log: bool = True
+    access_log: bool = option(True, "one log line per HTTP request",
+                              negations=("--disable-log-requests", "--disable-uvicorn-access-log"))
 
     def __post_init__(self) -> None:
         if not (0 <= self.port <= 65535):

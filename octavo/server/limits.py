@@ -18,8 +18,8 @@ from octavo.openai.errors import bad_request
 from octavo.openai.protocol import ChatCompletionRequest, CompletionRequest, SamplingFields, TokenizeRequest
 
 
-def _limit(default: int | float, help: str) -> Any:
-    return field(default=default, metadata={"help": help})
+def _limit(default: int | float, help: str, unit: Optional[str] = None) -> Any:
+    return field(default=default, metadata={"help": help, **({"unit": unit} if unit else {})})
 
 
 @dataclass(frozen=True)
@@ -29,14 +29,14 @@ class RequestLimits:
     max_messages: int = _limit(1024, "most chat messages in one request")
     max_stop: int = _limit(16, "most stop strings")
     max_bad_words: int = _limit(128, "most bad_words")
-    max_word_chars: int = _limit(256, "longest stop string or bad word, in characters")
+    max_word_chars: int = _limit(256, "longest stop string or bad word, in characters", unit="characters")
     max_logit_bias: int = _limit(1024, "most logit_bias entries")
     max_token_ids: int = _limit(4096, "most entries in stop_token_ids and in allowed_token_ids")
-    max_schema_bytes: int = _limit(64 * 1024, "largest structured-output JSON schema, as compact JSON")
+    max_schema_bytes: int = _limit(64 * 1024, "largest structured-output JSON schema, as compact JSON", unit="bytes")
     max_schema_depth: int = _limit(64, "deepest nesting of a structured-output JSON schema")
-    max_regex_chars: int = _limit(4096, "longest structured-output regex")
+    max_regex_chars: int = _limit(4096, "longest structured-output regex", unit="characters")
     max_choices: int = _limit(256, "most structured-output choices")
-    max_template_seconds: float = _limit(5.0, "time limit for rendering one chat template")
+    max_template_seconds: float = _limit(5.0, "time limit for rendering one chat template", unit="seconds")
 
     def __post_init__(self) -> None:
         for f in fields(self):

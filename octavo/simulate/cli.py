@@ -1,14 +1,16 @@
-"""``octavo simulate run``: options, and one run from them to a JSON summary
+"""``octavo simulate run``: its options (a dataclass, as every command's), and one run from them to a JSON summary
 (and a PNG). ``octavo simulate calibrate`` runs the real engine, so it lives
 in octavo/entrypoints/calibrate.py; this side stays torch-free."""
 from __future__ import annotations
 
-import argparse
 import json
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Optional
+
 from octavo.autoscale.policy import Autoscaler, AutoscalerConfig, PredictiveConfig, ReactiveConfig
-from octavo.config import CacheConfig, SchedulerConfig
+from octavo.config import CacheConfig, SchedulerConfig, option
 from octavo.simulate.autoscaling import PolicyScaler
 from octavo.simulate.cost_model import CostModel
 from octavo.simulate.replica import ReplicaShape
@@ -17,61 +19,73 @@ from octavo.simulate.simulator import ROUTING_POLICIES, FleetConfig, Simulator
 from octavo.simulate.traces import TRACE_KINDS, LengthDist, TraceRequest, TraceSpec, generate, load_jsonl
 
 
-def add_run_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--cost-model", required=True, help="JSON written by `octavo simulate calibrate`")
-    t = p.add_argument_group("trace")
-    t.add_argument("--trace", default="poisson", help=f"one of {', '.join(TRACE_KINDS)}, or a recorded .jsonl file")
-    t.add_argument("--duration", type=float, default=600.0, help="seconds of arrivals (generated traces)")
-    t.add_argument("--rate", type=float, default=1.0, help="requests/s (bursty: off rate; diurnal: mean)")
-    t.add_argument("--burst-rate", type=float, default=0.0, help="bursty: requests/s while on")
-    t.add_argument("--on-s", type=float, default=10.0, help="bursty: mean seconds on")
-    t.add_argument("--off-s", type=float, default=50.0, help="bursty: mean seconds off")
-    t.add_argument("--amplitude", type=float, default=0.8, help="diurnal: peak is rate * (1 + amplitude)")
-    t.add_argument("--period", type=float, default=3600.0, help="diurnal: seconds in one (compressed) day")
-    t.add_argument("--burst-at", type=float, default=None, help="diurnal: start of an extra burst (s)")
-    t.add_argument("--burst-s", type=float, default=0.0, help="diurnal: the burst's length (s)")
-    t.add_argument("--burst-factor", type=float, default=1.0, help="diurnal: rate multiplier in the burst")
-    t.add_argument("--prompt-len", default="lognormal:200:0.8", help="fixed:N | uniform:LO:HI | lognormal:MEDIAN:SIGMA")
-    t.add_argument("--output-len", default="lognormal:100:0.6", help="same forms as --prompt-len")
-    t.add_argument("--seed", type=int, default=0)
-    f = p.add_argument_group("fleet")
-    f.add_argument("--replicas", type=int, default=1, help="replicas at the start")
-    f.add_argument("--routing", choices=sorted(ROUTING_POLICIES), default="least-load")
-    f.add_argument("--cold-start", type=float, default=60.0, help="seconds from scale-up to a ready replica")
-    f.add_argument("--interval", type=float, default=10.0, help="seconds between fleet samples / scaler decisions")
-    f.add_argument("--request-overhead", type=float, default=0.0,
-                   help="seconds each request spends outside engine steps (HTTP, tokenizing)")
-    f.add_argument("--step-overhead", type=float, default=0.0,
-                   help="seconds a served step costs beyond the calibrated engine step (streaming, the HTTP front)")
-    a = p.add_argument_group("autoscaling (octavo/autoscale's policy on the simulated clock)")
-    a.add_argument("--autoscale", choices=("none", "reactive", "predictive"), default="none",
-                   help="predictive: max(reactive, Holt-Winters forecast / --capacity-per-replica)")
-    a.add_argument("--min-replicas", type=int, default=1)
-    a.add_argument("--max-replicas", type=int, default=8)
-    a.add_argument("--scale-on", action="append", default=None, metavar="SIGNAL=TARGET",
-                   help="reactive signal and its per-replica target, repeatable (default: in_flight=8)")
-    a.add_argument("--scale-down-window", type=float, default=300.0, help="seconds (HPA's stabilisation)")
-    a.add_argument("--capacity-per-replica", type=float, default=None,
-                   help="predictive: requests/s one replica serves within the SLO")
-    a.add_argument("--forecast-bucket", type=float, default=60.0, help="predictive: seconds per forecast point")
-    a.add_argument("--headroom", type=float, default=1.2, help="predictive: forecast multiplier")
-    e = p.add_argument_group("each replica (default: the calibrated engine's)")
-    e.add_argument("--max-num-seqs", type=int, default=None)
-    e.add_argument("--max-num-batched-tokens", type=int, default=None)
-    e.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None)
-    e.add_argument("--num-blocks", type=int, default=None, help="KV cache blocks per replica")
-    e.add_argument("--block-size", type=int, default=None)
-    e.add_argument("--max-model-len", type=int, default=None)
-    o = p.add_argument_group("output")
-    o.add_argument("--slo-ttft", type=float, default=1.0, help="seconds")
-    o.add_argument("--slo-tpot", type=float, default=0.1, help="seconds")
-    o.add_argument("--slo-from", type=float, default=None,
-                   help="also report the SLO attainment of the requests arriving from this second on")
-    o.add_argument("--summary", type=Path, default=None, help="write the JSON summary here (default: stdout)")
-    o.add_argument("--plot", type=Path, default=None, help="write a PNG of load, replicas and latency over time")
+def _opt(default: Any, help: str, group: str, **extra: Any) -> Any:
+    return option(default, help, group=group, **extra)
 
 
-def build_trace(args: argparse.Namespace) -> list[TraceRequest]:
+_TRACE, _FLEET = "trace", "fleet"
+_SCALING = "autoscaling (octavo/autoscale's policy on the simulated clock)"
+_REPLICA, _OUTPUT = "each replica (default: the calibrated engine's)", "output"
+
+
+@dataclass
+class SimulateRunConfig:
+    """``octavo simulate run``'s options, by group."""
+
+    cost_model: str = field(metadata={"help": "JSON written by `octavo simulate calibrate`"})
+    trace: str = _opt("poisson", f"one of {', '.join(TRACE_KINDS)}, or a recorded .jsonl file", _TRACE)
+    duration: float = _opt(600.0, "seconds of arrivals (generated traces)", _TRACE, unit="seconds")
+    rate: float = _opt(1.0, "requests/s (bursty: off rate; diurnal: mean)", _TRACE)
+    burst_rate: float = _opt(0.0, "bursty: requests/s while on", _TRACE)
+    on_s: float = _opt(10.0, "bursty: mean seconds on", _TRACE, unit="seconds")
+    off_s: float = _opt(50.0, "bursty: mean seconds off", _TRACE, unit="seconds")
+    amplitude: float = _opt(0.8, "diurnal: peak is rate * (1 + amplitude)", _TRACE)
+    period: float = _opt(3600.0, "diurnal: seconds in one (compressed) day", _TRACE, unit="seconds")
+    burst_at: Optional[float] = _opt(None, "diurnal: start of an extra burst (s)", _TRACE, unit="seconds")
+    burst_s: float = _opt(0.0, "diurnal: the burst's length (s)", _TRACE, unit="seconds")
+    burst_factor: float = _opt(1.0, "diurnal: rate multiplier in the burst", _TRACE)
+    prompt_len: str = _opt("lognormal:200:0.8", "fixed:N | uniform:LO:HI | lognormal:MEDIAN:SIGMA", _TRACE)
+    output_len: str = _opt("lognormal:100:0.6", "same forms as --prompt-len", _TRACE)
+    seed: int = _opt(0, "random seed of the generated trace and the simulation", _TRACE)
+    replicas: int = _opt(1, "replicas at the start", _FLEET)
+    routing: str = _opt("least-load", "the gateway's routing policy", _FLEET, choices=tuple(sorted(ROUTING_POLICIES)))
+    cold_start: float = _opt(60.0, "seconds from scale-up to a ready replica", _FLEET, unit="seconds")
+    interval: float = _opt(10.0, "seconds between fleet samples / scaler decisions", _FLEET, unit="seconds")
+    request_overhead: float = _opt(0.0, "seconds each request spends outside engine steps (HTTP, tokenizing)",
+                                   _FLEET, unit="seconds")
+    step_overhead: float = _opt(0.0, "seconds a served step costs beyond the calibrated engine step (streaming, "
+                                     "the HTTP front)", _FLEET, unit="seconds")
+    autoscale: str = _opt("none", "predictive: max(reactive, Holt-Winters forecast / --capacity-per-replica)",
+                          _SCALING, choices=("none", "reactive", "predictive"))
+    min_replicas: int = _opt(1, "fewest replicas", _SCALING)
+    max_replicas: int = _opt(8, "most replicas", _SCALING)
+    scale_on: tuple[str, ...] = _opt((), "reactive signal and its per-replica target, repeatable (default: "
+                                         "in_flight=8)", _SCALING, repeatable=True, metavar="SIGNAL=TARGET")
+    scale_down_window: float = _opt(300.0, "seconds (HPA's stabilisation)", _SCALING, unit="seconds")
+    capacity_per_replica: Optional[float] = _opt(None, "predictive: requests/s one replica serves within the SLO",
+                                                 _SCALING)
+    forecast_bucket: float = _opt(60.0, "predictive: seconds per forecast point", _SCALING, unit="seconds")
+    headroom: float = _opt(1.2, "predictive: forecast multiplier", _SCALING)
+    max_num_seqs: Optional[int] = _opt(None, "most sequences in a step (default: the calibrated engine's)", _REPLICA)
+    max_num_batched_tokens: Optional[int] = _opt(None, "most tokens in a step (default: the calibrated engine's)",
+                                                 _REPLICA, unit="tokens")
+    enable_chunked_prefill: Optional[bool] = _opt(None, "split long prompts over steps (default: the calibrated "
+                                                        "engine's)", _REPLICA)
+    num_blocks: Optional[int] = _opt(None, "KV cache blocks per replica (default: the calibrated engine's)",
+                                     _REPLICA)
+    block_size: Optional[int] = _opt(None, "tokens per KV cache block (default: the calibrated engine's)",
+                                     _REPLICA, unit="tokens")
+    max_model_len: Optional[int] = _opt(None, "longest sequence (default: the calibrated engine's)", _REPLICA,
+                                        unit="tokens")
+    slo_ttft: float = _opt(1.0, "time-to-first-token objective", _OUTPUT, unit="seconds")
+    slo_tpot: float = _opt(0.1, "time-per-output-token objective", _OUTPUT, unit="seconds")
+    slo_from: Optional[float] = _opt(None, "also report the SLO attainment of the requests arriving from this "
+                                           "second on", _OUTPUT, unit="seconds")
+    summary: Optional[Path] = _opt(None, "write the JSON summary here (default: stdout)", _OUTPUT)
+    plot: Optional[Path] = _opt(None, "write a PNG of load, replicas and latency over time", _OUTPUT)
+
+
+def build_trace(args: SimulateRunConfig) -> list[TraceRequest]:
     if args.trace.endswith(".jsonl"):
         return load_jsonl(args.trace)
     spec = TraceSpec(
@@ -83,7 +97,7 @@ def build_trace(args: argparse.Namespace) -> list[TraceRequest]:
     return generate(spec, args.seed)
 
 
-def replica_shape(cost_model: CostModel, args: argparse.Namespace) -> ReplicaShape:
+def replica_shape(cost_model: CostModel, args: SimulateRunConfig) -> ReplicaShape:
     """The calibrated engine's limits, with the options given on top."""
     base = cost_model.engine
 
@@ -109,7 +123,7 @@ def replica_shape(cost_model: CostModel, args: argparse.Namespace) -> ReplicaSha
     )
 
 
-def autoscaler_config(args: argparse.Namespace) -> AutoscalerConfig:
+def autoscaler_config(args: SimulateRunConfig) -> AutoscalerConfig:
     targets = {}
     for item in args.scale_on or ["in_flight=8"]:
         signal, _, value = item.partition("=")
@@ -132,7 +146,7 @@ def autoscaler_config(args: argparse.Namespace) -> AutoscalerConfig:
     )
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(args: SimulateRunConfig) -> dict:
     cost_model = CostModel.load(args.cost_model)
     shape = replica_shape(cost_model, args)
     fleet = FleetConfig(routing=args.routing, initial_replicas=args.replicas, cold_start_s=args.cold_start,
@@ -148,8 +162,7 @@ def run(args: argparse.Namespace) -> dict:
     if scaler is not None:
         summary["scale_decisions"] = [{"time_s": t, "from": a, "to": b, "reason": d.reason}
                                       for (t, a, b), d in zip(result.scale_events, scaler.decisions)]
-    summary["config"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()
-                         if k not in ("func",)}
+    summary["config"] = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     summary["machine"] = vars(cost_model.machine)
     text = json.dumps(summary, indent=2)
     if args.summary is not None:

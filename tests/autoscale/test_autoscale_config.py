@@ -5,14 +5,11 @@ import argparse
 
 import pytest
 
-from octavo.autoscale.config import add_flags, load_config
-from octavo.entrypoints.cli import main
+from octavo.entrypoints.cli import autoscale_config as load_config, build_parser, main, parse_command
 
 
 def _parse(*argv: str) -> argparse.Namespace:
-    parser = argparse.ArgumentParser()
-    add_flags(parser)
-    return parser.parse_args(argv)
+    return parse_command(build_parser(), ["autoscale", *argv])[0]
 
 
 def test_yaml_then_flags(tmp_path):
@@ -39,7 +36,7 @@ def test_yaml_then_flags(tmp_path):
 def test_errors_name_the_setting(tmp_path, capsys):
     path = tmp_path / "bad.yaml"
     path.write_text("policy: {reactive: {window: 3}}\n")
-    with pytest.raises(ValueError, match=r"policy.reactive.window: unknown setting"):
+    with pytest.raises(ValueError, match=r"unknown option 'policy.reactive.window'"):
         load_config(_parse("--config", str(path)))
     with pytest.raises(ValueError, match="local.serve_args: --host and --port"):
         load_config(_parse("--local-serve-args", "/m --port 9000"))

@@ -8,8 +8,7 @@ from typing import Iterator, Sequence
 
 import yaml
 
-from octavo.autoscale.config import load_config as load_autoscale_config
-from octavo.entrypoints.cli import build_parser, gateway_config
+from octavo.entrypoints.cli import autoscale_config, build_parser, gateway_config
 from octavo.entrypoints.engine_args import engine_config_from_args
 from tests.deploy.monitoring import DEPLOY
 
@@ -78,6 +77,6 @@ def check_octavo_command(command: Sequence[str]) -> None:
     elif args.command == "gateway":
         gateway_config(args)
     elif args.command == "autoscale":
-        load_autoscale_config(args)
+        autoscale_config(args)
     else:
         raise ValueError(f"unexpected octavo command {args.command!r}")

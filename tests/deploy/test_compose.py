@@ -9,6 +9,7 @@ from urllib.parse import urlparse
 import pytest
 import yaml
 
+from octavo.entrypoints.cli import gateway_config
 from tests.deploy.manifests import DEPLOY, check_octavo_command, dockerfile_instructions, exec_form, octavo_args
 
 COMPOSE = DEPLOY / "compose" / "docker-compose.yaml"
@@ -34,10 +35,10 @@ def test_gateway_routes_to_the_compose_replicas(services: dict) -> None:
     gateway = services["gateway"]
     command = gateway["entrypoint"] + gateway["command"]
     check_octavo_command(command)
-    args = octavo_args(command)
-    hosts = {urlparse(url).hostname for url in args.replica}
+    config = gateway_config(octavo_args(command))
+    hosts = {urlparse(url).hostname for url in config.replicas}
     assert hosts == {"replica-1", "replica-2"} <= services.keys()
-    assert urlparse(args.redis_url).hostname in services
+    assert urlparse(config.redis_url).hostname in services
     assert set(gateway["depends_on"]) >= hosts
 
 

@@ -9,6 +9,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from octavo.entrypoints.cli import server_config_from_args
 from tests.deploy.manifests import (
     DEPLOY, check_octavo_command, dockerfile_instructions, exec_form, k8s_objects, octavo_args, yaml_documents,
 )
@@ -83,12 +84,13 @@ def test_replica_runs_a_valid_serve_command_publishing_events_on_its_declared_po
     command = entrypoint + container["args"]
     check_octavo_command(command)
     args = octavo_args(command)
+    server = server_config_from_args(args)
     ports = {port["name"]: port["containerPort"] for port in container["ports"]}
-    assert args.port == ports["http"]
+    assert server.port == ports["http"]
     assert args.kv_events_endpoint.endswith(f":{ports['kv-events']}")
-    # SIGTERM drains in-flight requests for --shutdown-timeout; the pod must be given longer than that.
+    # SIGTERM drains in-flight requests for --shutdown-timeout-s; the pod must be given longer than that.
     grace = _deployment("octavo-replica")["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
-    assert grace > args.shutdown_timeout
+    assert grace > server.shutdown_timeout_s
 
 
 def test_gateway_discovers_replicas_through_the_headless_service() -> None:

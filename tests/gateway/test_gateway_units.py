@@ -7,7 +7,8 @@ import pytest
 
 from octavo.core.prefix_hash import extend_block_hashes
 from octavo.gateway.cache import MemoryCache, cache_key, is_deterministic
-from octavo.gateway.config import BreakerConfig, CacheConfig, KeyConfig, load_config
+from octavo.entrypoints.cli import build_parser, gateway_config, parse_command
+from octavo.gateway.config import BreakerConfig, CacheConfig, GatewayConfig, KeyConfig
 from octavo.gateway.kv_index import KVIndex
 from octavo.gateway.ratelimit import MemoryBuckets, RateLimiter, retry_after_header
 from octavo.gateway.replicas import Breaker, BreakerState, Replica, ReplicaSet, normalize_url
@@ -131,20 +132,24 @@ def test_what_counts_as_deterministic_and_the_key():
     assert cache_key("/v1/completions", {"a": 1}) != cache_key("/v1/chat/completions", {"a": 1})
 
 
+def _parse(*argv: str):
+    return parse_command(build_parser(), ["gateway", *argv])[0]
+
+
 def test_config_file_and_command_line(tmp_path):
     path = tmp_path / "g.yaml"
     path.write_text("replicas: [http://a:1]\nrouting: session\nbreaker: {failure_threshold: 5}\n"
                     "keys:\n  - {key: k1, rpm: 10, priority: 2}\n")
-    config = load_config(path, {"replicas": ["b:2"], "port": 9})
+    config = gateway_config(_parse("--config", str(path), "--replica", "b:2", "--port", "9"))
     assert config.replicas == ["http://a:1", "b:2"] and config.port == 9 and config.routing == "session"
     assert config.breaker.failure_threshold == 5 and config.keys == [KeyConfig("k1", rpm=10, priority=2)]
     path.write_text("breaker: {failure_treshold: 5}\n")
-    with pytest.raises(ValueError, match="breaker.failure_treshold: unknown setting"):
-        load_config(path, {})
+    with pytest.raises(ValueError, match="unknown option 'breaker.failure_treshold' \\(did you mean 'failure_threshold'"):
+        _parse("--config", str(path))
     with pytest.raises(ValueError, match="routing must be one of"):
-        load_config(None, {"routing": "random"})
+        GatewayConfig(routing="random")
     with pytest.raises(ValueError, match="kv-aware needs tokenizer"):
-        load_config(None, {"routing": "kv-aware"})
+        GatewayConfig(routing="kv-aware")
     with pytest.raises(ValueError, match="rpm must be >= 1"):
         KeyConfig("k", rpm=0)
 

@@ -5,7 +5,7 @@ with the gateway's admin API and counts as ready. Down: the newest replica
 (the oldest keep their warm prefix caches) is drained first: deregistered
 (the gateway sends it nothing new), then left until its own /metrics show
 no request running or waiting, then sent SIGTERM, on which the server
-finishes whatever is still open within its --shutdown-timeout. A replica
+finishes whatever is still open within its --shutdown-timeout-s. A replica
 still starting is the first to go, since it serves nobody yet.
 
 Transitions run on a thread each, so ``scale`` returns at once and the
@@ -16,6 +16,7 @@ from __future__ import annotations
 import enum
 import logging
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -48,11 +49,12 @@ _BACKOFF_S, _BACKOFF_CAP_S = 5.0, 300.0
 @dataclass
 class LocalConfig:
     serve_args: tuple[str, ...] = option((), "`octavo serve` arguments of every replica: MODEL and flags "
-                                              "(--host and --port are the actuator's)")
+                                              "(--host and --port are the actuator's), as one shell-quoted string",
+                                    parse=shlex.split, metavar="ARGS")
     host: str = option("127.0.0.1", "address the replicas listen on (and are registered with)")
     start_timeout_s: float = option(300.0, "a replica not healthy within this is killed")
     drain_timeout_s: float = option(120.0, "longest wait for a deregistered replica's requests to finish "
-                                           "before SIGTERM (which drains for its own --shutdown-timeout)")
+                                           "before SIGTERM (which drains for its own --shutdown-timeout-s)")
     stop_timeout_s: float = option(60.0, "after SIGTERM, this long until SIGKILL")
     log_dir: Optional[str] = option(None, "one log file per replica here (default: a temporary folder, "
                                           "named in the error when a replica fails to start)")
