@@ -1,4 +1,4 @@
-"""The torch-free parts of the design (DESIGN.md): octavo/core, the fronts
+"""The torch-free parts of the design (docs/ARCHITECTURE.md): octavo/core, the fronts
 (server/, gateway/ and the OpenAI API they share in openai/), autoscale/,
 simulate/, and the package-root modules every layer uses. The server is
 torch-free whole because its engine runs in a process of its own. Each module
