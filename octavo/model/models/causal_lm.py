@@ -74,6 +74,8 @@ class CausalLM(nn.Module):
     }
     # Whether checkpoints store the fused modules whole (split into their parts on load).
     fused_checkpoint = False
+    # Substrings of checkpoint tensor names -> what this model calls them.
+    checkpoint_renames: dict[str, str] = {}
 
     @classmethod
     def config_reading(cls, raw: dict[str, Any]) -> ConfigReading:
