@@ -146,6 +146,21 @@ def autoscaler_config(args: SimulateRunConfig) -> AutoscalerConfig:
     )
 
 
+class _Progress:
+    """One line on stderr each time another tenth of the trace's time has been simulated."""
+
+    def __init__(self, trace: list[TraceRequest]) -> None:
+        self.span = max((t.arrival_s for t in trace), default=0.0)
+        self.shown = 0
+
+    def __call__(self, now: float, finished: int, total: int) -> None:
+        tenth = min(10, int(10 * now / self.span)) if self.span > 0 else 10
+        if tenth > self.shown:
+            self.shown = tenth
+            print(f"simulated {now:.0f} s of {self.span:.0f} s: {finished} of {total} requests finished",
+                  file=sys.stderr, flush=True)
+
+
 def run(args: SimulateRunConfig) -> dict:
     cost_model = CostModel.load(args.cost_model)
     shape = replica_shape(cost_model, args)
@@ -157,7 +172,7 @@ def run(args: SimulateRunConfig) -> dict:
     scaler = None
     if args.autoscale != "none":
         scaler = PolicyScaler(Autoscaler(autoscaler_config(args)), args.interval)
-    result = Simulator(cost_model, shape, fleet, scaler, seed=args.seed).run(trace)
+    result = Simulator(cost_model, shape, fleet, scaler, seed=args.seed).run(trace, _Progress(trace))
     summary = summarize(result, slo, args.slo_from)
     if scaler is not None:
         summary["scale_decisions"] = [{"time_s": t, "from": a, "to": b, "reason": d.reason}

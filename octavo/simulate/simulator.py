@@ -108,7 +108,10 @@ class Simulator:
 
     # ---- the loop -------------------------------------------------------
 
-    def run(self, trace: Sequence[TraceRequest]) -> SimResult:
+    def run(self, trace: Sequence[TraceRequest],
+            on_tick: Optional[Callable[[float, int, int], None]] = None) -> SimResult:
+        """Simulate ``trace`` to its end; ``on_tick(simulated seconds, requests finished, requests)``
+        after every autoscaling interval (a progress display)."""
         for _ in range(self.fleet.initial_replicas):
             self._add_replica(0.0, cold=False)
         for i, t in enumerate(sorted(trace, key=lambda r: r.arrival_s)):
@@ -122,6 +125,8 @@ class Simulator:
             self._now, _, kind, obj = heapq.heappop(self._events)
             if kind == "tick":
                 self._tick()
+                if on_tick is not None:
+                    on_tick(self._now, len(self._records) - self._unfinished, len(self._records))
                 # Stop when all is served, or when nothing can serve what is
                 # left (no replica, none coming, no scaler to start one).
                 stuck = not self._events and not any(r.state is not ReplicaState.STOPPED for r in self._replicas)

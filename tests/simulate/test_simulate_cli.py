@@ -46,8 +46,11 @@ def test_run_writes_summary_and_plot(cost_file, tmp_path, capsys):
     assert data["replicas"]["started"] == 2 and data["replicas"]["replica_hours"] > 0
     assert data["machine"]["model"].startswith("llama")
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    printed = capsys.readouterr().out  # the headline, for a person; the JSON went to the file
-    assert f"{data['finished']} of {data['requests']} requests finished" in printed and "TTFT p50" in printed
+    printed = capsys.readouterr()  # the headline, for a person; the JSON went to the file
+    assert f"{data['finished']} of {data['requests']} requests finished" in printed.out and "TTFT p50" in printed.out
+    # Progress on stderr, a line per tenth of the simulated span, the last one at its end.
+    progress = [line for line in printed.err.splitlines() if line.startswith("simulated ")]
+    assert len(progress) == 10 and progress[-1].endswith(f"of {data['requests']} requests finished")
 
 
 def test_refused_requests_are_said_on_screen(cost_file, tmp_path, capsys):
