@@ -98,7 +98,7 @@ def test_requests_and_stats_round_trip():
 
 
 def test_parse_bytes():
-    from octavo.entrypoints.engine_args import parse_bytes
+    from octavo.entrypoints.options import parse_bytes
 
     assert parse_bytes("2GiB") == 2 * 2**30
     assert parse_bytes("512MiB") == 512 * 2**20
