@@ -45,8 +45,12 @@ SAMPLES: dict[str, list[tuple[str, str | None, list[tuple[str, dict]]]]] = {
         ('{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}', None, [PARIS]),
         ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}; '
          '{"name": "get_time", "parameters": {"zone": "Europe/Rome"}}', None, [PARIS, ROME]),
+        # Llama 3.x writes "arguments" as often as "parameters".
+        ('{"name": "get_time", "arguments": {"zone": "Europe/Rome"}}', None, [ROME]),
         ("  The weather is fine.", "  The weather is fine.", []),
         ('{"answer": 42}', '{"answer": 42}', []),
+        # A name but neither key: an answer in JSON, not a call.
+        ('{"name": "Ada", "born": 1815}', '{"name": "Ada", "born": 1815}', []),
     ],
     "mistral": [
         ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}, '
