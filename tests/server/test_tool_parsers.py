@@ -65,6 +65,9 @@ SAMPLES: dict[str, list[tuple[str, str | None, list[tuple[str, dict]]]]] = {
         ("<tool_call>\n<function=get_time>\n<parameter=zone>\nEurope/Rome\n</parameter>\n</function>\n</tool_call>"
          "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n"
          "</parameter>\n</function>\n</tool_call>", None, [ROME, PARIS]),
+        # Typed by the schema: Python's True is the boolean, a string stays a string.
+        ("<tool_call>\n<function=get_weather>\n<parameter=city>\n1984\n</parameter>\n<parameter=metric>\nTrue\n"
+         "</parameter>\n</function>\n</tool_call>", None, [("get_weather", {"city": "1984", "metric": True})]),
         ("<tool_call>\n<function=get_time>\n<parameter=zone>\nEur", "<tool_call>\n<function=get_time>\n<parameter=zone>\nEur", []),
     ],
 }
