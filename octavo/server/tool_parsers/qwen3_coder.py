@@ -44,10 +44,11 @@ class Qwen3CoderParser(ToolParser):
             }
             parsed.calls.append(ParsedCall(name, json.dumps(args, ensure_ascii=False)))
             pos = match.end()
-        rest = text[pos:].replace("</tool_call>", "").strip()
-        if final and (rest or not parsed.calls):
-            # An unfinished call, or markers that never made one: text.
-            parsed.content += text[pos:] if parsed.calls else text[start:]
+        broken = text.find(_MARKERS[0], pos), text.find(_MARKERS[1], pos)
+        if final and max(broken) >= 0:
+            # An unfinished call, or markers that never made one: text. Other
+            # text after the calls (closing tags, chatter) is dropped, as in vLLM.
+            parsed.content += text[min(i for i in broken if i >= 0):]
         return parsed
 
 
