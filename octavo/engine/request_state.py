@@ -100,6 +100,12 @@ class RequestState:
     pooling: Optional[PoolingParams] = None
     embedding: Optional[list[float]] = None
 
+    def __post_init__(self) -> None:
+        if self.params.prompt_logprobs is not None and self.prompt_logprobs is None:
+            # Nothing comes before the first prompt token to score it: its entry is
+            # None, and a one-token prompt's list is [None] (vLLM's), not None.
+            self.prompt_logprobs = [None]
+
     @property
     def finished(self) -> bool:
         return all(s.finished for s in self.sequences.values())
@@ -118,12 +124,9 @@ class RequestState:
         if seq.finished:
             return None  # a step in flight when a stop string ended it: nothing of it is returned
         now = time.monotonic()
-        if out.prompt_logprobs is not None and self.params.prompt_logprobs is not None:
-            if self.prompt_logprobs is None:
-                self.prompt_logprobs = [None]
-            # Every child computes the same prompt; keep the first child's.
-            if out.request_id == self.child_ids[0]:
-                self.prompt_logprobs.extend(out.prompt_logprobs)
+        # Every child computes the same prompt; keep the first child's.
+        if out.prompt_logprobs is not None and self.prompt_logprobs is not None and out.request_id == self.child_ids[0]:
+            self.prompt_logprobs.extend(out.prompt_logprobs)
         self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
         stop_str = None
         if out.new_token_ids:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from octavo import LLM, SamplingParams
-from octavo.outputs import TokenLogprobs
+from octavo.outputs import OutputAccumulator, TokenLogprobs
 from tests.engine.conftest import assert_no_leak, random_prompts
 from tests.model_factory import load_hf_model
 from tests.worker.runner_utils import hf_logits
@@ -130,4 +130,21 @@ def test_prompt_logprobs_requests_still_fill_the_prefix_cache(folder, hf):
     assert_prompt_logprobs(hf, prompt, scored.prompt_logprobs, 1)
     plain = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2), use_tqdm=False)[0]
     assert plain.num_cached_tokens == 48
+    assert_no_leak(llm)
+
+
+def test_one_token_prompt_has_one_empty_entry(folder):
+    """Nothing scores a one-token prompt, yet its prompt_logprobs hold one entry
+    per prompt token, [None], as vLLM's do; a request that did not ask has None."""
+    llm = LLM(folder, dtype="float32", num_blocks=BLOCKS)
+    prompt = random_prompts([1], seed=24)[0]
+    for kind in ("final_only", "delta"):
+        for max_tokens, asked in ((0, 2), (3, 0), (3, None)):
+            params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, prompt_logprobs=asked, output_kind=kind)
+            llm.engine.add_request("one", prompt, params)
+            folded = OutputAccumulator(prompt)
+            while llm.engine.has_unfinished_requests():
+                for out in llm.engine.step():
+                    folded.add(out)
+            assert folded.take().prompt_logprobs == ([None] if asked is not None else None), (kind, max_tokens)
     assert_no_leak(llm)

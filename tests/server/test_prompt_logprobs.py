@@ -48,3 +48,11 @@ def test_prompt_logprobs_cannot_stream(server):
     with pytest.raises(openai.BadRequestError) as exc:
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=1, stream=True, extra_body={"prompt_logprobs": 1})
     assert exc.value.body["param"] == "prompt_logprobs"
+
+
+def test_one_token_prompt_has_one_empty_entry(server):
+    # Nothing scores the first prompt token: one entry, null, as vLLM answers.
+    with server.http() as http:
+        r = http.post("/v1/completions", json={"model": MODEL, "prompt": [5], "max_tokens": 1, "prompt_logprobs": 1})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["prompt_logprobs"] == [None]

@@ -1,11 +1,8 @@
-"""Tool-call parsers on fixed model outputs, and streams that agree with whole answers.
+"""The per-choice reader of tool calls (octavo/server/tools.py): what tool_choice asks,
+call ids, and the requests refused. The parsers' outputs: test_tool_parsers_outputs.py.
 
-No server: the parsers and the per-choice reader (octavo/server/tools.py)
-are plain functions of the generated text."""
+No server: the parsers and the reader are plain functions of the generated text."""
 from __future__ import annotations
-
-import json
-import random
 
 import pytest
 
@@ -13,7 +10,8 @@ from octavo.openai.errors import APIError
 from octavo.openai.protocol import ChatCompletionRequest
 from octavo.server.config import ServerConfig
 from octavo.server.tool_parsers import PARSERS
-from octavo.server.tools import ToolOutput, plan_tools
+from octavo.server.tools import plan_tools
+from tests.server.tool_streams import assemble, calls, tool_plan
 
 WEATHER = {
     "name": "get_weather",
@@ -25,108 +23,38 @@ WEATHER = {
 }
 TIME = {"name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}}}
 PARIS = ("get_weather", {"city": "Paris", "days": 3})
-ROME = ("get_time", {"zone": "Europe/Rome"})
-
-# parser -> [(model output, expected content, expected calls)]
-SAMPLES: dict[str, list[tuple[str, str | None, list[tuple[str, dict]]]]] = {
-    "hermes": [
-        ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>', None, [PARIS]),
-        ('Let me check. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>\n'
-         '<tool_call>\n{"name": "get_time", "arguments": {"zone": "Europe/Rome"}}\n</tool_call>',
-         "Let me check. ", [PARIS, ROME]),
-        ("It is sunny in <b>Paris</b>; no <tool_ tags here.", "It is sunny in <b>Paris</b>; no <tool_ tags here.", []),
-        # Cut short by max_tokens: the unfinished call stays text.
-        ('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par', '<tool_call>\n{"name": "get_weather", '
-         '"arguments": {"city": "Par', []),
-        # No closing tag (a stop string ate it): the JSON is complete, so is the call.
-        ('<tool_call>\n{"name": "get_time", "arguments": {"zone": "Europe/Rome"}}', None, [ROME]),
-    ],
-    "llama3_json": [
-        ('{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}', None, [PARIS]),
-        ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}; '
-         '{"name": "get_time", "parameters": {"zone": "Europe/Rome"}}', None, [PARIS, ROME]),
-        ("  The weather is fine.", "  The weather is fine.", []),
-        ('{"answer": 42}', '{"answer": 42}', []),
-    ],
-    "mistral": [
-        ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}, '
-         '{"name": "get_time", "arguments": {"zone": "Europe/Rome"}}]', None, [PARIS, ROME]),
-        ('Sure.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 3}[TOOL_CALLS]get_time{"zone": "Europe/Rome"}',
-         "Sure.", [PARIS, ROME]),
-        ("No calls [TOOL", "No calls [TOOL", []),
-    ],
-    "qwen3_coder": [
-        ("Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
-         "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>", "Checking.\n", [PARIS]),
-        ("<tool_call>\n<function=get_time>\n<parameter=zone>\nEurope/Rome\n</parameter>\n</function>\n</tool_call>"
-         "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n"
-         "</parameter>\n</function>\n</tool_call>", None, [ROME, PARIS]),
-        ("<tool_call>\n<function=get_time>\n<parameter=zone>\nEur", "<tool_call>\n<function=get_time>\n<parameter=zone>\nEur", []),
-    ],
+TWO_CALLS = {
+    "hermes": '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>\n'
+              '<tool_call>\n{"name": "get_time", "arguments": {"zone": "Europe/Rome"}}\n</tool_call>',
+    "llama3_json": '{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}; '
+                   '{"name": "get_time", "parameters": {"zone": "Europe/Rome"}}',
+    "mistral": '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}, '
+               '{"name": "get_time", "arguments": {"zone": "Europe/Rome"}}]',
+    "qwen3_coder": "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n"
+                   "</tool_call>\n<tool_call>\n<function=get_time>\n</function>\n</tool_call>",
 }
-CASES = [(name, *sample) for name, samples in SAMPLES.items() for sample in samples]
 
 
 def _plan(parser: str, **fields):
-    body = {"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": f} for f in (WEATHER, TIME)],
-            **fields}
-    return plan_tools(ChatCompletionRequest(**body), ServerConfig(enable_auto_tool_choice=True, tool_call_parser=parser))
+    return tool_plan(parser, [WEATHER, TIME], **fields)
 
 
-def _calls(tool_calls) -> list[tuple[str, dict]]:
-    return [(c.function.name, json.loads(c.function.arguments)) for c in tool_calls or []]
-
-
-@pytest.mark.parametrize("parser,text,content,calls", CASES)
-def test_parser_reads_fixed_outputs(parser, text, content, calls):
-    message = _plan(parser).output().message(text, "stop")
-    assert message.content == content
-    assert _calls(message.tool_calls) == calls
-    assert message.finish_reason == ("tool_calls" if calls else "stop")
-    ids = [c.id for c in message.tool_calls or []]
-    assert len(set(ids)) == len(ids)
+@pytest.mark.parametrize("parser", sorted(TWO_CALLS))
+def test_calls_get_ids_in_the_models_form(parser):
+    message = _plan(parser).output().message(TWO_CALLS[parser], "stop")
+    ids = [c.id for c in message.tool_calls]
+    assert len(ids) == 2 and len(set(ids)) == 2
     if parser == "mistral":  # Mistral's templates accept only 9 letters and digits
         assert all(len(i) == 9 and i.isalnum() for i in ids)
-
-
-def _assemble(reader: ToolOutput, pieces: list[str]) -> tuple[str | None, list[tuple[str, dict]], str | None]:
-    """Stream ``pieces`` through ``reader`` and join the deltas the way the openai client does."""
-    content, calls, reason = None, {}, None
-    for k, piece in enumerate(pieces):
-        deltas, reason = reader.delta(piece, "stop" if k == len(pieces) - 1 else None)
-        for d in deltas:
-            if d.content:
-                content = (content or "") + d.content
-            for tc in d.tool_calls or []:
-                entry = calls.setdefault(tc.index, {"name": "", "arguments": "", "ids": []})
-                assert (tc.id is None) == (tc.function.name is None), "a call's first fragment carries id and name"
-                if tc.id is not None:
-                    assert not entry["ids"] and not entry["arguments"], "name first, then arguments"
-                    entry["ids"].append(tc.id)
-                entry["name"] += tc.function.name or ""
-                entry["arguments"] += tc.function.arguments or ""
-    assert sorted(calls) == list(range(len(calls)))
-    return content, [(calls[i]["name"], json.loads(calls[i]["arguments"])) for i in sorted(calls)], reason
-
-
-@pytest.mark.parametrize("parser,text,content,calls", CASES)
-def test_streams_agree_with_whole_answers(parser, text, content, calls):
-    rng = random.Random(0)
-    splits = [list(text)]  # one character at a time
-    for _ in range(20):
-        cuts = sorted(rng.sample(range(1, len(text)), min(4, len(text) - 1)))
-        splits.append([text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])])
-    for pieces in splits:
-        got_content, got_calls, reason = _assemble(_plan(parser).output(), pieces)
-        assert (got_content, got_calls) == (content, calls)
-        assert reason == ("tool_calls" if calls else "stop")
+    else:
+        assert all(i.startswith("call_") for i in ids)
 
 
 def test_parallel_tool_calls_false_keeps_the_first_call():
-    text = SAMPLES["hermes"][1][0]
+    text = TWO_CALLS["hermes"]
     plan = _plan("hermes", parallel_tool_calls=False)
-    assert _calls(plan.output().message(text, "stop").tool_calls) == [PARIS]
-    assert _assemble(plan.output(), [text[:40], text[40:]])[1] == [PARIS]
+    assert calls(plan.output().message(text, "stop").tool_calls) == [PARIS]
+    assert assemble(plan.output(), [text[:40], text[40:]])[1] == [PARIS]
 
 
 def test_named_choice_streams_arguments_as_they_come():
@@ -138,7 +66,7 @@ def test_named_choice_streams_arguments_as_they_come():
     second, reason = reader.delta('"UTC"}', "stop")
     assert second[0].tool_calls[0].function.arguments == '"UTC"}' and reason == "tool_calls"
     whole = plan.output().message('{"zone": "UTC"}', "stop")
-    assert _calls(whole.tool_calls) == [("get_time", {"zone": "UTC"})] and whole.content is None
+    assert calls(whole.tool_calls) == [("get_time", {"zone": "UTC"})] and whole.content is None
 
 
 def test_required_choice_grammar_and_layout():
@@ -147,8 +75,8 @@ def test_required_choice_grammar_and_layout():
     names = [item["properties"]["name"]["enum"] for item in plan.schema["items"]["anyOf"]]
     assert names == [["get_weather"], ["get_time"]]
     text = '[{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}]'
-    assert _calls(plan.output().message(text, "stop").tool_calls) == [PARIS]
-    assert _assemble(plan.output(), list(text))[1] == [PARIS]
+    assert calls(plan.output().message(text, "stop").tool_calls) == [PARIS]
+    assert assemble(plan.output(), list(text))[1] == [PARIS]
 
 
 @pytest.mark.parametrize("fields,config,param,words", [

@@ -86,11 +86,16 @@ def decode_json(text: str, pos: int = 0) -> tuple[Optional[Any], int]:
     except json.JSONDecodeError:
         return None, pos
 
-def call_from_object(value: Any, arguments_key: str) -> Optional[ParsedCall]:
-    """{"name": ..., <arguments_key>: {...}} -> a call; None for any other shape."""
+def call_from_object(value: Any, *keys: str, required: bool = False) -> Optional[ParsedCall]:
+    """{"name": ..., <key>: {...}} -> a call, the arguments under the first of
+    ``keys`` the object has; without any of them the call has no arguments,
+    or is no call when ``required``. None for any other shape."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str):
         return None
-    args = value.get(arguments_key, {})
+    key = next((k for k in keys if k in value), None)
+    if key is None and required:
+        return None
+    args = value[key] if key is not None else {}
     if isinstance(args, str):  # some models write the arguments as a JSON string
         try:
             args = json.loads(args)

@@ -1,5 +1,6 @@
 """Llama 3.1-3.3 JSON tool calls: the answer is ``{"name": ..., "parameters": {...}}``
-(optionally after ``<|python_tag|>``), several separated by ``;``."""
+or ``{"name": ..., "arguments": {...}}`` (optionally after ``<|python_tag|>``),
+several separated by ``;``."""
 from __future__ import annotations
 
 from octavo.server.tool_parsers.base import Parsed, ToolParser, call_from_object, decode_json
@@ -23,7 +24,9 @@ class Llama3JsonParser(ToolParser):
         parsed, pos = Parsed(""), 0
         while True:
             value, end = decode_json(body, pos)
-            call = call_from_object(value, "parameters") or call_from_object(value, "arguments")
+            # Llama 3.x writes either key (vLLM reads "arguments" first); an object
+            # with neither is an answer in JSON, not a call.
+            call = call_from_object(value, "arguments", "parameters", required=True)
             if call is None:
                 break
             parsed.calls.append(call)

@@ -8,7 +8,9 @@
     </function>
     </tool_call>
 
-Parameter values are raw text; the tool's JSON schema says what type each is.
+Parameter values are raw text; the tool's JSON schema says what type each is
+(typed_values.py). A parameter may end at ``</parameter>``, or where the next
+one or the function ends, as models sometimes leave the tag out.
 """
 from __future__ import annotations
 
@@ -17,10 +19,11 @@ import re
 from typing import Any
 
 from octavo.server.tool_parsers.base import Parsed, ParsedCall, ToolParser, content_before
+from octavo.server.tool_parsers.typed_values import typed_value
 
 _MARKERS = ("<tool_call>", "<function=")
 _FUNCTION = re.compile(r"<function=([^>\s]+)>(.*?)</function>", re.DOTALL)
-_PARAMETER = re.compile(r"<parameter=([^>\s]+)>(.*?)</parameter>", re.DOTALL)
+_PARAMETER = re.compile(r"<parameter=([^>\s]+)>(.*?)(?:</parameter>|(?=<parameter=)|\Z)", re.DOTALL)
 
 
 class Qwen3CoderParser(ToolParser):
@@ -34,17 +37,18 @@ class Qwen3CoderParser(ToolParser):
         pos = start
         for match in _FUNCTION.finditer(text, start):
             name = match.group(1)
-            schema = (self.tools.get(name, {}).get("parameters") or {}).get("properties", {})
+            properties = _properties(self.tools.get(name, {}))
             args = {
-                key: _typed(_strip_newlines(value), schema.get(key, {}))
+                key: typed_value(_strip_newlines(value), properties.get(key, {}))
                 for key, value in _PARAMETER.findall(match.group(2))
             }
             parsed.calls.append(ParsedCall(name, json.dumps(args, ensure_ascii=False)))
             pos = match.end()
-        rest = text[pos:].replace("</tool_call>", "").strip()
-        if final and (rest or not parsed.calls):
-            # An unfinished call, or markers that never made one: text.
-            parsed.content += text[pos:] if parsed.calls else text[start:]
+        broken = text.find(_MARKERS[0], pos), text.find(_MARKERS[1], pos)
+        if final and max(broken) >= 0:
+            # An unfinished call, or markers that never made one: text. Other
+            # text after the calls (closing tags, chatter) is dropped, as in vLLM.
+            parsed.content += text[min(i for i in broken if i >= 0):]
         return parsed
 
 
@@ -53,14 +57,12 @@ def _strip_newlines(value: str) -> str:
     return value.removeprefix("\n").removesuffix("\n")
 
 
-def _typed(value: str, schema: dict[str, Any]) -> Any:
-    kind = schema.get("type", "string")
-    kinds = kind if isinstance(kind, list) else [kind]
-    if kinds == ["string"]:
-        return value
-    if value.strip() == "null" and "null" in kinds:
-        return None
-    try:
-        return json.loads(value)  # numbers, booleans, objects, arrays
-    except json.JSONDecodeError:
-        return value
+
+def _properties(function: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The schemas of a function's parameters; a parameter without a schema
+    object (or of a function not among the tools) is a string."""
+    parameters = function.get("parameters")
+    properties = parameters.get("properties") if isinstance(parameters, dict) else None
+    if not isinstance(properties, dict):
+        return {}
+    return {k: v for k, v in properties.items() if isinstance(v, dict)}
