@@ -255,9 +255,9 @@ _ST_POOLING_KEYS = {"last": "pooling_mode_lasttoken", "mean": "pooling_mode_mean
 def make_sentence_transformers_model(
     tmp_path: str | Path, pooling: str, normalize: bool = True, arch: str = "qwen3", **overrides: Any
 ) -> Path:
-    """A headless checkpoint laid out as sentence-transformers publishes
-    embedding models: modules.json, 1_Pooling/config.json, and a Normalize
-    module when ``normalize``."""
+    """A headless checkpoint laid out as sentence-transformers 5 and earlier
+    saved embedding models (Qwen3-Embedding is published so): modules.json,
+    1_Pooling/config.json, and a Normalize module when ``normalize``."""
     base = make_tiny_model(tmp_path, arch, headless=True, **overrides)
     folder = Path(tmp_path) / f"st-{pooling}-{int(normalize)}-{base.name}"
     if (folder / "modules.json").is_file():

@@ -15,10 +15,13 @@ sees the steps in the same order, which keeps each rank's KV writes and
 per-request state in step order.
 
 Failure: while it waits, the executor checks every 200 ms that each rank's
-process lives; a rank that died (killed, OOM) raises ``ExecutorError`` naming
-the rank and its exit status, so the engine fails within a second instead of
-hanging in a collective. A rank that raises sends its error, which is raised
-here with the rank's traceback.
+process lives, so the engine fails within seconds instead of hanging in a
+collective. A rank that raises sends its error, which is raised here with the
+rank's traceback (a ValueError stays one). A failure's cause is picked once
+the ranks have had a moment to report: a rank that exits after a failed start
+may be seen dead before its report is read, so a death waits up to 3 s for
+that report; a rank that died without one (killed, OOM) is the cause, named
+with its exit status, over the errors its peers' collectives then raise.
 """
 from __future__ import annotations
 
@@ -47,7 +50,8 @@ from octavo.log import LOG_LEVEL_ENV, current_level
 logger = logging.getLogger(__name__)
 
 _POLL_MS = 200
-_DEATH_GRACE_S = 1.0  # how long a rank's error waits for news of a dead peer
+_DEATH_GRACE_S = 1.0  # how long a rank's error waits for news of a dead peer or of other errors
+_REPORT_GRACE_S = 3.0  # how long a dead rank's error report may still be on its way
 STARTUP_TIMEOUT_S = 600.0  # loading a large checkpoint per rank takes a while
 
 
@@ -110,23 +114,37 @@ class MultiprocExecutor(Executor):
         return [results[r] for r in ranks]
 
     def check_health(self) -> None:
-        for rank, proc in enumerate(self._procs):
-            code = proc.poll()
-            if code is not None:
-                how = f"killed by signal {-code}" if code < 0 else f"exited with status {code}"
-                raise ExecutorError(f"worker rank {rank} (pid {proc.pid}) died: {how}")
+        if any(proc.poll() is not None for proc in self._procs):
+            raise self._failure({})
 
     def shutdown(self) -> None:
         self._finalizer()
 
-    def _wait_for_death(self, seconds: float) -> None:
-        """Raise ExecutorError if a rank is or turns out dead within ``seconds``."""
-        deadline = time.monotonic() + seconds
+    def _failure(self, errors: dict[int, WorkerFailure]) -> Exception:
+        """The exception naming a failure's cause, given the errors already
+        received (rank -> failure, in arrival order), once the failed ranks
+        have had their grace to report."""
+        start = time.monotonic()
         while True:
-            self.check_health()
-            if time.monotonic() > deadline:
-                return
-            time.sleep(0.05)
+            dead = {r for r, proc in enumerate(self._procs) if proc.poll() is not None}
+            silent = dead - errors.keys()
+            if len(dead) == len(self._procs) and not silent:
+                break  # every rank exited and reported: no more news can come
+            if time.monotonic() - start >= (_REPORT_GRACE_S if silent or not errors else _DEATH_GRACE_S):
+                break
+            if self._results.poll(50):
+                rank, got, payload = pickle.loads(self._results.recv(copy=False).buffer)
+                if got == "error":
+                    errors.setdefault(rank, payload)
+        if silent:
+            # Its peers' errors follow from its death (a collective that lost a member).
+            rank = min(silent)
+            code = self._procs[rank].returncode
+            how = f"killed by signal {-code}" if code < 0 else f"exited with status {code}"
+            return ExecutorError(f"worker rank {rank} (pid {self._procs[rank].pid}) died: {how}")
+        # A rank that refused its input (ValueError) is the cause of the collective errors of peers it left.
+        rank = next((r for r, f in errors.items() if f.type_name == "ValueError"), next(iter(errors)))
+        return _rank_error(rank, errors[rank])
 
     def _broadcast(self, message: tuple, ranks: Optional[list[int]] = None) -> None:
         payload = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)  # once, for every rank
@@ -155,10 +173,7 @@ class MultiprocExecutor(Executor):
                 continue
             rank, got, payload = pickle.loads(self._results.recv(copy=False).buffer)
             if got == "error":
-                # A rank that dies makes its peers' collectives fail: name the
-                # dead one, the cause, rather than the peer that noticed.
-                self._wait_for_death(_DEATH_GRACE_S)
-                raise _rank_error(rank, payload)
+                raise self._failure({rank: payload})
             if got == kind and rank in ranks:
                 results[rank] = payload
         return results

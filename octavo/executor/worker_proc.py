@@ -16,8 +16,10 @@ serves messages, each a pickled tuple:
 - ``("shutdown",)``: leave.
 
 Replies are pickled ``(rank, kind, payload)`` with kind ``ready``, ``ok`` or
-``error`` (payload: the exception's type name, message and traceback). The
-process exits by itself when the engine process is gone.
+``error`` (payload: the exception's type name, message and traceback). A rank
+that cannot start sends its error, then exits with status 1 once the error is
+delivered (or after the socket's 2 s linger). The process exits by itself
+when the engine process is gone.
 """
 from __future__ import annotations
 
@@ -105,11 +107,11 @@ def serve(rank: int, step_addr: str, result_addr: str) -> None:
                 if os.getppid() != parent:
                     return  # the engine is gone
                 continue
-            message = pickle.loads(inp.recv(copy=False).buffer)
-            kind = message[0]
-            if kind == "shutdown":
-                return
             try:
+                message = pickle.loads(inp.recv(copy=False).buffer)
+                kind = message[0]
+                if kind == "shutdown":
+                    return
                 if kind == "step":
                     result = worker.execute_model(message[1])
                     if worker.is_driver:
@@ -122,7 +124,9 @@ def serve(rank: int, step_addr: str, result_addr: str) -> None:
             except Exception as exc:
                 reply("error", WorkerFailure(type(exc).__name__, str(exc), traceback.format_exc()))
                 if worker is None:
-                    return  # could not start: nothing to serve
+                    # Could not start: nothing to serve. A non-zero status, so that whoever sees the exit
+                    # before the report (which the socket's linger still delivers) does not read success.
+                    raise SystemExit(1)
     finally:
         import torch.distributed as dist
 

@@ -18,12 +18,23 @@ from octavo.config import ModelConfig
 from octavo.model.registry import HEADLESS_ARCHITECTURES
 from octavo.pooling import POOLING_TYPES, TASKS, PoolerConfig
 
-_ST = "sentence_transformers.models."
-# sentence-transformers' Pooling config key -> our pooling type.
-_ST_MODES = {"pooling_mode_lasttoken": "last", "pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls"}
-_ST_UNSUPPORTED_MODES = (
-    "pooling_mode_max_tokens", "pooling_mode_mean_sqrt_len_tokens", "pooling_mode_weightedmean_tokens",
-)
+# modules.json names each module by its class's import path: sentence-transformers 5 and earlier
+# wrote the ``sentence_transformers.models`` aliases, 6 writes where the classes now live.
+_ST_MODULES = {
+    "sentence_transformers.models.Transformer": "Transformer",
+    "sentence_transformers.base.modules.transformer.Transformer": "Transformer",
+    "sentence_transformers.models.Pooling": "Pooling",
+    "sentence_transformers.sentence_transformer.modules.pooling.Pooling": "Pooling",
+    "sentence_transformers.models.Normalize": "Normalize",
+    "sentence_transformers.base.modules.normalize.Normalize": "Normalize",
+}
+# 1_Pooling/config.json: 6 writes one ``pooling_mode`` name, 5 and earlier a boolean key per mode.
+_ST_MODES = {"lasttoken": "last", "mean": "mean", "cls": "cls"}
+_ST_LEGACY_KEYS = {
+    "pooling_mode_lasttoken": "lasttoken", "pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls",
+    "pooling_mode_max_tokens": "max", "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+    "pooling_mode_weightedmean_tokens": "weightedmean",
+}
 
 
 def resolve_pooler(model_config: ModelConfig) -> Optional[PoolerConfig]:
@@ -83,12 +94,13 @@ def _sentence_transformers(folder: Path) -> Optional[tuple[str, bool]]:
     pooling, normalize = None, False
     for m in modules:
         kind, where = str(m.get("type", "")), str(m.get("path", ""))
-        if kind == _ST + "Transformer":
+        role = _ST_MODULES.get(kind)
+        if role == "Transformer":
             if where not in ("", "."):
                 raise ValueError(f"{path}: the Transformer module must be the folder itself, got path {where!r}")
-        elif kind == _ST + "Pooling":
+        elif role == "Pooling":
             pooling = _st_pooling(folder / where / "config.json")
-        elif kind == _ST + "Normalize":
+        elif role == "Normalize":
             normalize = True
         else:
             raise ValueError(f"{path}: module {kind!r} is not supported (supported: Transformer, Pooling, Normalize)")
@@ -101,12 +113,13 @@ def _st_pooling(path: Path) -> str:
     raw = _read_json(path)
     if raw.get("include_prompt") is False:
         raise ValueError(f"{path}: include_prompt false is not supported")
-    unsupported = [k for k in _ST_UNSUPPORTED_MODES if raw.get(k)]
-    chosen = [mode for key, mode in _ST_MODES.items() if raw.get(key)]
-    if unsupported or len(chosen) != 1:
-        raise ValueError(f"{path}: exactly one of {', '.join(_ST_MODES)} must be true"
-                         + (f" ({', '.join(unsupported)} is not supported)" if unsupported else ""))
-    return chosen[0]
+    mode = raw["pooling_mode"] if "pooling_mode" in raw else [m for k, m in _ST_LEGACY_KEYS.items() if raw.get(k)]
+    if isinstance(mode, list) and len(mode) == 1:
+        mode = mode[0]
+    # Several modes concatenate into one longer vector; the other single modes have no pooler here.
+    if not isinstance(mode, str) or mode not in _ST_MODES:
+        raise ValueError(f"{path}: pooling mode {mode!r} is not supported (supported: {', '.join(_ST_MODES)})")
+    return _ST_MODES[mode]
 
 
 def _read_json(path: Path) -> Any:
