@@ -37,6 +37,7 @@ from octavo.checkpoint.paths import model_path
 from octavo.config import SpeculativeConfig
 from octavo.core.step_state import CachedRequestState, ScheduledRow
 from octavo.model.config import ArchConfig, load_arch_config
+from octavo.sample.generators import request_generator
 from octavo.sample.metadata import SamplingMetadata
 from octavo.sample.sampler import sample_from_probs, warp_logits
 from octavo.spec_decode.proposer import Proposal, ProposalInput, Proposer, ProposerContext
@@ -336,11 +337,6 @@ class DraftModelProposer(Proposer):
             seq.guess_blocks = blocks[p.end // self.block_size : -(-seq.computed // self.block_size)]
 
     def _generator(self, request: CachedRequestState) -> Optional[torch.Generator]:
-        seed = request.sampling_params.seed
-        if seed is None or request.sampling_params.greedy:
+        if request.sampling_params.greedy:
             return None
-        gen = self._generators.get(request.request_id)
-        if gen is None:
-            gen = self._generators[request.request_id] = torch.Generator(device=self.device)
-            gen.manual_seed(seed)
-        return gen
+        return request_generator(self._generators, request, self.device)

@@ -21,6 +21,7 @@ from octavo.model.kv_scales import load_static_kv_scales
 from octavo.model.loader import load_model
 from octavo.model.pooler_config import resolve_pooler
 from octavo.outputs import TokenLogprobs
+from octavo.sample.generators import request_generator
 from octavo.sample.logprobs import token_logprobs
 from octavo.sample.metadata import SamplingMetadata
 from octavo.sample.rejection import Drafts, verification_rows, verify
@@ -406,14 +407,7 @@ class ModelRunner:
         return max(0, min(room))
 
     def _generator(self, request: CachedRequestState) -> Optional[torch.Generator]:
-        seed = request.sampling_params.seed
-        if seed is None:
-            return None
-        gen = self._generators.get(request.request_id)
-        if gen is None:
-            gen = self._generators[request.request_id] = torch.Generator(device=self.device)
-            gen.manual_seed(seed)
-        return gen
+        return request_generator(self._generators, request, self.device)
 
 
 def _needs_steady_proposals(request: CachedRequestState) -> bool:

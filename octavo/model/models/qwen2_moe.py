@@ -1,8 +1,10 @@
 """Qwen2-MoE: Qwen2's layers whose MLPs are mixtures of experts (top-k of a softmax router, weights
 renormalised where norm_topk_prob says) plus a shared expert every token goes through, scaled by a
-sigmoid gate. Only every decoder_sparse_step-th layer is sparse, and mlp_only_layers keep a dense MLP."""
+sigmoid gate. Only every decoder_sparse_step-th layer is sparse, and mlp_only_layers keep a dense MLP.
+Qwen3-MoE reads its experts the same way (``QwenSparseLayers``)."""
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from torch import nn
@@ -22,7 +24,8 @@ def qwen_experts(raw: dict[str, Any], shared: bool) -> ExpertsConfig:
     dense = {i for i in range(layers) if (i + 1) % step} | {int(i) for i in raw.get("mlp_only_layers") or ()}
     # transformers 5 writes num_local_experts where older files have num_experts.
     return ExpertsConfig(
-        num_experts=positive_int(raw, "num_experts" if "num_experts" in raw else "num_local_experts"), top_k=positive_int(raw, "num_experts_per_tok"),
+        num_experts=positive_int(raw, "num_experts" if "num_experts" in raw else "num_local_experts"),
+        top_k=positive_int(raw, "num_experts_per_tok"),
         intermediate_size=positive_int(raw, "moe_intermediate_size"),
         renormalize=bool(raw.get("norm_topk_prob", False)),
         shared_intermediate_size=positive_int(raw, "shared_expert_intermediate_size") if shared else 0,
@@ -30,13 +33,20 @@ def qwen_experts(raw: dict[str, Any], shared: bool) -> ExpertsConfig:
     )
 
 
-class Qwen2MoeForCausalLM(Qwen2ForCausalLM):
+class QwenSparseLayers:
+    """Mixed into a Qwen family: its MLPs become expert blocks where config.json says they are sparse."""
+
+    has_shared_expert = True
+
     @classmethod
     def config_reading(cls, raw: dict[str, Any]) -> ConfigReading:
-        base = super().config_reading(raw)
-        return ConfigReading(sliding_window=base.sliding_window, experts=qwen_experts(raw, shared=True))
+        return replace(super().config_reading(raw), experts=qwen_experts(raw, shared=cls.has_shared_expert))
 
     def make_mlp(self, arch: ArchConfig, layer_idx: int, backends: ModelBackends) -> nn.Module:
         if layer_idx in arch.experts.dense_layers:
             return super().make_mlp(arch, layer_idx, backends)
         return SparseMoEBlock(arch, backends, f"model.layers.{layer_idx}.mlp", ("gate_proj", "up_proj", "down_proj"))
+
+
+class Qwen2MoeForCausalLM(QwenSparseLayers, Qwen2ForCausalLM):
+    pass
