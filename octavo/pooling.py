@@ -18,6 +18,8 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+from octavo.tokenizer import Tokenizer
+
 POOLING_TYPES = ("last", "mean", "cls")
 TASKS = ("auto", "generate", "embed")
 
@@ -32,6 +34,9 @@ class PoolerConfig:
     # Matryoshka: None = the model was not trained for truncation; () = any
     # length up to hidden_size; else the lengths it was trained for.
     matryoshka_dimensions: Optional[tuple[int, ...]] = None
+    # Each text is embedded as a user message in the chat template (what sentence-transformers 6
+    # does for a folder whose Transformer module has the "message" modality).
+    chat_prompt: bool = False
 
     def __post_init__(self) -> None:
         if self.pooling_type not in POOLING_TYPES:
@@ -41,6 +46,15 @@ class PoolerConfig:
     def needs_every_position(self) -> bool:
         """Mean and CLS pooling read hidden states a prefix-cache hit would skip."""
         return self.pooling_type != "last"
+
+    def embedding_ids(self, tokenizer: Tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
+        """The token ids ``text`` is embedded from, made as sentence-transformers makes them: the text
+        as a user message rendered by the chat template (no generation prompt) where ``chat_prompt``,
+        else the text encoded as it is."""
+        if not self.chat_prompt:
+            return tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=False)
+        return tokenizer.encode(rendered, add_special_tokens=False)
 
     def check_dimensions(self, dimensions: Optional[int]) -> None:
         """ValueError naming ``dimensions`` when this model cannot give that many."""

@@ -416,6 +416,8 @@ class LLMEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt must not be empty")
+            if self.pooler_config is not None:  # an embedding model: its texts as sentence-transformers makes them
+                return prompt, self.pooler_config.embedding_ids(self.tokenizer, prompt)
             return prompt, self.tokenizer.encode(prompt)
         if not isinstance(prompt, list) or not all(
             isinstance(t, int) and not isinstance(t, bool) for t in prompt

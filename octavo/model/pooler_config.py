@@ -62,14 +62,14 @@ def resolve_pooler(model_config: ModelConfig) -> Optional[PoolerConfig]:
         if model_config.pooling_type is not None or model_config.normalize is not None:
             raise ValueError("pooling_type and normalize apply to embedding models (--task embed)")
         return None
-    st_pooling, st_normalize = st if st is not None else (None, None)
+    st_pooling, st_normalize, chat_prompt = st if st is not None else (None, None, False)
     pooling_type = model_config.pooling_type or st_pooling or "last"
     if pooling_type not in POOLING_TYPES:
         raise ValueError(f"pooling_type must be one of {', '.join(POOLING_TYPES)}; got {pooling_type!r}")
     normalize = model_config.normalize
     if normalize is None:
         normalize = st_normalize if st_normalize is not None else True
-    return PoolerConfig(pooling_type, normalize, int(raw["hidden_size"]), _matryoshka(raw))
+    return PoolerConfig(pooling_type, normalize, int(raw["hidden_size"]), _matryoshka(raw), chat_prompt)
 
 
 def _matryoshka(raw: dict[str, Any]) -> Optional[tuple[int, ...]]:
@@ -81,8 +81,8 @@ def _matryoshka(raw: dict[str, Any]) -> Optional[tuple[int, ...]]:
     return () if raw.get("is_matryoshka") else None
 
 
-def _sentence_transformers(folder: Path) -> Optional[tuple[str, bool]]:
-    """(pooling type, normalize) of a sentence-transformers folder, None for
+def _sentence_transformers(folder: Path) -> Optional[tuple[str, bool, bool]]:
+    """(pooling type, normalize, texts as chat messages) of a sentence-transformers folder, None for
     another folder. Modules this engine cannot apply are a ValueError: an
     embedding that silently skipped a Dense layer would be wrong, not close."""
     path = folder / "modules.json"
@@ -91,13 +91,14 @@ def _sentence_transformers(folder: Path) -> Optional[tuple[str, bool]]:
     modules = _read_json(path)
     if not isinstance(modules, list):
         raise ValueError(f"{path}: expected a list of modules")
-    pooling, normalize = None, False
+    pooling, normalize, chat_prompt = None, False, False
     for m in modules:
         kind, where = str(m.get("type", "")), str(m.get("path", ""))
         role = _ST_MODULES.get(kind)
         if role == "Transformer":
             if where not in ("", "."):
                 raise ValueError(f"{path}: the Transformer module must be the folder itself, got path {where!r}")
+            chat_prompt = _st_chat_prompt(folder / "sentence_bert_config.json")
         elif role == "Pooling":
             pooling = _st_pooling(folder / where / "config.json")
         elif role == "Normalize":
@@ -106,7 +107,21 @@ def _sentence_transformers(folder: Path) -> Optional[tuple[str, bool]]:
             raise ValueError(f"{path}: module {kind!r} is not supported (supported: Transformer, Pooling, Normalize)")
     if pooling is None:
         raise ValueError(f"{path}: no Pooling module")
-    return pooling, normalize
+    return pooling, normalize, chat_prompt
+
+
+def _st_chat_prompt(path: Path) -> bool:
+    """Whether sentence-transformers (6 and later) embeds each text as a user message in the chat
+    template: it does whenever the Transformer module's ``modality_config`` has a "message" entry."""
+    if not path.is_file():
+        return False
+    message = (_read_json(path).get("modality_config") or {}).get("message")
+    if message is None:
+        return False
+    if message.get("format", "flat") != "flat":
+        raise ValueError(f"{path}: modality_config.message format {message.get('format')!r} is not supported "
+                         "(supported: flat, a message's content as one string)")
+    return True
 
 
 def _st_pooling(path: Path) -> str:

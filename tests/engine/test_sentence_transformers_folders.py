@@ -23,19 +23,20 @@ TEXTS = ["Hello", "The quick brown fox jumps over the lazy dog.", "def add(a, b)
 ST_MODE = {"last": "lasttoken", "mean": "mean", "cls": "cls"}
 
 
-def _saved_by_library(tmp: Path, pooling: str, normalize: bool, arch: str) -> Path:
-    # Without a chat template: sentence-transformers 6 renders every text through a tokenizer's chat
-    # template (its "message" modality), which Octavo's embedding inputs do not do.
-    base = tmp / f"plain-{arch}"
+def _saved_by_library(tmp: Path, pooling: str, normalize: bool, arch: str, chat_template: bool = False) -> Path:
+    """``chat_template``: keep the tokenizer's, so that sentence-transformers 6 saves the "message"
+    modality and embeds every text as a user message rendered by it."""
+    base = tmp / f"base-{arch}-{int(chat_template)}"
     shutil.copytree(make_tiny_model(tmp, arch, headless=True), base, dirs_exist_ok=True)
-    tokenizer_config = json.loads((base / "tokenizer_config.json").read_text())
-    tokenizer_config.pop("chat_template")
-    (base / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    if not chat_template:
+        tokenizer_config = json.loads((base / "tokenizer_config.json").read_text())
+        tokenizer_config.pop("chat_template")
+        (base / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
     transformer = Transformer(str(base))
     modules = [transformer, Pooling(transformer.get_embedding_dimension(), ST_MODE[pooling])]
     if normalize:
         modules.append(Normalize())
-    folder = tmp / f"saved-{pooling}-{int(normalize)}-{arch}"
+    folder = tmp / f"saved-{pooling}-{int(normalize)}-{arch}-{int(chat_template)}"
     st.SentenceTransformer(modules=modules, device="cpu").save(str(folder))
     return folder
 
@@ -58,6 +59,20 @@ def test_folder_saved_by_the_library(tmp_path, pooling, normalize, arch):
     assert "sentence_transformers.base.modules.transformer.Transformer" in types
     assert json.loads((folder / "1_Pooling" / "config.json").read_text())["pooling_mode"] == ST_MODE[pooling]
     assert list(json.loads((folder / "sentence_bert_config.json").read_text())["modality_config"]) == ["text"]
+    _assert_matches_library(folder, pooling, normalize)
+
+
+@pytest.mark.parametrize("pooling,normalize", [("last", True), ("mean", False)])
+def test_texts_as_chat_messages_where_the_library_makes_them(tmp_path, pooling, normalize):
+    folder = _saved_by_library(tmp_path, pooling, normalize, "qwen3", chat_template=True)
+    assert "message" in json.loads((folder / "sentence_bert_config.json").read_text())["modality_config"]
+    llm = LLM(folder, dtype="float32", num_blocks=64)
+    assert llm.engine.pooler_config.chat_prompt
+    # The ids the server's /v1/embeddings and LLM.embed both make: the library's own.
+    library = st.SentenceTransformer(str(folder), device="cpu")
+    for text in TEXTS:
+        ours = llm.engine.pooler_config.embedding_ids(llm.get_tokenizer(), text)
+        assert ours == library.preprocess([text])["input_ids"][0].tolist()
     _assert_matches_library(folder, pooling, normalize)
 
 
