@@ -229,7 +229,7 @@ def _process_weights_after_loading(net: torch.nn.Module, scheme: str) -> dict[st
     before = after = 0
     for module in net.modules():
         if isinstance(module, LinearWeightHolder):
-            method = module.linear_method
+            method = module.weight_method
             before += sum(p.numel() * p.element_size() for n, p in module.named_parameters(recurse=False)
                           if n != "bias")
             module.finish_loading()

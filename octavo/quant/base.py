@@ -87,6 +87,34 @@ class LinearMethod(ABC):
                    if name != "bias")
 
 
+class FusedMoEMethod(ABC):
+    """How one layer's experts are stored and applied: the parameters for this rank's shard (every
+    expert's gate and up projections fused in ``w13_weight`` [experts, 2 * intermediate, hidden],
+    the down projections in ``w2_weight`` [experts, hidden, intermediate]), what the kernel reads
+    after loading, and the products for tokens already routed (each token's ``top_k`` experts and
+    their weights). The layer is a ``LinearWeightHolder``: it keeps ``prepared``."""
+
+    @abstractmethod
+    def create_weights(self, layer: nn.Module, num_experts: int, hidden: int, intermediate: int,
+                       dtype: torch.dtype) -> None:
+        """Register ``w13_weight`` and ``w2_weight`` on ``layer`` (``intermediate``: this rank's share)."""
+
+    def process_weights_after_loading(self, layer: nn.Module) -> Optional[PreparedWeight]:
+        """As ``LinearMethod``'s: what the experts' kernel reads instead of the loaded parameters."""
+        return None
+
+    @abstractmethod
+    def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+        """sum over k of ``topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t])`` for x [tokens, hidden]."""
+
+    def kernel_name(self, layer: nn.Module) -> str:
+        return "torch (experts)"
+
+    def weight_bytes(self, layer: nn.Module) -> int:
+        return sum(p.numel() * p.element_size() for p in layer.parameters(recurse=False))
+
+
 class QuantizationScheme(ABC):
     """Chooses each linear layer's ``LinearMethod`` by its ``prefix`` (module
     path as in the checkpoint). One scheme per model; schemes are cheap to
@@ -97,21 +125,30 @@ class QuantizationScheme(ABC):
         """The method for the layer at ``prefix``: the same object may serve
         many layers (it keeps per-layer state on the layer)."""
 
+    def moe_method(self, prefix: str) -> FusedMoEMethod:
+        """The method for the experts of the mixture at ``prefix`` (``model.layers.0.mlp.experts``)."""
+        raise ValueError(f"{self.describe()} has no method for a mixture of experts ({prefix})")
+
     def describe(self) -> str:
         """One line for the start-up log."""
         return type(self).__name__
 
 
 class LinearWeightHolder(nn.Module):
-    """A module whose weight a ``LinearMethod`` creates and multiplies (the linear layers, the LM
-    head). ``prepared``: the method's ``PreparedWeight.kernel_weight`` once loaded, else None."""
+    """A module whose weights a method creates and multiplies (a ``LinearMethod``: the linear layers,
+    the LM head; a ``FusedMoEMethod``: a mixture's experts). ``prepared``: the method's
+    ``PreparedWeight.kernel_weight`` once loaded, else None."""
 
     linear_method: LinearMethod
     prepared: Any = None
 
+    @property
+    def weight_method(self) -> LinearMethod | FusedMoEMethod:
+        return self.linear_method
+
     def finish_loading(self) -> None:
         """Let the method prepare the loaded weight for its kernel; free what the kernel no longer reads."""
-        prepared = self.linear_method.process_weights_after_loading(self)
+        prepared = self.weight_method.process_weights_after_loading(self)
         if prepared is None:
             return
         self.prepared = prepared.kernel_weight

@@ -1,43 +1,51 @@
-"""The mixture-of-experts seam beside ``LinearMethod``: how one layer's experts are stored and applied.
+"""The mixture-of-experts methods (the seam, ``FusedMoEMethod``, is in quant/base.py beside
+``LinearMethod``): float experts, and experts quantized on the fly to int8 / int4 / w8a8 on the
+linear kernels.
 
-A ``FusedMoEMethod`` creates the experts' parameters for this rank's shard (every expert's gate and
-up projections fused in ``w13`` [experts, 2 * intermediate, hidden], the down projections in ``w2``
-[experts, hidden, intermediate]), may prepare them for its kernel after loading, and applies them
-to tokens already routed: each token's ``top_k`` experts and their weights."""
+Both run the same way: the (token, choice) pairs are sorted by expert, so each expert's rows are
+one contiguous slice; one gate/up product, the activation and one down product per expert that has
+rows, then a weighted scatter-add back to the tokens. Experts no token chose cost nothing and their
+weights are never read (at batch 1 only ``top_k`` experts' bytes are)."""
 from __future__ import annotations
 
-from abc import ABC, abstractmethod
-from typing import Optional
+from dataclasses import dataclass
+from typing import Callable, Union
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from octavo.quant.base import PreparedWeight
+from octavo.quant.base import FusedMoEMethod, PreparedWeight
+from octavo.quant.qweights import QuantizedWeight
+from octavo.quant.w8a8 import W8A8Weight
+
+# One expert's product: rows [n, in] -> [n, out].
+ExpertProduct = Callable[[torch.Tensor], torch.Tensor]
 
 
-class FusedMoEMethod(ABC):
-    @abstractmethod
-    def create_weights(self, layer: nn.Module, num_experts: int, hidden: int, intermediate: int,
-                       dtype: torch.dtype) -> None:
-        """Register ``w13_weight`` and ``w2_weight`` on ``layer`` (``intermediate``: this rank's share)."""
-
-    def process_weights_after_loading(self, layer: nn.Module) -> Optional[PreparedWeight]:
-        return None
-
-    @abstractmethod
-    def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
-        """sum over k of ``topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t])`` for x [tokens, hidden]."""
+def run_routed(layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+               gate_up: Callable[[int], ExpertProduct], down: Callable[[int], ExpertProduct]) -> torch.Tensor:
+    """sum over k of ``topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t])``, each expert's products
+    given by ``gate_up(e)`` and ``down(e)``."""
+    top_k = topk_ids.shape[1]
+    flat = topk_ids.flatten()
+    order = flat.argsort(stable=True)
+    counts = torch.bincount(flat, minlength=layer.num_experts)
+    rows_of = order // top_k  # the token of each sorted (token, choice) pair
+    routed = x.index_select(0, rows_of)
+    out = torch.empty_like(routed)
+    start = 0
+    for expert, count in zip(counts.nonzero().flatten().tolist(), counts[counts > 0].tolist()):
+        rows = slice(start, start + count)
+        gate, up = gate_up(expert)(routed[rows]).chunk(2, dim=-1)
+        out[rows] = down(expert)(layer.activation(gate) * up)
+        start += count
+    out.mul_(topk_weights.flatten().index_select(0, order).unsqueeze(1).to(out.dtype))
+    return torch.zeros_like(x).index_add_(0, rows_of, out)
 
 
 class UnquantizedMoEMethod(FusedMoEMethod):
-    """Float experts, multiplied expert by expert over the rows routed to each.
-
-    The (token, choice) pairs are sorted by expert, so each expert's rows are one contiguous slice:
-    one gate/up product, the activation and one down product per expert that has rows, then a
-    weighted scatter-add back to the tokens. Experts no token chose cost nothing and their weights
-    are never read (at batch 1 only ``top_k`` experts' bytes are)."""
+    """Float experts, multiplied by ``F.linear`` on each expert's slice of the weights."""
 
     def create_weights(self, layer: nn.Module, num_experts: int, hidden: int, intermediate: int,
                        dtype: torch.dtype) -> None:
@@ -47,18 +55,42 @@ class UnquantizedMoEMethod(FusedMoEMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
-        tokens, top_k = topk_ids.shape
-        flat = topk_ids.flatten()
-        order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=layer.w13_weight.shape[0])
-        rows_of = order // top_k  # the token of each sorted (token, choice) pair
-        routed = x.index_select(0, rows_of)
-        out = torch.empty_like(routed)
-        start = 0
-        for expert, count in zip(counts.nonzero().flatten().tolist(), counts[counts > 0].tolist()):
-            rows = slice(start, start + count)
-            gate, up = F.linear(routed[rows], layer.w13_weight[expert]).chunk(2, dim=-1)
-            out[rows] = F.linear(layer.activation(gate) * up, layer.w2_weight[expert])
-            start += count
-        out.mul_(topk_weights.flatten().index_select(0, order).unsqueeze(1).to(out.dtype))
-        return torch.zeros_like(x).index_add_(0, rows_of, out)
+        return run_routed(layer, x, topk_weights, topk_ids,
+                          lambda e: lambda rows: F.linear(rows, layer.w13_weight[e]),
+                          lambda e: lambda rows: F.linear(rows, layer.w2_weight[e]))
+
+
+QuantizedExpert = Union[QuantizedWeight, W8A8Weight]
+
+
+@dataclass
+class QuantizedExperts:
+    """Every expert's two products as quantized weights, for the linear kernels."""
+
+    gate_up: list[QuantizedExpert]
+    down: list[QuantizedExpert]
+
+
+class QuantizedMoEMethod(UnquantizedMoEMethod):
+    """Experts loaded in float, then each expert's gate/up and down quantized as a linear layer's
+    weight is (``quantize``: a weight [out, in] -> the kernels' weight); the float copies are released."""
+
+    def __init__(self, quantize: Callable[[torch.Tensor], QuantizedExpert]) -> None:
+        self.quantize = quantize
+
+    def process_weights_after_loading(self, layer: nn.Module) -> PreparedWeight:
+        experts = QuantizedExperts([self.quantize(w) for w in layer.w13_weight.detach()],
+                                   [self.quantize(w) for w in layer.w2_weight.detach()])
+        return PreparedWeight(experts, released=("w13_weight", "w2_weight"))
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+        experts: QuantizedExperts = layer.prepared
+        return run_routed(layer, x, topk_weights, topk_ids, lambda e: experts.gate_up[e], lambda e: experts.down[e])
+
+    def kernel_name(self, layer: nn.Module) -> str:
+        return f"{layer.prepared.gate_up[0].kernel_name()} (experts)"
+
+    def weight_bytes(self, layer: nn.Module) -> int:
+        experts: QuantizedExperts = layer.prepared
+        return sum(w.nbytes for w in (*experts.gate_up, *experts.down))

@@ -27,8 +27,9 @@ import torch
 from torch import nn
 
 from octavo.distributed.communication import tensor_model_parallel_all_gather
-from octavo.quant.base import LinearMethod, PreparedWeight, QuantizationScheme
+from octavo.quant.base import FusedMoEMethod, LinearMethod, PreparedWeight, QuantizationScheme
 from octavo.quant.qweights import Int4Weight, Int8Weight, QuantizedWeight
+from octavo.quant.moe import QuantizedMoEMethod, UnquantizedMoEMethod
 from octavo.quant.quantized import QuantizedLinearMethod
 from octavo.quant.unquantized import UnquantizedLinearMethod
 from octavo.quant.w8a8 import W8A8Weight
@@ -108,14 +109,16 @@ class OnTheFlyLinearMethod(QuantizedLinearMethod):
 
     def process_weights_after_loading(self, layer: nn.Module) -> PreparedWeight:
         weight = layer.weight.detach()
-        packed: Union[QuantizedWeight, W8A8Weight]
+        return self.prepared(self.quantize(weight, _whole_row_max(layer, weight)), ("weight",))
+
+    def quantize(self, weight: torch.Tensor, row_max: Optional[torch.Tensor] = None
+                 ) -> Union[QuantizedWeight, W8A8Weight]:
+        """``weight`` [out, in] for the kernels; ``row_max``: whole rows' max |w| where this rank holds slices."""
         if self.activations:
-            packed = quantize_w8a8(weight, _whole_row_max(layer, weight))
-        elif self.bits == 8:
-            packed = quantize_int8(weight, _whole_row_max(layer, weight))
-        else:
-            packed = quantize_int4(weight, self.group_size)
-        return self.prepared(packed, ("weight",))
+            return quantize_w8a8(weight, row_max)
+        if self.bits == 8:
+            return quantize_int8(weight, row_max)
+        return quantize_int4(weight, self.group_size)
 
 
 class OnTheFlyScheme(QuantizationScheme):
@@ -136,6 +139,13 @@ class OnTheFlyScheme(QuantizationScheme):
         if any(fnmatch(prefix, pattern) for pattern in self.keep):
             return self.unquantized
         return self.quantized
+
+    def moe_method(self, prefix: str) -> FusedMoEMethod:
+        """Experts quantized as the linear layers are (int4 groups along each expert's in-features;
+        int8 rows over this rank's slice of them)."""
+        if any(fnmatch(prefix, pattern) for pattern in self.keep):
+            return UnquantizedMoEMethod()
+        return QuantizedMoEMethod(self.quantized.quantize)
 
     def describe(self) -> str:
         group = f", groups of {self.quantized.group_size}" if self.quantized.bits == 4 else ""

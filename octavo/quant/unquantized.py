@@ -27,7 +27,8 @@ from octavo.kernels.amx_linear import AmxLinearKernel, AmxWeight, amx_linear_ker
 from octavo.kernels.bf16_linear import bf16_linear_kernel
 from octavo.kernels.cpu_features import target_has
 from octavo.quant.linear_table import LinearTable, PlannedWeight, make_copies
-from octavo.quant.base import LinearMethod, PreparedWeight, QuantizationScheme, set_weight_attrs
+from octavo.quant.base import FusedMoEMethod, LinearMethod, PreparedWeight, QuantizationScheme, set_weight_attrs
+from octavo.quant.moe import UnquantizedMoEMethod
 
 # Batch size oneDNN picks the packed layout for; it serves 1 to 1000+ rows alike.
 _PACK_HINT = 128
@@ -158,6 +159,9 @@ class UniformScheme(QuantizationScheme):
 
     def linear_method(self, prefix: str) -> LinearMethod:
         return self.method
+
+    def moe_method(self, prefix: str) -> FusedMoEMethod:
+        return UnquantizedMoEMethod()
 
     def describe(self) -> str:
         return f"{type(self.method).__name__} for every layer"

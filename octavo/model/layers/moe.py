@@ -19,7 +19,8 @@ from octavo.model.config import ArchConfig, ExpertsConfig
 from octavo.model.layers.elementwise import ACTIVATIONS
 from octavo.model.layers.linear import ReplicatedLinear, divide, load_shard
 from octavo.model.layers.mlp import GatedMLP
-from octavo.quant.moe import FusedMoEMethod, UnquantizedMoEMethod
+from octavo.quant.base import FusedMoEMethod, LinearWeightHolder
+from octavo.quant.moe import UnquantizedMoEMethod
 from octavo.quant.unquantized import UnquantizedLinearMethod
 
 # A checkpoint tensor's place in the experts' parameters: (expert, "gate" | "up" | "down"), or
@@ -37,7 +38,7 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
     return weights, ids
 
 
-class FusedMoE(nn.Module):
+class FusedMoE(LinearWeightHolder):
     """Every expert of one layer: ``w13_weight`` [experts, 2 * intermediate, hidden] (gate rows, then
     up rows) and ``w2_weight`` [experts, hidden, intermediate], this rank's intermediate slice."""
 
@@ -56,6 +57,10 @@ class FusedMoE(nn.Module):
         self.method.create_weights(self, self.num_experts, hidden, self.intermediate, torch.get_default_dtype())
         for param in self.parameters(recurse=False):
             param.weight_loader = self.weight_loader
+
+    @property
+    def weight_method(self) -> FusedMoEMethod:
+        return self.method
 
     def checkpoint_tensors(self, leaf: str, stored: set[str], prefix: str) -> dict[str, ExpertShard]:
         """The checkpoint tensors (names relative to this module) that fill parameter ``leaf``: one
@@ -101,7 +106,8 @@ class SparseMoEBlock(nn.Module):
         # The router stays in float: it decides which weights run, and is tiny.
         self.gate = ReplicatedLinear(arch.hidden_size, experts.num_experts, False, UnquantizedLinearMethod(),
                                      f"{prefix}.gate")
-        self.experts = FusedMoE(experts, arch.hidden_size, arch.hidden_act, expert_names)
+        self.experts = FusedMoE(experts, arch.hidden_size, arch.hidden_act, expert_names,
+                                backends.quantization.moe_method(f"{prefix}.experts"))
         self.shared_expert: Optional[GatedMLP] = None
         self.shared_expert_gate: Optional[ReplicatedLinear] = None
         if experts.shared_intermediate_size:
