@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from octavo.pooling import POOLING_TYPES
+
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 _DTYPE_ALIASES = ("float", "half")
 # What --generation-config takes besides a folder: the model's own file, or none (vLLM's "vllm").
@@ -181,9 +183,11 @@ class ModelConfig:
         choices=("auto", "generate", "embed"),
     )
     pooling_type: Optional[str] = option(
-        None, "embed: hidden states pooled into one vector by the last token, their mean, or the first (cls) "
-        "token (default: the folder's sentence-transformers Pooling config, else last)",
-        choices=("last", "mean", "cls"),
+        None, "embed: hidden states pooled into one vector by the last token, their mean, the first (cls) "
+        "token, their element-wise max, their sum over sqrt(length) (mean_sqrt_len_tokens), or their mean "
+        "weighted 1..n by position (weightedmean), as sentence-transformers' modes (default: the folder's "
+        "sentence-transformers Pooling config, else last)",
+        choices=POOLING_TYPES,
     )
     normalize: Optional[bool] = option(
         None, "embed: L2-normalize the vectors (default: as the folder's sentence-transformers modules say, "

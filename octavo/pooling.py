@@ -20,7 +20,9 @@ from typing import Optional
 
 from octavo.tokenizer import Tokenizer
 
-POOLING_TYPES = ("last", "mean", "cls")
+# The last three as sentence-transformers names them: the element-wise max of
+# the rows, their sum over sqrt(length), and their mean weighted 1..n by position.
+POOLING_TYPES = ("last", "mean", "cls", "max", "mean_sqrt_len_tokens", "weightedmean")
 TASKS = ("auto", "generate", "embed")
 
 
@@ -44,7 +46,7 @@ class PoolerConfig:
 
     @property
     def needs_every_position(self) -> bool:
-        """Mean and CLS pooling read hidden states a prefix-cache hit would skip."""
+        """Every type but last reads hidden states a prefix-cache hit would skip."""
         return self.pooling_type != "last"
 
     def embedding_ids(self, tokenizer: Tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:

@@ -249,7 +249,11 @@ def load_hf_model(folder: str | Path, dtype: torch.dtype = torch.float32) -> tor
     return model.eval()
 
 
-_ST_POOLING_KEYS = {"last": "pooling_mode_lasttoken", "mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token"}
+_ST_POOLING_KEYS = {
+    "last": "pooling_mode_lasttoken", "mean": "pooling_mode_mean_tokens", "cls": "pooling_mode_cls_token",
+    "max": "pooling_mode_max_tokens", "mean_sqrt_len_tokens": "pooling_mode_mean_sqrt_len_tokens",
+    "weightedmean": "pooling_mode_weightedmean_tokens",
+}
 
 
 def make_sentence_transformers_model(

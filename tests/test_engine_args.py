@@ -25,7 +25,7 @@ _NON_DEFAULT = {
     "quantization_group_size": ("64", 64),
     "unquantized_modules": ("lm_head,model.layers.0.*", "lm_head,model.layers.0.*"),
     "task": ("embed", "embed"),
-    "pooling_type": ("mean", "mean"),
+    "pooling_type": ("weightedmean", "weightedmean"),
     "block_size": ("32", 32),
     "kv_cache_memory_bytes": ("3MiB", 3 * 2**20),
     "memory_fraction": ("0.5", 0.5),

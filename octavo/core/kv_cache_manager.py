@@ -52,8 +52,8 @@ class KVCacheManager:
         return self._tables.get(request.request_id, [])
 
     def _can_hit(self, request: Request) -> bool:
-        # Prompt logprobs need the logits of every prompt position, and mean or
-        # cls pooling its hidden states, so nothing of the prompt may be skipped.
+        # Prompt logprobs need the logits of every prompt position, and every
+        # pooling but last its hidden states, so nothing of the prompt may be skipped.
         return (self.enable_prefix_caching and request.sampling_params.prompt_logprobs is None
                 and request.pooling in (None, "last"))
 

@@ -65,8 +65,8 @@ class Request:
     # every sampled token.
     grammar: Optional[StructuredOutputGrammar] = None
     # An embedding request's pooling type (octavo/pooling.py): it computes its
-    # prompt and ends. Mean and cls pooling read every prompt position's
-    # hidden state, so those requests take no prefix-cache hits.
+    # prompt and ends. Every pooling type but last reads every prompt
+    # position's hidden state, so those requests take no prefix-cache hits.
     pooling: Optional[str] = None
 
     status: RequestStatus = RequestStatus.WAITING

@@ -29,7 +29,10 @@ _ST_MODULES = {
     "sentence_transformers.base.modules.normalize.Normalize": "Normalize",
 }
 # 1_Pooling/config.json: 6 writes one ``pooling_mode`` name, 5 and earlier a boolean key per mode.
-_ST_MODES = {"lasttoken": "last", "mean": "mean", "cls": "cls"}
+_ST_MODES = {
+    "lasttoken": "last", "mean": "mean", "cls": "cls",
+    "max": "max", "mean_sqrt_len_tokens": "mean_sqrt_len_tokens", "weightedmean": "weightedmean",
+}
 _ST_LEGACY_KEYS = {
     "pooling_mode_lasttoken": "lasttoken", "pooling_mode_mean_tokens": "mean", "pooling_mode_cls_token": "cls",
     "pooling_mode_max_tokens": "max", "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
@@ -131,7 +134,7 @@ def _st_pooling(path: Path) -> str:
     mode = raw["pooling_mode"] if "pooling_mode" in raw else [m for k, m in _ST_LEGACY_KEYS.items() if raw.get(k)]
     if isinstance(mode, list) and len(mode) == 1:
         mode = mode[0]
-    # Several modes concatenate into one longer vector; the other single modes have no pooler here.
+    # Several modes concatenate into one longer vector, which no pooler here builds.
     if not isinstance(mode, str) or mode not in _ST_MODES:
         raise ValueError(f"{path}: pooling mode {mode!r} is not supported (supported: {', '.join(_ST_MODES)})")
     return _ST_MODES[mode]

@@ -3,13 +3,17 @@ model's last norm, as transformers' ``last_hidden_state``) become one vector.
 
 A prompt may be computed in several chunks (chunked prefill), so the pooler
 keeps what a request's earlier chunks contributed: the running sum of its rows
-(mean) or its first row (cls); last-token pooling needs only the final chunk.
+(mean, mean_sqrt_len_tokens), of its rows weighted by their 1-based position
+(weightedmean), their element-wise max (max), or its first row (cls);
+last-token pooling needs only the final chunk. The prompt's length divides
+(or its square root, or the sum of the weights 1..n) once the last chunk is in.
 A request recomputed from position 0 (after preemption) starts over; the
 state of requests that left is dropped with the step's finished ids. Sums are
 kept in float32 whatever the model's dtype, so long prompts do not lose
 precision to bf16 accumulation."""
 from __future__ import annotations
 
+import math
 from typing import Callable, Iterable, Sequence
 
 import torch
@@ -17,11 +21,14 @@ import torch
 from octavo.core.step_state import ScheduledRow
 from octavo.pooling import PoolerConfig
 
+# The pooling types that read every row and keep a running state across chunks.
+_RUNNING = ("mean", "mean_sqrt_len_tokens", "weightedmean", "max")
+
 
 class Pooler:
     def __init__(self, config: PoolerConfig) -> None:
         self.config = config
-        self._partial: dict[str, torch.Tensor] = {}  # request id -> sum of rows (mean) or first row (cls)
+        self._partial: dict[str, torch.Tensor] = {}  # request id -> what its earlier chunks left (module docstring)
 
     def forget(self, request_ids: Iterable[str]) -> None:
         for rid in request_ids:
@@ -39,7 +46,7 @@ class Pooler:
         (hidden states before the final norm)."""
         kind = self.config.pooling_type
         # The norm runs over the rows this pooling type reads, all in one call.
-        if kind == "mean":
+        if kind in _RUNNING:
             picks = list(range(hidden.shape[0]))
         elif kind == "cls":
             picks = [first for s, first in zip(rows, first_rows) if s.start_pos == 0]
@@ -54,9 +61,9 @@ class Pooler:
         vectors: list[torch.Tensor] = []
         for s, first in zip(rows, first_rows):
             rid = s.request.request_id
-            if kind == "mean":
-                part = normed[at[first] : at[first] + s.num_tokens].sum(dim=0)
-                self._partial[rid] = part if s.start_pos == 0 else self._partial[rid] + part
+            if kind in _RUNNING:
+                part = _fold(kind, normed[at[first] : at[first] + s.num_tokens], s.start_pos)
+                self._partial[rid] = part if s.start_pos == 0 else _merge(kind, self._partial[rid], part)
             elif kind == "cls" and s.start_pos == 0:
                 self._partial[rid] = normed[at[first]]
             if not _completes(s):
@@ -64,9 +71,7 @@ class Pooler:
             if kind == "last":
                 vector = normed[at[first + s.num_tokens - 1]]
             else:
-                vector = self._partial.pop(rid)
-                if kind == "mean":
-                    vector = vector / s.request.num_prompt_tokens
+                vector = _finish(kind, self._partial.pop(rid), s.request.num_prompt_tokens)
             done_ids.append(rid)
             vectors.append(vector)
         if not vectors:
@@ -80,3 +85,30 @@ class Pooler:
 def _completes(row: ScheduledRow) -> bool:
     """This chunk computes the last prompt token (embedding requests have no outputs)."""
     return row.start_pos + row.num_tokens == row.request.num_prompt_tokens
+
+
+
+def _fold(kind: str, rows: torch.Tensor, start_pos: int) -> torch.Tensor:
+    """One chunk's contribution: ``rows`` are prompt positions ``start_pos ..``."""
+    if kind == "max":
+        return rows.amax(dim=0)
+    if kind == "weightedmean":
+        # sentence-transformers weighs the prompt's first token 1, its n-th n.
+        weights = torch.arange(start_pos + 1, start_pos + 1 + rows.shape[0], dtype=rows.dtype, device=rows.device)
+        return weights @ rows
+    return rows.sum(dim=0)
+
+
+def _merge(kind: str, kept: torch.Tensor, part: torch.Tensor) -> torch.Tensor:
+    return torch.maximum(kept, part) if kind == "max" else kept + part
+
+
+def _finish(kind: str, state: torch.Tensor, length: int) -> torch.Tensor:
+    """The vector of a whole prompt of ``length`` tokens from its running state."""
+    if kind == "mean":
+        return state / length
+    if kind == "mean_sqrt_len_tokens":
+        return state / math.sqrt(length)
+    if kind == "weightedmean":
+        return state / (length * (length + 1) / 2)
+    return state  # max, cls: the state is the vector
