@@ -44,11 +44,6 @@ class PoolerConfig:
         if self.pooling_type not in POOLING_TYPES:
             raise ValueError(f"pooling_type must be one of {', '.join(POOLING_TYPES)}; got {self.pooling_type!r}")
 
-    @property
-    def needs_every_position(self) -> bool:
-        """Every type but last reads hidden states a prefix-cache hit would skip."""
-        return self.pooling_type != "last"
-
     def embedding_ids(self, tokenizer: Tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
         """The token ids ``text`` is embedded from, made as sentence-transformers makes them: the text
         as a user message rendered by the chat template (no generation prompt) where ``chat_prompt``,
