@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import math
 import mmap
 import sys
 from functools import cache
@@ -76,10 +77,7 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
         t = torch.empty(shape, dtype=dtype, device=device)
         advise_huge_pages(t)
         return t.zero_()
-    count = 1
-    for size in shape:
-        count *= size
-    nbytes = count * torch.empty((), dtype=dtype).element_size()
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
     # The tensor holds the mapping (torch.frombuffer keeps its buffer alive); unmapped when freed.

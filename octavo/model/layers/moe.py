@@ -79,7 +79,8 @@ class FusedMoE(LinearWeightHolder):
         expert, part = shard
         n = self.intermediate
         if part in ("gate", "up"):
-            load_shard(param.data[expert, (0 if part == "gate" else n):][:n], loaded, 0, self.tp_rank, self.tp_size)
+            rows = param.data[expert].narrow(0, 0 if part == "gate" else n, n)  # gate rows, then up rows
+            load_shard(rows, loaded, 0, self.tp_rank, self.tp_size)
         elif part == "down" and expert is not None:
             load_shard(param.data[expert], loaded, 1, self.tp_rank, self.tp_size)
         elif part == "gate_up":  # [experts, 2 * intermediate, hidden]: gate rows then up rows

@@ -98,7 +98,8 @@ class CausalLM(nn.Module):
         output only (``final_hidden``), not logits."""
         super().__init__()
         self.arch = arch
-        here = stage_layers(arch.num_layers, get_parallel_state())
+        state = get_parallel_state()
+        here = stage_layers(arch.num_layers, state)
         layers = [self.make_layer(arch, i, backends) if i in here else nn.Module() for i in range(arch.num_layers)]
         self.model = DecoderStack(arch, here, layers, self.make_norm(arch, arch.hidden_size, backends),
                                   self.embed_scale(arch))
@@ -111,7 +112,6 @@ class CausalLM(nn.Module):
         # One table per distinct rope (index 1: Gemma 3's sliding layers').
         self.rotaries = [RotaryEmbedding(rope, arch.head_dim, max_len)
                          for rope in (arch.rope, arch.local_rope) if rope is not None]
-        state = get_parallel_state()
         self.first_stage = state.pp_rank == 0
         self.last_stage = state.pp_rank == state.pp_size - 1
 
