@@ -18,10 +18,11 @@ from octavo.model.models.qwen2 import Qwen2ForCausalLM
 def qwen_experts(raw: dict[str, Any], shared: bool) -> ExpertsConfig:
     """The experts of a Qwen MoE config.json; ``shared``: it has a shared expert (Qwen2-MoE)."""
     layers = positive_int(raw, "num_hidden_layers")
-    step = int(raw.get("decoder_sparse_step") or 1)
-    if step < 1:
-        raise ValueError(f"config.json: decoder_sparse_step must be positive, got {step}")
-    dense = {i for i in range(layers) if (i + 1) % step} | {int(i) for i in raw.get("mlp_only_layers") or ()}
+    step = positive_int(raw, "decoder_sparse_step") if raw.get("decoder_sparse_step") is not None else 1
+    only = raw.get("mlp_only_layers") or []
+    if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
+        raise ValueError(f"config.json: mlp_only_layers must be a list of layer indices, got {only!r}")
+    dense = {i for i in range(layers) if (i + 1) % step} | set(only)
     # transformers 5 writes num_local_experts where older files have num_experts.
     return ExpertsConfig(
         num_experts=positive_int(raw, "num_experts" if "num_experts" in raw else "num_local_experts"),
