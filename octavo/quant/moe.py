@@ -75,8 +75,19 @@ class QuantizedMoEMethod(UnquantizedMoEMethod):
     """Experts loaded in float, then each expert's gate/up and down quantized as a linear layer's
     weight is (``quantize``: a weight [out, in] -> the kernels' weight); the float copies are released."""
 
-    def __init__(self, quantize: Callable[[torch.Tensor], QuantizedExpert]) -> None:
-        self.quantize = quantize
+    def __init__(self, quantize: Callable[[torch.Tensor], QuantizedExpert],
+                 check_in_features: Callable[[int, str], None], prefix: str) -> None:
+        """``check_in_features(n, where)``: raises where the quantization cannot cut ``n`` in-features
+        (int4's groups); ``prefix``: the experts' checkpoint path, for that error."""
+        self.quantize, self.check_in_features, self.prefix = quantize, check_in_features, prefix
+
+    def create_weights(self, layer: nn.Module, num_experts: int, hidden: int, intermediate: int,
+                       dtype: torch.dtype) -> None:
+        # Before any weight exists: the in-features are the gate/up products' hidden and this rank's
+        # share of the down products' intermediate features.
+        self.check_in_features(hidden, f"{self.prefix} (gate and up)")
+        self.check_in_features(intermediate, f"{self.prefix} (down)")
+        super().create_weights(layer, num_experts, hidden, intermediate, dtype)
 
     def process_weights_after_loading(self, layer: nn.Module) -> PreparedWeight:
         experts = QuantizedExperts([self.quantize(w) for w in layer.w13_weight.detach()],

@@ -83,6 +83,13 @@ def test_a_group_size_that_does_not_divide_in_features_names_the_field(variant):
         make_runner(variant("llama"), quantization="int4")  # hidden_size 64
 
 
+def test_experts_whose_size_a_group_size_does_not_divide_name_the_field(variant):
+    """Qwen3-MoE's experts have 32 intermediate features: the down products' in-features."""
+    with pytest.raises(ValueError, match=r"quantization_group_size 64 does not divide the in-features 32 of "
+                                         r"model\.layers\.0\.mlp\.experts \(down\)"):
+        make_runner(variant("qwen3_moe"), quantization="int4", quantization_group_size=64)
+
+
 def _prompt_logits(folder: Path, dtype: str = "float32", **options: object) -> torch.Tensor:
     """Logits of a 40-token prompt, as a 39-row chunk and a 1-row one (the
     many-row and the decode-sized paths)."""
