@@ -26,11 +26,19 @@ ExpertProduct = Callable[[torch.Tensor], torch.Tensor]
 def run_routed(layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                gate_up: Callable[[int], ExpertProduct], down: Callable[[int], ExpertProduct]) -> torch.Tensor:
     """sum over k of ``topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t])``, each expert's products
-    given by ``gate_up(e)`` and ``down(e)``."""
+    given by ``gate_up(e)`` and ``down(e)`` (``e`` counted from the layer's ``expert_start``). The
+    pairs routed to experts the layer does not hold (another rank's, under expert parallelism) are
+    left out: their tokens get nothing from here."""
     top_k = topk_ids.shape[1]
-    flat = topk_ids.flatten()
-    order = flat.argsort(stable=True)
-    counts = torch.bincount(flat, minlength=layer.num_experts)
+    local = topk_ids.flatten() - layer.expert_start
+    pairs = None  # which (token, choice) pairs run here: all of them
+    if layer.num_experts < layer.total_experts:
+        pairs = ((local >= 0) & (local < layer.num_experts)).nonzero().flatten()
+        local = local.index_select(0, pairs)
+    order = local.argsort(stable=True)
+    counts = torch.bincount(local, minlength=layer.num_experts)
+    if pairs is not None:
+        order = pairs.index_select(0, order)  # back to indices of the (token, choice) pairs
     rows_of = order // top_k  # the token of each sorted (token, choice) pair
     routed = x.index_select(0, rows_of)
     out = torch.empty_like(routed)

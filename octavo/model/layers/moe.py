@@ -4,7 +4,15 @@ summed; Qwen2-MoE adds a shared expert every token goes through, scaled by a sig
 
 Under tensor parallelism every rank holds every expert's slice of the intermediate features (the
 experts split as a gated MLP does: gate/up by outputs, down by inputs) and one all-reduce sums the
-block."""
+block. With expert parallelism (``ParallelState.expert_parallel``) each rank holds whole experts
+instead, ``num_experts / tp_size`` of them, and loads only those. The hidden states are already
+whole on every rank after attention's all-reduce, so no dispatch is needed: every rank routes all
+tokens (the router is replicated), runs the (token, choice) pairs whose expert it holds, and the
+same one all-reduce sums the block. An all-to-all sending each rank only its pairs' rows moves fewer
+bytes at large batches but costs three collectives and an all-gather instead of one; on gloo the
+all-reduce measured 3 to 20 times faster at 1 to 128 tokens (benchmarks/ep_dispatch.py, figures in
+docs/ENGINE.md). The
+shared expert (Qwen2-MoE) is split by tensor parallelism as a dense MLP is, expert parallel or not."""
 from __future__ import annotations
 
 from typing import Optional
@@ -49,8 +57,21 @@ class FusedMoE(LinearWeightHolder):
         super().__init__()
         state = get_parallel_state()
         self.tp_rank, self.tp_size = state.tp_rank, state.tp_size
-        self.num_experts = experts.num_experts
-        self.intermediate = divide(experts.intermediate_size, self.tp_size, "the experts' intermediate features")
+        self.expert_parallel = state.expert_parallel and state.tp_size > 1
+        self.total_experts = experts.num_experts
+        if self.expert_parallel:
+            if experts.num_experts % state.tp_size:
+                raise ValueError(f"enable_expert_parallel: the model's {experts.num_experts} experts do not split "
+                                 f"evenly over tensor_parallel_size {state.tp_size}")
+            # This rank's experts are [expert_start, expert_start + num_experts), each whole.
+            self.num_experts = experts.num_experts // state.tp_size
+            self.expert_start = state.tp_rank * self.num_experts
+            self.intermediate = experts.intermediate_size
+            self.slice_rank, self.slice_size = 0, 1
+        else:
+            self.num_experts, self.expert_start = experts.num_experts, 0
+            self.intermediate = divide(experts.intermediate_size, self.tp_size, "the experts' intermediate features")
+            self.slice_rank, self.slice_size = self.tp_rank, self.tp_size
         self.names = names
         self.activation = ACTIVATIONS[act]
         self.method = method or UnquantizedMoEMethod()
@@ -64,31 +85,42 @@ class FusedMoE(LinearWeightHolder):
 
     def checkpoint_tensors(self, leaf: str, stored: set[str], prefix: str) -> dict[str, ExpertShard]:
         """The checkpoint tensors (names relative to this module) that fill parameter ``leaf``: one
-        per expert, or the fused 3-D tensor where the checkpoint (``stored``) has it."""
+        per expert this rank holds (its index here), or the fused 3-D tensor where the checkpoint
+        (``stored``) has it."""
         gate, up, down = self.names
         if leaf == "w13_weight":
             if f"{prefix}.gate_up_proj" in stored:
                 return {"gate_up_proj": (None, "gate_up")}
-            return {**{f"{e}.{gate}.weight": (e, "gate") for e in range(self.num_experts)},
-                    **{f"{e}.{up}.weight": (e, "up") for e in range(self.num_experts)}}
+            return {**{f"{e}.{gate}.weight": (e - self.expert_start, "gate") for e in self._held()},
+                    **{f"{e}.{up}.weight": (e - self.expert_start, "up") for e in self._held()}}
         if f"{prefix}.down_proj" in stored:
             return {"down_proj": (None, "down")}
-        return {f"{e}.{down}.weight": (e, "down") for e in range(self.num_experts)}
+        return {f"{e}.{down}.weight": (e - self.expert_start, "down") for e in self._held()}
+
+    def other_ranks_tensors(self) -> set[str]:
+        """The per-expert checkpoint tensors (names relative to this module) of the experts other
+        ranks hold: in the checkpoint, never read here."""
+        held = set(self._held())
+        return {f"{e}.{name}.weight" for e in range(self.total_experts) if e not in held for name in self.names}
+
+    def _held(self) -> range:
+        return range(self.expert_start, self.expert_start + self.num_experts)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: ExpertShard) -> None:
         expert, part = shard
         n = self.intermediate
         if part in ("gate", "up"):
             rows = param.data[expert].narrow(0, 0 if part == "gate" else n, n)  # gate rows, then up rows
-            load_shard(rows, loaded, 0, self.tp_rank, self.tp_size)
+            load_shard(rows, loaded, 0, self.slice_rank, self.slice_size)
         elif part == "down" and expert is not None:
-            load_shard(param.data[expert], loaded, 1, self.tp_rank, self.tp_size)
+            load_shard(param.data[expert], loaded, 1, self.slice_rank, self.slice_size)
         elif part == "gate_up":  # [experts, 2 * intermediate, hidden]: gate rows then up rows
             gate, up = loaded.chunk(2, dim=1)
-            load_shard(param.data[:, :n], gate, 1, self.tp_rank, self.tp_size)
-            load_shard(param.data[:, n:], up, 1, self.tp_rank, self.tp_size)
+            dim = 0 if self.expert_parallel else 1  # this rank's experts, or its rows of every expert
+            load_shard(param.data[:, :n], gate, dim, self.tp_rank, self.tp_size)
+            load_shard(param.data[:, n:], up, dim, self.tp_rank, self.tp_size)
         else:  # fused down: [experts, hidden, intermediate]
-            load_shard(param.data, loaded, 2, self.tp_rank, self.tp_size)
+            load_shard(param.data, loaded, 0 if self.expert_parallel else 2, self.tp_rank, self.tp_size)
 
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         return self.method.apply(self, x, topk_weights, topk_ids)
@@ -120,7 +152,7 @@ class SparseMoEBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize)
         out = self.experts(x, weights, ids)
-        if self.experts.tp_size > 1:
+        if self.experts.tp_size > 1:  # each rank's share of the intermediate features, or of the experts
             out = tensor_model_parallel_all_reduce(out)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
