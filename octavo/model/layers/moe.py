@@ -148,12 +148,34 @@ class SparseMoEBlock(nn.Module):
                                           False, backends, f"{prefix}.shared_expert")
             self.shared_expert_gate = ReplicatedLinear(arch.hidden_size, 1, False, UnquantizedLinearMethod(),
                                                        f"{prefix}.shared_expert_gate")
+        # (token, choice) pairs routed to each expert so far, counted where they are routed and read by
+        # the engine every few steps (routed_token_counts).
+        self.register_buffer("routed_tokens", torch.zeros(experts.num_experts, dtype=torch.int64), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize)
+        # index_add_ rather than bincount: bincount reads the largest id back to size its result, a device sync.
+        pairs = ids.flatten()
+        self.routed_tokens.index_add_(0, pairs, torch.ones_like(pairs))
         out = self.experts(x, weights, ids)
         if self.experts.tp_size > 1:  # each rank's share of the intermediate features, or of the experts
             out = tensor_model_parallel_all_reduce(out)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out
+
+
+def routed_token_counts(model: nn.Module) -> dict[int, list[int]]:
+    """The (token, choice) pairs routed to each expert so far, by decoder layer index, for the mixture
+    blocks of this rank's layers (empty for a dense model): one read of the device counters."""
+    # Other pipeline stages' layers are empty placeholders: the list index is the layer's.
+    blocks = {index: block for index, layer in enumerate(model.model.layers)
+              for block in layer.modules() if isinstance(block, SparseMoEBlock)}
+    if not blocks:
+        return {}
+    counts = torch.stack([block.routed_tokens for block in blocks.values()]).tolist()
+    return dict(zip(blocks, counts))
+
+
+def has_experts(model: nn.Module) -> bool:
+    return any(isinstance(module, SparseMoEBlock) for module in model.modules())
