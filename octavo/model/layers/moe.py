@@ -11,8 +11,8 @@ tokens (the router is replicated), runs the (token, choice) pairs whose expert i
 same one all-reduce sums the block. An all-to-all sending each rank only its pairs' rows moves fewer
 bytes at large batches but costs three collectives and an all-gather instead of one; on gloo the
 all-reduce measured 3 to 20 times faster at 1 to 128 tokens (benchmarks/ep_dispatch.py, figures in
-docs/ENGINE.md). The
-shared expert (Qwen2-MoE) is split by tensor parallelism as a dense MLP is, expert parallel or not."""
+docs/ENGINE.md). The shared expert (Qwen2-MoE) is split by tensor parallelism as a dense MLP is,
+expert parallel or not."""
 from __future__ import annotations
 
 from typing import Optional
