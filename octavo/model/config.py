@@ -45,11 +45,38 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
+class ExpertRouting:
+    """How a router's logits become each token's experts and weights beyond the plain softmax top-k
+    (DeepSeek): ``scoring`` "softmax" or "sigmoid"; the experts fall into ``groups`` equal groups
+    of which a token keeps its best ``top_groups`` before the top-k (a group scored by its best
+    expert, ``group_score`` "max", or by the sum of its best two, "top2"); ``score_bias``: the router
+    has a per-expert bias (``e_score_correction_bias``) added to the scores to choose, not to
+    weigh; ``scale``: a factor on the final weights (``routed_scaling_factor``)."""
+
+    scoring: str = "softmax"
+    groups: int = 1
+    top_groups: int = 1
+    group_score: str = "max"
+    score_bias: bool = False
+    scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"config.json: scoring_func must be softmax or sigmoid, got {self.scoring!r}")
+        if self.group_score not in ("max", "top2"):
+            raise ValueError(f"the router's group_score must be max or top2, got {self.group_score!r}")
+        if not 1 <= self.top_groups <= self.groups:
+            raise ValueError(f"config.json: topk_group ({self.top_groups}) must be between 1 and n_group "
+                             f"({self.groups})")
+
+
+@dataclass(frozen=True)
 class ExpertsConfig:
     """A mixture-of-experts feed-forward block: ``num_experts`` gated MLPs of ``intermediate_size``,
-    ``top_k`` of them per token by a softmax router (weights renormalised over the chosen ones when
-    ``renormalize``), and optionally one shared expert every token goes through, scaled by a
-    sigmoid gate (Qwen2-MoE). ``dense_layers``: layers that keep a dense MLP instead."""
+    ``top_k`` of them per token by a router (softmax unless ``routing`` says otherwise; weights
+    renormalised over the chosen ones when ``renormalize``), and optionally one shared expert every
+    token goes through, scaled by a sigmoid gate where ``shared_expert_gate`` (Qwen2-MoE; DeepSeek's
+    is ungated). ``dense_layers``: layers that keep a dense MLP instead."""
 
     num_experts: int
     top_k: int
@@ -57,6 +84,8 @@ class ExpertsConfig:
     renormalize: bool
     shared_intermediate_size: int = 0
     dense_layers: frozenset[int] = frozenset()
+    routing: ExpertRouting = ExpertRouting()
+    shared_expert_gate: bool = True
 
     def __post_init__(self) -> None:
         if not 1 <= self.top_k <= self.num_experts:
@@ -65,6 +94,13 @@ class ExpertsConfig:
         if self.intermediate_size < 1:
             raise ValueError(f"config.json: the experts' intermediate size must be positive, got "
                              f"{self.intermediate_size}")
+        groups = self.routing.groups
+        if self.num_experts % groups:
+            raise ValueError(f"config.json: n_group ({groups}) must divide the number of experts "
+                             f"({self.num_experts})")
+        if self.top_k > self.routing.top_groups * (self.num_experts // groups):
+            raise ValueError(f"config.json: num_experts_per_tok ({self.top_k}) exceeds the experts of the "
+                             f"topk_group ({self.routing.top_groups}) groups a token keeps")
 
 
 @dataclass(frozen=True)
