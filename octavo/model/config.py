@@ -104,6 +104,22 @@ class ExpertsConfig:
 
 
 @dataclass(frozen=True)
+class LatentAttentionConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3): each token's keys and values are one latent
+    vector of ``kv_lora_rank`` plus a shared rotary key of ``qk_rope_head_dim``; per head, keys have
+    ``qk_nope_head_dim`` unrotated dims decompressed from the latent, values ``v_head_dim``.
+    ``q_lora_rank``: queries through a low-rank projection and its norm (None: one projection);
+    ``rope_interleave``: the rotary dims pair up as (0, 1), (2, 3) ... rather than by halves."""
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: Optional[int]
+    rope_interleave: bool
+
+
+@dataclass(frozen=True)
 class ConfigReading:
     """Where families read config.json differently (each model class's ``config_reading``)."""
 
@@ -115,6 +131,9 @@ class ConfigReading:
     partial_rotary: bool = False  # partial_rotary_factor may rotate a leading part of each head only
     query_pre_attn_scalar: bool = False  # the softmax scale is query_pre_attn_scalar ** -0.5 (Gemma)
     experts: Optional[ExpertsConfig] = None  # the family's feed-forward blocks are mixtures of experts
+    latent_attention: Optional[LatentAttentionConfig] = None  # the family's attention is latent (DeepSeek)
+    # The rotated head size where config.json's head_dim does not give it (DeepSeek: qk_rope_head_dim).
+    head_dim: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -153,6 +172,7 @@ class ArchConfig:
     attention_bias: bool = False
     mlp_bias: bool = False
     experts: Optional[ExpertsConfig] = None
+    latent_attention: Optional[LatentAttentionConfig] = None
 
     def layer_rope(self, layer_idx: int) -> RopeConfig:
         """The rotary embedding layer ``layer_idx`` uses."""
@@ -190,7 +210,7 @@ def parse_arch_config(raw: dict[str, Any]) -> ArchConfig:
         raise ValueError(
             f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})"
         )
-    head_dim = raw.get("head_dim") or hidden // heads
+    head_dim = reading.head_dim or raw.get("head_dim") or hidden // heads
     num_layers = positive_int(raw, "num_hidden_layers")
     window = raw.get("sliding_window") if reading.sliding_window else None
     if raw.get("use_bidirectional_attention"):
@@ -218,12 +238,13 @@ def parse_arch_config(raw: dict[str, Any]) -> ArchConfig:
         eos_token_ids=token_id_list(raw.get("eos_token_id")),
         quantization=parse_quantization_config(raw),
         attention_scale=float(scalar) ** -0.5 if scalar else None,
-        attn_logit_softcap=_positive_or_none(raw, "attn_logit_softcapping"),
-        final_logit_softcap=_positive_or_none(raw, "final_logit_softcapping"),
+        attn_logit_softcap=positive_or_none(raw, "attn_logit_softcapping"),
+        final_logit_softcap=positive_or_none(raw, "final_logit_softcapping"),
         local_rope=local_rope,
         attention_bias=bool(raw.get("attention_bias", False)),
         mlp_bias=bool(raw.get("mlp_bias", False)),
         experts=reading.experts,
+        latent_attention=reading.latent_attention,
     )
 
 
@@ -243,7 +264,7 @@ def _ropes(raw: dict[str, Any], reading: ConfigReading) -> tuple[RopeConfig, Opt
     return parse_rope(raw, default_theta=1_000_000.0), local
 
 
-def _positive_or_none(raw: dict[str, Any], key: str) -> Optional[float]:
+def positive_or_none(raw: dict[str, Any], key: str) -> Optional[float]:
     value = raw.get(key)
     if value is None:
         return None
