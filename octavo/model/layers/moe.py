@@ -35,7 +35,7 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool,
     """(weights [tokens, top_k] float32, expert ids [tokens, top_k]): softmax over the experts in
     float32, the top_k largest, renormalised to sum to one when asked (Mixtral; Qwen's norm_topk_prob).
 
-    ``routing`` (DeepSeek): sigmoid scores instead; ``score_bias`` [experts] added to the scores
+    ``routing`` (DeepSeek): softmax or sigmoid scores; ``score_bias`` [experts] added to the scores
     that choose (never to the weights); only the ``top_groups`` best groups of experts eligible;
     the weights times ``routing.scale``."""
     if routing == ExpertRouting():
