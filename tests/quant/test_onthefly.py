@@ -28,12 +28,13 @@ from tests.worker.runner_utils import Blocks, make_request, make_runner, step
 # phi4_mini: its checkpoint stores qkv_proj and gate_up_proj fused.
 ARCHS = ["llama", "mistral", "qwen2", "qwen3", "llama_tied", "gemma2", "phi4_mini"]
 # Experts are quantized as linear weights are (their routers are not). Only the exact check runs on them: a
-# random tiny router turns quantization's error into other experts wherever two scores are close.
-MOE = ["mixtral", "qwen2_moe", "qwen3_moe"]
+# random tiny router turns quantization's error into other experts wherever two scores are close. DeepSeek's
+# kv_b_proj stays in float (its decode multiplies by the weight's halves directly).
+MOE = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2_lite"]
 GROUP = 32  # the tiny models' in-features are 64 and 128
 # Both quantizers work row by row, so a fused tensor quantizes as its parts do.
 _PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj",
-         "w1", "w2", "w3")
+         "w1", "w2", "w3", "kv_a_proj_with_mqa")
 
 
 def test_int8_rounds_each_weight_to_the_nearest_step_of_its_row():

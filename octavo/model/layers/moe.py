@@ -1,6 +1,7 @@
-"""A mixture-of-experts feed-forward block: a softmax router picks each token's top-k experts, the
-experts' gated MLPs run on the rows routed to them (``quant/moe.py``), the weighted results are
-summed; Qwen2-MoE adds a shared expert every token goes through, scaled by a sigmoid gate.
+"""A mixture-of-experts feed-forward block: a router picks each token's top-k experts (softmax, or
+DeepSeek's grouped and sigmoid variants), the experts' gated MLPs run on the rows routed to them
+(``quant/moe.py``), the weighted results are summed; Qwen2-MoE adds a shared expert every token
+goes through, scaled by a sigmoid gate, DeepSeek one without a gate.
 
 Under tensor parallelism every rank holds every expert's slice of the intermediate features (the
 experts split as a gated MLP does: gate/up by outputs, down by inputs) and one all-reduce sums the
@@ -23,7 +24,7 @@ from torch import nn
 from octavo.distributed.communication import tensor_model_parallel_all_reduce
 from octavo.distributed.parallel_state import get_parallel_state
 from octavo.model.backends import ModelBackends
-from octavo.model.config import ArchConfig, ExpertsConfig
+from octavo.model.config import ArchConfig, ExpertRouting, ExpertsConfig
 from octavo.model.layers.elementwise import ACTIVATIONS
 from octavo.model.layers.linear import ReplicatedLinear, divide, load_shard
 from octavo.model.layers.mlp import GatedMLP
@@ -36,14 +37,41 @@ from octavo.quant.unquantized import UnquantizedLinearMethod
 ExpertShard = tuple[Optional[int], str]
 
 
-def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+                   routing: ExpertRouting = ExpertRouting(), score_bias: Optional[torch.Tensor] = None,
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [tokens, top_k] float32, expert ids [tokens, top_k]): softmax over the experts in
-    float32, the top_k largest, renormalised to sum to one when asked (Mixtral; Qwen's norm_topk_prob)."""
-    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
-    weights, ids = probs.topk(top_k, dim=-1)
+    float32, the top_k largest, renormalised to sum to one when asked (Mixtral; Qwen's norm_topk_prob).
+
+    ``routing`` (DeepSeek): softmax or sigmoid scores; ``score_bias`` [experts] added to the scores
+    that choose (never to the weights); only the ``top_groups`` best groups of experts eligible;
+    the weights times ``routing.scale``."""
+    if routing == ExpertRouting():
+        probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+        weights, ids = probs.topk(top_k, dim=-1)
+    else:
+        weights, ids = _grouped_top_k(router_logits, top_k, routing, score_bias)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids
+    return weights * routing.scale if routing.scale != 1.0 else weights, ids
+
+
+def _grouped_top_k(router_logits: torch.Tensor, top_k: int, routing: ExpertRouting,
+                   score_bias: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = router_logits.float()
+    scores = torch.softmax(logits, dim=-1) if routing.scoring == "softmax" else torch.sigmoid(logits)
+    choice = scores if score_bias is None else scores + score_bias
+    if routing.top_groups < routing.groups:
+        grouped = choice.view(choice.shape[0], routing.groups, -1)
+        if routing.group_score == "max":
+            group_scores = grouped.amax(dim=-1)
+        else:
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+        kept = group_scores.topk(routing.top_groups, dim=-1).indices
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
+        choice = choice.masked_fill(~keep.unsqueeze(-1).expand_as(grouped).reshape_as(choice), float("-inf"))
+    ids = choice.topk(top_k, dim=-1).indices
+    return scores.gather(1, ids), ids
 
 
 class FusedMoE(LinearWeightHolder):
@@ -135,10 +163,13 @@ class SparseMoEBlock(nn.Module):
         experts = arch.experts
         if experts is None:
             raise ValueError(f"{arch.architecture}: a mixture-of-experts block needs the experts' config")
-        self.top_k, self.renormalize = experts.top_k, experts.renormalize
+        self.top_k, self.renormalize, self.routing = experts.top_k, experts.renormalize, experts.routing
         # The router stays in float: it decides which weights run, and is tiny.
         self.gate = ReplicatedLinear(arch.hidden_size, experts.num_experts, False, UnquantizedLinearMethod(),
                                      f"{prefix}.gate")
+        if experts.routing.score_bias:  # float32 as trained: it shifts scores that differ in small decimals
+            self.gate.e_score_correction_bias = nn.Parameter(
+                torch.zeros(experts.num_experts, dtype=torch.float32), requires_grad=False)
         self.experts = FusedMoE(experts, arch.hidden_size, arch.hidden_act, expert_names,
                                 backends.quantization.moe_method(f"{prefix}.experts"))
         self.shared_expert: Optional[GatedMLP] = None
@@ -146,14 +177,16 @@ class SparseMoEBlock(nn.Module):
         if experts.shared_intermediate_size:
             self.shared_expert = GatedMLP(arch.hidden_size, experts.shared_intermediate_size, arch.hidden_act,
                                           False, backends, f"{prefix}.shared_expert")
-            self.shared_expert_gate = ReplicatedLinear(arch.hidden_size, 1, False, UnquantizedLinearMethod(),
-                                                       f"{prefix}.shared_expert_gate")
+            if experts.shared_expert_gate:
+                self.shared_expert_gate = ReplicatedLinear(arch.hidden_size, 1, False, UnquantizedLinearMethod(),
+                                                           f"{prefix}.shared_expert_gate")
         # (token, choice) pairs routed to each expert so far, counted where they are routed and read by
         # the engine every few steps (routed_token_counts).
         self.register_buffer("routed_tokens", torch.zeros(experts.num_experts, dtype=torch.int64), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize)
+        weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize, self.routing,
+                                      getattr(self.gate, "e_score_correction_bias", None))
         # index_add_ rather than bincount: bincount reads the largest id back to size its result, a device sync.
         pairs = ids.flatten()
         self.routed_tokens.index_add_(0, pairs, torch.ones_like(pairs))
@@ -161,7 +194,10 @@ class SparseMoEBlock(nn.Module):
         if self.experts.tp_size > 1:  # each rank's share of the intermediate features, or of the experts
             out = tensor_model_parallel_all_reduce(out)
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                shared = torch.sigmoid(self.shared_expert_gate(x)) * shared
+            out = out + shared
         return out
 
 
