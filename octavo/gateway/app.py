@@ -27,7 +27,8 @@ from octavo.gateway.kv_index import KVEventSubscriber, KVIndex
 from octavo.gateway.metrics import GatewayMetrics
 from octavo.gateway.proxy import Forwarder, NoReplica, split_events
 from octavo.gateway.ratelimit import Buckets, MemoryBuckets, RateLimiter, RedisBuckets, retry_after_header
-from octavo.gateway.replicas import ReplicaSet, normalize_url
+from octavo.gateway.replica_url import normalize_url
+from octavo.gateway.replicas import ReplicaSet
 from octavo.gateway.routing import KVAware, LeastLoad, Policy, PrefixAffinity, RoundRobin, RouteInput, Session
 from octavo.openai.disconnect import until_disconnected
 from octavo.openai.embeddings import EmbeddingRequest

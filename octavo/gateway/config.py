@@ -8,6 +8,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Optional
 
 from octavo.config import option, section
+from octavo.gateway.replica_url import normalize_url
 
 ROUTING_POLICIES = ("round-robin", "least-load", "prefix", "kv-aware", "session")
 
@@ -119,12 +120,21 @@ class GatewayConfig:
         for name in ("probe_interval_s", "probe_timeout_s", "request_timeout_s", "connect_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        self.replicas = [_checked_url(url, f"replicas[{i}]") for i, url in enumerate(self.replicas)]
+        self.kv_events = {_checked_url(url, "kv_events"): endpoint for url, endpoint in self.kv_events.items()}
         self.keys = [_key_config(k, i) for i, k in enumerate(self.keys)]
         seen = set()
         for k in self.keys:
             if k.key in seen:
                 raise ValueError("keys: a key is listed twice")
             seen.add(k.key)
+
+
+def _checked_url(url: str, name: str) -> str:
+    try:
+        return normalize_url(url)
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}") from None
 
 
 def _key_config(value: Any, index: int) -> KeyConfig:

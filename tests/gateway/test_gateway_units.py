@@ -11,7 +11,8 @@ from octavo.entrypoints.cli import build_parser, gateway_config, parse_command
 from octavo.gateway.config import BreakerConfig, CacheConfig, GatewayConfig, KeyConfig
 from octavo.gateway.kv_index import KVIndex
 from octavo.gateway.ratelimit import MemoryBuckets, RateLimiter, retry_after_header
-from octavo.gateway.replicas import Breaker, BreakerState, Replica, ReplicaSet, normalize_url
+from octavo.gateway.replica_url import normalize_url
+from octavo.gateway.replicas import Breaker, BreakerState, Replica, ReplicaSet
 from octavo.gateway.routing import KVAware, LeastLoad, PrefixAffinity, RouteInput, Session
 from octavo.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 
@@ -141,7 +142,7 @@ def test_config_file_and_command_line(tmp_path):
     path.write_text("replicas: [http://a:1]\nrouting: session\nbreaker: {failure_threshold: 5}\n"
                     "keys:\n  - {key: k1, rpm: 10, priority: 2}\n")
     config = gateway_config(_parse("--config", str(path), "--replica", "b:2", "--port", "9"))
-    assert config.replicas == ["http://a:1", "b:2"] and config.port == 9 and config.routing == "session"
+    assert config.replicas == ["http://a:1", "http://b:2"] and config.port == 9 and config.routing == "session"
     assert config.breaker.failure_threshold == 5 and config.keys == [KeyConfig("k1", rpm=10, priority=2)]
     path.write_text("breaker: {failure_treshold: 5}\n")
     with pytest.raises(ValueError, match="unknown option 'breaker.failure_treshold' \\(did you mean 'failure_threshold'"):
