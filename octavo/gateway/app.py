@@ -1,9 +1,10 @@
 """The gateway's HTTP app: the OpenAI routes of ``octavo serve``, forwarded
 to the replicas, plus /health, /metrics and the admin API.
 
-A /v1 request goes: API key -> JSON parsed and validated with the server's
-own request models (a bad body is answered here, exactly as a replica would,
-without using one) -> rate limits -> response cache -> route and forward.
+A /v1 request goes: API key -> headers checked and body read within bounds
+(intake.py) -> JSON parsed and validated with the server's own request models
+(a bad body is answered here, exactly as a replica would, without using one)
+-> rate limits -> response cache -> route and forward.
 """
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from octavo.gateway.cache import MemoryCache, RedisCache, ResponseCache, cache_key, is_deterministic
 from octavo.gateway.config import GatewayConfig, KeyConfig
 from octavo.gateway.health import discovery_loop, probe_loop
+from octavo.gateway.intake import header_value, parse_json, read_body
 from octavo.gateway.kv_index import KVEventSubscriber, KVIndex
 from octavo.gateway.metrics import GatewayMetrics
 from octavo.gateway.proxy import Forwarder, NoReplica, split_events
@@ -165,16 +167,14 @@ def _api_key(gw: Gateway, request: Request) -> Optional[KeyConfig]:
 def _forward_headers(request: Request) -> dict[str, str]:
     headers = {"content-type": "application/json"}
     for name in _FORWARDED_HEADERS:
-        if name in request.headers:
-            headers[name] = request.headers[name]
+        value = header_value(request, name)
+        if value is not None:
+            headers[name] = value
     return headers
 
 
 def _parse(raw: bytes, path: str) -> dict[str, Any]:
-    try:
-        data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise bad_request(f"malformed JSON body: {exc}") from None
+    data = parse_json(raw)
     if not isinstance(data, dict):
         raise bad_request("the body must be a JSON object")
     try:
@@ -259,9 +259,8 @@ def _generate_route(path: str):
         gw = _gateway(request)
         start = time.monotonic()
         key = _api_key(gw, request)
-        raw = await request.body()
-        if len(raw) > gw.config.max_body_bytes:
-            raise APIError(413, f"request body larger than {gw.config.max_body_bytes} bytes")
+        headers = _forward_headers(request)
+        raw = await read_body(request, gw.config.max_body_bytes, gw.config.body_timeout_s)
         data = _parse(raw, path)
         stream = bool(data.get("stream"))
         hide_usage = False
@@ -285,12 +284,12 @@ def _generate_route(path: str):
         try:
             # A client that leaves first gets a 499 nobody reads; the upstream call is closed with it.
             upstream = await until_disconnected(
-                request, gw.forwarder.send("POST", path, raw, _forward_headers(request), route_input, stream)
+                request, gw.forwarder.send("POST", path, raw, headers, route_input, stream)
             )
         except NoReplica:
             gw.metrics.unavailable.inc()
             return _unavailable(gw.config)
-        headers = {**upstream.headers, "x-octavo-replica": upstream.replica.url}
+        response_headers = {**upstream.headers, "x-octavo-replica": upstream.replica.url}
         gw.metrics.added_latency.observe(max(0.0, time.monotonic() - start - upstream.waited_s))
         if upstream.events is None:
             if upstream.status == 200:
@@ -298,10 +297,9 @@ def _generate_route(path: str):
                     await gw.limiter.charge_tokens(key, _usage_tokens(upstream.body))
                 if cache_id is not None:
                     await gw.cache.put(cache_id, upstream.body)
-            return Response(upstream.body, upstream.status, headers=headers)
-        return StreamingResponse(
-            _tee(gw, upstream.events, key, cache_id, hide_usage), headers=headers, media_type="text/event-stream"
-        )
+            return Response(upstream.body, upstream.status, headers=response_headers)
+        return StreamingResponse(_tee(gw, upstream.events, key, cache_id, hide_usage), headers=response_headers,
+                                 media_type="text/event-stream")
 
     return route
 
@@ -374,9 +372,9 @@ def _rate_limited(limit: str, retry_after_s: float) -> JSONResponse:
     return JSONResponse(body, 429, headers={"Retry-After": retry_after_header(retry_after_s)})
 
 
-def _unavailable(config: GatewayConfig) -> JSONResponse:
-    body = error_body(503, "no replica could serve the request (all failed or none is available)",
-                      code="no_replica_available")
+def _unavailable(config: GatewayConfig, message: str = "no replica could serve the request (all failed or none "
+                                                        "is available)") -> JSONResponse:
+    body = error_body(503, message, code="no_replica_available")
     # The soonest a replica can be routable again: an open breaker's cool-down, then a probe.
     retry_after_s = config.breaker.cooldown_s + config.probe_interval_s
     return JSONResponse(body, 503, headers={"Retry-After": retry_after_header(retry_after_s)})
@@ -386,9 +384,10 @@ def _passthrough_route(path: str):
     async def route(request: Request) -> Response:
         gw = _gateway(request)
         _api_key(gw, request)
-        raw = await request.body()
+        headers = _forward_headers(request)
+        raw = await read_body(request, gw.config.max_body_bytes, gw.config.body_timeout_s)
         try:
-            upstream = await gw.forwarder.send(request.method, path, raw, _forward_headers(request), RouteInput(), False)
+            upstream = await gw.forwarder.send(request.method, path, raw, headers, RouteInput(), False)
         except NoReplica:
             gw.metrics.unavailable.inc()
             return _unavailable(gw.config)
@@ -419,7 +418,7 @@ def _add_own_routes(app: FastAPI) -> None:
     async def health(request: Request) -> JSONResponse:
         gw = _gateway(request)
         if not gw.replicas.routable():
-            return JSONResponse(error_body(503, "no replica is available", code="no_replica_available"), 503)
+            return _unavailable(gw.config, "no replica is available")
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
@@ -436,7 +435,7 @@ def _add_own_routes(app: FastAPI) -> None:
     async def add_replica(request: Request) -> JSONResponse:
         gw = _gateway(request)
         _admin(gw, request)
-        url = await _admin_url(request)
+        url = await _admin_url(gw, request)
         gw.replicas.add(url)
         return JSONResponse({"replicas": _replica_view(gw)})
 
@@ -444,18 +443,15 @@ def _add_own_routes(app: FastAPI) -> None:
     async def remove_replica(request: Request) -> JSONResponse:
         gw = _gateway(request)
         _admin(gw, request)
-        url = await _admin_url(request)
+        url = await _admin_url(gw, request)
         if not gw.replicas.remove(url):
             raise APIError(404, f"no replica {url}", param="url")
         gw.kv_index.forget(url)
         return JSONResponse({"replicas": _replica_view(gw)})
 
 
-async def _admin_url(request: Request) -> str:
-    try:
-        data = json.loads(await request.body())
-    except ValueError:
-        raise bad_request("malformed JSON body") from None
+async def _admin_url(gw: Gateway, request: Request) -> str:
+    data = parse_json(await read_body(request, gw.config.max_body_bytes, gw.config.body_timeout_s))
     url = data.get("url") if isinstance(data, dict) else None
     if not isinstance(url, str) or not url.strip():
         raise bad_request("url: a replica URL is required", "url")

@@ -97,6 +97,10 @@ class GatewayConfig:
     max_connections: int = option(1000, "most open connections to the replicas")
     max_body_bytes: int = option(8 * 2**20, "larger request bodies get 413 (a replica's own --max-body-size "
                                             "default)", unit="bytes")
+    max_header_bytes: int = option(64 * 2**10, "a request line and headers larger than this get 431",
+                                   unit="bytes")
+    body_timeout_s: float = option(30.0, "seconds a request body may take to arrive; slower uploads get 408",
+                                   unit="seconds")
     breaker: BreakerConfig = section(BreakerConfig, prefixed=True)
     cache: CacheConfig = section(CacheConfig, prefixed=True)
     redis_url: Optional[str] = option(None, "share the response cache and rate limits through Redis")
@@ -112,12 +116,12 @@ class GatewayConfig:
             raise ValueError(f"routing must be one of {', '.join(ROUTING_POLICIES)}; got {self.routing!r}")
         if self.routing == "kv-aware" and not self.tokenizer:
             raise ValueError("routing kv-aware needs tokenizer (the replicas' model folder)")
-        for name in ("block_size", "prefix_chunk_bytes", "max_connections", "max_body_bytes"):
+        for name in ("block_size", "prefix_chunk_bytes", "max_connections", "max_body_bytes", "max_header_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_imbalance < 0:
             raise ValueError(f"max_imbalance must be >= 0, got {self.max_imbalance}")
-        for name in ("probe_interval_s", "probe_timeout_s", "request_timeout_s", "connect_timeout_s"):
+        for name in ("probe_interval_s", "probe_timeout_s", "request_timeout_s", "connect_timeout_s", "body_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         self.replicas = [_checked_url(url, f"replicas[{i}]") for i, url in enumerate(self.replicas)]
