@@ -4,6 +4,7 @@ what does not fit on a command line: API keys with their limits and priority
 classes)."""
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, fields
 from typing import Any, Optional
 
@@ -51,16 +52,30 @@ class CacheConfig:
 @dataclass
 class KeyConfig:
     """One API key: its limits (None: unlimited) and priority class, which
-    becomes the engine's ``priority`` field (lower runs first)."""
+    becomes the engine's ``priority`` field (lower runs first); keys naming
+    the same ``tenant`` share cached responses (by default each key has its own)."""
 
     key: str
     rpm: Optional[int] = None
     tpm: Optional[int] = None
     priority: int = 0
+    tenant: Optional[str] = None
+
+    @property
+    def digest(self) -> str:
+        # Keys are secrets: what is named after one (buckets, cache entries; maybe in a shared Redis) uses this.
+        return hashlib.sha256(self.key.encode()).hexdigest()[:32]
+
+    @property
+    def cache_scope(self) -> str:
+        """Whose cached responses a request of this key may be answered with."""
+        return f"tenant:{self.tenant}" if self.tenant is not None else f"key:{self.digest}"
 
     def __post_init__(self) -> None:
         if not self.key:
             raise ValueError("keys[].key must not be empty")
+        if self.tenant is not None and (not isinstance(self.tenant, str) or not self.tenant):
+            raise ValueError(f"keys[{self.key[:4]}...].tenant must be a non-empty string")
         for name in ("rpm", "tpm"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -107,7 +122,8 @@ class GatewayConfig:
     # Without keys the gateway is open; with keys, every /v1 request needs one.
     keys: list[KeyConfig] = option([], "API keys with their limits and priority classes (config file only)",
                                    cli=False)
-    admin_key: Optional[str] = option(None, "bearer key of the admin API (default: $OCTAVO_GATEWAY_ADMIN_KEY)")
+    admin_key: Optional[str] = option(None, "bearer key of the admin API (default: $OCTAVO_GATEWAY_ADMIN_KEY; "
+                                            "unset or empty: the admin API is off)")
     upstream_api_key: Optional[str] = option(None, "bearer key sent to the replicas")
     log_level: str = option("info", "log level", choices=("debug", "info", "warning", "error"))
 
@@ -126,6 +142,9 @@ class GatewayConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         self.replicas = [_checked_url(url, f"replicas[{i}]") for i, url in enumerate(self.replicas)]
         self.kv_events = {_checked_url(url, "kv_events"): endpoint for url, endpoint in self.kv_events.items()}
+        if self.admin_key is not None and not self.admin_key.strip():
+            # An empty secret would let `Authorization: Bearer ` in: it means no admin API at all.
+            self.admin_key = None
         self.keys = [_key_config(k, i) for i, k in enumerate(self.keys)]
         seen = set()
         for k in self.keys:

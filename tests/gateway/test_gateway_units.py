@@ -97,13 +97,14 @@ def test_token_buckets_admit_the_budget_and_charge_usage():
     key = KeyConfig("k", rpm=2, tpm=100)
 
     async def run():
-        assert await limiter.admit(key) is None
-        assert await limiter.admit(key) is None
-        refused = await limiter.admit(key)
+        assert await limiter.admit(key, 0) is None
+        assert await limiter.admit(key, 0) is None
+        refused = await limiter.admit(key, 0)
         assert refused.limit == "requests" and 0 < refused.retry_after_s <= 30
         other = KeyConfig("k2", tpm=100)
-        await limiter.charge_tokens(other, 150)  # usage beyond the budget: a debt
-        refused = await limiter.admit(other)
+        assert await limiter.admit(other, 10) is None
+        await limiter.settle(other, 10, 150)  # usage beyond the budget: a debt
+        refused = await limiter.admit(other, 0)
         assert refused.limit == "tokens" and refused.retry_after_s > 60 * 50 / 100 - 1
 
     asyncio.run(run())
@@ -129,8 +130,9 @@ def test_memory_cache_is_bounded_and_expires():
 def test_what_counts_as_deterministic_and_the_key():
     assert is_deterministic({"temperature": 0}) and is_deterministic({"temperature": 1, "seed": 3})
     assert not is_deterministic({}) and not is_deterministic({"temperature": 0.7})
-    assert cache_key("/v1/completions", {"a": 1, "b": 2}) == cache_key("/v1/completions", {"b": 2, "a": 1})
-    assert cache_key("/v1/completions", {"a": 1}) != cache_key("/v1/chat/completions", {"a": 1})
+    assert cache_key("", "/v1/completions", {"a": 1, "b": 2}) == cache_key("", "/v1/completions", {"b": 2, "a": 1})
+    assert cache_key("", "/v1/completions", {"a": 1}) != cache_key("", "/v1/chat/completions", {"a": 1})
+    assert cache_key("key:a", "/v1/completions", {"a": 1}) != cache_key("key:b", "/v1/completions", {"a": 1})
 
 
 def _parse(*argv: str):
