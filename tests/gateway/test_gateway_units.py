@@ -11,7 +11,8 @@ from octavo.entrypoints.cli import build_parser, gateway_config, parse_command
 from octavo.gateway.config import BreakerConfig, CacheConfig, GatewayConfig, KeyConfig
 from octavo.gateway.kv_index import KVIndex
 from octavo.gateway.ratelimit import MemoryBuckets, RateLimiter, retry_after_header
-from octavo.gateway.replicas import Breaker, BreakerState, Replica, ReplicaSet, normalize_url
+from octavo.gateway.replica_url import normalize_url
+from octavo.gateway.replicas import Breaker, BreakerState, Replica, ReplicaSet
 from octavo.gateway.routing import KVAware, LeastLoad, PrefixAffinity, RouteInput, Session
 from octavo.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 
@@ -96,13 +97,14 @@ def test_token_buckets_admit_the_budget_and_charge_usage():
     key = KeyConfig("k", rpm=2, tpm=100)
 
     async def run():
-        assert await limiter.admit(key) is None
-        assert await limiter.admit(key) is None
-        refused = await limiter.admit(key)
+        assert await limiter.admit(key, 0) is None
+        assert await limiter.admit(key, 0) is None
+        refused = await limiter.admit(key, 0)
         assert refused.limit == "requests" and 0 < refused.retry_after_s <= 30
         other = KeyConfig("k2", tpm=100)
-        await limiter.charge_tokens(other, 150)  # usage beyond the budget: a debt
-        refused = await limiter.admit(other)
+        assert await limiter.admit(other, 10) is None
+        await limiter.settle(other, 10, 150)  # usage beyond the budget: a debt
+        refused = await limiter.admit(other, 0)
         assert refused.limit == "tokens" and refused.retry_after_s > 60 * 50 / 100 - 1
 
     asyncio.run(run())
@@ -128,8 +130,9 @@ def test_memory_cache_is_bounded_and_expires():
 def test_what_counts_as_deterministic_and_the_key():
     assert is_deterministic({"temperature": 0}) and is_deterministic({"temperature": 1, "seed": 3})
     assert not is_deterministic({}) and not is_deterministic({"temperature": 0.7})
-    assert cache_key("/v1/completions", {"a": 1, "b": 2}) == cache_key("/v1/completions", {"b": 2, "a": 1})
-    assert cache_key("/v1/completions", {"a": 1}) != cache_key("/v1/chat/completions", {"a": 1})
+    assert cache_key("", "/v1/completions", {"a": 1, "b": 2}) == cache_key("", "/v1/completions", {"b": 2, "a": 1})
+    assert cache_key("", "/v1/completions", {"a": 1}) != cache_key("", "/v1/chat/completions", {"a": 1})
+    assert cache_key("key:a", "/v1/completions", {"a": 1}) != cache_key("key:b", "/v1/completions", {"a": 1})
 
 
 def _parse(*argv: str):
@@ -141,7 +144,7 @@ def test_config_file_and_command_line(tmp_path):
     path.write_text("replicas: [http://a:1]\nrouting: session\nbreaker: {failure_threshold: 5}\n"
                     "keys:\n  - {key: k1, rpm: 10, priority: 2}\n")
     config = gateway_config(_parse("--config", str(path), "--replica", "b:2", "--port", "9"))
-    assert config.replicas == ["http://a:1", "b:2"] and config.port == 9 and config.routing == "session"
+    assert config.replicas == ["http://a:1", "http://b:2"] and config.port == 9 and config.routing == "session"
     assert config.breaker.failure_threshold == 5 and config.keys == [KeyConfig("k1", rpm=10, priority=2)]
     path.write_text("breaker: {failure_treshold: 5}\n")
     with pytest.raises(ValueError, match="unknown option 'breaker.failure_treshold' \\(did you mean 'failure_threshold'"):
