@@ -37,7 +37,7 @@ def test_least_load_and_the_gateway_s_own_in_flight_count():
     assert b.load == 2
 
 
-def test_kv_aware_picks_the_longest_cached_prefix_unless_overloaded():
+def test_kv_aware_weighs_the_cached_prefix_against_the_queue():
     index = KVIndex()
     tokens = list(range(100))
     hashes: list[bytes] = []
@@ -48,14 +48,40 @@ def test_kv_aware_picks_the_longest_cached_prefix_unless_overloaded():
     policy = KVAware(index, 16, max_imbalance=2)
     decision = policy.choose(RouteInput(token_ids=tokens), [a, b, c])
     assert (decision.replica, decision.reason) == (b, "kv_hit")
-    b.running = 3  # 3 more than the least loaded: beyond the imbalance
-    decision = policy.choose(RouteInput(token_ids=tokens), [a, b, c])
-    assert decision.reason == "kv_overloaded" and decision.replica in (a, c)
-    index.apply(b.url, EventBatch(0.0, [BlockRemoved([hashes[0]])]))  # the chain breaks at its first block
-    b.running = 0
+    # Running requests share steps but queue no prefill ahead: b keeps its 80 cached tokens.
+    b.running = 1
+    assert policy.choose(RouteInput(token_ids=tokens), [a, b, c]).replica is b
+    # One waiting prompt (the mean routed, 100 tokens) outweighs b's 48 extra cached tokens over a.
+    b.running, b.waiting = 0, 1
     assert policy.choose(RouteInput(token_ids=tokens), [a, b, c]).replica is a
-    index.apply(a.url, EventBatch(0.0, [AllBlocksCleared()]))
-    assert policy.choose(RouteInput(token_ids=tokens), [a, b, c]).reason == "kv_miss"
+    # Beyond max_imbalance a replica is out whatever it holds.
+    b.waiting, a.running = 0, 3
+    decision = policy.choose(RouteInput(token_ids=tokens), [a, b, c])
+    assert decision.replica is b
+    b.running = 3 + 3
+    decision = policy.choose(RouteInput(token_ids=tokens), [a, b, c])
+    assert (decision.replica, decision.reason) == (c, "kv_overloaded")
+
+
+def test_kv_aware_follows_a_tenant_s_first_request_before_its_events_arrive():
+    now = [0.0]
+    index = KVIndex()
+    a, b = _replicas(0, 0)
+    policy = KVAware(index, 16, max_imbalance=4, in_flight_s=30.0, clock=lambda: now[0])
+    tenant = list(range(200))
+    first = policy.choose(RouteInput(token_ids=tenant + [1000]), [a, b])
+    assert first.reason == "kv_miss"
+    # The second request of the tenant follows the first, though no event has arrived yet.
+    second = policy.choose(RouteInput(token_ids=tenant + [2000]), [b, a])
+    assert (second.replica, second.reason) == (first.replica, "kv_hit")
+    # A new tenant goes where the queue is shorter.
+    first.replica.waiting = 1
+    other = policy.choose(RouteInput(token_ids=list(range(500, 700))), [a, b])
+    assert other.replica is not first.replica and other.reason == "kv_miss"
+    # What was sent long ago and never confirmed by an event is forgotten.
+    first.replica.waiting = 0
+    now[0] = 31.0
+    assert policy.choose(RouteInput(token_ids=tenant + [3000]), [a, b]).reason == "kv_miss"
 
 
 def test_prefix_policy_follows_the_leading_chunks():
