@@ -121,8 +121,8 @@ def test_metrics_doc_lists_exactly_what_is_exported(stack):
         assert live_bounds[name] == set(bounds), name
 
 
-# Panels whose emptiness is explained by what this fleet runs: no speculative decoding here.
-EXPLAINED_EMPTY = {"Speculative decoding acceptance"}
+# Panels whose emptiness is explained by what this fleet runs: no speculative decoding, a dense model.
+EXPLAINED_EMPTY = {"Speculative decoding acceptance", "Expert load imbalance (max / mean)"}
 
 
 def _wait_for_scrapes(prometheus: PrometheusProcess) -> None:
