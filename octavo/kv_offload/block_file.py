@@ -84,10 +84,15 @@ def scan_folder(folder: Path, fingerprint: bytes, size: int) -> list[bytes]:
     has planned cannot fail later (a step has no way back to plan it again).
     Each bad file is reported in one warning and left where it is, never
     loaded; storing the same block again replaces it. Other fingerprints'
-    files belong to other models or ranks and are not looked at."""
+    files belong to other models or ranks and are not looked at. Temporary
+    files of this fingerprint are writes a killed engine left unfinished:
+    deleted."""
     tag = f".{fingerprint.hex()[:16]}{SUFFIX}"
     found: list[tuple[float, bytes]] = []
     for path in folder.iterdir():
+        if path.name.startswith(".") and path.name.endswith(".tmp") and tag in path.name:
+            path.unlink(missing_ok=True)  # a write of ours cut short (the engine was killed): never a block
+            continue
         if not path.name.endswith(tag):
             continue
         try:

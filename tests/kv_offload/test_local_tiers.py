@@ -101,9 +101,12 @@ def test_bad_files_are_reported_once_each_and_never_loaded(tmp_path, caplog):
     os.replace(tmp_path / "other" / file_name(bytes(32), hashes[4]), path[4])
     os.replace(path[5], tmp_path / f"not-a-hash.{FP.hex()[:16]}{SUFFIX}")
     (tmp_path / file_name(bytes([9]) * 32, hashes[0])).write_bytes(b"another fingerprint: not ours to judge")
+    unfinished = tmp_path / f".{file_name(FP, hashes[5])}.123.tmp"
+    unfinished.write_bytes(b"a write cut short")
     with caplog.at_level(logging.WARNING, logger="octavo.kv_offload.block_file"):
         layout = LocalTiers(tensors, 0, tmp_path, 2**20, FP).layout()
     assert layout.files == [hashes[0]]
+    assert not unfinished.exists() and (tmp_path / file_name(bytes([9]) * 32, hashes[0])).exists()
     reasons = [r.getMessage() for r in caplog.records]
     assert len(reasons) == 5, reasons
     for needle in ("checksum", "payload bytes", "-byte header", "fingerprint differs", "not a block hash"):
