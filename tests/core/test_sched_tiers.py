@@ -13,7 +13,7 @@ from core_harness import FakeRunner, Run, make_request, reference_tokens
 from octavo.config import CacheConfig, SchedulerConfig
 from octavo.core.outputs import ModelRunnerOutput, SchedulerOutput
 from octavo.core.scheduler import Scheduler
-from octavo.kv_events import BlockRemoved, BlockStored
+from octavo.kv_events import BlockRemoved, BlockStored, decode_batch, encode_batch
 from octavo.kv_offload.index import TierIndex
 from octavo.kv_offload.transfers import (DELETE_FILE, FROM_DISK, FROM_HOST, HOST_TO_DISK, TO_DISK, TO_HOST,
                                          KVTransfer, TierLayout)
@@ -147,6 +147,8 @@ def test_persist_leaves_host_and_pool_blocks_on_disk_and_events_name_the_medium(
     assert index.take_transfers() == [KVTransfer(TO_HOST, 0, 0), KVTransfer(TO_HOST, 1, 1),
                                       KVTransfer(HOST_TO_DISK, slot=0, block_hash=h[0]), KVTransfer(TO_HOST, 2, 0)]
     events = index.take_events()
+    _, batch = decode_batch(encode_batch(events, 0))  # as the engine publishes them
+    assert batch.events == events
     assert BlockRemoved([h[0]], medium="cpu") in events
     assert [e.block_hashes for e in events if isinstance(e, BlockStored) and e.medium == "disk"] == [[h[0]]]
     moves = index.persist([(h[3], 7), (h[4], 8)])
