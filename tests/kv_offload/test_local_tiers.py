@@ -144,3 +144,14 @@ def test_config_budgets_that_hold_no_block_are_refused(tmp_path):
     blocker.write_text("")
     with pytest.raises(ValueError, match="kv_offload_dir"):
         local_tiers(CacheConfig(kv_offload_dir=str(blocker / "kv")), tensors, [folder], 0, 1)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(kv_offload_host_bytes=-1), "kv_offload_host_bytes"),
+    (dict(kv_offload_disk_bytes=0), "kv_offload_disk_bytes"),
+    (dict(kv_offload_dir=""), "kv_offload_dir"),
+    (dict(kv_offload_host_bytes=2**20, enable_prefix_caching=False), "enable_prefix_caching"),
+])
+def test_bad_tier_options_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        CacheConfig(**kwargs)
