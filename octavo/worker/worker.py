@@ -43,3 +43,6 @@ class Worker:
     def apply_kv_transfers(self, transfers: list[KVTransfer]) -> None:
         """Moves outside a step (persisting the tiers before the engine stops)."""
         self.runner.kv_tiers.apply(transfers)
+
+    def moe_routing_counts(self) -> dict[int, list[int]]:
+        return self.runner.moe_routing_counts()
