@@ -71,6 +71,19 @@ class CacheConfig:
         None, "publish prefix-cache events (blocks stored/removed) on this ZMQ PUB endpoint, e.g. "
         "tcp://*:5557, for kv-aware routing by `octavo gateway`",
     )
+    # Tiers below the pool (octavo/kv_offload/): blocks the pool evicts are
+    # kept in host memory, then on disk, and loaded back on a prefix hit.
+    kv_offload_host_bytes: int = option(
+        0, "host memory for KV blocks evicted from the pool, e.g. 4GiB (0: no host tier)", unit="bytes",
+    )
+    kv_offload_dir: Optional[str] = option(
+        None, "folder for KV blocks evicted from the host tier (or from the pool, without one); an engine "
+        "started on the same folder reuses them",
+    )
+    kv_offload_disk_bytes: int = option(
+        8 * 2**30, "most bytes of KV block files kept in kv_offload_dir (least recently used deleted first)",
+        unit="bytes",
+    )
 
     def __post_init__(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size < 1:
@@ -87,11 +100,25 @@ class CacheConfig:
             raise ValueError(
                 f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}; got {self.kv_cache_dtype!r}"
             )
+        if not isinstance(self.kv_offload_host_bytes, int) or self.kv_offload_host_bytes < 0:
+            raise ValueError(f"kv_offload_host_bytes must be an integer >= 0, got {self.kv_offload_host_bytes!r}")
+        if not isinstance(self.kv_offload_disk_bytes, int) or self.kv_offload_disk_bytes <= 0:
+            raise ValueError(f"kv_offload_disk_bytes must be an integer > 0, got {self.kv_offload_disk_bytes!r}")
+        if self.kv_offload_dir == "":
+            raise ValueError("kv_offload_dir must be a folder path, got an empty string")
+        if self.kv_offload_enabled and not self.enable_prefix_caching:
+            raise ValueError("kv_offload_host_bytes and kv_offload_dir keep prefix-cache blocks; "
+                             "they need enable_prefix_caching")
         if self.kv_cache_dtype != "auto" and self.cache_dtype != "auto":
             raise ValueError(
                 f"kv_cache_dtype {self.kv_cache_dtype!r} sets the cache's element type; "
                 f"cache_dtype must then be auto, got {self.cache_dtype!r}"
             )
+
+    @property
+    def kv_offload_enabled(self) -> bool:
+        """Whether any tier below the pool is configured."""
+        return self.kv_offload_host_bytes > 0 or self.kv_offload_dir is not None
 
 
 @dataclass

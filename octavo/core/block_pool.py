@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 from octavo.core.prefix_hash import BlockHash
 from octavo.kv_events import BlockRemoved, KVEvent
@@ -36,6 +36,8 @@ class BlockPool:
         self._cached: dict[BlockHash, int] = {}
         # KV events for routers outside the engine (--kv-events-endpoint); None: not recorded.
         self.events: Optional[list[KVEvent]] = None
+        # Told (hash, block id) before a cached block is reused: the tiers below the pool keep it.
+        self.on_evict: Optional[Callable[[BlockHash, int], None]] = None
 
     @property
     def num_total_blocks(self) -> int:
@@ -63,6 +65,12 @@ class BlockPool:
         """A copy of the prefix cache: hash -> block id."""
         return dict(self._cached)
 
+    def cached_by_age(self) -> list[tuple[BlockHash, int]]:
+        """The prefix cache as (hash, block id), the next evicted first and the blocks in use last."""
+        free = [b for b in self._free if self._blocks[b].block_hash is not None]
+        used = [b for b in self._cached.values() if self._blocks[b].ref_cnt > 0]
+        return [(self._blocks[b].block_hash, b) for b in free + used]
+
     def lookup(self, block_hash: BlockHash) -> Optional[int]:
         return self._cached.get(block_hash)
 
@@ -75,6 +83,8 @@ class BlockPool:
         for _ in range(num_blocks):
             block = self._blocks[self._free.popitem(last=False)[0]]
             if block.block_hash is not None:
+                if self.on_evict is not None:
+                    self.on_evict(block.block_hash, block.block_id)
                 del self._cached[block.block_hash]
                 if self.events is not None:
                     self.events.append(BlockRemoved([block.block_hash]))

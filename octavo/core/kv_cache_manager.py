@@ -2,12 +2,14 @@
 copy-on-write and registration of computed blocks."""
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 from octavo.core.block_pool import BlockPool
 from octavo.core.prefix_hash import BlockHash, extend_block_hashes
 from octavo.core.request import Request
 from octavo.kv_events import BlockStored, KVEvent
+from octavo.kv_offload.index import TierIndex
+from octavo.kv_offload.transfers import KVTransfer
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -18,12 +20,17 @@ class KVCacheManager:
     """Block tables hold the K/V of ``request.all_token_ids`` in order; block
     ``i`` of a table covers positions ``i*block_size .. (i+1)*block_size - 1``."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 offload: Optional[TierIndex] = None) -> None:
+        """``offload``: the tiers below the pool, which keep the blocks it evicts."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
+        self.offload = offload
+        if offload is not None:
+            self.pool.on_evict = offload.evicted
         self._tables: dict[str, list[int]] = {}
         self._hashes: dict[str, list[BlockHash]] = {}
         self._num_registered: dict[str, int] = {}
@@ -70,12 +77,44 @@ class KVCacheManager:
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         blocks: list[int] = []
-        for block_hash in self._block_hashes(request, max_blocks)[:max_blocks]:
+        hashes = self._block_hashes(request, max_blocks)[:max_blocks]
+        for block_hash in hashes:
             block_id = self.pool.lookup(block_hash)
             if block_id is None:
                 break
             blocks.append(block_id)
+        if self.offload is not None and len(blocks) < len(hashes):
+            blocks += self._load_from_tiers(request, hashes, blocks)
         return blocks, len(blocks) * self.block_size
+
+    def _load_from_tiers(self, request: Request, hashes: list[BlockHash], hits: list[int]) -> list[int]:
+        """Extend the pool's ``hits`` through the tiers below it: the blocks
+        found there are loaded into fresh pool blocks (this step's moves) and
+        registered, so they are ordinary cached blocks from here on, even if
+        the request then waits. Blocks are held while later ones are loaded:
+        making room evicts pool blocks, which may push the tiers' own LRU
+        blocks out, and must take neither the pool's hits nor blocks loaded
+        already. One block at a time, as each load precedes the evictions
+        that come after it."""
+        found = self.offload.find(hashes[len(hits):])
+        if not found:
+            return []
+        self.pool.touch(hits)
+        loaded: list[int] = []
+        for block_hash in found:
+            if not self.pool.num_free_blocks:
+                break
+            (block_id,) = self.pool.allocate(1)
+            if not self.offload.load(block_hash, block_id):
+                self.pool.free([block_id])
+                break
+            self.pool.cache_block(block_id, block_hash)
+            loaded.append(block_id)
+        self.pool.free(reversed(loaded))
+        self.pool.free(hits)
+        if self.pool.events is not None and loaded:
+            self._record_stored(request, hashes, list(range(len(hits), len(hits) + len(loaded))))
+        return loaded
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, computed_blocks: Sequence[int] = (),
@@ -163,12 +202,19 @@ class KVCacheManager:
     def enable_events(self) -> None:
         """Record prefix-cache changes as KV events, for ``take_events``."""
         self.pool.events = []
+        if self.offload is not None:
+            self.offload.enable_events()
 
     def take_events(self) -> list[KVEvent]:
         if self.pool.events is None:
             return []
         events, self.pool.events = self.pool.events, []
-        return events
+        # Each medium's events keep their order; a router tracks each medium apart.
+        return events + (self.offload.take_events() if self.offload is not None else [])
+
+    def take_kv_transfers(self) -> list[KVTransfer]:
+        """The moves between the pool and its tiers decided since the last call."""
+        return self.offload.take_transfers() if self.offload is not None else []
 
     def free_unused_blocks(self, request: Request) -> None:
         """Release the blocks past the request's computed tokens: after

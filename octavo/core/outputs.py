@@ -5,6 +5,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Optional
 
+from octavo.kv_offload.transfers import KVTransfer
 from octavo.outputs import TokenLogprobs
 from octavo.sampling_params import SamplingParams
 
@@ -95,6 +96,9 @@ class SchedulerOutput:
     finished_request_ids: set[str] = field(default_factory=set)
     preempted_request_ids: set[str] = field(default_factory=set)
     grammar: Optional[GrammarBitmask] = None
+    # Moves between the pool and the tiers below it (octavo/kv_offload/),
+    # applied in order before the block copies and the forward.
+    kv_transfers: list[KVTransfer] = field(default_factory=list)
 
     @property
     def total_num_tokens(self) -> int:
@@ -106,9 +110,9 @@ class SchedulerOutput:
 
     @property
     def needs_workers(self) -> bool:
-        """Anything for the workers to do: run tokens, copy blocks or drop
-        the state of requests that left (else it would stay there)."""
-        return bool(self.scheduled or self.block_copies or self.finished_request_ids)
+        """Anything for the workers to do: run tokens, copy or move blocks or
+        drop the state of requests that left (else it would stay there)."""
+        return bool(self.scheduled or self.block_copies or self.finished_request_ids or self.kv_transfers)
 
 
 @dataclass

@@ -47,6 +47,7 @@ from octavo.core.request_queue import RequestQueue, SortKey
 from octavo.core.spec_stats import SpecDecodingStats
 from octavo.core.step_results import append_sampled, take_prompt_logprobs
 from octavo.core.step_state import SentRequests
+from octavo.kv_offload.index import TierIndex
 
 logger = logging.getLogger(__name__)
 
@@ -73,13 +74,15 @@ class Scheduler:
         num_blocks: int,
         max_model_len: int,
         speculative_config: Optional[SpeculativeConfig] = None,
+        kv_offload: Optional[TierIndex] = None,
     ) -> None:
+        """``kv_offload``: the tiers below the KV pool (host memory, disk), if any."""
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
         self.config = scheduler_config
         self.max_model_len = max_model_len
         self.kv_cache_manager = KVCacheManager(
-            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching
+            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching, kv_offload
         )
         self._block_size = cache_config.block_size
         self._max_len = min(max_model_len, num_blocks * cache_config.block_size)
@@ -189,6 +192,7 @@ class Scheduler:
             block_copies=self.kv_cache_manager.take_block_copies(),
             finished_request_ids=finished,
             preempted_request_ids=step.preempted,
+            kv_transfers=self.kv_cache_manager.take_kv_transfers(),
         )
 
     def _schedule_running(self, step: _Step) -> None:

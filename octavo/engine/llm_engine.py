@@ -21,6 +21,7 @@ from octavo.engine.request_state import RequestState, SequenceState
 from octavo.engine.routing_stats import RoutingStatsReader
 from octavo.engine.stats import EngineStats, StepStats
 from octavo.executor.registry import create_executor
+from octavo.kv_offload.index import TierIndex
 from octavo.model.config import load_arch_config
 from octavo.model.generation_config import GenerationDefaults, load_generation_defaults
 from octavo.model.pooler_config import resolve_pooler
@@ -81,9 +82,12 @@ class LLMEngine:
             # Checkpoints with several end tokens (e.g. end-of-turn and end-of-text)
             # stop on any of them; the extra ones act as stop tokens.
             self._extra_eos_ids = eos_ids[1:]
+            num_blocks = self.executor.determine_num_kv_blocks()
+            offload = None
+            if config.cache.kv_offload_enabled:
+                offload = TierIndex(self.executor.collective_rpc("kv_tier_layout"), config.cache.block_size)
             self.scheduler = Scheduler(
-                config.scheduler, config.cache, self.executor.determine_num_kv_blocks(), self.max_model_len,
-                config.speculative,
+                config.scheduler, config.cache, num_blocks, self.max_model_len, config.speculative, offload,
             )
             self._routing = RoutingStatsReader(self.executor)
             self._kv_events: Optional[KVEventPublisher] = None
@@ -396,12 +400,25 @@ class LLMEngine:
             spec_num_accepted_tokens=spec.num_accepted_tokens,
             spec_accepted_per_position=list(spec.accepted_per_position),
             steps=self._steps.copy(),
+            kv_offload_hits=dict(kv.offload.hits) if kv.offload is not None else {},
+            kv_offload_bytes=kv.offload.bytes_held() if kv.offload is not None else {},
             moe_routed_tokens=self._routing.routed_tokens,  # replaced, never changed in place, by a read
             moe_load_imbalance=dict(self._routing.load_imbalance),
         )
 
     def shutdown(self) -> None:
-        """Stop the executor's workers (no-op in process); safe to call twice."""
+        """Stop the executor's workers (no-op in process); safe to call twice.
+        With a disk tier, the blocks of the pool and the host tier are written
+        to it first, for the next engine started on the folder."""
+        scheduler = getattr(self, "scheduler", None)
+        offload = scheduler.kv_cache_manager.offload if scheduler is not None else None
+        if offload is not None and not self._in_flight:
+            try:
+                moves = offload.persist(scheduler.kv_cache_manager.pool.cached_by_age())
+                if moves:
+                    self.executor.collective_rpc("apply_kv_transfers", (moves,))
+            except Exception:  # the workers may be gone (a failed engine): then there is nothing to save
+                logger.exception("saving the KV cache to kv_offload_dir failed")
         self.executor.shutdown()
         if self._kv_events is not None:
             self._kv_events.close()

@@ -98,6 +98,10 @@ class EngineStats:
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_position: list[int] = field(default_factory=list)
     steps: StepStats = field(default_factory=StepStats)
+    # Tiers below the pool (octavo/kv_offload/), by medium ("cpu", "disk"):
+    # prompt tokens loaded from each (cumulative), and bytes each holds now.
+    kv_offload_hits: dict[str, int] = field(default_factory=dict)
+    kv_offload_bytes: dict[str, int] = field(default_factory=dict)
     # Mixtures of experts (octavo/engine/routing_stats.py), by decoder layer: (token, choice) pairs routed
     # to each expert (cumulative), and the busiest expert's pairs over the mean in the last window read.
     moe_routed_tokens: dict[int, list[int]] = field(default_factory=dict)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Sequence
+from typing import Optional, Sequence
 
 import zmq
 import zmq.asyncio
@@ -22,16 +22,27 @@ logger = logging.getLogger(__name__)
 
 
 class KVIndex:
+    """A replica holds a block while any of its media does: its pool (events
+    without a medium) or a tier below it ("cpu", "disk"), which a replica
+    loads back faster than it computes. Each medium's stores and removals are
+    tracked apart, so a block leaving the pool for host memory stays held."""
+
     def __init__(self) -> None:
-        self._blocks: dict[str, set[BlockHash]] = {}
+        self._blocks: dict[str, dict[BlockHash, set[Optional[str]]]] = {}
 
     def apply(self, replica_url: str, batch: EventBatch) -> None:
-        blocks = self._blocks.setdefault(replica_url, set())
+        blocks = self._blocks.setdefault(replica_url, {})
         for event in batch.events:
             if isinstance(event, BlockStored):
-                blocks.update(event.block_hashes)
+                for h in event.block_hashes:
+                    blocks.setdefault(h, set()).add(event.medium)
             elif isinstance(event, BlockRemoved):
-                blocks.difference_update(event.block_hashes)
+                for h in event.block_hashes:
+                    media = blocks.get(h)
+                    if media is not None:
+                        media.discard(event.medium)
+                        if not media:
+                            del blocks[h]
             elif isinstance(event, AllBlocksCleared):
                 blocks.clear()
 

@@ -15,6 +15,7 @@ from prometheus_client.registry import Collector
 
 from octavo.config import CacheConfig
 from octavo.engine.stats import EngineStats, StepHistogram
+from octavo.kv_offload.transfers import TIERS
 
 _GAUGES = (
     ("num_requests_running", "Requests in the engine's running batch.", lambda s: s.num_running),
@@ -82,6 +83,15 @@ class EngineStatsCollector(Collector):
         for position, count in enumerate(stats.spec_accepted_per_position):
             family.add_metric([*model, str(position)], float(count))
         yield family
+        hits = CounterMetricFamily("octavo:kv_offload_hits", "Prompt tokens whose K/V were loaded into the pool "
+                                   "from a tier below it, by medium.", labels=["model_name", "medium"])
+        held = GaugeMetricFamily("octavo:kv_offload_bytes", "Bytes of KV blocks a tier below the pool holds "
+                                 "(all ranks), by medium.", labels=["model_name", "medium"])
+        for medium in TIERS:
+            hits.add_metric([*model, medium], float(stats.kv_offload_hits.get(medium, 0)))
+            held.add_metric([*model, medium], float(stats.kv_offload_bytes.get(medium, 0)))
+        yield hits
+        yield held
         yield from self._moe_routing(stats)
         yield _counter("octavo:engine_restarts", "Times the engine process died and was restarted.", model,
                        float(self._src.num_restarts()))

@@ -15,6 +15,7 @@ from octavo.core.outputs import GrammarBitmask, ModelRunnerOutput, SchedulerOutp
 from octavo.core.step_state import BatchState, CachedRequestState, ScheduledRow
 from octavo.distributed.parallel_state import get_parallel_state
 from octavo.kernels.build import default_kernels, prebuild
+from octavo.kv_offload.local_tiers import local_tiers
 from octavo.model.config import load_arch_config
 from octavo.model.dtypes import resolve_dtype
 from octavo.model.kv_scales import load_static_kv_scales
@@ -131,6 +132,14 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(self.kv_cache_specs, self.backends.attention, self.num_blocks,
                                             self.device, static_scales, padding_blocks=int(use_graphs))
         self._draft_host.allocate(self.num_blocks)
+        # The tiers below the pool hold every tensor indexed by block id: the draft's caches too.
+        state = get_parallel_state()
+        drafts = [m.kv_caches for m in self._draft_host.models]
+        tensors = [t for caches in [self.kv_caches, *drafts] for c in caches for t in (c.data, c.scales)
+                   if t is not None]
+        models = [folder, *(model_path(d) for d in (spec.speculative_model,) if d is not None)]
+        rank = state.pp_rank * state.tp_size + state.tp_rank
+        self.kv_tiers = local_tiers(cache_config, tensors, models, rank, state.tp_size * state.pp_size)
 
         self.sampler = Sampler(argmax=self.backends.ops.argmax)
         self.batch = BatchState()  # the requests this rank holds, kept across steps
@@ -257,6 +266,8 @@ class ModelRunner:
             self.pooler.forget(scheduler_output.finished_request_ids)
         rows = self.batch.apply(scheduler_output)
         self._grammar = scheduler_output.grammar
+        if self.kv_tiers is not None:
+            self.kv_tiers.apply(scheduler_output.kv_transfers)  # before anything of the step writes the pool
         copy_blocks(self.kv_caches, scheduler_output.block_copies)
         self._draft_host.copy_blocks(scheduler_output.block_copies)
         if not rows:

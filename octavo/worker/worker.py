@@ -5,6 +5,7 @@ from __future__ import annotations
 from octavo.config import EngineConfig
 from octavo.distributed.parallel_state import get_parallel_state
 from octavo.core.outputs import ModelInfo, ModelRunnerOutput, SchedulerOutput
+from octavo.kv_offload.transfers import KVTransfer, TierLayout
 from octavo.worker.model_runner import ModelRunner
 
 
@@ -34,6 +35,14 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute(scheduler_output)
+
+    def kv_tier_layout(self) -> TierLayout:
+        """This rank's tiers below the pool (the engine asks only when some are configured)."""
+        return self.runner.kv_tiers.layout()
+
+    def apply_kv_transfers(self, transfers: list[KVTransfer]) -> None:
+        """Moves outside a step (persisting the tiers before the engine stops)."""
+        self.runner.kv_tiers.apply(transfers)
 
     def moe_routing_counts(self) -> dict[int, list[int]]:
         return self.runner.moe_routing_counts()

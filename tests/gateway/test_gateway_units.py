@@ -84,6 +84,22 @@ def test_kv_aware_follows_a_tenant_s_first_request_before_its_events_arrive():
     assert policy.choose(RouteInput(token_ids=tenant + [3000]), [a, b]).reason == "kv_miss"
 
 
+def test_kv_index_holds_a_block_while_any_medium_does():
+    """A block the pool evicts into host memory stays routable; it is gone
+    once neither the pool, host memory nor disk holds it."""
+    index = KVIndex()
+    hashes: list[bytes] = []
+    extend_block_hashes(hashes, list(range(48)), 16, 3)
+    index.apply("r", EventBatch(0.0, [BlockStored(hashes, None, list(range(48)), 16)]))
+    index.apply("r", EventBatch(0.0, [BlockRemoved(hashes[1:]), BlockStored(hashes[1:], None, [], 16, medium="cpu")]))
+    assert index.matched_blocks("r", hashes) == 3
+    index.apply("r", EventBatch(0.0, [BlockRemoved([hashes[2]], medium="cpu"),
+                                      BlockStored([hashes[2]], None, [], 16, medium="disk")]))
+    assert index.matched_blocks("r", hashes) == 3
+    index.apply("r", EventBatch(0.0, [BlockRemoved([hashes[1]], medium="cpu")]))
+    assert index.matched_blocks("r", hashes) == 1 and index.num_blocks("r") == 2
+
+
 def test_prefix_policy_follows_the_leading_chunks():
     a, b = _replicas(0, 0)
     policy = PrefixAffinity(chunk_bytes=8, max_imbalance=1)

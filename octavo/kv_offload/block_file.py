@@ -1,0 +1,110 @@
+"""One KV block on disk: a file per block, named and keyed by the block's
+chained prefix hash and the fingerprint of what wrote it (torch-free).
+
+Layout: a fixed header, then the payload (the block's bytes from every cache
+tensor of the rank, in the rank's tensor order)::
+
+    magic     8 bytes   b"OCTKVB01"
+    fingerprint 32      model, dtypes, KV layout, block size, rank (fingerprint.py)
+    block hash  32      the chained SHA-256 of core/prefix_hash.py
+    size        8       payload bytes, little-endian
+    crc32       4       of the payload, little-endian
+
+Files are written to a temporary name and renamed over the final one, so a
+reader never sees half a file under a block's name. There is no fsync: after
+a power loss a file may be short or zeroed, which the size and checksum
+catch at the next start, and the block is computed again.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import zlib
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"OCTKVB01"
+_HEADER = struct.Struct("<8s32s32sQI")
+HEADER_BYTES = _HEADER.size
+SUFFIX = ".kvblock"
+
+
+class BadBlockFile(Exception):
+    """A file that must not be loaded: why, in words."""
+
+
+def file_name(fingerprint: bytes, block_hash: bytes) -> str:
+    # The fingerprint's prefix in the name keeps the files of several models
+    # (or of a tensor-parallel engine's ranks) apart in one folder; the
+    # header holds all of it.
+    return f"{block_hash.hex()}.{fingerprint.hex()[:16]}{SUFFIX}"
+
+
+def write_block(folder: Path, fingerprint: bytes, block_hash: bytes, payload: memoryview | bytes) -> None:
+    """Write the block's file atomically (temporary file, then rename)."""
+    final = folder / file_name(fingerprint, block_hash)
+    tmp = folder / f".{final.name}.{os.getpid()}.tmp"
+    header = _HEADER.pack(MAGIC, fingerprint, block_hash, len(payload), zlib.crc32(payload))
+    with open(tmp, "wb") as f:
+        f.write(header)
+        f.write(payload)
+    os.replace(tmp, final)
+
+
+def read_block(path: Path, fingerprint: bytes, block_hash: bytes, size: int) -> bytes:
+    """The payload of a valid file; ``BadBlockFile`` saying what is wrong with any other."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise BadBlockFile(f"unreadable: {exc.strerror}") from None
+    if len(data) < HEADER_BYTES:
+        raise BadBlockFile(f"truncated: {len(data)} bytes, shorter than the {HEADER_BYTES}-byte header")
+    magic, file_fp, file_hash, file_size, crc = _HEADER.unpack_from(data)
+    if magic != MAGIC:
+        raise BadBlockFile(f"not a KV block file (magic {magic!r}, expected {MAGIC!r})")
+    if file_fp != fingerprint:
+        raise BadBlockFile("written for another model, dtype, KV layout, block size or rank (fingerprint differs)")
+    if file_hash != block_hash:
+        raise BadBlockFile("its header names another block than its file name")
+    if file_size != size:
+        raise BadBlockFile(f"its header says {file_size} payload bytes, a block here has {size}")
+    payload = memoryview(data)[HEADER_BYTES:]
+    if len(payload) != size:
+        raise BadBlockFile(f"truncated: {len(payload)} of {size} payload bytes")
+    if zlib.crc32(payload) != crc:
+        raise BadBlockFile("corrupted: the payload's checksum differs from the header's")
+    return data[HEADER_BYTES:]
+
+
+def scan_folder(folder: Path, fingerprint: bytes, size: int) -> list[bytes]:
+    """The hashes of this fingerprint's valid files in ``folder``, oldest
+    first. Every byte is checked now, not at load time: a load the scheduler
+    has planned cannot fail later (a step has no way back to plan it again).
+    Each bad file is reported in one warning and left where it is, never
+    loaded; storing the same block again replaces it. Other fingerprints'
+    files belong to other models or ranks and are not looked at. Temporary
+    files of this fingerprint are writes a killed engine left unfinished:
+    deleted."""
+    tag = f".{fingerprint.hex()[:16]}{SUFFIX}"
+    found: list[tuple[float, bytes]] = []
+    for path in folder.iterdir():
+        if path.name.startswith(".") and path.name.endswith(".tmp") and tag in path.name:
+            path.unlink(missing_ok=True)  # a write of ours cut short (the engine was killed): never a block
+            continue
+        if not path.name.endswith(tag):
+            continue
+        try:
+            block_hash = bytes.fromhex(path.name[: -len(tag)])
+            if len(block_hash) != 32:
+                raise ValueError
+        except ValueError:
+            logger.warning("KV block file %s: skipped: its name is not a block hash", path)
+            continue
+        try:
+            read_block(path, fingerprint, block_hash, size)
+            found.append((path.stat().st_mtime, block_hash))
+        except (BadBlockFile, OSError) as exc:
+            logger.warning("KV block file %s: skipped: %s", path, exc)
+    return [h for _, h in sorted(found)]

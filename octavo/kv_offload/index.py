@@ -1,0 +1,193 @@
+"""The scheduler's half of the KV tiers: which block hashes each tier holds,
+and the moves each step carries (torch-free).
+
+Blocks reach the host tier when the pool evicts them, and the move is applied
+by the workers at the start of the step whose scheduling evicted them, before
+anything of that step writes the pool. That is the one moment a block is
+both final and about to be lost: a block is only ever evicted once it is
+registered (its tokens computed, its step's results applied), and the step
+that reuses it writes it only in its forward, after the move (see
+``transfers.py``). Saving at registration instead would copy every block the
+pool ever computes, most of which are hit or dropped while still in the pool;
+delaying the reuse of an evicted block would cost pool capacity and a second
+round trip. Both tiers are LRU; what the host tier evicts spills to disk,
+what the disk tier evicts is deleted.
+
+A block loaded back from host memory leaves it (its slot is free again): a
+copy back costs a memcpy at the next eviction, while keeping both would
+spend the host tier on blocks the pool holds anyway. A file stays when it is
+loaded: writing it again would cost far more, and it is what a restart finds.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Iterable, Optional, Sequence
+
+from octavo.kv_events import BlockRemoved, BlockStored, KVEvent
+from octavo.kv_offload.transfers import (DELETE_FILE, DISK, FROM_DISK, FROM_HOST, HOST, HOST_TO_DISK, TIERS,
+                                         TO_DISK, TO_HOST, KVTransfer, TierLayout)
+
+
+class TierIndex:
+    """One index for every rank: each applies the same moves to its own shard,
+    so capacities are the smallest any rank reported and a file found at
+    start counts only when every rank has it."""
+
+    def __init__(self, layouts: Sequence[TierLayout], block_size: int) -> None:
+        if not layouts:
+            raise ValueError("TierIndex needs the layout of at least one rank")
+        self.block_size = block_size
+        # Every rank's share of a block: what a tier's entry costs in all.
+        self.block_bytes = sum(layout.block_bytes for layout in layouts)
+        self._host_capacity = min(layout.host_blocks for layout in layouts)
+        self._disk_capacity = min(layout.disk_blocks for layout in layouts)
+        self._host: OrderedDict[bytes, int] = OrderedDict()  # hash -> slot, least recently used first
+        self._free_slots = list(reversed(range(self._host_capacity)))
+        self._disk: OrderedDict[bytes, None] = OrderedDict()  # least recently used first
+        self._transfers: list[KVTransfer] = []
+        self.events: Optional[list[KVEvent]] = None
+        self.hits = dict.fromkeys(TIERS, 0)  # prompt tokens loaded from each tier into the pool
+        self._adopt([layout.files for layout in layouts])
+
+    def _adopt(self, files: list[list[bytes]]) -> None:
+        """Index the files an earlier run left: those every rank holds, the
+        newest that fit the disk tier; the others are deleted (a file only
+        some ranks hold is half a block)."""
+        common = set(files[0]).intersection(*files[1:])
+        kept = [h for h in files[0] if h in common][-self._disk_capacity:] if self._disk_capacity else []
+        self._disk.update(dict.fromkeys(kept))
+        stale = set().union(*files) - set(kept)
+        self._transfers += [KVTransfer(DELETE_FILE, block_hash=h) for h in sorted(stale)]
+
+    # ---- what the tiers hold ----------------------------------------------
+
+    def tier_of(self, block_hash: bytes) -> Optional[str]:
+        """The fastest tier holding the block, None when none does."""
+        if block_hash in self._host:
+            return HOST
+        return DISK if block_hash in self._disk else None
+
+    def num_blocks(self, tier: str) -> int:
+        return len(self._host) if tier == HOST else len(self._disk)
+
+    def bytes_held(self) -> dict[str, int]:
+        """Per tier, the bytes its blocks take on all ranks together (disk: file payloads)."""
+        return {tier: self.num_blocks(tier) * self.block_bytes for tier in TIERS}
+
+    def host_slots(self) -> dict[bytes, int]:
+        """A copy of the host tier: hash -> slot."""
+        return dict(self._host)
+
+    def disk_hashes(self) -> list[bytes]:
+        """The disk tier's blocks, least recently used first."""
+        return list(self._disk)
+
+    # ---- decisions --------------------------------------------------------
+
+    def find(self, hashes: Iterable[bytes]) -> list[bytes]:
+        """The leading run of ``hashes`` some tier holds, marked as just used
+        (so the evictions the caller's allocation causes take other blocks)."""
+        found = []
+        for h in hashes:
+            if h in self._host:
+                self._host.move_to_end(h)
+            elif h in self._disk:
+                self._disk.move_to_end(h)
+            else:
+                break
+            found.append(h)
+        return found
+
+    def load(self, block_hash: bytes, block_id: int) -> bool:
+        """Fill pool block ``block_id`` with the block's K/V from the fastest
+        tier holding it; False when none does any longer (an eviction since
+        ``find`` dropped it), and then nothing moves."""
+        tier = self.tier_of(block_hash)
+        if tier == HOST:
+            slot = self._host.pop(block_hash)
+            self._transfers.append(KVTransfer(FROM_HOST, block_id, slot))
+            self._free_slots.append(slot)
+            self._record(BlockRemoved([block_hash], medium=HOST))
+        elif tier == DISK:
+            self._transfers.append(KVTransfer(FROM_DISK, block_id, block_hash=block_hash))
+        else:
+            return False
+        self.hits[tier] += self.block_size
+        return True
+
+    def evicted(self, block_hash: bytes, block_id: int) -> None:
+        """The pool is about to reuse ``block_id``, which holds ``block_hash``: keep its K/V below the pool."""
+        if block_hash in self._host:
+            self._host.move_to_end(block_hash)
+        elif self._host_capacity:
+            slot = self._take_slot()
+            self._host[block_hash] = slot
+            self._transfers.append(KVTransfer(TO_HOST, block_id, slot))
+            self._record(BlockStored([block_hash], None, [], self.block_size, medium=HOST))
+        elif block_hash in self._disk:
+            self._disk.move_to_end(block_hash)
+        elif self._disk_capacity:
+            self._put_on_disk(block_hash, KVTransfer(TO_DISK, block_id, block_hash=block_hash))
+
+    def _take_slot(self) -> int:
+        """A free host slot, spilling the least recently used block to disk when there is none."""
+        if self._free_slots:
+            return self._free_slots.pop()
+        old, slot = self._host.popitem(last=False)
+        self._record(BlockRemoved([old], medium=HOST))
+        if old in self._disk:
+            self._disk.move_to_end(old)
+        elif self._disk_capacity:
+            self._put_on_disk(old, KVTransfer(HOST_TO_DISK, slot=slot, block_hash=old))
+        return slot
+
+    def _put_on_disk(self, block_hash: bytes, write: KVTransfer) -> None:
+        # Delete first: the folder never holds more than its bound, even mid-step.
+        while len(self._disk) >= self._disk_capacity:
+            old, _ = self._disk.popitem(last=False)
+            self._transfers.append(KVTransfer(DELETE_FILE, block_hash=old))
+            self._record(BlockRemoved([old], medium=DISK))
+        self._disk[block_hash] = None
+        self._transfers.append(write)
+        self._record(BlockStored([block_hash], None, [], self.block_size, medium=DISK))
+
+    def persist(self, pool_blocks: Sequence[tuple[bytes, int]]) -> list[KVTransfer]:
+        """The moves that leave on disk the most recent blocks of the host
+        tier and then of ``pool_blocks`` (hash, block id; least recent first),
+        as many as the disk tier holds: run before the engine stops, so that
+        the next one started on the folder finds them."""
+        if not self._disk_capacity:
+            return self.take_transfers()
+        candidates = [(h, KVTransfer(HOST_TO_DISK, slot=s, block_hash=h)) for h, s in self._host.items()]
+        candidates += [(h, KVTransfer(TO_DISK, b, block_hash=h)) for h, b in pool_blocks]
+        for block_hash, write in candidates[-self._disk_capacity:]:
+            if block_hash in self._disk:
+                self._disk.move_to_end(block_hash)
+            else:
+                self._put_on_disk(block_hash, write)
+        return self.take_transfers()
+
+    def take_transfers(self) -> list[KVTransfer]:
+        """The moves decided since the last call, in order, for the next step."""
+        transfers, self._transfers = self._transfers, []
+        return transfers
+
+    # ---- events -----------------------------------------------------------
+
+    def enable_events(self) -> None:
+        """Record tier changes as KV events; the first batch announces what the tiers hold now."""
+        self.events = []
+        for tier in TIERS:
+            held = list(self._host) if tier == HOST else list(self._disk)
+            if held:
+                self.events.append(BlockStored(held, None, [], self.block_size, medium=tier))
+
+    def _record(self, event: KVEvent) -> None:
+        if self.events is not None:
+            self.events.append(event)
+
+    def take_events(self) -> list[KVEvent]:
+        if self.events is None:
+            return []
+        events, self.events = self.events, []
+        return events

@@ -1,0 +1,49 @@
+"""The moves of K/V between the pool and the tiers that one step carries (torch-free).
+
+The scheduler's half appends moves in the order its decisions happen, and
+the worker's half applies them in that order before anything else of the
+step writes the pool (block copies, the forward). Order is the whole
+contract: a pool block evicted to the host tier and reused for a load in the
+same step is read out (``TO_HOST``) before the load writes it (``FROM_HOST``),
+and a host slot spilled to disk is read (``HOST_TO_DISK``) before a newer
+block overwrites it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+HOST = "cpu"  # the medium names of KV events (vLLM's events name host memory "cpu" too)
+DISK = "disk"
+TIERS = (HOST, DISK)
+
+TO_HOST = "to_host"  # pool block -> host slot
+TO_DISK = "to_disk"  # pool block -> file (no host tier, or persisting at shutdown)
+HOST_TO_DISK = "host_to_disk"  # host slot -> file (spill)
+FROM_HOST = "from_host"  # host slot -> pool block
+FROM_DISK = "from_disk"  # file -> pool block
+DELETE_FILE = "delete_file"  # the disk tier's LRU eviction
+
+
+@dataclass(frozen=True)
+class KVTransfer:
+    """One move. ``block_id``: the pool block read or written (-1: none);
+    ``slot``: the host slot (-1: none); ``block_hash``: the chained prefix
+    hash that names the block's file on disk (empty: none)."""
+
+    op: str
+    block_id: int = -1
+    slot: int = -1
+    block_hash: bytes = b""
+
+
+@dataclass(frozen=True)
+class TierLayout:
+    """What one rank's worker half holds, reported once at start: each
+    tier's capacity in blocks (0: no such tier), the bytes one block takes on
+    this rank (every cache tensor's share of it), and the block hashes of the
+    valid files found on disk from an earlier run, oldest first."""
+
+    host_blocks: int
+    disk_blocks: int
+    block_bytes: int
+    files: list[bytes]

@@ -1,0 +1,158 @@
+"""The scheduler over a pool with tiers below it (octavo/kv_offload/index.py),
+driven by the fake runner with fake tiers that move its token-id "K/V"
+exactly as the step's moves say: a move applied out of order, a load from
+the wrong slot or file, or a block reused before it was saved all change
+the output, which must equal the reference of a run without any cache."""
+from __future__ import annotations
+
+import random
+from typing import Optional
+
+from core_harness import FakeRunner, Run, make_request, reference_tokens
+
+from octavo.config import CacheConfig, SchedulerConfig
+from octavo.core.outputs import ModelRunnerOutput, SchedulerOutput
+from octavo.core.scheduler import Scheduler
+from octavo.kv_events import BlockRemoved, BlockStored, decode_batch, encode_batch
+from octavo.kv_offload.index import TierIndex
+from octavo.kv_offload.transfers import (DELETE_FILE, FROM_DISK, FROM_HOST, HOST_TO_DISK, TO_DISK, TO_HOST,
+                                         KVTransfer, TierLayout)
+
+
+class TieredRunner(FakeRunner):
+    """The fake runner plus host slots and files, applying each step's moves first."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        super().__init__(num_blocks, block_size)
+        self.host: dict[int, list[Optional[int]]] = {}
+        self.disk: dict[bytes, list[Optional[int]]] = {}
+
+    def apply(self, transfers: list[KVTransfer]) -> None:
+        for t in transfers:
+            if t.op == TO_HOST:
+                self.host[t.slot] = list(self.slots[t.block_id])
+            elif t.op == TO_DISK:
+                self.disk[t.block_hash] = list(self.slots[t.block_id])
+            elif t.op == HOST_TO_DISK:
+                self.disk[t.block_hash] = list(self.host[t.slot])
+            elif t.op == FROM_HOST:
+                self.slots[t.block_id] = list(self.host[t.slot])
+            elif t.op == FROM_DISK:
+                self.slots[t.block_id] = list(self.disk[t.block_hash])
+            else:
+                assert t.op == DELETE_FILE
+                del self.disk[t.block_hash]
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        self.apply(out.kv_transfers)
+        return super().execute(out)
+
+
+def _tiered(num_blocks: int, block_size: int, host_blocks: int, disk_blocks: int,
+            files: tuple[bytes, ...] = ()) -> tuple[Scheduler, TieredRunner, TierIndex]:
+    index = TierIndex([TierLayout(host_blocks, disk_blocks, 100, list(files))], block_size)
+    sched = Scheduler(SchedulerConfig(), CacheConfig(block_size=block_size), num_blocks, 4096, kv_offload=index)
+    return sched, TieredRunner(num_blocks, block_size), index
+
+
+def _assert_tiers_match(runner: TieredRunner, index: TierIndex) -> None:
+    """Nothing held below the pool that the index does not know of, and the reverse."""
+    assert sorted(runner.host) == sorted(index.host_slots().values())
+    assert sorted(runner.disk) == sorted(index.disk_hashes())
+
+
+def test_evicted_prefixes_come_back_from_host_and_disk():
+    sched, runner, index = _tiered(num_blocks=6, block_size=4, host_blocks=3, disk_blocks=6)
+    run = Run(sched, runner)
+    # 3 prompts of 4 full blocks: 12 blocks, more than the pool holds, fewer than pool and tiers do.
+    prompts = {f"p{i}": make_request(f"p{i}", 17).prompt_token_ids for i in range(3)}
+    # After the first three, p1's blocks are in host memory and p0's on disk.
+    order = ["p0", "p1", "p2", "p1", "p0", "p2", "p1"]
+    for turn, name in enumerate(order):
+        rid = f"{name}-{turn}"
+        sched.add_request(make_request(rid, prompts[name], max_tokens=2))
+        run.until_done()
+        assert run.tokens[rid] == reference_tokens(prompts[name], 2, rid)
+        _assert_tiers_match(runner, index)
+    # Each returning turn finds its 4 full blocks, in the pool or below it.
+    assert sched.prefix_cache_hits == 4 * 16
+    assert index.hits["cpu"] > 0 and index.hits["disk"] > 0
+    assert sum(index.hits.values()) <= sched.prefix_cache_hits
+    assert len(index.disk_hashes()) <= 6 and len(index.host_slots()) <= 3
+
+
+def test_the_pool_s_own_hits_survive_the_room_made_for_tier_hits():
+    """A prompt whose first block is still a free cached pool block (next in
+    line for reuse) and whose next blocks are below the pool: loading those
+    must not evict the first."""
+    sched, runner, index = _tiered(num_blocks=4, block_size=4, host_blocks=4, disk_blocks=0)
+    run = Run(sched, runner)
+    a = make_request("a", 13, max_tokens=1)
+    sched.add_request(a)
+    run.until_done()  # blocks 0-2 cached; the prompt's 4th block holds 1 token
+    other = make_request("o", 12, max_tokens=1)
+    sched.add_request(other)
+    run.until_done()  # reuses the 4th block and a's 3rd and 2nd: those go to the host tier
+    pool = sched.kv_cache_manager.pool
+    assert len(index.host_slots()) == 2
+    first = pool.free_block_ids()[0]
+    assert pool.block_hash(first) is not None  # a's first block, the next to be reused
+    again = make_request("a2", a.prompt_token_ids, max_tokens=3)
+    sched.add_request(again)
+    run.until_done()
+    assert [o.num_cached_tokens for o in run.outputs if o.request_id == "a2"][0] == 12
+    assert run.tokens["a2"] == reference_tokens(a.prompt_token_ids, 3, "a2")
+    assert index.hits["cpu"] == 8
+
+
+def test_random_traffic_over_a_tiny_pool_and_tiers_gives_the_reference():
+    rng = random.Random(5)
+    sched, runner, index = _tiered(num_blocks=10, block_size=4, host_blocks=5, disk_blocks=7)
+    run = Run(sched, runner)
+    bases = [make_request(f"base{i}", 24).prompt_token_ids for i in range(5)]
+    want = {}
+    for i in range(40):
+        prompt = rng.choice(bases)[: rng.randrange(5, 25)] + [rng.randrange(97) for _ in range(rng.randrange(3))]
+        rid = f"r{i}"
+        sched.add_request(make_request(rid, prompt, max_tokens=rng.randrange(1, 6)))
+        want[rid] = (prompt, sched.get_request(rid).sampling_params.max_tokens)
+        if rng.random() < 0.5:
+            run.until_done()
+    run.until_done()
+    for rid, (prompt, n) in want.items():
+        assert run.tokens[rid] == reference_tokens(prompt, n, rid), rid
+    _assert_tiers_match(runner, index)
+    assert index.hits["cpu"] > 0 and index.hits["disk"] > 0
+
+
+def test_an_earlier_run_s_files_are_adopted_when_every_rank_has_them():
+    a, b, c, d = (bytes([i]) * 32 for i in range(1, 5))
+    index = TierIndex([TierLayout(0, 2, 10, [a, b, c]), TierLayout(0, 3, 10, [b, c, d])], 16)
+    assert index.disk_hashes() == [b, c]
+    assert index.tier_of(b) == "disk" and index.tier_of(a) is None
+    # a and d are half blocks (one rank each): deleted in the first step.
+    assert index.take_transfers() == [KVTransfer(DELETE_FILE, block_hash=a), KVTransfer(DELETE_FILE, block_hash=d)]
+    assert index.bytes_held() == {"cpu": 0, "disk": 2 * 20}
+    small = TierIndex([TierLayout(0, 1, 10, [a, b, c])], 16)
+    assert small.disk_hashes() == [c]  # the newest that fit
+
+
+def test_persist_leaves_host_and_pool_blocks_on_disk_and_events_name_the_medium():
+    h = [bytes([i]) * 32 for i in range(6)]
+    index = TierIndex([TierLayout(2, 3, 10, [])], 16)
+    index.enable_events()
+    index.evicted(h[0], 0)
+    index.evicted(h[1], 1)
+    index.evicted(h[2], 2)  # spills h[0]
+    assert index.take_transfers() == [KVTransfer(TO_HOST, 0, 0), KVTransfer(TO_HOST, 1, 1),
+                                      KVTransfer(HOST_TO_DISK, slot=0, block_hash=h[0]), KVTransfer(TO_HOST, 2, 0)]
+    events = index.take_events()
+    _, batch = decode_batch(encode_batch(events, 0))  # as the engine publishes them
+    assert batch.events == events
+    assert BlockRemoved([h[0]], medium="cpu") in events
+    assert [e.block_hashes for e in events if isinstance(e, BlockStored) and e.medium == "disk"] == [[h[0]]]
+    moves = index.persist([(h[3], 7), (h[4], 8)])
+    # Three files at most: the newest three of host (h1, h2) then pool (h3, h4).
+    assert index.disk_hashes() == [h[2], h[3], h[4]]
+    assert KVTransfer(TO_DISK, 8, block_hash=h[4]) in moves
+    assert KVTransfer(DELETE_FILE, block_hash=h[0]) in moves

@@ -1,0 +1,157 @@
+"""The worker's half of the KV tiers on real cache tensors: blocks moved to
+host memory or disk and loaded back are bitwise identical (every dtype the
+pool stores, quantized scales included); files that are corrupted,
+truncated, foreign or misnamed are reported once each and never loaded;
+the disk tier stays within its byte bound."""
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from octavo.attention.kv_quant import allocate_layer_cache
+from octavo.config import CacheConfig
+from octavo.kv_offload.block_file import HEADER_BYTES, SUFFIX, file_name
+from octavo.kv_offload.index import TierIndex
+from octavo.kv_offload.local_tiers import LocalTiers, local_tiers
+from octavo.kv_offload.transfers import (DELETE_FILE, FROM_DISK, FROM_HOST, HOST_TO_DISK, TO_DISK, TO_HOST,
+                                         KVTransfer)
+from tests.model_factory import make_tiny_model
+
+NUM_BLOCKS, BLOCK_SIZE = 6, 4
+FP = bytes(range(32))
+
+
+def _caches(dtype: torch.dtype, layers: int = 2) -> list[torch.Tensor]:
+    """Cache tensors of ``layers`` layers (data, and scales when quantized), filled with random bits."""
+    gen = torch.Generator().manual_seed(7)
+    tensors = []
+    for _ in range(layers):
+        cache = allocate_layer_cache(NUM_BLOCKS, BLOCK_SIZE, 2, 8, dtype, torch.device("cpu"))
+        for t in (cache.data, cache.scales):
+            if t is not None:
+                raw = t.view(torch.uint8)
+                raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=gen))
+                tensors.append(t)
+    return tensors
+
+
+def _block(tensors: list[torch.Tensor], block_id: int) -> list[torch.Tensor]:
+    return [t[:, block_id].clone() for t in tensors]
+
+
+def _same_bits(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(a, b))
+
+
+H1, H2, H3 = (bytes([i]) * 32 for i in (1, 2, 3))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.float8_e4m3fn])
+def test_a_block_moved_down_and_back_is_bitwise_identical(tmp_path, dtype):
+    tensors = _caches(dtype)
+    tiers = LocalTiers(tensors, 4 * 4096, tmp_path, 2**20, FP)
+    want = [_block(tensors, b) for b in range(3)]
+    # Block 0 to host, block 1 straight to disk, block 2 to host and on to disk.
+    tiers.apply([KVTransfer(TO_HOST, 0, 0), KVTransfer(TO_DISK, 1, block_hash=H1), KVTransfer(TO_HOST, 2, 1),
+                 KVTransfer(HOST_TO_DISK, slot=1, block_hash=H2)])
+    for t in tensors:  # the pool reuses the blocks
+        t.view(torch.uint8)[:, :3] = 0
+    tiers.apply([KVTransfer(FROM_HOST, 5, 0), KVTransfer(FROM_DISK, 4, block_hash=H1),
+                 KVTransfer(FROM_DISK, 3, block_hash=H2)])
+    assert _same_bits(_block(tensors, 5), want[0])
+    assert _same_bits(_block(tensors, 4), want[1])
+    assert _same_bits(_block(tensors, 3), want[2])
+
+
+def test_a_step_s_moves_apply_in_order(tmp_path):
+    """Block 0 leaves for a host slot and a load fills it in the same step:
+    the load sees the slot it reads, the pool block keeps the load."""
+    tensors = _caches(torch.float32)
+    tiers = LocalTiers(tensors, 2 * 4096, None, 0, FP)
+    first, second = _block(tensors, 0), _block(tensors, 1)
+    tiers.apply([KVTransfer(TO_HOST, 1, 0)])
+    tiers.apply([KVTransfer(TO_HOST, 0, 1), KVTransfer(FROM_HOST, 0, 0), KVTransfer(TO_HOST, 0, 0),
+                 KVTransfer(FROM_HOST, 2, 1)])
+    assert _same_bits(_block(tensors, 0), second)
+    assert _same_bits(_block(tensors, 2), first)
+
+
+def _write_files(folder: Path, tensors: list[torch.Tensor], hashes: list[bytes]) -> LocalTiers:
+    tiers = LocalTiers(tensors, 0, folder, 2**20, FP)
+    tiers.apply([KVTransfer(TO_DISK, i, block_hash=h) for i, h in enumerate(hashes)])
+    return tiers
+
+
+def test_bad_files_are_reported_once_each_and_never_loaded(tmp_path, caplog):
+    tensors = _caches(torch.bfloat16)
+    hashes = [bytes([i]) * 32 for i in range(1, 7)]
+    tiers = _write_files(tmp_path, tensors, hashes)
+    path = [tmp_path / file_name(FP, h) for h in hashes]
+    data = path[1].read_bytes()
+    path[1].write_bytes(data[:-1] + bytes([data[-1] ^ 1]))  # one bit of the payload flipped
+    path[2].write_bytes(path[2].read_bytes()[:-10])  # truncated payload
+    path[3].write_bytes(path[3].read_bytes()[:20])  # truncated header
+    (tmp_path / "other").mkdir()
+    other = LocalTiers(tensors, 0, tmp_path / "other", 2**20, bytes(32))  # another model's file, renamed ours
+    other.apply([KVTransfer(TO_DISK, 4, block_hash=hashes[4])])
+    os.replace(tmp_path / "other" / file_name(bytes(32), hashes[4]), path[4])
+    os.replace(path[5], tmp_path / f"not-a-hash.{FP.hex()[:16]}{SUFFIX}")
+    (tmp_path / file_name(bytes([9]) * 32, hashes[0])).write_bytes(b"another fingerprint: not ours to judge")
+    unfinished = tmp_path / f".{file_name(FP, hashes[5])}.123.tmp"
+    unfinished.write_bytes(b"a write cut short")
+    with caplog.at_level(logging.WARNING, logger="octavo.kv_offload.block_file"):
+        layout = LocalTiers(tensors, 0, tmp_path, 2**20, FP).layout()
+    assert layout.files == [hashes[0]]
+    assert not unfinished.exists() and (tmp_path / file_name(bytes([9]) * 32, hashes[0])).exists()
+    reasons = [r.getMessage() for r in caplog.records]
+    assert len(reasons) == 5, reasons
+    for needle in ("checksum", "payload bytes", "-byte header", "fingerprint differs", "not a block hash"):
+        assert sum(needle in r for r in reasons) == 1, (needle, reasons)
+    # A load of a file gone bad after the start fails loudly rather than filling the block.
+    with pytest.raises(Exception, match="corrupted"):
+        tiers.apply([KVTransfer(FROM_DISK, 0, block_hash=hashes[1])])
+
+
+def test_the_disk_tier_stays_under_its_bound(tmp_path):
+    """The index's deletions keep the folder within kv_offload_disk_bytes at every step."""
+    tensors = _caches(torch.float32)
+    block_bytes = sum(t[:, 0].numel() * t.element_size() for t in tensors)
+    bound = 3 * (HEADER_BYTES + block_bytes) + 100
+    tiers = LocalTiers(tensors, block_bytes, tmp_path, bound, FP)  # one host slot
+    index = TierIndex([tiers.layout()], BLOCK_SIZE)
+    for i in range(12):
+        index.evicted(bytes([i]) * 32, i % NUM_BLOCKS)
+        tiers.apply(index.take_transfers())
+        files = list(tmp_path.iterdir())
+        assert sum(f.stat().st_size for f in files) <= bound
+        assert {f.name for f in files} == {file_name(FP, h) for h in index.disk_hashes()}
+    assert len(index.disk_hashes()) == 3
+
+
+def test_config_budgets_that_hold_no_block_are_refused(tmp_path):
+    folder = make_tiny_model(tmp_path, "llama")
+    tensors = _caches(torch.float32)
+    with pytest.raises(ValueError, match="kv_offload_host_bytes"):
+        local_tiers(CacheConfig(block_size=BLOCK_SIZE, kv_offload_host_bytes=100), tensors, [folder], 0, 1)
+    with pytest.raises(ValueError, match="kv_offload_disk_bytes"):
+        local_tiers(CacheConfig(block_size=BLOCK_SIZE, kv_offload_dir=str(tmp_path / "kv"), kv_offload_disk_bytes=100),
+                    tensors, [folder], 0, 1)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(ValueError, match="kv_offload_dir"):
+        local_tiers(CacheConfig(kv_offload_dir=str(blocker / "kv")), tensors, [folder], 0, 1)
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(kv_offload_host_bytes=-1), "kv_offload_host_bytes"),
+    (dict(kv_offload_disk_bytes=0), "kv_offload_disk_bytes"),
+    (dict(kv_offload_dir=""), "kv_offload_dir"),
+    (dict(kv_offload_host_bytes=2**20, enable_prefix_caching=False), "enable_prefix_caching"),
+])
+def test_bad_tier_options_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        CacheConfig(**kwargs)
