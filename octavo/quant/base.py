@@ -125,8 +125,10 @@ class QuantizationScheme(ABC):
         """The method for the layer at ``prefix``: the same object may serve
         many layers (it keeps per-layer state on the layer)."""
 
-    def moe_method(self, prefix: str) -> FusedMoEMethod:
-        """The method for the experts of the mixture at ``prefix`` (``model.layers.0.mlp.experts``)."""
+    def moe_method(self, prefix: str, names: tuple[str, str, str], num_experts: int) -> FusedMoEMethod:
+        """The method for the experts of the mixture at ``prefix`` (``model.layers.0.mlp.experts``):
+        ``num_experts`` modules ``<prefix>.<expert>``, each with a gate, an up and a down projection
+        the checkpoint calls ``names``."""
         raise ValueError(f"{self.describe()} has no method for a mixture of experts ({prefix})")
 
     def describe(self) -> str:
