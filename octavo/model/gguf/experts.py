@@ -49,7 +49,8 @@ def experts_config_json(file: GgufFile, tensors: dict[str, GgufTensor]) -> dict[
         return {}
     count, used = int(file.arch_key("expert_count")), int(file.arch_key("expert_used_count"))
     hidden, ff = int(file.arch_key("embedding_length")), int(file.arch_key("feed_forward_length"))
-    # llama.cpp: Mixtral's experts are feed_forward_length wide; Qwen's say so apart, else a share of it.
+    # llama.cpp: Mixtral's experts are feed_forward_length wide; Qwen's say so apart, else a share of it
+    # (a used count of 0 is refused with the experts' config, not divided by).
     expert_ff = int(file.arch_key("expert_feed_forward_length", ff if arch == "llama" else ff // max(used, 1)))
     layers = int(file.arch_key("block_count"))
     dense = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensors]
