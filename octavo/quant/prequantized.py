@@ -113,7 +113,9 @@ class PrequantizedMoEMethod(QuantizedExpertsMethod):
         return PreparedWeight(QuantizedExperts(products["w13"], products["w2"]), released=tuple(released))
 
     def kernel_name(self, layer: nn.Module) -> str:
-        return f"{self.formats['w13'].describe()}: {super().kernel_name(layer)}"
+        gate_up, down = self.formats["w13"], self.formats["w2"]
+        stored = gate_up.describe() if down is gate_up else f"{gate_up.describe()}, down {down.describe()}"
+        return f"{stored}: {super().kernel_name(layer)}"
 
 
 class CheckpointScheme(QuantizationScheme):

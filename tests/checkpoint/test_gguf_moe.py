@@ -73,6 +73,16 @@ def test_greedy_tokens_match_transformers(files, arch, matrix_type):
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(reference, prompts, new_tokens=16)
 
 
+def test_gate_up_and_down_of_two_kernel_types_both_stay_quantized(files):
+    """Q4_0 gate/up beside Q8_0 down (a layer's experts may mix types that have kernels)."""
+    down = {f"model.layers.{i}.block_sparse_moe.experts.{e}.w2.weight": "Q8_0" for i in range(2) for e in range(4)}
+    path, reference = files("mixtral", "Q4_0", types=down)
+    (kernel,) = {k for name, k in _kernels(path).items() if name.endswith(".experts")}
+    assert kernel.startswith("gguf Q4_0 (int4 group 32), down gguf Q8_0 (int8 group 32): int4"), kernel
+    got, tokens = octavo_logits(path)
+    torch.testing.assert_close(got, hf_logits(load_hf_model(reference), tokens), atol=QUANT_ATOL, rtol=0)
+
+
 def test_experts_of_a_type_without_kernel_are_dequantized(files, caplog):
     """Q5_0 down projections (no kernel): that layer's experts all run in float, gate and up too."""
     down = {f"model.layers.{i}.mlp.experts.{e}.down_proj.weight": "Q5_0" for i in range(2) for e in range(8)}
