@@ -90,14 +90,18 @@ class LinearMethod(ABC):
 class FusedMoEMethod(ABC):
     """How one layer's experts are stored and applied: the parameters for this rank's shard (every
     expert's gate and up projections fused in ``w13_weight`` [experts, 2 * intermediate, hidden],
-    the down projections in ``w2_weight`` [experts, hidden, intermediate]), what the kernel reads
+    the down projections in ``w2_weight`` [experts, hidden, intermediate]; a pre-quantized format's
+    tensors likewise, ``w13_<tensor>`` / ``w2_<tensor>`` stacked per expert), what the kernel reads
     after loading, and the products for tokens already routed (each token's ``top_k`` experts and
     their weights). The layer is a ``LinearWeightHolder``: it keeps ``prepared``."""
 
     @abstractmethod
     def create_weights(self, layer: nn.Module, num_experts: int, hidden: int, intermediate: int,
                        dtype: torch.dtype) -> None:
-        """Register ``w13_weight`` and ``w2_weight`` on ``layer`` (``intermediate``: this rank's share)."""
+        """Register ``w13_<tensor>`` and ``w2_<tensor>`` on ``layer`` (``intermediate``: this rank's
+        share; ``<tensor>``: what the checkpoint calls each expert's tensor, ``weight`` for float),
+        each with ``output_dim`` / ``input_dim`` (``set_weight_attrs``) counted within one expert,
+        for the experts' loader to split them as a gated MLP's."""
 
     def process_weights_after_loading(self, layer: nn.Module) -> Optional[PreparedWeight]:
         """As ``LinearMethod``'s: what the experts' kernel reads instead of the loaded parameters."""
@@ -125,8 +129,10 @@ class QuantizationScheme(ABC):
         """The method for the layer at ``prefix``: the same object may serve
         many layers (it keeps per-layer state on the layer)."""
 
-    def moe_method(self, prefix: str) -> FusedMoEMethod:
-        """The method for the experts of the mixture at ``prefix`` (``model.layers.0.mlp.experts``)."""
+    def moe_method(self, prefix: str, names: tuple[str, str, str], num_experts: int) -> FusedMoEMethod:
+        """The method for the experts of the mixture at ``prefix`` (``model.layers.0.mlp.experts``):
+        ``num_experts`` modules ``<prefix>.<expert>``, each with a gate, an up and a down projection
+        the checkpoint calls ``names``."""
         raise ValueError(f"{self.describe()} has no method for a mixture of experts ({prefix})")
 
     def describe(self) -> str:

@@ -1,6 +1,6 @@
 """The mixture-of-experts methods (the seam, ``FusedMoEMethod``, is in quant/base.py beside
 ``LinearMethod``): float experts, and experts quantized on the fly to int8 / int4 / w8a8 on the
-linear kernels.
+linear kernels (a pre-quantized checkpoint's experts: quant/prequantized.py).
 
 Both run the same way: the (token, choice) pairs are sorted by expert, so each expert's rows are
 one contiguous slice; one gate/up product, the activation and one down product per expert that has
@@ -8,16 +8,16 @@ rows, then a weighted scatter-add back to the tokens. Experts no token chose cos
 weights are never read (at batch 1 only ``top_k`` experts' bytes are)."""
 from __future__ import annotations
 
+from abc import ABC
 from dataclasses import dataclass
-from typing import Callable, Union
+from typing import Callable
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from octavo.quant.base import FusedMoEMethod, PreparedWeight
-from octavo.quant.qweights import QuantizedWeight
-from octavo.quant.w8a8 import W8A8Weight
+from octavo.quant.base import FusedMoEMethod, PreparedWeight, set_weight_attrs
+from octavo.quant.prequantized_weight import KernelWeight
 
 # One expert's product: rows [n, in] -> [n, out].
 ExpertProduct = Callable[[torch.Tensor], torch.Tensor]
@@ -59,7 +59,9 @@ class UnquantizedMoEMethod(FusedMoEMethod):
                        dtype: torch.dtype) -> None:
         for name, shape in (("w13_weight", (num_experts, 2 * intermediate, hidden)),
                             ("w2_weight", (num_experts, hidden, intermediate))):
-            layer.register_parameter(name, nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False))
+            param = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+            set_weight_attrs(param, output_dim=0, input_dim=1)  # within one expert's [out, in]
+            layer.register_parameter(name, param)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
@@ -68,7 +70,9 @@ class UnquantizedMoEMethod(FusedMoEMethod):
                           lambda e: lambda rows: F.linear(rows, layer.w2_weight[e]))
 
 
-QuantizedExpert = Union[QuantizedWeight, W8A8Weight]
+# One expert's gate/up or down product on the kernels (on the fly: int8, int4 or W8A8; a
+# pre-quantized checkpoint's may also be dequantized, see prequantized_weight.py).
+QuantizedExpert = KernelWeight
 
 
 @dataclass
@@ -79,7 +83,24 @@ class QuantizedExperts:
     down: list[QuantizedExpert]
 
 
-class QuantizedMoEMethod(UnquantizedMoEMethod):
+class QuantizedExpertsMethod(FusedMoEMethod, ABC):
+    """Experts run on the linear kernels: what a subclass prepares after loading is the layer's
+    ``QuantizedExperts``."""
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
+              topk_ids: torch.Tensor) -> torch.Tensor:
+        experts: QuantizedExperts = layer.prepared
+        return run_routed(layer, x, topk_weights, topk_ids, lambda e: experts.gate_up[e], lambda e: experts.down[e])
+
+    def kernel_name(self, layer: nn.Module) -> str:
+        return f"{layer.prepared.gate_up[0].kernel_name()} (experts)"
+
+    def weight_bytes(self, layer: nn.Module) -> int:
+        experts: QuantizedExperts = layer.prepared
+        return sum(w.nbytes for w in (*experts.gate_up, *experts.down))
+
+
+class QuantizedMoEMethod(QuantizedExpertsMethod):
     """Experts loaded in float, then each expert's gate/up and down quantized as a linear layer's
     weight is (``quantize``: a weight [out, in] -> the kernels' weight); the float copies are released."""
 
@@ -95,21 +116,9 @@ class QuantizedMoEMethod(UnquantizedMoEMethod):
         # share of the down products' intermediate features.
         self.check_in_features(hidden, f"{self.prefix} (gate and up)")
         self.check_in_features(intermediate, f"{self.prefix} (down)")
-        super().create_weights(layer, num_experts, hidden, intermediate, dtype)
+        UnquantizedMoEMethod().create_weights(layer, num_experts, hidden, intermediate, dtype)
 
     def process_weights_after_loading(self, layer: nn.Module) -> PreparedWeight:
         experts = QuantizedExperts([self.quantize(w) for w in layer.w13_weight.detach()],
                                    [self.quantize(w) for w in layer.w2_weight.detach()])
         return PreparedWeight(experts, released=("w13_weight", "w2_weight"))
-
-    def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
-              topk_ids: torch.Tensor) -> torch.Tensor:
-        experts: QuantizedExperts = layer.prepared
-        return run_routed(layer, x, topk_weights, topk_ids, lambda e: experts.gate_up[e], lambda e: experts.down[e])
-
-    def kernel_name(self, layer: nn.Module) -> str:
-        return f"{layer.prepared.gate_up[0].kernel_name()} (experts)"
-
-    def weight_bytes(self, layer: nn.Module) -> int:
-        experts: QuantizedExperts = layer.prepared
-        return sum(w.nbytes for w in (*experts.gate_up, *experts.down))

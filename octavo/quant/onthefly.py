@@ -144,7 +144,7 @@ class OnTheFlyScheme(QuantizationScheme):
             return self.unquantized
         return self.quantized
 
-    def moe_method(self, prefix: str) -> FusedMoEMethod:
+    def moe_method(self, prefix: str, names: tuple[str, str, str], num_experts: int) -> FusedMoEMethod:
         """Experts quantized as the linear layers are (int4 groups along each expert's in-features;
         int8 rows over this rank's slice of them)."""
         if any(fnmatch(prefix, pattern) for pattern in self.keep):

@@ -36,8 +36,11 @@ class DequantizedWeight:
         return F.linear(x, self.weight, bias)
 
 
-def kernel_weight(weight: IntWeight, dtype: torch.dtype,
-                  int8_activations: bool = False) -> Union[QuantizedWeight, DequantizedWeight, W8A8Weight]:
+# What the kernels multiply a pre-quantized layer (or one expert's projections) by.
+KernelWeight = Union[QuantizedWeight, DequantizedWeight, W8A8Weight]
+
+
+def kernel_weight(weight: IntWeight, dtype: torch.dtype, int8_activations: bool = False) -> KernelWeight:
     """The weight a kernel multiplies by, for a model computing in ``dtype``;
     ``int8_activations``: a W8A8 layer (int8 per-channel symmetric weights,
     as the checkpoint's config was checked to say)."""

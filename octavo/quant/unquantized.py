@@ -160,7 +160,7 @@ class UniformScheme(QuantizationScheme):
     def linear_method(self, prefix: str) -> LinearMethod:
         return self.method
 
-    def moe_method(self, prefix: str) -> FusedMoEMethod:
+    def moe_method(self, prefix: str, names: tuple[str, str, str], num_experts: int) -> FusedMoEMethod:
         return UnquantizedMoEMethod()
 
     def describe(self) -> str:

@@ -1,13 +1,20 @@
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
 import torch
 
+from tests.checkpoint.gguf_writer import reference_folder, write_gguf
+from tests.model_factory import make_tiny_model
 from tests.worker.runner_utils import Blocks, make_request, make_runner, step
 
 PROMPT = [random.Random(7).randrange(5, 512) for _ in range(24)]
+# GGUF files stored as floats: transformers' logits on the same values, to float32 rounding.
+FLOAT_ATOL = 1e-4
+# Block-quantized layers on the int kernels against transformers on the dequantized weights.
+QUANT_ATOL = 1e-3
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -17,6 +24,25 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """files(arch, matrix_type, **kw) -> (gguf path, reference folder), written once each."""
+    root = tmp_path_factory.mktemp("gguf")
+    made = {}
+
+    def get(arch: str, matrix_type: str, types=None, **overrides):
+        key = (arch, matrix_type, json.dumps(types, sort_keys=True), json.dumps(overrides, sort_keys=True))
+        if key not in made:
+            folder = make_tiny_model(root / "hf", arch, **overrides)
+            name = f"{len(made)}-{arch}-{matrix_type}"
+            path = write_gguf(folder, root / f"{name}.gguf", matrix_type, types=types,
+                              sliding_window=arch == "mistral")
+            made[key] = path, reference_folder(folder, root / f"{name}-ref", matrix_type, types)
+        return made[key]
+
+    return get
 
 
 def octavo_logits(model, prompt=PROMPT, decode=(7, 99), dtype="float32", **kwargs) -> tuple[torch.Tensor, list[int]]:

@@ -5,12 +5,19 @@ its tensor names, q/k rows interleaved per head for the llama family,
 "gpt2" (byte-level BPE from tokenizer.json) or "llama" (SentencePiece from
 tokenizer.model) vocabulary with CONTROL types for special tokens.
 
+Mixtures of experts (Mixtral as "llama", Qwen2-MoE, Qwen3-MoE) as the
+converter's Llama and Qwen2-MoE classes write them: each layer's experts
+stacked into ``ffn_gate_exps`` / ``ffn_up_exps`` / ``ffn_down_exps``, the
+router ``ffn_gate_inp`` always F32, the expert counts and widths in the
+metadata.
+
 ``reference_folder`` writes the Hugging Face folder whose weights are what
 the file holds after its block quantization (dequantized), so a quantized
 file can be judged against transformers."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 from typing import Optional
@@ -22,15 +29,23 @@ from safetensors.torch import load_file, save_file
 
 from octavo.checkpoint.sentencepiece import read_model_file
 
-ARCH_NAMES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama",
-              "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+ARCH_NAMES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "MixtralForCausalLM": "llama",
+              "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "Qwen2MoeForCausalLM": "qwen2moe",
+              "Qwen3MoeForCausalLM": "qwen3moe"}
 _TYPES = {name: getattr(gguf.GGMLQuantizationType, name) for name in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0")}
 _GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
            "lm_head.weight": "output.weight"}
 _BLOCK = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
           "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
           "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
-          "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+          "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down", "block_sparse_moe.gate": "ffn_gate_inp",
+          "mlp.gate": "ffn_gate_inp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+          "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+          "mlp.shared_expert.down_proj": "ffn_down_shexp"}
+_EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
+_STACKED = {"w1": "ffn_gate_exps", "gate_proj": "ffn_gate_exps", "w3": "ffn_up_exps", "up_proj": "ffn_up_exps",
+            "w2": "ffn_down_exps", "down_proj": "ffn_down_exps"}
+_ROUTERS = (".mlp.gate.weight", ".block_sparse_moe.gate.weight")  # ffn_gate_inp: the converter keeps it F32
 
 
 def gguf_name(hf: str) -> str:
@@ -45,6 +60,14 @@ def interleave(weight: torch.Tensor, heads: int) -> torch.Tensor:
     """llama.cpp's converter's permute: each head's halves interleaved."""
     return (weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:])
             .swapaxes(1, 2).reshape(weight.shape))
+
+
+def tensor_type(name: str, tensor: torch.Tensor, matrix_type: str, types: Optional[dict[str, str]]) -> str:
+    """The type Hugging Face tensor ``name`` is written in: ``types``' override, else F32 for 1-D
+    tensors and routers, ``matrix_type`` for the other matrices."""
+    if types and name in types:
+        return types[name]
+    return "F32" if tensor.dim() < 2 or name.endswith(_ROUTERS) else matrix_type
 
 
 def _quantize(values: np.ndarray, type_name: str) -> np.ndarray:
@@ -94,25 +117,53 @@ def write_gguf(
     writer.add_rope_freq_base(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
     if sliding_window and config.get("sliding_window"):
         writer.add_sliding_window(config["sliding_window"])
+    _write_experts_metadata(writer, config)
     _write_vocab(writer, folder, vocab)
+    experts: dict[str, dict[int, tuple[str, torch.Tensor]]] = {}  # stacked name -> expert -> (name, tensor)
     for name, tensor in sorted(load_file(folder / "model.safetensors").items()):
+        expert = _EXPERT.match(name)
+        if expert:
+            layer, index, projection = expert.groups()
+            experts.setdefault(f"blk.{layer}.{_STACKED[projection]}.weight", {})[int(index)] = name, tensor
+            continue
         if arch == "llama" and ".self_attn.q_proj." in name:
             tensor = interleave(tensor, heads)
         elif arch == "llama" and ".self_attn.k_proj." in name:
             tensor = interleave(tensor, kv_heads)
-        kind = (types or {}).get(name, matrix_type if tensor.dim() == 2 else "F32")
-        values = tensor.float().numpy()
-        if kind == "F32":
-            writer.add_tensor(gguf_name(name), values)
-        elif kind == "F16":
-            writer.add_tensor(gguf_name(name), values.astype(np.float16))
-        else:
-            writer.add_tensor(gguf_name(name), _quantize(values, kind), raw_dtype=_TYPES[kind])
+        _add_tensor(writer, gguf_name(name), tensor, tensor_type(name, tensor, matrix_type, types))
+    for stacked, by_expert in experts.items():
+        parts = [by_expert[e] for e in sorted(by_expert)]
+        _add_tensor(writer, stacked, torch.stack([t for _, t in parts]),
+                    tensor_type(parts[0][0], parts[0][1], matrix_type, types))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def _add_tensor(writer: gguf.GGUFWriter, name: str, tensor: torch.Tensor, kind: str) -> None:
+    values = tensor.float().numpy()
+    if kind == "F32":
+        writer.add_tensor(name, values)
+    elif kind == "F16":
+        writer.add_tensor(name, values.astype(np.float16))
+    else:
+        writer.add_tensor(name, _quantize(values, kind), raw_dtype=_TYPES[kind])
+
+
+def _write_experts_metadata(writer: gguf.GGUFWriter, config: dict) -> None:
+    """The converter's expert keys: counts for every mixture, Qwen's widths (Mixtral's experts are
+    feed_forward_length wide)."""
+    count = config.get("num_local_experts") or config.get("num_experts")
+    if not count:
+        return
+    writer.add_expert_count(count)
+    writer.add_expert_used_count(config["num_experts_per_tok"])
+    if config.get("moe_intermediate_size"):
+        writer.add_expert_feed_forward_length(config["moe_intermediate_size"])
+    if config.get("shared_expert_intermediate_size"):
+        writer.add_expert_shared_feed_forward_length(config["shared_expert_intermediate_size"])
 
 
 def _write_vocab(writer: gguf.GGUFWriter, folder: Path, vocab: str) -> None:
@@ -153,7 +204,35 @@ def reference_folder(folder: Path, dst: Path, matrix_type: str, types: Optional[
     ``write_gguf(folder, ..., matrix_type, types=types)`` stores."""
     shutil.copytree(folder, dst)
     tensors = load_file(folder / "model.safetensors")
-    stored = {name: stored_values(t, (types or {}).get(name, matrix_type if t.dim() == 2 else "F32"))
-              .to(t.dtype) for name, t in tensors.items()}
+    stored = {name: stored_values(t, tensor_type(name, t, matrix_type, types)).to(t.dtype)
+              for name, t in tensors.items()}
     save_file(stored, dst / "model.safetensors")
+    return dst
+
+
+def rewrite_gguf(src: Path, dst: Path, drop: tuple[str, ...] = (),
+                 tensors: Optional[dict[str, Optional[np.ndarray]]] = None, **fields: str) -> Path:
+    """``src`` with metadata ``fields`` replaced (string values), keys in ``drop`` left out, and
+    the tensors named in ``tensors`` replaced by the values given there (None: left out)."""
+    reader = gguf.GGUFReader(str(src))
+    writer = gguf.GGUFWriter(str(dst), fields.get("general.architecture", reader.fields["general.architecture"]
+                                                  .contents()))
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture" or key in drop:
+            continue
+        value = fields.get(key, field.contents())
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, value, vtype, sub_type=sub)
+    for key, value in fields.items():
+        if key not in reader.fields and key != "general.architecture":
+            writer.add_string(key, value)
+    for tensor in reader.tensors:
+        data = (tensors or {}).get(tensor.name, tensor.data)
+        if data is not None:
+            writer.add_tensor(tensor.name, data, raw_shape=data.shape, raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
     return dst

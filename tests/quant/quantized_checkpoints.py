@@ -26,13 +26,18 @@ import shutil
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+from tests.model_factory import make_tiny_model
+
+# Mixtral's experts call their projections w1 (gate), w3 (up), w2 (down); mixtures' routers
+# (mlp.gate, Qwen2-MoE's shared_expert_gate) stay float, as the tools leave them.
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
+ROUTERS = ("re:.*mlp.gate$", "re:.*block_sparse_moe.gate$", "re:.*shared_expert_gate$")
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
 
@@ -159,7 +164,7 @@ def quantization_config(quant: Quant) -> dict[str, Any]:
               "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
                                             "input_activations": activations, "output_activations": None,
                                             "format": quant.ct_format}},
-              "ignore": ["lm_head", *(f"re:.*{s}$" for s in quant.skip)]}
+              "ignore": ["lm_head", *ROUTERS, *(f"re:.*{s}$" for s in quant.skip)]}
     qc.update(quant.config_extra)
     return qc
 
@@ -168,7 +173,7 @@ def _shared_input(module: str) -> str:
     """Modules that read the same input share it: the tools derive one
     act-order from it (q/k/v, gate/up), and octavo's fused layers need that."""
     for part, fused in (("q_proj", "qkv"), ("k_proj", "qkv"), ("v_proj", "qkv"), ("gate_proj", "gate_up"),
-                        ("up_proj", "gate_up")):
+                        ("up_proj", "gate_up"), ("w1", "gate_up"), ("w3", "gate_up")):
         if module.endswith(part):
             return module[: -len(part)] + fused
     return module
@@ -204,3 +209,17 @@ def write_quantized(base: Path, out: Path, quant: Quant, seed: int = 0) -> tuple
     config["quantization_config"] = quantization_config(quant)
     (qdir / "config.json").write_text(json.dumps(config, indent=2))
     return qdir, refdir
+
+
+def checkpoint_writer(root: Path, cases: dict[str, tuple[str, Quant]]) -> Callable[[str], tuple[Path, Path]]:
+    """case -> (quantized folder, dequantized reference folder) of ``cases[case]`` (a tiny model's
+    architecture, its quantization), each written once under ``root``."""
+    made: dict[str, tuple[Path, Path]] = {}
+
+    def get(case: str) -> tuple[Path, Path]:
+        if case not in made:
+            arch, quant = cases[case]
+            made[case] = write_quantized(make_tiny_model(root / "base", arch), root / case, quant)
+        return made[case]
+
+    return get

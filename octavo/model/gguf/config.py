@@ -15,7 +15,8 @@ from typing import Any
 
 from octavo.checkpoint.gguf_file import GgufFile
 from octavo.checkpoint.gguf_vocab import end_token_ids
-from octavo.model.gguf.names import ARCHITECTURES, FUSED_GROUPS, hf_name
+from octavo.model.gguf.experts import experts_config_json, quantized_experts
+from octavo.model.gguf.names import ARCHITECTURES, FUSED_GROUPS, ROUTERS, hf_name
 
 # Block types the int8/int4 kernels run as stored (octavo/quant/formats/gguf.py).
 KERNEL_TYPES = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
@@ -63,6 +64,7 @@ def gguf_config_json(file: GgufFile) -> dict[str, Any]:
     if arch == "llama" and "blk.0.attn_q.bias" in tensors:
         raw["attention_bias"] = True
     raw.update(_rope_scaling(file))
+    raw.update(experts_config_json(file, tensors))
     modules = quantized_modules(file)
     if modules:
         raw["quantization_config"] = {"quant_method": "gguf", "modules": modules}
@@ -98,8 +100,9 @@ def _float_dtype(file: GgufFile) -> str:
 def quantized_modules(file: GgufFile) -> dict[str, str]:
     """Linear module (Hugging Face name) -> block type, for the layers that
     run quantized: Q8_0/Q4_0/Q4_1 weights whose fused partners (q/k/v,
-    gate/up) share the type. Others are dequantized while loading; lm_head
-    always is (the output layer stays float, as with --quantization)."""
+    gate/up) share the type, and experts as ``quantized_experts`` says. Others
+    are dequantized while loading; lm_head and a mixture's routers always are
+    (they stay float, as with --quantization)."""
     types: dict[str, str] = {}
     for tensor in file.tensors:
         name = hf_name(tensor.name)
@@ -107,10 +110,11 @@ def quantized_modules(file: GgufFile) -> dict[str, str]:
             types[name.removesuffix(".weight")] = KERNEL_TYPES[tensor.tensor_type.name]
     result = {}
     for module, kind in types.items():
-        if not module.startswith("model.layers."):
+        if not module.startswith("model.layers.") or module.endswith(ROUTERS):
             continue
         layer_prefix = ".".join(module.split(".")[:3])  # model.layers.N
         group = next((g for g in FUSED_GROUPS if module.endswith(tuple("." + p for p in g))), None)
         if group is None or all(types.get(f"{layer_prefix}.{part}") == kind for part in group):
             result[module] = kind
+    result.update(quantized_experts(file, KERNEL_TYPES))
     return result

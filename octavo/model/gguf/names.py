@@ -15,7 +15,9 @@ from typing import Optional
 import torch
 
 # llama.cpp's architecture name -> the Hugging Face architecture it was converted from.
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# A llama file with experts is Mixtral (experts.py).
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
 # Architectures whose q/k rows the converter interleaved.
 PERMUTED = ("llama",)
 
@@ -36,11 +38,20 @@ _BLOCK = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+    # A mixture's router and Qwen2-MoE's shared expert (the experts themselves: experts.py).
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
 }
 _BLOCK_NAME = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _GLOBAL_NAME = re.compile(r"^(\w+)\.(weight|bias)$")
 # Linear layers that run fused (one product): their parts must share a storage type to stay quantized.
-FUSED_GROUPS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"))
+FUSED_GROUPS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"),
+                ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"))
+# Linear layers that always run in float (a mixture's routers: they choose which weights run).
+ROUTERS = (".mlp.gate", ".mlp.shared_expert_gate")
 
 
 def hf_name(gguf_name: str) -> Optional[str]:

@@ -7,7 +7,9 @@ into their integers and block factors (``<module>.qweight``,
 ``<module>.scales``, Q4_1's ``<module>.mins``, see octavo/quant/formats/gguf.py): nothing is
 dequantized. Every other type (K-quants, IQ types, and Q8_0/Q4_0/Q4_1 where the
 layer runs in float) is dequantized by the ``gguf`` package to float32 and
-converted to the model's dtype as it loads; a log line says which.
+converted to the model's dtype as it loads; a log line says which. A
+layer's stacked expert tensors (experts.py) are read once each and handed
+out one expert's slice at a time, under that expert's Hugging Face names.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import torch
 from octavo.checkpoint.gguf_file import GgufFile, gguf_package, open_gguf
 from octavo.model.checkpoint_tensors import TensorSource
 from octavo.model.gguf.config import FLOAT_TYPES, KERNEL_TYPES, quantized_modules
+from octavo.model.gguf.experts import expert_template
 from octavo.model.gguf.names import hf_name, rotary_heads, unpermute_rows
 from octavo.quant.formats.gguf import GGUF_BLOCK, WITH_MINS, GgufBlockFormat
 
@@ -38,40 +41,46 @@ class GgufSource(TensorSource):
         arch = self.file.architecture
         heads = int(self.file.arch_key("attention.head_count"))
         self._heads = (arch, heads, int(self.file.arch_key("attention.head_count_kv", heads)))
-        # Hugging Face name(s) -> the GGUF record they come from.
-        self._records: dict[str, tuple[object, str]] = {}
+        # Hugging Face name(s) -> the GGUF record they come from, the part of a split block type
+        # ("": the float tensor) and the expert of a stacked tensor (None: the whole tensor).
+        # One record's names are consecutive.
+        self._records: dict[str, tuple[object, str, Optional[int]]] = {}
         for record in self.file.tensors:
+            template = expert_template(record.name, arch)
+            if template is not None:
+                for expert in range(int(record.shape[-1])):
+                    self._add(template.format(expert), record, expert)
+                continue
             name = hf_name(record.name)
             if name is None:
-                self._records[_UNMAPPED + record.name] = (record, "")
-                continue
-            module = name.removesuffix(".weight")
-            if name.endswith(".weight") and module in self._quantized:
-                for part in ("qweight", *GgufBlockFormat(self._quantized[module]).group_tensors()):
-                    self._records[f"{module}.{part}"] = (record, part)
+                self._records[_UNMAPPED + record.name] = (record, "", None)
             else:
-                self._records[name] = (record, "")
+                self._add(name, record, None)
+
+    def _add(self, name: str, record: object, expert: Optional[int]) -> None:
+        module = name.removesuffix(".weight")
+        if name.endswith(".weight") and module in self._quantized:
+            for part in ("qweight", *GgufBlockFormat(self._quantized[module]).group_tensors()):
+                self._records[f"{module}.{part}"] = (record, part, expert)
+        else:
+            self._records[name] = (record, "", expert)
 
     def names(self) -> set[str]:
         return set(self._records)
 
     def tensors(self, wanted: set[str], device: str | torch.device) -> Iterator[tuple[str, torch.Tensor]]:
         dequantized: Counter[str] = Counter()
-        blocks: dict[int, dict[str, torch.Tensor]] = {}  # one split per record for qweight, scales (, mins)
-        for name, (record, part) in self._records.items():
+        # The record being handed out, read once: its float tensor ("") or its split blocks
+        # (qweight, scales, mins). Records' names are consecutive, so one is held at a time.
+        current: tuple[object, dict[str, torch.Tensor]] = (None, {})
+        for name, (record, part, expert) in self._records.items():
             if name not in wanted:
                 continue
-            kind = record.tensor_type.name
-            if part:
-                if id(record) not in blocks:
-                    blocks[id(record)] = _split_blocks(record)
-                tensor = blocks[id(record)].pop(part)
-                if not blocks[id(record)]:
-                    del blocks[id(record)]
-            else:
-                if kind not in FLOAT_TYPES:
-                    dequantized[kind] += 1
-                tensor = self._float(record)
+            if current[0] is not record:
+                if not part and record.tensor_type.name not in FLOAT_TYPES:
+                    dequantized[record.tensor_type.name] += 1
+                current = (record, _split_blocks(record) if part else {"": self._float(record)})
+            tensor = current[1][part] if expert is None else current[1][part][expert]
             heads = self._rotary_heads(name)
             if heads is not None:
                 tensor = unpermute_rows(tensor, heads)
@@ -102,20 +111,22 @@ class GgufSource(TensorSource):
 
 
 def _split_blocks(record: object) -> dict[str, torch.Tensor]:
-    """``qweight`` [N, K], ``scales`` [N, K / 32] float32 (and Q4_1's ``mins``,
-    alike) of a Q8_0, Q4_0 or Q4_1 matrix: int8 values for Q8_0, uint8 0..15
-    for the others (see octavo/quant/formats/gguf.py)."""
+    """``qweight`` [..., N, K], ``scales`` [..., N, K / 32] float32 (and Q4_1's
+    ``mins``, alike) of a Q8_0, Q4_0 or Q4_1 matrix (or stack of matrices:
+    experts): int8 values for Q8_0, uint8 0..15 for the others (see
+    octavo/quant/formats/gguf.py)."""
     kind = KERNEL_TYPES[record.tensor_type.name]
-    n, k = int(record.shape[1]), int(record.shape[0])
+    rows, k = tuple(int(d) for d in reversed(record.shape[1:])), int(record.shape[0])
+    n = int(np.prod(rows))
     raw = np.asarray(record.data).reshape(n, k // GGUF_BLOCK, -1)
     halves = 2 if kind in WITH_MINS else 1  # float16 d, then m for Q4_1
     factors = torch.from_numpy(raw[:, :, :2 * halves].copy().view(np.float16)).float()
-    split = {"scales": factors[:, :, 0].contiguous()}
+    split = {"scales": factors[:, :, 0].reshape(*rows, -1).contiguous()}
     if halves == 2:
-        split["mins"] = factors[:, :, 1].contiguous()
+        split["mins"] = factors[:, :, 1].reshape(*rows, -1).contiguous()
     payload = torch.from_numpy(raw[:, :, 2 * halves:].copy())
     if kind == "q8_0":
-        split["qweight"] = payload.view(torch.int8).reshape(n, k)
+        split["qweight"] = payload.view(torch.int8).reshape(*rows, k)
     else:  # byte j of a block holds input j (low nibble) and input j + 16 (high nibble)
-        split["qweight"] = torch.cat([payload & 0x0F, payload >> 4], dim=-1).reshape(n, k)
+        split["qweight"] = torch.cat([payload & 0x0F, payload >> 4], dim=-1).reshape(*rows, k)
     return split

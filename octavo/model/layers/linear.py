@@ -45,10 +45,12 @@ def load_shard(target: torch.Tensor, loaded: torch.Tensor, dim: Optional[int], i
     target.copy_(loaded)
 
 
-def output_part(param: nn.Parameter, offset: int, size: int) -> torch.Tensor:
+def output_part(param: nn.Parameter, offset: int, size: int, data: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The slice of ``param`` along its output dim holding outputs ``offset``
     .. ``offset + size`` of this rank's shard, in the parameter's own units
-    (``pack_factor`` outputs per element along a packed output dim)."""
+    (``pack_factor`` outputs per element along a packed output dim).
+    ``data``: the part of ``param`` to cut instead of all of it (one expert
+    of a mixture's stacked parameter), its dims as the parameter's attributes count them."""
     dim = param.output_dim
     if getattr(param, "packed_dim", None) == dim:
         factor = param.pack_factor
@@ -56,16 +58,16 @@ def output_part(param: nn.Parameter, offset: int, size: int) -> torch.Tensor:
             raise ValueError(f"part of {size} outputs at {offset} does not fall on whole packed elements "
                              f"of {factor}")
         offset, size = offset // factor, size // factor
-    return param.data.narrow(dim, offset, size)
+    return (param.data if data is None else data).narrow(dim, offset, size)
 
 
-def load_unsplit(param: nn.Parameter, loaded: torch.Tensor, part: int) -> None:
+def load_unsplit(param: nn.Parameter, loaded: torch.Tensor, part: int, data: Optional[torch.Tensor] = None) -> None:
     """A fused layer's parameter not split along the outputs: one tensor for
     the whole layer (a per-layer scale), or, when the parameter says
     ``per_part``, row ``part`` of it (each part's own copy, e.g. GPTQ's
-    g_idx, which the method checks agree)."""
-    target = param.data[part] if getattr(param, "per_part", False) else param.data
-    load_shard(target, loaded, None, 0, 1)
+    g_idx, which the method checks agree). ``data``: as for ``output_part``."""
+    data = param.data if data is None else data
+    load_shard(data[part] if getattr(param, "per_part", False) else data, loaded, None, 0, 1)
 
 
 class LinearBase(LinearWeightHolder, ABC):

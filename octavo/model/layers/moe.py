@@ -26,7 +26,7 @@ from octavo.distributed.parallel_state import get_parallel_state
 from octavo.model.backends import ModelBackends
 from octavo.model.config import ArchConfig, ExpertRouting, ExpertsConfig
 from octavo.model.layers.elementwise import ACTIVATIONS
-from octavo.model.layers.linear import ReplicatedLinear, divide, load_shard
+from octavo.model.layers.linear import ReplicatedLinear, divide, load_shard, load_unsplit, output_part
 from octavo.model.layers.mlp import GatedMLP
 from octavo.quant.base import FusedMoEMethod, LinearWeightHolder
 from octavo.quant.moe import UnquantizedMoEMethod
@@ -114,34 +114,44 @@ class FusedMoE(LinearWeightHolder):
     def checkpoint_tensors(self, leaf: str, stored: set[str], prefix: str) -> dict[str, ExpertShard]:
         """The checkpoint tensors (names relative to this module) that fill parameter ``leaf``: one
         per expert this rank holds (its index here), or the fused 3-D tensor where the checkpoint
-        (``stored``) has it."""
+        (``stored``) has it. ``leaf`` is ``w13_<tensor>`` (gate and up) or ``w2_<tensor>`` (down),
+        ``<tensor>`` what the checkpoint calls each expert's tensor: ``weight``, or a pre-quantized
+        format's ``qweight``, ``scales`` ..."""
+        side, _, tensor = leaf.partition("_")
         gate, up, down = self.names
-        if leaf == "w13_weight":
-            if f"{prefix}.gate_up_proj" in stored:
+        if side == "w13":
+            if tensor == "weight" and f"{prefix}.gate_up_proj" in stored:
                 return {"gate_up_proj": (None, "gate_up")}
-            return {**{f"{e}.{gate}.weight": (e - self.expert_start, "gate") for e in self._held()},
-                    **{f"{e}.{up}.weight": (e - self.expert_start, "up") for e in self._held()}}
-        if f"{prefix}.down_proj" in stored:
+            return {**{f"{e}.{gate}.{tensor}": (e - self.expert_start, "gate") for e in self._held()},
+                    **{f"{e}.{up}.{tensor}": (e - self.expert_start, "up") for e in self._held()}}
+        if tensor == "weight" and f"{prefix}.down_proj" in stored:
             return {"down_proj": (None, "down")}
-        return {f"{e}.{down}.weight": (e - self.expert_start, "down") for e in self._held()}
+        return {f"{e}.{down}.{tensor}": (e - self.expert_start, "down") for e in self._held()}
 
     def other_ranks_tensors(self) -> set[str]:
         """The per-expert checkpoint tensors (names relative to this module) of the experts other
         ranks hold: in the checkpoint, never read here."""
         held = set(self._held())
-        return {f"{e}.{name}.weight" for e in range(self.total_experts) if e not in held for name in self.names}
+        tensors = {name.partition("_")[2] for name, _ in self.named_parameters(recurse=False)}
+        return {f"{e}.{name}.{tensor}" for e in range(self.total_experts) if e not in held
+                for name in self.names for tensor in tensors}
 
     def _held(self) -> range:
         return range(self.expert_start, self.expert_start + self.num_experts)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard: ExpertShard) -> None:
+        """One expert's tensor into its slice of ``param``, split as a gated MLP's: gate/up along
+        ``param.output_dim``, down along ``param.input_dim`` (dims counted within one expert)."""
         expert, part = shard
         n = self.intermediate
         if part in ("gate", "up"):
-            rows = param.data[expert].narrow(0, 0 if part == "gate" else n, n)  # gate rows, then up rows
-            load_shard(rows, loaded, 0, self.slice_rank, self.slice_size)
+            if param.output_dim is None:  # one tensor for gate and up (or each its own copy: per_part)
+                load_unsplit(param, loaded, ("gate", "up").index(part), param.data[expert])
+            else:  # gate rows, then up rows
+                rows = output_part(param, 0 if part == "gate" else n, n, param.data[expert])
+                load_shard(rows, loaded, param.output_dim, self.slice_rank, self.slice_size)
         elif part == "down" and expert is not None:
-            load_shard(param.data[expert], loaded, 1, self.slice_rank, self.slice_size)
+            load_shard(param.data[expert], loaded, param.input_dim, self.slice_rank, self.slice_size)
         elif part == "gate_up":  # [experts, 2 * intermediate, hidden]: gate rows then up rows
             gate, up = loaded.chunk(2, dim=1)
             dim = 0 if self.expert_parallel else 1  # this rank's experts, or its rows of every expert
@@ -170,8 +180,8 @@ class SparseMoEBlock(nn.Module):
         if experts.routing.score_bias:  # float32 as trained: it shifts scores that differ in small decimals
             self.gate.e_score_correction_bias = nn.Parameter(
                 torch.zeros(experts.num_experts, dtype=torch.float32), requires_grad=False)
-        self.experts = FusedMoE(experts, arch.hidden_size, arch.hidden_act, expert_names,
-                                backends.quantization.moe_method(f"{prefix}.experts"))
+        method = backends.quantization.moe_method(f"{prefix}.experts", expert_names, experts.num_experts)
+        self.experts = FusedMoE(experts, arch.hidden_size, arch.hidden_act, expert_names, method)
         self.shared_expert: Optional[GatedMLP] = None
         self.shared_expert_gate: Optional[ReplicatedLinear] = None
         if experts.shared_intermediate_size:
