@@ -83,7 +83,7 @@ class LLMEngine:
             self._extra_eos_ids = eos_ids[1:]
             self.scheduler = Scheduler(
                 config.scheduler, config.cache, self.executor.determine_num_kv_blocks(), self.max_model_len,
-                config.speculative,
+                config.speculative, info.kv_cache_windows,
             )
             self._routing = RoutingStatsReader(self.executor)
             self._kv_events: Optional[KVEventPublisher] = None
