@@ -42,6 +42,7 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.windows = tuple(windows)
+        self._windowed = any(w is not None for w in self.windows)  # else nothing is ever released
         self.pool = BlockPool(num_blocks, len(self.windows))
         self.null_block = num_blocks
         self._tables: dict[str, list[list[int]]] = {}  # request id -> one table per group
@@ -153,7 +154,7 @@ class KVCacheManager:
     def free_unread_blocks(self, request: Request) -> None:
         """Release the window groups' blocks that none of the request's tokens still to be
         computed reads (after a step, once its blocks are registered: they stay hittable)."""
-        if request.request_id in self._tables:
+        if self._windowed and request.request_id in self._tables:
             self._release_unread(request.request_id, request.num_computed_tokens)
 
     def _release_unread(self, rid: str, first_query: int) -> None:
@@ -185,7 +186,7 @@ class KVCacheManager:
         if num_hit and rid in self._tables:
             raise RuntimeError(f"request {rid} already holds blocks; prefix hits apply only at admission")
         start = request.num_computed_tokens + num_hit * bs
-        if rid in self._tables:
+        if self._windowed and rid in self._tables:
             self._release_unread(rid, start)
         tables = self._tables.get(rid) or [[] for _ in self.windows]
         num_needed = _cdiv(start + num_new_tokens + num_lookahead_tokens, bs)
@@ -193,7 +194,8 @@ class KVCacheManager:
         shared = [[i for i in range(start // bs, min(len(table), num_needed)) if self.pool.ref_cnt(table[i]) > 1]
                   for table in tables]
         # Free cached hits are counted as free but stop being so once taken.
-        revived = sum(1 for hit in hits for b in hit if b != self.null_block and self.pool.ref_cnt(b) == 0)
+        revived = num_hit and sum(1 for hit in hits for b in hit
+                                  if b != self.null_block and self.pool.ref_cnt(b) == 0)
         if sum(num_new) + sum(map(len, shared)) > self.pool.num_free_blocks - revived:
             return False
 
@@ -203,7 +205,7 @@ class KVCacheManager:
         if rid not in self._tables:
             self._released[rid] = [list(hit).count(self.null_block) for hit in hits]
         # Every group's hits first: allocating could otherwise evict them.
-        for hit in hits:
+        for hit in hits if num_hit else ():
             self.pool.touch(b for b in hit if b != self.null_block)
         for g, hit in enumerate(hits):
             table = tables[g] + list(hit)
