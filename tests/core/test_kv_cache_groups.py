@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 from core_harness import Run, make_request, make_scheduler, reference_tokens
 
+from octavo.config import CacheConfig, SchedulerConfig, SpeculativeConfig
 from octavo.core.kv_cache_manager import KVCacheManager
+from octavo.core.scheduler import Scheduler
 
 
 def _grow(kv: KVCacheManager, req, n: int) -> None:
@@ -122,3 +124,10 @@ def test_bad_windows_are_a_value_error():
         KVCacheManager(8, 4, windows=(0,))
     with pytest.raises(ValueError, match="windows"):
         KVCacheManager(8, 4, windows=())
+
+
+def test_with_a_draft_model_no_group_releases_blocks():
+    """A draft model's cache is indexed by the first group's tables and reads them whole."""
+    sched = Scheduler(SchedulerConfig(), CacheConfig(block_size=4), 32, 128,
+                      SpeculativeConfig(speculative_model="draft"), kv_cache_windows=(8, None))
+    assert sched.kv_cache_manager.windows == (None, None)
