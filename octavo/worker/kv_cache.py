@@ -23,7 +23,7 @@ logger = logging.getLogger(__name__)
 
 
 def bytes_per_block(specs: Sequence[KVCacheSpec]) -> int:
-    """What one block id costs across ``specs`` (one per layer, of every model that shares the block ids)."""
+    """What one block id costs across ``specs`` (one per cache tensor, of every model that shares the block ids)."""
     return sum(spec.bytes_per_block for spec in specs)
 
 
@@ -45,7 +45,8 @@ def num_cache_blocks(
     An explicit size must fit the memory available (``check_pool_fits``).
     ``memory_share``: this rank's part of the memory budgets, when several
     ranks draw on one memory (CPU ranks of one machine: 1 / their number).
-    ``specs``: every layer's, a draft model's included (its cache is indexed
+    ``specs``: every cache tensor's (one per layer, but one for the layers of
+    several KV cache groups that share it), a draft model's included (its cache is indexed
     by the same block ids)."""
     per_block = bytes_per_block(specs)
     block_size = specs[0].block_size
