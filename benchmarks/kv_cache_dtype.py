@@ -66,7 +66,7 @@ class DecodeRun:
         self.sent = SentRequests(block_size)
         self.step_times: list[float] = []
         # The first step: each sequence's context is a prefix-cache hit but its last token.
-        self._step([self.sent.delta(r, context - 1, 1, t, True) for r, t in zip(self.requests, self.tables)])
+        self._step([self.sent.delta(r, context - 1, 1, [t], True) for r, t in zip(self.requests, self.tables)])
 
     def _step(self, scheduled: list) -> None:
         from octavo.core.outputs import SchedulerOutput
@@ -78,7 +78,7 @@ class DecodeRun:
             r.append_output_token(out.sampled_token_ids[r.request_id][0])
 
     def decode_step(self) -> None:
-        self._step([self.sent.delta(r, r.num_tokens - 1, 1, t, True) for r, t in zip(self.requests, self.tables)])
+        self._step([self.sent.delta(r, r.num_tokens - 1, 1, [t], True) for r, t in zip(self.requests, self.tables)])
 
     def attention_alone(self) -> Callable[[], None]:
         """The native decode kernel over every layer, these caches and tables."""

@@ -1,8 +1,8 @@
 """What each attention layer keeps per token in the paged cache.
 
-A layer declares its ``KVCacheSpec``; the worker sizes the pool from the specs of every layer
-(bytes per block, summed) and asks the attention backend to allocate each layer's cache from its
-spec, in the backend's own layout. A new kind of cache (DeepSeek's latent vector, a layer that
+A layer declares its ``KVCacheSpec``; the worker sizes the pool from the specs of every cache
+tensor (bytes per block, summed; layers of different KV cache groups share tensors, kv_groups.py)
+and asks the attention backend to allocate each one from its spec, in the backend's own layout. A new kind of cache (DeepSeek's latent vector, a layer that
 keeps only its window) is a new spec; a new layout is a new backend."""
 from __future__ import annotations
 

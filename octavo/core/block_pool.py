@@ -5,6 +5,11 @@ that holds a registered prefix keeps its hash while free and queues at the
 back, so prefix hits survive until memory is actually needed (LRU); a free
 block without a hash holds nothing worth keeping and queues at the front.
 Reusing a cached free block evicts its hash.
+
+A model whose layers form several KV cache groups (core/kv_cache_manager.py)
+draws every group's blocks from this one pool; a block holds one group's K/V,
+so the prefix cache is kept per group: the same prefix hash names a different
+block in each group.
 """
 from __future__ import annotations
 
@@ -21,22 +26,28 @@ class _Block:
     block_id: int
     ref_cnt: int = 0
     block_hash: Optional[BlockHash] = None
+    group: int = 0  # the KV cache group whose prefix cache holds block_hash
 
 
 class BlockPool:
     """Blocks ``0 .. num_blocks-1``. Block ids are what block tables hold."""
 
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, num_groups: int = 1) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        if num_groups < 1:
+            raise ValueError(f"num_groups must be >= 1, got {num_groups}")
         self._blocks = [_Block(i) for i in range(num_blocks)]
         # OrderedDict as the free queue: O(1) pop at the front, append at the
         # back, and removal from the middle when a prefix hit revives a block.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self._cached: dict[BlockHash, int] = {}
-        # KV events for routers outside the engine (--kv-events-endpoint); None: not recorded.
+        self._cached: list[dict[BlockHash, int]] = [{} for _ in range(num_groups)]
+        # KV events for routers outside the engine (--kv-events-endpoint); None: not
+        # recorded. They describe group 0's prefix cache only: a router asks whether
+        # a prefix is here, and every group caches the same prefixes.
         self.events: Optional[list[KVEvent]] = None
-        # Told (hash, block id) before a cached block is reused: the tiers below the pool keep it.
+        # Told (hash, block id) before a cached block is reused: the tiers below the pool keep it
+        # (one group only: the KV cache manager refuses tiers for several).
         self.on_evict: Optional[Callable[[BlockHash, int], None]] = None
 
     @property
@@ -61,18 +72,18 @@ class BlockPool:
         """The free queue, next to be reused first."""
         return list(self._free)
 
-    def cached_blocks(self) -> dict[BlockHash, int]:
-        """A copy of the prefix cache: hash -> block id."""
-        return dict(self._cached)
+    def cached_blocks(self, group: int = 0) -> dict[BlockHash, int]:
+        """A copy of one group's prefix cache: hash -> block id."""
+        return dict(self._cached[group])
 
     def cached_by_age(self) -> list[tuple[BlockHash, int]]:
-        """The prefix cache as (hash, block id), the next evicted first and the blocks in use last."""
-        free = [b for b in self._free if self._blocks[b].block_hash is not None]
-        used = [b for b in self._cached.values() if self._blocks[b].ref_cnt > 0]
+        """Group 0's prefix cache as (hash, block id), the next evicted first and the blocks in use last."""
+        free = [b for b in self._free if self._blocks[b].block_hash is not None and self._blocks[b].group == 0]
+        used = [b for b in self._cached[0].values() if self._blocks[b].ref_cnt > 0]
         return [(self._blocks[b].block_hash, b) for b in free + used]
 
-    def lookup(self, block_hash: BlockHash) -> Optional[int]:
-        return self._cached.get(block_hash)
+    def lookup(self, block_hash: BlockHash, group: int = 0) -> Optional[int]:
+        return self._cached[group].get(block_hash)
 
     def allocate(self, num_blocks: int) -> list[int]:
         """Take ``num_blocks`` fresh blocks (ref-count 1), evicting cached
@@ -85,8 +96,8 @@ class BlockPool:
             if block.block_hash is not None:
                 if self.on_evict is not None:
                     self.on_evict(block.block_hash, block.block_id)
-                del self._cached[block.block_hash]
-                if self.events is not None:
+                del self._cached[block.group][block.block_hash]
+                if self.events is not None and block.group == 0:
                     self.events.append(BlockRemoved([block.block_hash]))
                 block.block_hash = None
             block.ref_cnt = 1
@@ -115,12 +126,13 @@ class BlockPool:
                 if block.block_hash is None:
                     self._free.move_to_end(block_id, last=False)
 
-    def cache_block(self, block_id: int, block_hash: BlockHash) -> bool:
-        """Register a full, computed block under its prefix hash. A block that
-        is already registered, or duplicates a registered one, stays as it is."""
+    def cache_block(self, block_id: int, block_hash: BlockHash, group: int = 0) -> bool:
+        """Register a full, computed block of ``group`` under its prefix hash. A block
+        that is already registered, or duplicates a registered one, stays as it is."""
         block = self._blocks[block_id]
-        if block.block_hash is not None or block_hash in self._cached:
+        cached = self._cached[group]
+        if block.block_hash is not None or block_hash in cached:
             return False
-        block.block_hash = block_hash
-        self._cached[block_hash] = block_id
+        block.block_hash, block.group = block_hash, group
+        cached[block_hash] = block_id
         return True

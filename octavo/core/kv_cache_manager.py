@@ -1,5 +1,17 @@
 """Per-request block tables over a BlockPool: prefix hits, growth, forks,
-copy-on-write and registration of computed blocks."""
+copy-on-write, registration of computed blocks, and the release of blocks
+that sliding-window layers will never read again.
+
+KV cache groups: the layers that keep the same positions form a group
+(octavo/attention/kv_groups.py), and a request has one block table per
+group, every group's blocks drawn from the one pool. ``windows`` gives each
+group's sliding window, None for a group that keeps every position (full
+attention, or any cache read whole). A window group frees a block once every
+query still to come lies a window or more past its last position; its table
+entry becomes ``null_block``, an id past the pool (the worker's spare block),
+which attention never reads. A prefix hit in a window group needs only the
+blocks of the last window before the hit. A model with one kind of layer is
+one group: one table per request, as if groups did not exist."""
 from __future__ import annotations
 
 from typing import Optional, Sequence
@@ -21,23 +33,43 @@ class KVCacheManager:
     ``i`` of a table covers positions ``i*block_size .. (i+1)*block_size - 1``."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 offload: Optional[TierIndex] = None) -> None:
-        """``offload``: the tiers below the pool, which keep the blocks it evicts."""
+                 windows: Sequence[Optional[int]] = (None,), offload: Optional[TierIndex] = None) -> None:
+        """``windows``: per KV cache group, its sliding window (None: it keeps every position);
+        ``offload``: the tiers below the pool, which keep the blocks it evicts."""
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if not windows:
+            raise ValueError("windows must list at least one KV cache group")
+        for window in windows:
+            if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+                raise ValueError(f"windows: a sliding window must be an integer >= 1 or None, got {window!r}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks)
+        self.windows = tuple(windows)
+        self._windowed = any(w is not None for w in self.windows)  # else nothing is ever released
+        self.pool = BlockPool(num_blocks, len(self.windows))
+        self.null_block = num_blocks
+        self._tables: dict[str, list[list[int]]] = {}  # request id -> one table per group
+        # Per request and group: how many leading entries are null_block (released or never taken).
+        self._released: dict[str, list[int]] = {}
         self.offload = offload
         if offload is not None:
+            if len(self.windows) > 1 or self._windowed:
+                # A tier keeps one block's bytes of every cache tensor under its prefix hash; with several
+                # groups sharing the tensors, or a window group's partial tables, that is not one group's block.
+                raise ValueError("kv_offload_dir / kv_offload_host_bytes: the KV tiers serve models whose layers "
+                                 "all attend in full (one KV cache group); this model has sliding-window layers")
             self.pool.on_evict = offload.evicted
-        self._tables: dict[str, list[int]] = {}
         self._hashes: dict[str, list[BlockHash]] = {}
         self._num_registered: dict[str, int] = {}
         self._copies: list[tuple[int, int]] = []
         # Cumulative, in tokens: looked up at admission / found in the cache.
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.windows)
 
     @property
     def num_total_blocks(self) -> int:
@@ -51,12 +83,18 @@ class KVCacheManager:
     def usage(self) -> float:
         return self.pool.usage
 
-    def get_block_ids(self, request: Request) -> list[int]:
-        return list(self._tables.get(request.request_id, ()))
+    def get_block_ids(self, request: Request, group: int = 0) -> list[int]:
+        tables = self._tables.get(request.request_id)
+        return list(tables[group]) if tables else []
 
-    def block_table(self, request: Request) -> list[int]:
-        """The request's live table, not a copy: read it, never change it."""
-        return self._tables.get(request.request_id, [])
+    def block_tables(self, request: Request) -> list[list[int]]:
+        """The request's live tables, one per group, not copies: read them, never change them."""
+        return self._tables.get(request.request_id) or [[] for _ in self.windows]
+
+    def num_held_blocks(self, request: Request) -> int:
+        """Blocks of the pool the request's tables hold (null entries are none)."""
+        rid = request.request_id
+        return sum(len(table) - skip for table, skip in zip(self._tables.get(rid, ()), self._released.get(rid, ())))
 
     def _can_hit(self, request: Request) -> bool:
         # Prompt logprobs need the logits of every prompt position, and every
@@ -69,23 +107,82 @@ class KVCacheManager:
         extend_block_hashes(hashes, request.all_token_ids, self.block_size, num_blocks, request.cache_salt)
         return hashes
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
-        """The longest run of cached full blocks at the start of the request's
-        tokens, and the number of tokens they cover. The last token is never a
-        hit: computing it is what yields the logits to sample from."""
-        if not self._can_hit(request):
-            return [], 0
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        blocks: list[int] = []
-        hashes = self._block_hashes(request, max_blocks)[:max_blocks]
+    def _unread_blocks(self, group: int, first_query: int) -> int:
+        """How many leading blocks of ``group`` no query at ``first_query`` or later reads:
+        those queries see keys after ``query - window`` only."""
+        window = self.windows[group]
+        if window is None:
+            return 0
+        return max(0, first_query - window + 1) // self.block_size
+
+    def _lookup(self, group: int, hashes: list[BlockHash]) -> list[Optional[int]]:
+        """The group's cached block per hash, None where there is none; for a group without a
+        window only the run from the start, all that it can resume after."""
+        if self.windows[group] is not None:
+            return [self.pool.lookup(h, group) for h in hashes]
+        found = []
         for block_hash in hashes:
-            block_id = self.pool.lookup(block_hash)
+            block_id = self.pool.lookup(block_hash, group)
             if block_id is None:
                 break
-            blocks.append(block_id)
-        if self.offload is not None and len(blocks) < len(hashes):
-            blocks += self._load_from_tiers(request, hashes, blocks)
-        return blocks, len(blocks) * self.block_size
+            found.append(block_id)
+        return found
+
+    def _longest_hit(self, group: int, found: list[Optional[int]], limit: int) -> int:
+        """The most blocks, up to ``limit``, that ``group`` can resume after: every block the
+        following queries read is cached (``found``: as ``_lookup`` gives it)."""
+        if self.windows[group] is None:
+            return min(limit, len(found))
+        runs = [0]  # runs[k]: cached blocks in a row ending with block k - 1
+        for block_id in found[:limit]:
+            runs.append(runs[-1] + 1 if block_id is not None else 0)
+        for k in range(limit, 0, -1):
+            if runs[k] >= k - self._unread_blocks(group, k * self.block_size):
+                return k
+        return 0
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[list[int]], int]:
+        """Per group, the cached blocks a request can start after (a window group's
+        unread leading ones as ``null_block``), and the number of tokens they cover:
+        the most full blocks every group has cached what the later queries read. The
+        last token is never a hit: computing it is what yields the logits to sample from."""
+        if not self._can_hit(request):
+            return [[] for _ in self.windows], 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hashes = self._block_hashes(request, max_blocks)[:max_blocks]
+        found = [self._lookup(g, hashes) for g in range(self.num_groups)]
+        num = max_blocks
+        while True:  # a group's best length may be shorter than another's: settle on one every group can use
+            fit = min(self._longest_hit(g, found[g], num) for g in range(self.num_groups))
+            if fit == num:
+                break
+            num = fit
+        tables = []
+        for g in range(self.num_groups):
+            skip = self._unread_blocks(g, num * self.block_size)
+            tables.append([self.null_block] * skip + found[g][skip:num])
+        if self.offload is not None and num < len(hashes):  # one group, no window (see __init__)
+            loaded = self._load_from_tiers(request, hashes, tables[0])
+            tables[0] += loaded
+            num += len(loaded)
+        return tables, num * self.block_size
+
+    def free_unread_blocks(self, request: Request) -> None:
+        """Release the window groups' blocks that none of the request's tokens still to be
+        computed reads (after a step, once its blocks are registered: they stay hittable)."""
+        if self._windowed and request.request_id in self._tables:
+            self._release_unread(request.request_id, request.num_computed_tokens)
+
+    def _release_unread(self, rid: str, first_query: int) -> None:
+        """Free the window groups' blocks that no query from ``first_query`` on reads."""
+        tables, released = self._tables[rid], self._released[rid]
+        for g, table in enumerate(tables):
+            skip = min(self._unread_blocks(g, first_query), len(table))
+            if skip <= released[g]:
+                continue
+            self.pool.free(table[released[g] : skip])
+            table[released[g] : skip] = [self.null_block] * (skip - released[g])
+            released[g] = skip
 
     def _load_from_tiers(self, request: Request, hashes: list[BlockHash], hits: list[int]) -> list[int]:
         """Extend the pool's ``hits`` through the tiers below it: the blocks
@@ -117,51 +214,66 @@ class KVCacheManager:
         return loaded
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, computed_blocks: Sequence[int] = (),
+        self, request: Request, num_new_tokens: int, computed_blocks: Sequence[Sequence[int]] = (),
         num_lookahead_tokens: int = 0,
     ) -> bool:
         """Make room for K/V of the next ``num_new_tokens`` tokens after
-        ``request.num_computed_tokens`` (plus ``computed_blocks``, the prefix
-        hits of a request that holds no blocks yet), and ``num_lookahead_tokens``
+        ``request.num_computed_tokens`` (plus ``computed_blocks``, per group the
+        prefix hits of a request that holds no blocks yet), and ``num_lookahead_tokens``
         scratch slots after those (a draft model's own proposal steps). Shared
-        blocks about to be written are copied first (copy-on-write). Returns
-        False, changing nothing, when the pool is short."""
+        blocks about to be written are copied first (copy-on-write). Window groups
+        first free the blocks these and later tokens will not read. Returns False,
+        changing nothing else, when the pool is short."""
         rid = request.request_id
-        table = self._tables.get(rid, [])
-        if computed_blocks and table:
-            raise RuntimeError(f"request {rid} already holds blocks; prefix hits apply only at admission")
         bs = self.block_size
-        start = request.num_computed_tokens + len(computed_blocks) * bs
+        hits = list(computed_blocks) or [[] for _ in self.windows]
+        num_hit = len(hits[0])
+        if num_hit and rid in self._tables:
+            raise RuntimeError(f"request {rid} already holds blocks; prefix hits apply only at admission")
+        start = request.num_computed_tokens + num_hit * bs
+        if self._windowed and rid in self._tables:
+            self._release_unread(rid, start)
+        tables = self._tables.get(rid) or [[] for _ in self.windows]
         num_needed = _cdiv(start + num_new_tokens + num_lookahead_tokens, bs)
-        num_new_blocks = max(0, num_needed - len(table) - len(computed_blocks))
-        shared = [i for i in range(start // bs, min(len(table), num_needed)) if self.pool.ref_cnt(table[i]) > 1]
+        num_new = [max(0, num_needed - len(table) - len(hit)) for table, hit in zip(tables, hits)]
+        shared = [[i for i in range(start // bs, min(len(table), num_needed)) if self.pool.ref_cnt(table[i]) > 1]
+                  for table in tables]
         # Free cached hits are counted as free but stop being so once taken.
-        revived = sum(1 for b in computed_blocks if self.pool.ref_cnt(b) == 0)
-        if num_new_blocks + len(shared) > self.pool.num_free_blocks - revived:
+        revived = num_hit and sum(1 for hit in hits for b in hit
+                                  if b != self.null_block and self.pool.ref_cnt(b) == 0)
+        if sum(num_new) + sum(map(len, shared)) > self.pool.num_free_blocks - revived:
             return False
 
         if rid not in self._tables and self._can_hit(request):
             self.prefix_cache_queries += request.num_tokens
-            self.prefix_cache_hits += len(computed_blocks) * bs
-        # Hits first: allocating could otherwise evict them.
-        self.pool.touch(computed_blocks)
-        table = table + list(computed_blocks)
-        for i in shared:
-            (fresh,) = self.pool.allocate(1)
-            self._copies.append((table[i], fresh))
-            self.pool.free([table[i]])
-            table[i] = fresh
-        table.extend(self.pool.allocate(num_new_blocks))
-        self._tables[rid] = table
+            self.prefix_cache_hits += num_hit * bs
+        if rid not in self._tables:
+            self._released[rid] = [list(hit).count(self.null_block) for hit in hits]
+        # Every group's hits first: allocating could otherwise evict them.
+        for hit in hits if num_hit else ():
+            self.pool.touch(b for b in hit if b != self.null_block)
+        for g, hit in enumerate(hits):
+            table = tables[g] + list(hit)
+            for i in shared[g]:
+                (fresh,) = self.pool.allocate(1)
+                self._copies.append((table[i], fresh))
+                self.pool.free([table[i]])
+                table[i] = fresh
+            table.extend(self.pool.allocate(num_new[g]))
+            tables[g] = table
+        self._tables[rid] = tables
         return True
 
     def fork(self, parent: Request, child: Request) -> None:
-        """Give ``child`` (holding no blocks) the parent's whole table by reference."""
+        """Give ``child`` (holding no blocks) the parent's whole tables by reference."""
         if child.request_id in self._tables:
             raise RuntimeError(f"request {child.request_id} already holds blocks")
-        table = list(self._tables[parent.request_id])
-        self.pool.touch(table)
-        self._tables[child.request_id] = table
+        tables = [list(table) for table in self._tables[parent.request_id]]
+        released = list(self._released[parent.request_id])
+        for table, skip in zip(tables, released):
+            self.pool.touch(table[skip:])
+        self._tables[child.request_id] = tables
+        self._released[child.request_id] = released
 
     def cache_blocks(self, request: Request) -> None:
         """Register the blocks filled by the request's computed tokens, so later
@@ -169,19 +281,22 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return
         rid = request.request_id
-        table = self._tables[rid]
+        tables = self._tables[rid]
         # Past num_tokens lie speculative proposals not yet verified: their
         # blocks must never be found by another request.
         num_verified = min(request.num_computed_tokens, request.num_tokens)
-        num_full = min(num_verified // self.block_size, len(table))
+        num_full = min(num_verified // self.block_size, len(tables[0]))
         done = self._num_registered.get(rid, 0)
         if num_full <= done:
             return
         hashes = self._block_hashes(request, num_full)
-        stored = [i for i in range(done, num_full) if self.pool.cache_block(table[i], hashes[i])]
+        for g, table in enumerate(tables):
+            # A block released before its step's results came back (pipeline stages) stays unregistered.
+            stored = [i for i in range(done, num_full)
+                      if table[i] != self.null_block and self.pool.cache_block(table[i], hashes[i], g)]
+            if g == 0 and self.pool.events is not None and stored:
+                self._record_stored(request, hashes, stored)
         self._num_registered[rid] = num_full
-        if self.pool.events is not None and stored:
-            self._record_stored(request, hashes, stored)
 
     def _record_stored(self, request: Request, hashes: list[BlockHash], stored: list[int]) -> None:
         """One BlockStored per run of consecutive newly registered blocks (a
@@ -221,28 +336,31 @@ class KVCacheManager:
         rejected proposals are rolled back, the blocks that held only them
         (or lookahead slots) are empty. None of them was registered (see
         ``cache_blocks``)."""
-        table = self._tables.get(request.request_id)
-        if table is None:
+        tables = self._tables.get(request.request_id)
+        if tables is None:
             return
         keep = _cdiv(request.num_computed_tokens, self.block_size)
-        if len(table) > keep:
-            self.pool.free(reversed(table[keep:]))
-            del table[keep:]
+        for table in tables:
+            if len(table) > keep:
+                self.pool.free(reversed(table[keep:]))
+                del table[keep:]
 
     def free(self, request: Request) -> None:
         """Release the request's blocks; registered ones stay hittable until evicted."""
         rid = request.request_id
-        table = self._tables.pop(rid, None)
+        tables = self._tables.pop(rid, None)
+        released = self._released.pop(rid, None)
         self._hashes.pop(rid, None)
         self._num_registered.pop(rid, None)
-        if table is None:
+        if tables is None:
             return
         # A copy into a block of this request is moot now.
-        dropped = set(table)
+        dropped = {b for table in tables for b in table}
         self._copies = [(s, d) for s, d in self._copies if d not in dropped]
         # Tail blocks first: a prefix's last blocks are the least likely to be
         # shared, so they should be the first evicted.
-        self.pool.free(reversed(table))
+        for table, skip in zip(tables, released):
+            self.pool.free(reversed(table[skip:]))
 
     def take_block_copies(self) -> list[tuple[int, int]]:
         """The (src, dst) copies made since the last call, for the runner to

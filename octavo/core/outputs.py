@@ -30,10 +30,12 @@ class ScheduledRequest:
     compute the tokens at positions ``start_pos .. start_pos + num_tokens - 1``
     and, when ``sample`` is set, sample the next token from the last
     position's logits. ``new_token_ids`` extend the worker's token list (the
-    tokens sampled since it last saw the request). The block table from
-    index ``blocks_from`` on is ``block_ids``: the blocks this step writes and
-    any after them (copy-on-write may have replaced the block a step writes
-    into, so that one is always sent; blocks before it never change).
+    tokens sampled since it last saw the request). ``block_ids`` holds one list
+    per KV cache group: that group's table from index ``blocks_from`` on, the
+    blocks this step writes and any after them (copy-on-write may have replaced
+    the block a step writes into, so that one is always sent). Entries before
+    it change only when a sliding-window group releases them; the worker keeps
+    its stale ids, which lie outside every window still to be read.
     ``new`` is set on the request's first step on the workers.
 
     Speculative decoding: ``spec_token_ids`` are proposals (from the previous
@@ -48,7 +50,7 @@ class ScheduledRequest:
     num_tokens: int
     new_token_ids: list[int]
     blocks_from: int
-    block_ids: list[int]
+    block_ids: list[list[int]]
     sample: bool
     new: Optional[NewRequestData] = None
     spec_token_ids: list[int] = field(default_factory=list)
@@ -165,3 +167,5 @@ class ModelInfo:
 
     vocab_size: int
     max_model_len: int
+    # Per KV cache group, its sliding window (None: keeps every position), for the scheduler's KVCacheManager.
+    kv_cache_windows: tuple[Optional[int], ...] = (None,)

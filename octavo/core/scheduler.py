@@ -17,8 +17,10 @@ pool allow. Choices worth knowing:
   it is (no starvation of long prompts).
 - ``max_tokens=0`` (prompt scoring): the prompt is computed with ``sample``
   off and the request finishes with "length" once it is.
-- Lengths stop at ``min(max_model_len, whole pool)``, so a request alone always
-  fits and preemption always lets the most urgent request progress.
+- Lengths stop at ``min(max_model_len, whole pool)`` (shared by the KV cache
+  groups: each may need a table as long as the request in a prompt's step), so
+  a request alone always fits and preemption always lets the most urgent
+  request progress.
 - Only running requests hold blocks. Parallel-sampling siblings wait until
   their parent's prompt is computed, then join the running set sharing its
   blocks, if a seat is free; otherwise (or if the parent left first) they
@@ -74,18 +76,26 @@ class Scheduler:
         num_blocks: int,
         max_model_len: int,
         speculative_config: Optional[SpeculativeConfig] = None,
+        kv_cache_windows: Sequence[Optional[int]] = (None,),
         kv_offload: Optional[TierIndex] = None,
     ) -> None:
-        """``kv_offload``: the tiers below the KV pool (host memory, disk), if any."""
+        """``kv_cache_windows``: per KV cache group of the model, its sliding window
+        (None: it keeps every position); see ``KVCacheManager``. ``kv_offload``: the
+        tiers below the KV pool (host memory, disk), if any."""
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
         self.config = scheduler_config
         self.max_model_len = max_model_len
+        spec = speculative_config or SpeculativeConfig()
+        if spec.speculative_model is not None:
+            # A draft model's cache is indexed by the first group's tables and read whole: no group releases.
+            kv_cache_windows = (None,) * len(kv_cache_windows)
         self.kv_cache_manager = KVCacheManager(
-            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching, kv_offload
+            num_blocks, cache_config.block_size, cache_config.enable_prefix_caching, kv_cache_windows, kv_offload
         )
         self._block_size = cache_config.block_size
-        self._max_len = min(max_model_len, num_blocks * cache_config.block_size)
+        self._num_groups = self.kv_cache_manager.num_groups
+        self._max_len = min(max_model_len, num_blocks // self._num_groups * cache_config.block_size)
         self._requests: dict[str, Request] = {}
         self._order: dict[str, SortKey] = {}
         self._counter = itertools.count()
@@ -95,7 +105,6 @@ class Scheduler:
         self._finished_ids: set[str] = set()
         self._sent = SentRequests(cache_config.block_size)  # what the workers hold of each request
         self.num_preemptions = 0
-        spec = speculative_config or SpeculativeConfig()
         self._num_lookahead = spec.num_lookahead_slots
         self.spec_stats = SpecDecodingStats()
 
@@ -118,7 +127,7 @@ class Scheduler:
                 f"maximum context length is {self.max_model_len} tokens, you requested "
                 f"{num_prompt + max_tokens} tokens ({num_prompt} in the prompt, {max_tokens} to generate)"
             )
-        needed = -(-num_prompt // self._block_size)
+        needed = -(-num_prompt // self._block_size) * self._num_groups
         total = self.kv_cache_manager.num_total_blocks
         if needed > total:
             raise ValueError(
@@ -261,7 +270,7 @@ class Scheduler:
                 elif step.scheduled or n <= self.config.max_num_batched_tokens:
                     return  # waits for a step with room for all of it
                 # else: longer than any budget, so it runs alone, whole.
-            if not self._allocate_waiting(request, n, computed, step):
+            if not self._allocate_waiting(request, n, computed, num_hit, step):
                 return
             self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
@@ -272,8 +281,9 @@ class Scheduler:
             self.running.add(request)
             self._add_scheduled(request, n, step)
 
-    def _allocate_waiting(self, request: Request, n: int, computed: list[int], step: _Step) -> bool:
-        lookahead = self._lookahead(request, len(computed) * self._block_size + n)
+    def _allocate_waiting(self, request: Request, n: int, computed: list[list[int]], num_hit: int, step: _Step
+                          ) -> bool:
+        lookahead = self._lookahead(request, num_hit + n)
         while not self.kv_cache_manager.allocate_slots(request, n, computed, lookahead):
             if not self.running or self.running[-1].priority <= request.priority:
                 return False
@@ -284,7 +294,7 @@ class Scheduler:
         start = request.num_computed_tokens
         end = start + n
         step.scheduled[request.request_id] = self._sent.delta(
-            request, start, n, self.kv_cache_manager.block_table(request),
+            request, start, n, self.kv_cache_manager.block_tables(request),
             sample=end == request.num_tokens and request.sampling_params.max_tokens != 0,
             spec_token_ids=spec,
         )
@@ -320,7 +330,8 @@ class Scheduler:
         self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput
     ) -> list[EngineCoreOutput]:
         """Apply one step's results: append sampled tokens, run the stop checks,
-        register computed blocks, fork waiting siblings, free finished requests.
+        register computed blocks (then release those out of every window), fork
+        waiting siblings, free finished requests.
 
         A request whose own results cannot be applied (the runner reported it
         failed, or its bookkeeping raised) ends with status FINISHED_ERROR and
@@ -364,6 +375,8 @@ class Scheduler:
         if end >= request.num_prompt_tokens:
             # Before a finished parent frees the blocks its siblings share.
             self._fork_siblings(request)
+        # After the siblings took the table: their first step reads one position further back.
+        self.kv_cache_manager.free_unread_blocks(request)
         if status is not None:
             self._finish(request, status)
         if not (new_ids or status is not None or prompt_logprobs):

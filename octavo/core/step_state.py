@@ -1,8 +1,8 @@
 """Both ends of the step contract's deltas (torch-free).
 
 The scheduler sends a request's data once (``NewRequestData``) and from then
-on only what changed: the tokens sampled since, the tail of the block table
-from the block the step writes into. So each
+on only what changed: the tokens sampled since, the tail of each block table (one
+per KV cache group) from the block the step writes into. So each
 side keeps a view of the other: ``SentRequests`` (scheduler side) remembers
 how much of each request the workers hold, ``BatchState`` (each worker) holds
 the requests themselves. A step therefore costs O(scheduled tokens + new
@@ -29,12 +29,12 @@ class SentRequests:
         self._on_workers: set[str] = set()
 
     def delta(
-        self, request: Request, start: int, num_tokens: int, block_table: list[int], sample: bool,
+        self, request: Request, start: int, num_tokens: int, block_tables: Sequence[list[int]], sample: bool,
         spec_token_ids: Sequence[int] = (),
     ) -> ScheduledRequest:
         """The step entry computing ``num_tokens`` of the request's tokens from
         ``start``, then the proposals ``spec_token_ids``, with the request's
-        current ``block_table``; records that the workers now hold the
+        current ``block_tables`` (one per KV cache group); records that the workers now hold the
         request's tokens (never the proposals: they are not the request's)."""
         rid = request.request_id
         tokens = self._held.get(rid)
@@ -51,8 +51,8 @@ class SentRequests:
         new_tokens = request.all_token_ids[tokens:end] if end > tokens else []
         self._held[rid] = max(tokens, end)
         return ScheduledRequest(
-            rid, start, num_tokens + len(spec_token_ids), new_tokens, blocks_from, block_table[blocks_from:], sample,
-            new, list(spec_token_ids),
+            rid, start, num_tokens + len(spec_token_ids), new_tokens, blocks_from,
+            [table[blocks_from:] for table in block_tables], sample, new, list(spec_token_ids),
         )
 
     def forget(self, request_id: str) -> None:
@@ -80,13 +80,19 @@ class CachedRequestState:
     sampling_params: SamplingParams
     eos_token_id: Optional[int]
     all_token_ids: list[int] = field(init=False)
-    block_ids: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)  # one per KV cache group
     grammar_terminated: bool = False  # from the scheduler, for the min_tokens exemption
     # With proposals: the first proposal position at which the grammar is complete.
     grammar_terminated_at: Optional[int] = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def block_ids(self) -> list[int]:
+        """The first group's table: a draft model's cache is indexed by it (every group keeps whole
+        tables when a draft model runs)."""
+        return self.block_tables[0]
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -114,10 +120,14 @@ class ScheduledRow:
     request: CachedRequestState | Request
     start_pos: int
     num_tokens: int
-    block_ids: list[int]  # the request's whole block table (the worker's list, not a copy)
+    block_tables: list[list[int]]  # per KV cache group, the request's whole table (the worker's lists)
     sample: bool
     # Proposals to verify: the last len(spec_token_ids) of the num_tokens positions.
     spec_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def block_ids(self) -> list[int]:
+        return self.block_tables[0]
 
     @property
     def token_ids(self) -> list[int]:
@@ -148,9 +158,13 @@ class BatchState:
                 state = self.requests[s.request_id]
             if s.new_token_ids:
                 state.extend(s.new_token_ids)
-            del state.block_ids[s.blocks_from :]
-            state.block_ids.extend(s.block_ids)
-            rows.append(ScheduledRow(state, s.start_pos, s.num_tokens, state.block_ids, s.sample, s.spec_token_ids))
+            if not state.block_tables:
+                state.block_tables = [[] for _ in s.block_ids]
+            for table, tail in zip(state.block_tables, s.block_ids):
+                del table[s.blocks_from :]
+                table.extend(tail)
+            rows.append(ScheduledRow(state, s.start_pos, s.num_tokens, state.block_tables, s.sample,
+                                     s.spec_token_ids))
         if step.grammar is not None:
             for rid in step.grammar.request_ids:
                 self.requests[rid].grammar_terminated = rid in step.grammar.terminated

@@ -87,7 +87,8 @@ class LLMEngine:
             if config.cache.kv_offload_enabled:
                 offload = TierIndex(self.executor.collective_rpc("kv_tier_layout"), config.cache.block_size)
             self.scheduler = Scheduler(
-                config.scheduler, config.cache, num_blocks, self.max_model_len, config.speculative, offload,
+                config.scheduler, config.cache, num_blocks, self.max_model_len, config.speculative,
+                info.kv_cache_windows, offload,
             )
             self._routing = RoutingStatsReader(self.executor)
             self._kv_events: Optional[KVEventPublisher] = None

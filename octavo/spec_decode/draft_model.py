@@ -303,7 +303,7 @@ class DraftModelProposer(Proposer):
             start = seq.computed - 1 if cap and seq.computed == end else seq.computed
             if start >= end:
                 continue
-            row = ScheduledRow(_Row(inp.request_id, tokens), start, end - start, state.block_ids, bool(cap))
+            row = ScheduledRow(_Row(inp.request_id, tokens), start, end - start, [state.block_ids], bool(cap))
             forward.append(row)
             seq.computed = end
             if cap:

@@ -6,7 +6,7 @@ replays its kernels with a single call. Replay reads fixed addresses, so every i
 per recorded batch size; a step of n decodes copies its inputs into the smallest recorded size >= n and pads the
 rest with rows that write their K/V into a spare block no request owns (the "null block", one more than the pool
 the scheduler manages) and attend over it alone. The attention metadata is sized for ``max_model_len``, so one
-recording serves every context length.
+recording serves every context length; there is one per KV cache group, each layer reading its group's.
 
 Without a recorder (tests) the same static buffers and padding run eagerly: everything but the recording.
 """
@@ -23,8 +23,8 @@ from octavo.attention.kv_quant import LayerKVCache
 
 logger = logging.getLogger(__name__)
 
-# Model forward: (input_ids, positions, kv_caches, metadata) -> hidden states [tokens, hidden].
-Forward = Callable[[torch.Tensor, torch.Tensor, Sequence[LayerKVCache], AttentionMetadata], torch.Tensor]
+# Model forward: (input_ids, positions, kv_caches, metadata per layer) -> hidden states [tokens, hidden].
+Forward = Callable[[torch.Tensor, torch.Tensor, Sequence[LayerKVCache], Sequence[AttentionMetadata]], torch.Tensor]
 
 
 class StepRefused(RuntimeError):
@@ -88,7 +88,8 @@ class _StaticStep:
     size: int
     input_ids: torch.Tensor  # [size]
     positions: torch.Tensor  # [size]
-    meta: AttentionMetadata  # its slot_mapping, decode block table and context lengths are the static buffers
+    # Per KV cache group: its slot_mapping, decode block table and context lengths are the static buffers.
+    metas: list[AttentionMetadata]
     hidden: Optional[torch.Tensor] = None  # the recording's output
     replay: Optional[Callable[[], None]] = None
     eager_runs: int = 0
@@ -101,7 +102,8 @@ class DecodeGraphs:
     (kernel tapes): a size is recorded on its second step, the first having run eagerly through the same
     buffers (whatever a first run builds or measures stays out of the recording), and an engine that never
     decodes at a size never pays for it. With ``memory_budget`` (bytes), a recording that would take the
-    recordings past it is dropped and its size stays eager (a kernel tape keeps every tensor its step made)."""
+    recordings past it is dropped and its size stays eager (a kernel tape keeps every tensor its step made).
+    ``layer_groups``: per layer, its KV cache group (default: one group)."""
 
     def __init__(
         self,
@@ -115,6 +117,7 @@ class DecodeGraphs:
         device: torch.device,
         recorder: Optional[StepRecorder],
         memory_budget: Optional[int] = None,
+        layer_groups: Optional[Sequence[int]] = None,
     ) -> None:
         self._forward = forward
         self._kv_caches = kv_caches
@@ -123,13 +126,15 @@ class DecodeGraphs:
         self.max_model_len = max_model_len
         self._recorder = recorder
         self._memory_budget = memory_budget
+        self._layer_groups = list(layer_groups) if layer_groups is not None else [0] * len(kv_caches)
         self.recorded_bytes = 0
         self._steps: dict[int, _StaticStep] = {}
         for size in sizes:
-            meta = backend.static_decode_metadata(size, -(-max_model_len // block_size), null_block,
-                                                  self._null_slot, max_model_len, device)
+            metas = [backend.static_decode_metadata(size, -(-max_model_len // block_size), null_block,
+                                                    self._null_slot, max_model_len, device)
+                     for _ in range(max(self._layer_groups) + 1)]
             self._steps[size] = _StaticStep(size, torch.zeros(size, dtype=torch.int64, device=device),
-                                            torch.zeros(size, dtype=torch.int64, device=device), meta)
+                                            torch.zeros(size, dtype=torch.int64, device=device), metas)
         if recorder is not None and not recorder.on_use:
             for size in sorted(self._steps, reverse=True):
                 self._record(self._steps[size])
@@ -163,25 +168,28 @@ class DecodeGraphs:
         return recorded.output
 
     def _run_eager(self, step: _StaticStep) -> torch.Tensor:
-        return self._forward(step.input_ids, step.positions, self._kv_caches, step.meta)
+        metas = [step.metas[g] for g in self._layer_groups]
+        return self._forward(step.input_ids, step.positions, self._kv_caches, metas)
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Hidden states [n, hidden] of a step of n <= max_batch decodes laid out by the attention backend."""
-        n = meta.num_decodes
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, metas: Sequence[AttentionMetadata]
+            ) -> torch.Tensor:
+        """Hidden states [n, hidden] of a step of n <= max_batch decodes laid out by the attention backend
+        (``metas``: per KV cache group)."""
+        n = metas[0].num_decodes
         step = self._steps[min(size for size in self._steps if size >= n)]
-        static = step.meta
-        width = meta.decode_block_table.shape[1]
         step.input_ids[:n].copy_(input_ids)
         step.positions[:n].copy_(positions)
-        static.slot_mapping[:n].copy_(meta.slot_mapping)
-        static.decode_block_table[:n, :width].copy_(meta.decode_block_table)
-        static.decode_context_lens[:n].copy_(meta.decode_context_lens)
         # Rows n.. still hold the previous replay's values: reset them to padding.
         step.input_ids[n:].zero_()
         step.positions[n:].zero_()
-        static.slot_mapping[n:].fill_(self._null_slot)
-        static.decode_block_table[n:, 0].fill_(self._null_block)
-        static.decode_context_lens[n:].fill_(1)
+        for static, meta in zip(step.metas, metas):
+            width = meta.decode_block_table.shape[1]
+            static.slot_mapping[:n].copy_(meta.slot_mapping)
+            static.decode_block_table[:n, :width].copy_(meta.decode_block_table)
+            static.decode_context_lens[:n].copy_(meta.decode_context_lens)
+            static.slot_mapping[n:].fill_(self._null_slot)
+            static.decode_block_table[n:, 0].fill_(self._null_block)
+            static.decode_context_lens[n:].fill_(1)
         if step.replay is not None:
             try:
                 step.replay()

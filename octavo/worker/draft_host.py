@@ -25,7 +25,9 @@ from octavo.worker.kv_cache import allocate_kv_caches, copy_blocks
 
 
 class HostedDraftModel:
-    """A draft model and its KV cache on the target's block ids (a ``DraftModel``)."""
+    """A draft model and its KV cache on the target's block ids (a ``DraftModel``): those of the first KV
+    cache group's tables, which keep every block while a draft model runs. Its rows carry that one table,
+    so its steps have one metadata for all its layers."""
 
     def __init__(self, model: CausalLM, arch: ArchConfig, backends: ModelBackends, block_size: int,
                  cache_dtype: torch.dtype, device: torch.device) -> None:
@@ -38,14 +40,15 @@ class HostedDraftModel:
 
     def run_rows(self, rows: list[ScheduledRow], sample: list[ScheduledRow]) -> torch.Tensor:
         inputs = prepare_inputs(rows, self.block_size, self.attention, self.device)
-        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
+        hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn * len(self.kv_caches))
         # prepare_inputs reorders the rows (decodes first): find each one's last row.
         where = {id(s): first + s.num_tokens - 1 for s, first in zip(inputs.order, inputs.q_starts)}
         last = torch.tensor([where[id(s)] for s in sample], dtype=torch.int64, device=self.device)
         return self.model.compute_logits(hidden.index_select(0, last))
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
-        return self.model.compute_logits(self.model(input_ids, positions, self.kv_caches, attn))
+        metas = [attn] * len(self.kv_caches)
+        return self.model.compute_logits(self.model(input_ids, positions, self.kv_caches, metas))
 
 
 class DraftHost:

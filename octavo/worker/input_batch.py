@@ -1,4 +1,4 @@
-"""The step's rows -> its flattened tensors and attention metadata."""
+"""The step's rows -> its flattened tensors and attention metadata (one per KV cache group)."""
 from __future__ import annotations
 
 import itertools
@@ -14,7 +14,7 @@ from octavo.core.step_state import ScheduledRow
 class StepInputs:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
-    attn: AttentionMetadata
+    attn: list[AttentionMetadata]  # per KV cache group: its block tables and slots
     # The scheduled requests in row order (single-token rows first); request i
     # owns rows q_starts[i] .. q_starts[i] + num_tokens - 1.
     order: list[ScheduledRow]
@@ -29,7 +29,8 @@ def prepare_inputs(
 ) -> StepInputs:
     """Lay the step's tokens out (decodes first, longest context first, so
     decodes of similar length sit in contiguous rows) and let ``backend``
-    build its metadata from that layout, once for every layer."""
+    build its metadata from that layout, once per KV cache group (each
+    group's layers read its own block tables)."""
     decodes = sorted(
         (s for s in scheduled if s.num_tokens == 1), key=lambda s: s.start_pos, reverse=True
     )
@@ -39,9 +40,10 @@ def prepare_inputs(
     context = [start + n for start, n in zip(starts, lens)]
     blocks_needed = [-(-c // block_size) for c in context]
     for s, need, tokens in zip(order, blocks_needed, context):
-        if len(s.block_ids) < need:
+        held = min(len(table) for table in s.block_tables)
+        if held < need:
             raise ValueError(
-                f"request {s.request.request_id}: {len(s.block_ids)} blocks cannot hold "
+                f"request {s.request.request_id}: {held} blocks cannot hold "
                 f"{tokens} tokens with block_size {block_size}"
             )
     q_starts = list(itertools.accumulate(lens, initial=0))[:-1]
@@ -50,14 +52,16 @@ def prepare_inputs(
         return torch.tensor(values, dtype=torch.int64, device=device)
 
     width = max(blocks_needed)
-    block_table = ints([s.block_ids[:n] + [0] * (width - n) for s, n in zip(order, blocks_needed)])
     row_req = torch.repeat_interleave(torch.arange(len(order), device=device), ints(lens))
     positions = torch.arange(sum(lens), device=device) + (ints(starts) - ints(q_starts))[row_req]
-    slot_mapping = block_table[row_req, positions // block_size] * block_size + positions % block_size
-    layout = StepLayout(
-        block_size=block_size, num_decodes=len(decodes), query_starts=q_starts, query_lens=lens,
-        context_lens=context, blocks_needed=blocks_needed, block_table=block_table, slot_mapping=slot_mapping,
-        device=device,
-    )
+    attn = []
+    for group in range(len(order[0].block_tables)):
+        block_table = ints([s.block_tables[group][:n] + [0] * (width - n) for s, n in zip(order, blocks_needed)])
+        slot_mapping = block_table[row_req, positions // block_size] * block_size + positions % block_size
+        attn.append(backend.build_metadata(StepLayout(
+            block_size=block_size, num_decodes=len(decodes), query_starts=q_starts, query_lens=lens,
+            context_lens=context, blocks_needed=blocks_needed, block_table=block_table, slot_mapping=slot_mapping,
+            device=device,
+        )))
     input_ids = ints(list(itertools.chain.from_iterable(s.token_ids for s in order)))
-    return StepInputs(input_ids, positions, backend.build_metadata(layout), order, q_starts)
+    return StepInputs(input_ids, positions, attn, order, q_starts)

@@ -5,6 +5,7 @@ and K or V (one byte per element, a float32 scale) against 2 * head_dim for
 bf16: 1.88x the tokens in the same memory at head_dim 64, 1.94x at 128."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections import Counter
 from typing import Optional, Sequence
@@ -22,7 +23,7 @@ logger = logging.getLogger(__name__)
 
 
 def bytes_per_block(specs: Sequence[KVCacheSpec]) -> int:
-    """What one block id costs across ``specs`` (one per layer, of every model that shares the block ids)."""
+    """What one block id costs across ``specs`` (one per cache tensor, of every model that shares the block ids)."""
     return sum(spec.bytes_per_block for spec in specs)
 
 
@@ -44,7 +45,8 @@ def num_cache_blocks(
     An explicit size must fit the memory available (``check_pool_fits``).
     ``memory_share``: this rank's part of the memory budgets, when several
     ranks draw on one memory (CPU ranks of one machine: 1 / their number).
-    ``specs``: every layer's, a draft model's included (its cache is indexed
+    ``specs``: every cache tensor's (one per layer, but one for the layers of
+    several KV cache groups that share it), a draft model's included (its cache is indexed
     by the same block ids)."""
     per_block = bytes_per_block(specs)
     block_size = specs[0].block_size
@@ -72,21 +74,38 @@ def num_cache_blocks(
 def allocate_kv_caches(
     specs: Sequence[KVCacheSpec], backend: AttentionBackend, num_blocks: int, device: torch.device,
     static_scales: Optional[list[Optional[torch.Tensor]]] = None, padding_blocks: int = 0,
+    slots: Optional[Sequence[int]] = None,
 ) -> list[LayerKVCache]:
     """One zero-filled cache per layer, from its spec, in ``backend``'s layout: ``num_blocks`` for
     the scheduler's pool plus ``padding_blocks`` after them that no request owns (recorded decode
-    steps pad into one); ``static_scales``: per layer, the checkpoint's [2, kv_heads] K/V scales or
-    None (quantized caches only)."""
-    caches = [backend.allocate_cache(spec, num_blocks + padding_blocks, device,
-                                     static_scales[i] if static_scales else None)
-              for i, spec in enumerate(specs)]
+    steps pad into one, sliding-window groups' released entries name one); ``static_scales``: per
+    layer, the checkpoint's [2, kv_heads] K/V scales or None (quantized caches only). ``slots``:
+    per layer, the tensor it shares with the other layers of that slot (KV cache groups,
+    octavo/attention/kv_groups.py), each keeping its own static scales; default: a tensor each."""
+    caches: list[LayerKVCache] = []
+    first: dict[int, tuple[KVCacheSpec, LayerKVCache]] = {}
+    for i, spec in enumerate(specs):
+        scales = static_scales[i] if static_scales else None
+        slot = slots[i] if slots is not None else i
+        if slot not in first:
+            first[slot] = spec, backend.allocate_cache(spec, num_blocks + padding_blocks, device, scales)
+            caches.append(first[slot][1])
+            continue
+        owner, cache = first[slot]
+        if spec.bytes_per_block != owner.bytes_per_block:
+            raise ValueError(f"KV cache groups: layers sharing a cache tensor must keep the same bytes per block; "
+                             f"got {owner.describe()} and {spec.describe()}")
+        if scales is not None:
+            scales = scales.to(device=device, dtype=torch.float32).contiguous()
+        caches.append(dataclasses.replace(cache, static_scales=scales))
+    owners = [spec for spec, _ in first.values()]
     kinds = Counter(spec.describe() for spec in specs)
     fixed = sum(c.static_scales is not None for c in caches)
     block_size = specs[0].block_size
     logger.info(
         "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB, %d bytes per token; layers: %s%s%s",
-        num_blocks, block_size, num_blocks * block_size, num_blocks * bytes_per_block(specs) / 2**20,
-        bytes_per_block(specs) // block_size,
+        num_blocks, block_size, num_blocks * block_size, num_blocks * bytes_per_block(owners) / 2**20,
+        bytes_per_block(owners) // block_size,
         "; ".join(f"{n} {kind}" for kind, n in kinds.items()),
         f"; static scales from the checkpoint in {fixed} layers" if fixed else "",
         f"; and {padding_blocks} padding block{'s' * (padding_blocks > 1)}" if padding_blocks else "",
@@ -95,11 +114,12 @@ def allocate_kv_caches(
 
 
 def copy_blocks(kv_caches: list[LayerKVCache], copies: list[tuple[int, int]]) -> None:
-    """Copy-on-write: block dst gets block src's K/V (and scales) in every layer."""
+    """Copy-on-write: block dst gets block src's K/V (and scales) in every layer (once per tensor
+    that layers share)."""
     if not copies:
         return
     device = kv_caches[0].data.device
     src = torch.tensor([s for s, _ in copies], dtype=torch.int64, device=device)
     dst = torch.tensor([d for _, d in copies], dtype=torch.int64, device=device)
-    for cache in kv_caches:
+    for cache in {id(c.data): c for c in kv_caches}.values():
         copy_layer_blocks(cache, src, dst)

@@ -8,6 +8,7 @@ from typing import Callable, Optional
 
 import torch
 
+from octavo.attention.kv_groups import group_layers
 from octavo.attention.kv_quant import KV_QUANT_DTYPES
 from octavo.checkpoint.paths import model_path
 from octavo.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
@@ -114,6 +115,12 @@ class ModelRunner:
         self.block_size = cache_config.block_size
         # Each rank caches its own layers (pipeline) and KV heads (tensor) only.
         self.kv_cache_specs = self.model.kv_cache_specs(self.block_size, cache_dtype)
+        # Grouped from the whole model, so every rank agrees; this rank's layers share tensors by slot.
+        groups = group_layers(arch.layer_windows)
+        local = self.model.model.layer_range
+        self._layer_groups = [groups.group_of(layer) for layer in local]
+        slots = [groups.slot_of(layer) for layer in local]
+        slot_specs = list(dict(zip(slots, self.kv_cache_specs)).values())
         spec = speculative_config or SpeculativeConfig()
         # Built before the pool is sized: a draft model's cache shares the
         # target's block ids, so the pool is sized for both, per block.
@@ -121,16 +128,19 @@ class ModelRunner:
         context = ProposerContext(model_config, cache_config, self.device, self.max_model_len, self.arch,
                                   self._draft_host)
         self.proposer = create_proposer(spec, context)
+        self.kv_cache_windows = groups.windows  # for the scheduler's block tables
         self.num_blocks = num_cache_blocks(
-            cache_config, [*self.kv_cache_specs, *self._draft_host.kv_cache_specs], self.device,
+            cache_config, [*slot_specs, *self._draft_host.kv_cache_specs], self.device,
             scheduler_config.max_num_seqs * self.max_model_len, memory_share,
         )
         static_scales = (load_static_kv_scales(self.model, folder, cache_dtype)
                          if cache_config.kv_cache_dtype != "auto" else None)
         use_graphs = self._can_use_graphs(model_config, spec)
-        # Recorded steps pad batches with rows that write into one extra block the scheduler never hands out.
+        # Recorded steps pad batches with rows that write into one extra block the scheduler never hands out;
+        # window groups name it (the scheduler's null block) where they released a block.
+        padding = int(use_graphs or any(w is not None for w in groups.windows))
         self.kv_caches = allocate_kv_caches(self.kv_cache_specs, self.backends.attention, self.num_blocks,
-                                            self.device, static_scales, padding_blocks=int(use_graphs))
+                                            self.device, static_scales, padding_blocks=padding, slots=slots)
         self._draft_host.allocate(self.num_blocks)
         # The tiers below the pool hold every tensor indexed by block id: the draft's caches too.
         state = get_parallel_state()
@@ -274,9 +284,11 @@ class ModelRunner:
             return None
         inputs = prepare_inputs(rows, self.block_size, self.backends.attention, self.device)
         graphs = self._graphs
-        if graphs is not None and not inputs.attn.prefills and inputs.attn.num_decodes <= graphs.max_batch:
+        first = inputs.attn[0]
+        if graphs is not None and not first.prefills and first.num_decodes <= graphs.max_batch:
             return inputs, graphs.run(inputs.input_ids, inputs.positions, inputs.attn)
-        return inputs, self.model(inputs.input_ids, inputs.positions, self.kv_caches, inputs.attn)
+        metas = [inputs.attn[g] for g in self._layer_groups]
+        return inputs, self.model(inputs.input_ids, inputs.positions, self.kv_caches, metas)
 
     def _can_use_graphs(self, model_config: ModelConfig, spec: SpeculativeConfig) -> bool:
         """Decode steps replay recordings (CUDA graphs with the Triton backend, kernel tapes on CPU with the
@@ -301,7 +313,8 @@ class ModelRunner:
             with torch.inference_mode():  # as the steps that replay them run
                 return DecodeGraphs(self.model, self.kv_caches, self.num_blocks, self.block_size, sizes,
                                     self.max_model_len, self.backends.attention, self.device, recorder,
-                                    memory_budget=None if on_cuda else TAPE_MEMORY_BUDGET)
+                                    memory_budget=None if on_cuda else TAPE_MEMORY_BUDGET,
+                                    layer_groups=self._layer_groups)
         except Exception:
             logger.exception("recording decode steps (%s) failed; running every step eagerly", recorder.name)
             return None

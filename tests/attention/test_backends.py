@@ -61,7 +61,7 @@ def _step(backend: AttentionBackend):
     def sched(name: str, start: int, num_tokens: int) -> ScheduledRow:
         request = Request(name, list(range(start + num_tokens)), SamplingParams())
         blocks = [order.pop() for _ in range(-(-(start + num_tokens) // BLOCK))]
-        return ScheduledRow(request, start, num_tokens, blocks, True)
+        return ScheduledRow(request, start, num_tokens, [blocks], True)
 
     scheduled = [sched("d1", 8, 1), sched("p1", 0, 6), sched("d0", 22, 1), sched("p2", 8, 5), sched("d2", 0, 1)]
     return prepare_inputs(scheduled, BLOCK, backend, CPU)
@@ -117,17 +117,17 @@ def test_backends_attend_over_the_paged_cache(name, window, cache_dtype, scoring
     write_kv(cache, old_k, old_v, every_slot)  # the "cached" prefix
     q = torch.randn(tokens, HEADS, DIM, generator=gen)
     k, v = (torch.randn(tokens, KV_HEADS, DIM, generator=gen) for _ in range(2))
-    backend.write_kv(cache, k, v, inputs.attn)
+    backend.write_kv(cache, k, v, inputs.attn[0])
     flat = _dense_cache(cache)
-    slots = inputs.attn.slot_mapping
+    slots = inputs.attn[0].slot_mapping
     # Exact in a float cache; within half a step of each row's scale in a quantized one.
     tol = 0 if cache_dtype == F32 else {torch.int8: 0.5 / 127, torch.float8_e4m3fn: 2**-4}[cache_dtype]
     for stored, want in ((flat[0][slots], k), (flat[1][slots], v)):
         assert ((stored - want).abs() <= tol * want.abs().amax(-1, keepdim=True) + 1e-7).all()
     if scoring is None:
-        out, ref = backend.forward(q, k, v, cache, inputs.attn, window), _reference(q, k, v, cache, inputs, window)
+        out, ref = backend.forward(q, k, v, cache, inputs.attn[0], window), _reference(q, k, v, cache, inputs, window)
     else:
-        out = backend.forward(q, k, v, cache, inputs.attn, window, *scoring)
+        out = backend.forward(q, k, v, cache, inputs.attn[0], window, *scoring)
         ref = _reference(q, k, v, cache, inputs, window, *scoring)
         assert (ref - _reference(q, k, v, cache, inputs, window, scoring[0])).abs().max() > 1e-2
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)

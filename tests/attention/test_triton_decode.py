@@ -103,8 +103,8 @@ def test_backend_attends_over_a_mixed_step_like_the_reference(window, scoring):
     write_kv(cache, *(torch.randn(NUM_BLOCKS * BLOCK, KV_HEADS, 8, generator=gen) for _ in range(2)), every_slot)
     q = torch.randn(tokens, 4, 8, generator=gen)
     k, v = (torch.randn(tokens, KV_HEADS, 8, generator=gen) for _ in range(2))
-    backend.write_kv(cache, k, v, inputs.attn)
-    out = backend.forward(q, k, v, cache, inputs.attn, window, *scoring)
+    backend.write_kv(cache, k, v, inputs.attn[0])
+    out = backend.forward(q, k, v, cache, inputs.attn[0], window, *scoring)
     torch.testing.assert_close(out, _reference(q, k, v, cache, inputs, window, *scoring), rtol=1e-5, atol=1e-5)
 
 

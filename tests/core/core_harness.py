@@ -7,6 +7,11 @@ its table and picks the next token as a hash of it. So a wrong block table, a
 missing copy-on-write, a bad prefix hit or a recompute that feeds the wrong
 tokens all change the output, and the output of a correct schedule equals
 ``reference_tokens`` (the same hash iterated with no scheduler at all).
+
+With KV cache groups (``windows``) every token is written through each
+group's table, and a group of window W reads only the last W positions: the
+hash covers what each group reads, so a block released too early (and reused)
+changes the output too.
 """
 from __future__ import annotations
 
@@ -35,10 +40,16 @@ def next_token(context: list[int], salt: int) -> int:
     return h % VOCAB
 
 
-def reference_tokens(prompt: list[int], num_tokens: int, request_id: str) -> list[int]:
+def read_by_groups(context: list[int], windows: tuple[Optional[int], ...]) -> list[int]:
+    """What the fake model reads of ``context``: per group, all of it or its last window."""
+    return [t for w in windows for t in (context if w is None else context[-w:])]
+
+
+def reference_tokens(prompt: list[int], num_tokens: int, request_id: str,
+                     windows: tuple[Optional[int], ...] = (None,)) -> list[int]:
     ctx = list(prompt)
     for _ in range(num_tokens):
-        ctx.append(next_token(ctx, salt_of(request_id)))
+        ctx.append(next_token(read_by_groups(ctx, windows), salt_of(request_id)))
     return ctx[len(prompt) :]
 
 
@@ -47,8 +58,9 @@ def prompt_logprob(position: int) -> float:
 
 
 class FakeRunner:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, windows: tuple[Optional[int], ...] = (None,)) -> None:
         self.block_size = block_size
+        self.windows = windows
         self.slots: list[list[Optional[int]]] = [[None] * block_size for _ in range(num_blocks)]
         # request id -> the tokens it samples, in order, instead of the hash
         # (for stop-condition tests that need exact tokens).
@@ -66,15 +78,21 @@ class FakeRunner:
             self.slots[dst] = content
         rows = self.batch.apply(out)
         for s in rows:
-            for i, token in enumerate(s.token_ids):
-                b, o = self._slot(s.block_ids, s.start_pos + i)
-                self.slots[b][o] = token
+            for table in s.block_tables:
+                for i, token in enumerate(s.token_ids):
+                    b, o = self._slot(table, s.start_pos + i)
+                    self.slots[b][o] = token
         result = ModelRunnerOutput()
         for s in rows:
             req = s.request
             end = s.start_pos + s.num_tokens
-            ctx = [self.slots[b][o] for b, o in (self._slot(s.block_ids, p) for p in range(end))]
-            assert None not in ctx, f"{req.request_id} reads an unwritten slot"
+            ctx = []
+            for table, window in zip(s.block_tables, self.windows):
+                # Every query of the step reads its window: the first query reaches back furthest.
+                first = 0 if window is None else max(0, s.start_pos - window + 1)
+                read = [self.slots[b][o] for b, o in (self._slot(table, p) for p in range(first, end))]
+                assert None not in read, f"{req.request_id} reads an unwritten slot"
+                ctx += read if window is None else read[-window:]
             if s.sample:
                 script = self.script.get(req.request_id)
                 token = script[req.num_output_tokens] if script else next_token(ctx, salt_of(req.request_id))
@@ -98,6 +116,7 @@ def make_scheduler(
     enable_chunked_prefill: bool = True,
     enable_prefix_caching: bool = True,
     max_model_len: int = 4096,
+    windows: tuple[Optional[int], ...] = (None,),
 ) -> tuple[Scheduler, FakeRunner]:
     sched = Scheduler(
         SchedulerConfig(
@@ -108,8 +127,9 @@ def make_scheduler(
         CacheConfig(block_size=block_size, enable_prefix_caching=enable_prefix_caching),
         num_blocks,
         max_model_len,
+        kv_cache_windows=windows,
     )
-    return sched, FakeRunner(num_blocks, block_size)
+    return sched, FakeRunner(num_blocks, block_size, windows)
 
 
 _clock = iter(range(1, 1 << 30))
@@ -150,7 +170,7 @@ def check_invariants(sched: Scheduler) -> None:
     for req in sched.waiting:
         assert kv.get_block_ids(req) == [], f"waiting {req.request_id} holds blocks"
     for req in sched.running:
-        held += len(kv.get_block_ids(req))
+        held += kv.num_held_blocks(req)
     assert sum(refs) == held
     assert len(sched.running) <= sched.config.max_num_seqs
 

@@ -9,7 +9,7 @@ from octavo.core.prefix_hash import hash_block
 def _compute(kv: KVCacheManager, req, n: int, computed=()) -> None:
     """Allocate like the scheduler does, mark the tokens computed, register."""
     assert kv.allocate_slots(req, n, computed)
-    req.num_computed_tokens += len(computed) * kv.block_size + n
+    req.num_computed_tokens += (len(computed[0]) if computed else 0) * kv.block_size + n
     kv.cache_blocks(req)
 
 
@@ -43,17 +43,17 @@ def test_prefix_hit_and_the_last_token_cap():
     h0 = hash_block(None, a.prompt_token_ids[:16])
     h1 = hash_block(h0, a.prompt_token_ids[16:32])
     assert hit == 32
-    assert blocks == [kv.pool.lookup(h0), kv.pool.lookup(h1)]
+    assert blocks == [[kv.pool.lookup(h0), kv.pool.lookup(h1)]]
 
     same = make_request("c", list(a.prompt_token_ids))
     blocks, hit = kv.get_computed_blocks(same)
-    assert hit == 16 and len(blocks) == 1  # 31 tokens at most, so one full block
+    assert hit == 16 and len(blocks[0]) == 1  # 31 tokens at most, so one full block
 
     scoring = make_request("d", list(a.prompt_token_ids) + [1], prompt_logprobs=0)
-    assert kv.get_computed_blocks(scoring) == ([], 0)
+    assert kv.get_computed_blocks(scoring) == ([[]], 0)
     salted = make_request("e", list(a.prompt_token_ids) + [1])
     salted.cache_salt = "tenant-b"
-    assert kv.get_computed_blocks(salted) == ([], 0)
+    assert kv.get_computed_blocks(salted) == ([[]], 0)
 
 
 def test_hits_are_counted_once_per_admission_in_tokens():
@@ -90,7 +90,7 @@ def test_failed_allocation_changes_nothing_and_counts_free_hits():
     assert kv.get_block_ids(b) == [] and kv.prefix_cache_queries == 12
     # 4 tokens need exactly the one fresh block: hits are taken before it.
     assert kv.allocate_slots(b, 4, blocks)
-    assert kv.get_block_ids(b)[:3] == blocks and kv.num_free_blocks == 0
+    assert [kv.get_block_ids(b)[:3]] == blocks and kv.num_free_blocks == 0
     kv.free(b)
     assert kv.num_free_blocks == 4
 
@@ -142,7 +142,7 @@ def test_prefix_caching_off_registers_and_hits_nothing():
     _compute(kv, a, 40)
     kv.free(a)
     assert kv.pool.cached_blocks() == {}
-    assert kv.get_computed_blocks(make_request("b", list(a.prompt_token_ids))) == ([], 0)
+    assert kv.get_computed_blocks(make_request("b", list(a.prompt_token_ids))) == ([[]], 0)
     assert kv.prefix_cache_queries == 0
 
 

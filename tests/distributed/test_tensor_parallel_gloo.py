@@ -44,10 +44,10 @@ def _logits(folder: Path, prompts: list[list[int]], quantization: Optional[str] 
     for i, prompt in enumerate(prompts):
         blocks = list(range(next_block, next_block + -(-len(prompt) // 16)))
         next_block += len(blocks)
-        scheduled.append(ScheduledRow(Request(str(i), prompt, SamplingParams()), 0, len(prompt), blocks, True))
+        scheduled.append(ScheduledRow(Request(str(i), prompt, SamplingParams()), 0, len(prompt), [blocks], True))
     inputs = prepare_inputs(scheduled, 16, backend, torch.device("cpu"))
     with torch.inference_mode():
-        hidden = model(inputs.input_ids, inputs.positions, caches, inputs.attn)
+        hidden = model(inputs.input_ids, inputs.positions, caches, inputs.attn * len(caches))
         return model.compute_logits(hidden)
 
 

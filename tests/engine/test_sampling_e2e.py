@@ -113,7 +113,7 @@ def test_parallel_sampling_shares_prompt_blocks(folder, monkeypatch):
     for fork, _ in steps:
         for s in fork.scheduled:
             table = tables.setdefault(s.request_id, [])
-            table[s.blocks_from :] = s.block_ids
+            table[s.blocks_from :] = s.block_ids[0]
         if any(s.request_id == "g#1" for s in fork.scheduled):
             break
     assert len(tables) == n and all(t[:full] == tables["g#0"][:full] for t in tables.values())

@@ -1,7 +1,8 @@
 """Pipeline parallelism: a 3-layer Llama split over two stages (two layers,
 then one) gives exactly the greedy tokens of one process, with chunked
 prefill, prefix hits and preemption, and two steps in flight; TP=2 x PP=2
-(four ranks) on a GQA model gives the same tokens.
+(four ranks) on a GQA model gives the same tokens, and so do two stages that each hold the layers
+of one KV cache group.
 
 Logprobs agree within 1e-5, not bitwise: with two steps in flight the
 batches are composed differently (a request waits for its step to come
@@ -49,3 +50,17 @@ def test_tp2_x_pp2_gives_the_same_tokens(tmp_path):
     finally:
         split.shutdown()
 
+
+
+def test_pp2_with_a_stage_per_kv_cache_group(tmp_path):
+    """Qwen2 with a global layer 0 and a sliding layer 1 (window 16): each stage holds the layer of one KV
+    cache group and reads that group's tables (the sliding one released as the window moves on), and the
+    tokens are those of one process."""
+    folder = make_tiny_model(tmp_path, "qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=1)
+    want = [t for t, _ in _run(LLM(folder, **ENGINE))]
+    split = LLM(folder, pipeline_parallel_size=2, threads_per_worker=1, **ENGINE)
+    try:
+        assert [t for t, _ in _run(split)] == want
+        assert split.engine.scheduler.kv_cache_manager.windows == (None, 16)
+    finally:
+        split.shutdown()

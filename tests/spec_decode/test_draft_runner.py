@@ -77,7 +77,7 @@ class _Target:
 
     def __init__(self, rid: str, prompt: list[int], block_size: int, first_block: int, params: SamplingParams,
                  lookahead: int = K):
-        self.state = CachedRequestState(rid, list(prompt), [], params, None)
+        self.state = CachedRequestState(rid, list(prompt), [], params, None, block_tables=[[]])
         self.block_size, self.next_block, self.lookahead = block_size, first_block, lookahead
         self.computed = 0
 

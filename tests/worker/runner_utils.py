@@ -45,19 +45,22 @@ class Blocks:
         self.block_size = runner.block_size
         self.free = list(range(runner.num_blocks))
         random.Random(seed).shuffle(self.free)
-        self.tables: dict[str, list[int]] = {}
+        self.num_groups = len(runner.kv_cache_windows)
+        # Per request, a table per KV cache group, kept whole (nothing released).
+        self.tables: dict[str, list[list[int]]] = {}
         self.sent = SentRequests(self.block_size)  # the steps carry deltas, as the scheduler's do
 
     def chunk(self, request: Request, start: int, num_tokens: int, sample: bool = True) -> ScheduledRequest:
-        """Schedule ``request.all_token_ids[start : start + num_tokens]``, growing its block table."""
-        table = self.tables.setdefault(request.request_id, [])
-        while len(table) * self.block_size < start + num_tokens:
-            table.append(self.free.pop())
-        return self.sent.delta(request, start, num_tokens, table, sample)
+        """Schedule ``request.all_token_ids[start : start + num_tokens]``, growing its block tables."""
+        tables = self.tables.setdefault(request.request_id, [[] for _ in range(self.num_groups)])
+        for table in tables:
+            while len(table) * self.block_size < start + num_tokens:
+                table.append(self.free.pop())
+        return self.sent.delta(request, start, num_tokens, tables, sample)
 
     def share(self, src: Request, dst: Request, num_blocks: int) -> None:
-        """dst's table starts with src's first ``num_blocks`` blocks (a prefix-cache hit)."""
-        self.tables[dst.request_id] = list(self.tables[src.request_id][:num_blocks])
+        """dst's tables start with src's first ``num_blocks`` blocks (a prefix-cache hit)."""
+        self.tables[dst.request_id] = [list(table[:num_blocks]) for table in self.tables[src.request_id]]
 
     def take(self) -> int:
         return self.free.pop()

@@ -42,7 +42,7 @@ def _decode_step(contexts: list[int], seed: int):
     for i, context in enumerate(contexts):
         blocks = [order.pop() for _ in range(-(-context // BLOCK))]
         tokens = torch.randint(0, 100, (context,), generator=gen).tolist()
-        rows.append(ScheduledRow(Request(f"r{i}", tokens, SamplingParams()), context - 1, 1, blocks, True))
+        rows.append(ScheduledRow(Request(f"r{i}", tokens, SamplingParams()), context - 1, 1, [blocks], True))
     return rows
 
 
@@ -89,7 +89,7 @@ def _run_steps(tmp_path, make_backend, forward_wrap=lambda f: f, memory_budget=N
             if before_step is not None:
                 before_step(graphs, index)
             inputs = prepare_inputs(_decode_step(contexts, seed), BLOCK, backend, CPU)
-            want = model(inputs.input_ids, inputs.positions, eager_caches, inputs.attn)
+            want = model(inputs.input_ids, inputs.positions, eager_caches, inputs.attn * len(eager_caches))
             got = graphs.run(inputs.input_ids, inputs.positions, inputs.attn)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     for eager, static in zip(eager_caches, static_caches):

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from octavo.config import CacheConfig
+from octavo.config import CacheConfig, ModelConfig, SchedulerConfig
 from octavo.attention.kv_quant import LayerKVCache, allocate_layer_cache, write_kv
 from octavo.attention.torch_sdpa import TorchSdpaBackend
 from octavo.core.step_state import ScheduledRow
@@ -12,6 +12,7 @@ from octavo.worker.input_batch import prepare_inputs
 from octavo.attention.kv_spec import KVCacheSpec, SlidingWindowSpec
 from octavo.worker.kv_cache import allocate_kv_caches, bytes_per_block, copy_blocks, num_cache_blocks
 from octavo.worker.memory import available_memory_bytes
+from octavo.worker.model_runner import ModelRunner
 
 from .runner_utils import Blocks, make_request, make_runner, step
 
@@ -86,8 +87,8 @@ def test_prepare_inputs_layout():
     a = make_request("a", list(range(10, 30)))  # prefill of 20 in 2 blocks of 16
     b = make_request("b", list(range(5)))
     scheduled = [
-        ScheduledRow(a, 4, 16, [7, 2], True),  # positions 4..19
-        ScheduledRow(b, 4, 1, [3], True),
+        ScheduledRow(a, 4, 16, [[7, 2]], True),  # positions 4..19
+        ScheduledRow(b, 4, 1, [[3]], True),
     ]
     inputs = prepare_inputs(scheduled, 16, TorchSdpaBackend({None, 4}), CPU)
     assert [s.request.request_id for s in inputs.order] == ["b", "a"]  # decodes first
@@ -95,8 +96,8 @@ def test_prepare_inputs_layout():
     assert inputs.input_ids.tolist() == [4] + list(range(14, 30))
     assert inputs.positions.tolist() == [4] + list(range(4, 20))
     expected_slots = [3 * 16 + 4] + [7 * 16 + p for p in range(4, 16)] + [2 * 16 + p - 16 for p in range(16, 20)]
-    assert inputs.attn.slot_mapping.tolist() == expected_slots
-    attn = inputs.attn
+    assert inputs.attn[0].slot_mapping.tolist() == expected_slots
+    (attn,) = inputs.attn
     (group,) = attn.decode_groups
     assert attn.num_decodes == 1 and group.block_table.tolist() == [[3]]
     assert group.masks[None][0, 0, 0].tolist() == [True] * 5 + [False] * 11
@@ -112,7 +113,7 @@ def test_prepare_inputs_layout():
 def test_prepare_inputs_rejects_a_short_block_table():
     req = make_request("a", list(range(20)))
     with pytest.raises(ValueError, match="blocks cannot hold"):
-        prepare_inputs([ScheduledRow(req, 0, req.num_prompt_tokens, [0], True)], 16, TorchSdpaBackend({None}), CPU)
+        prepare_inputs([ScheduledRow(req, 0, req.num_prompt_tokens, [[0]], True)], 16, TorchSdpaBackend({None}), CPU)
 
 
 def test_runner_attributes(variant):
@@ -125,6 +126,23 @@ def test_runner_attributes(variant):
     assert make_runner(variant("llama"), num_blocks=1).max_model_len == 512
     assert runner.vocab_size == 512
     assert runner.arch.architecture == "LlamaForCausalLM"
+
+
+def test_layers_of_different_kv_cache_groups_share_a_tensor(variant):
+    """Gemma 2's tiny layers slide, attend globally, slide: three groups of one layer, all on one
+    tensor, so a block id costs one layer's bytes and the same budget holds three times the blocks."""
+    folder = variant("gemma2")
+    one_layer = make_runner(folder, num_blocks=4).kv_cache_specs[0].bytes_per_block
+    runner = ModelRunner(ModelConfig(model=str(folder), dtype="float32"),
+                         CacheConfig(kv_cache_memory_bytes=30 * one_layer), SchedulerConfig())
+    assert runner.kv_cache_windows == (8, 8, None) and runner.num_blocks == 30
+    first = runner.kv_caches[0].data
+    assert all(cache.data is first for cache in runner.kv_caches)
+    # The spare block after the pool: the null block of released window entries and of recorded steps' padding.
+    assert first.shape[1] == 31
+    first[:, 1] = 1.0
+    runner.execute(step(copies=[(1, 3)]))
+    assert torch.equal(first[:, 3], first[:, 1])
 
 
 def test_empty_step_applies_copies_and_drops_state(variant):
@@ -166,11 +184,11 @@ def test_decodes_of_different_lengths_are_grouped_longest_first():
     # Contexts of 3, 40, 200 and 190 tokens (block_size 16: 1, 3, 13 and 12 blocks).
     reqs = [make_request(name, list(range(n))) for name, n in [("a", 3), ("b", 40), ("c", 200), ("d", 190)]]
     scheduled = [
-        ScheduledRow(r, r.num_prompt_tokens - 1, 1, list(range(13)), True) for r in reqs
+        ScheduledRow(r, r.num_prompt_tokens - 1, 1, [list(range(13))], True) for r in reqs
     ]
     inputs = prepare_inputs(scheduled, 16, TorchSdpaBackend({None}), CPU)
     assert [s.request.request_id for s in inputs.order] == ["c", "d", "b", "a"]
-    groups = inputs.attn.decode_groups
+    groups = inputs.attn[0].decode_groups
     # c and d pad to 13 blocks together; b (3 blocks) and a (1 block) would more
     # than double their work if padded to 13, and a to 3, so they go alone.
     assert [(g.row_start, g.row_end, g.block_table.shape[1]) for g in groups] == [(0, 2, 13), (2, 3, 3), (3, 4, 1)]

@@ -104,7 +104,7 @@ def test_static_scales_from_the_checkpoint(kv, variant, tmp_path):
     req = make_request("a", tokens[:30])
     runner.execute_logits(step(blocks.chunk(req, 0, 30)))
     for cache in runner.kv_caches:  # every written row took its head's static scale
-        written = cache.scales[:, blocks.tables["a"]].transpose(2, 3).reshape(2, -1, 2)[:, :30]
+        written = cache.scales[:, blocks.tables["a"][0]].transpose(2, 3).reshape(2, -1, 2)[:, :30]
         assert torch.equal(written, cache.static_scales[:, None, :].expand_as(written))
     ref = _logits(variant("llama"), "auto", "native", tokens)
     ours = _logits(folder, kv, "native", tokens)

@@ -29,7 +29,7 @@ def _whole(kind: str, rows: torch.Tensor) -> torch.Tensor:
 
 def _row(rid: str, length: int, start: int, count: int) -> ScheduledRow:
     request = SimpleNamespace(request_id=rid, num_prompt_tokens=length)
-    return ScheduledRow(request=request, start_pos=start, num_tokens=count, block_ids=[], sample=False)
+    return ScheduledRow(request=request, start_pos=start, num_tokens=count, block_tables=[[]], sample=False)
 
 
 def _run_chunks(pooler: Pooler, prompts: dict[str, torch.Tensor], chunk: int) -> dict[str, list[float]]:

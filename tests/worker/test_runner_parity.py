@@ -124,9 +124,10 @@ def test_copy_on_write_partial_block(variant, hf_model):
     a = make_request("a", shared + _prompt(6, seed=12))
     b = make_request("b", shared + _prompt(10, seed=13))
     runner.execute_logits(step(blocks.chunk(a, 0, 20, sample=False)))
-    partial = blocks.tables["a"][1]
+    (table_a,) = blocks.tables["a"]  # llama: one KV cache group
+    partial = table_a[1]
     copy = blocks.take()
-    blocks.tables["b"] = [blocks.tables["a"][0], copy]
+    blocks.tables["b"] = [[table_a[0], copy]]
     # a then overwrites its own partial block: b must not see those tokens.
     out = runner.execute_logits(
         step(blocks.chunk(a, 20, 6), blocks.chunk(b, 20, 10), copies=[(partial, copy)])

@@ -8,7 +8,7 @@ Module names mirror Hugging Face checkpoints (``model.layers.0.self_attn.o_proj`
 is a name match."""
 from __future__ import annotations
 
-from typing import Any, Optional, Protocol
+from typing import Any, Optional, Protocol, Sequence
 
 import torch
 from torch import nn
@@ -129,12 +129,13 @@ class CausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_caches: list[LayerKVCache],
-        meta: AttentionMetadata,
+        kv_caches: Sequence[LayerKVCache],
+        metas: Sequence[AttentionMetadata],
     ) -> Optional[torch.Tensor]:
         """[T] tokens -> [T, hidden] final hidden states before the last norm
         (``compute_logits`` applies it to the rows that need logits only).
-        ``kv_caches``: one per layer of this stage. Under pipeline
+        ``kv_caches`` and ``metas``: one per layer of this stage (layers of one
+        KV cache group share their metadata, octavo/attention/kv_groups.py). Under pipeline
         parallelism a stage past the first receives the hidden state and the
         residual stream from the previous stage, and a stage before the last
         sends them on and returns None."""
@@ -145,7 +146,7 @@ class CausalLM(nn.Module):
             shape = (input_ids.shape[0], self.arch.hidden_size)
             h, residual = pipeline_recv(2, shape, self.model.norm.weight.dtype, input_ids.device)
         tables = [rotary.cos_sin(positions, h.dtype) for rotary in self.rotaries]
-        for layer, kv_cache in zip(self.local_layers, kv_caches):
+        for layer, kv_cache, meta in zip(self.local_layers, kv_caches, metas):
             cos, sin = tables[layer.rope_index]
             h, residual = layer(h, residual, cos, sin, kv_cache, meta)
         if not self.last_stage:
