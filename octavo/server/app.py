@@ -55,7 +55,8 @@ def build_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         policy = RestartPolicy(server_config.engine_max_restarts, server_config.engine_restart_window_s)
         client = await AsyncEngineClient.start(
-            engine_config, server_config.engine_start_timeout_s, policy, on_engine_gave_up
+            engine_config, server_config.engine_start_timeout_s, policy, on_engine_gave_up,
+            server_config.engine_step_timeout_s,
         )
         try:
             source = EngineSource(client.info.model_name, engine_config.cache, lambda: client.stats,

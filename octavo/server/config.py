@@ -77,6 +77,11 @@ class ServerConfig:
         3, "restart a dead engine up to this many times per window, then exit 1 (0: exit at once)")
     engine_restart_window_s: float = option(60.0, "the window of --engine-max-restarts", unit="seconds",
                                             aliases=("--engine-restart-window",))
+    # A step running longer is a hung engine: restarted as for a death (octavo/engine/step_clock.py).
+    # Generous: a long prefill on a CPU takes seconds, a first step that compiles kernels a minute or two.
+    engine_step_timeout_s: float = option(
+        600.0, "a step running longer hangs the engine, which is restarted as for a death", unit="seconds",
+        aliases=("--engine-step-timeout",))
     # Seconds from arrival after which a request is aborted (504); None: no limit.
     request_timeout_s: Optional[float] = option(
         None, "abort requests older than this many seconds, 504 (default: no limit)", unit="seconds",
@@ -120,6 +125,8 @@ class ServerConfig:
             raise ValueError(f"engine_max_restarts must be >= 0, got {self.engine_max_restarts}")
         if self.engine_restart_window_s <= 0:
             raise ValueError(f"engine_restart_window_s must be > 0, got {self.engine_restart_window_s}")
+        if self.engine_step_timeout_s <= 0:
+            raise ValueError(f"engine_step_timeout_s must be > 0, got {self.engine_step_timeout_s}")
         if self.request_timeout_s is not None and self.request_timeout_s <= 0:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
         if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:

@@ -7,7 +7,13 @@ import uuid
 from dataclasses import dataclass
 from typing import AsyncIterator, Optional
 
-from octavo.engine.async_client import AsyncEngineClient, EngineDeadError, EngineRequestError, RequestTimeoutError
+from octavo.engine.async_client import (
+    AsyncEngineClient,
+    EngineDeadError,
+    EngineHungError,
+    EngineRequestError,
+    RequestTimeoutError,
+)
 from octavo.openai.errors import APIError, bad_request
 from octavo.openai.protocol import SamplingFields
 from octavo.outputs import RequestOutput
@@ -158,10 +164,11 @@ class ServerState:
                         tracker.on_finish(out, now)
                     yield out
         except EngineDeadError as exc:
-            # The engine died under this request and is being restarted (or the
-            # server is about to exit): a retry may well succeed.
-            error = metrics.ERROR_ENGINE_DEAD
-            raise APIError(503, f"the engine failed while serving this request: {exc}", code="engine_dead",
+            # The engine died (or hung) under this request and is being restarted
+            # (or the server is about to exit): a retry may well succeed.
+            hung = isinstance(exc, EngineHungError)
+            error = metrics.ERROR_ENGINE_HUNG if hung else metrics.ERROR_ENGINE_DEAD
+            raise APIError(503, f"the engine failed while serving this request: {exc}", code=error,
                            headers={"Retry-After": "1"}) from None
         except RequestTimeoutError:
             # 504: the server gave up waiting on its own engine, the client did nothing wrong.
