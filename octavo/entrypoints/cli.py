@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
 # ServerConfig's fields of how requests are read and answered: `octavo run-batch` takes these, `serve` all.
 REQUEST_HANDLING = ("chat_template", "enable_auto_tool_choice", "tool_call_parser", "trust_request_chat_template",
+                    "strict_request_fields",
                     *(o.dest for o in dataclass_options(ServerConfig) if o.section in ("limits", "shedding")),
                     "request_timeout_s")
 

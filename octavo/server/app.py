@@ -5,12 +5,13 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import AsyncIterator, Callable, Optional
+from typing import Any, AsyncIterator, Awaitable, Callable, Optional, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
 
 import octavo
 from octavo.config import EngineConfig
@@ -20,6 +21,7 @@ from octavo.openai.embeddings import EmbeddingRequest
 from octavo.openai.errors import bad_request, error_body, install_error_handlers
 from octavo.openai.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from octavo.openai.responses import ResponsesRequest
+from octavo.server.bodies import describe_bodies, name_ignored, openapi_body, read_body
 from octavo.server.chat import create_chat_completion, render_messages, template_tools
 from octavo.server.completions import create_completion
 from octavo.server.config import ServerConfig
@@ -34,6 +36,8 @@ from octavo.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 _STARTED = time.time()
+
+Body = TypeVar("Body", bound=BaseModel)
 
 
 def build_app(
@@ -115,22 +119,43 @@ def _state(request: Request) -> ServerState:
     return request.app.state.server
 
 
+async def _body(request: Request, model: type[Body]) -> tuple[Body, list[str]]:
+    state = _state(request)
+    max_items = state.config.limits.max_items(state.max_model_len)
+    return await read_body(request, model, max_items, state.config.strict_request_fields)
+
+
+Handler = Callable[[Any, Request, ServerState], Awaitable[Response]]
+
+
+async def _handled(request: Request, model: type[BaseModel], handler: Handler) -> Response:
+    """A request for the engine: its body read off the event loop, its ignored fields named."""
+    body, ignored = await _body(request, model)
+    response = await handler(body, request, _state(request))
+    name_ignored(response, ignored)
+    return response
+
+
 def _add_routes(app: FastAPI) -> None:
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await create_completion(body, request, _state(request))
+    # Each route reads its own body (octavo/server/bodies.py); /openapi.json still describes it.
+    describe_bodies(app, [CompletionRequest, ChatCompletionRequest, ResponsesRequest, EmbeddingRequest,
+                          TokenizeRequest, DetokenizeRequest])
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await create_chat_completion(body, request, _state(request))
+    @app.post("/v1/completions", openapi_extra=openapi_body(CompletionRequest))
+    async def completions(request: Request) -> Response:
+        return await _handled(request, CompletionRequest, create_completion)
 
-    @app.post("/v1/responses")
-    async def responses(body: ResponsesRequest, request: Request) -> Response:
-        return await create_response(body, request, _state(request))
+    @app.post("/v1/chat/completions", openapi_extra=openapi_body(ChatCompletionRequest))
+    async def chat_completions(request: Request) -> Response:
+        return await _handled(request, ChatCompletionRequest, create_chat_completion)
 
-    @app.post("/v1/embeddings")
-    async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
-        return await create_embedding(body, request, _state(request))
+    @app.post("/v1/responses", openapi_extra=openapi_body(ResponsesRequest))
+    async def responses(request: Request) -> Response:
+        return await _handled(request, ResponsesRequest, create_response)
+
+    @app.post("/v1/embeddings", openapi_extra=openapi_body(EmbeddingRequest))
+    async def embeddings(request: Request) -> Response:
+        return await _handled(request, EmbeddingRequest, create_embedding)
 
     def card(state: ServerState, name: str) -> dict:
         return {
@@ -169,31 +194,42 @@ def _add_routes(app: FastAPI) -> None:
     async def version() -> JSONResponse:
         return JSONResponse({"version": octavo.__version__})
 
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
+    @app.post("/tokenize", openapi_extra=openapi_body(TokenizeRequest))
+    async def tokenize(request: Request) -> JSONResponse:
         state = _state(request)
+        body, ignored = await _body(request, TokenizeRequest)
         state.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("set exactly one of prompt or messages", "prompt")
         if body.messages is not None:
             state.config.limits.check_messages(body.messages, body.tools)
-            ids = await asyncio.to_thread(
+            text = await asyncio.to_thread(
                 render_messages, body.messages, state, body.add_generation_prompt, body.chat_template_kwargs,
                 body.chat_template, continue_final_message=body.continue_final_message,
                 tools=template_tools(body.tools),
             )
+            ids = await asyncio.to_thread(state.tokenizer.encode, text, False)  # the template writes BOS
         else:
             ids = await asyncio.to_thread(state.tokenizer.encode, body.prompt, body.add_special_tokens)
-        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len})
+        response = JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len})
+        name_ignored(response, ignored)
+        return response
 
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest, request: Request) -> JSONResponse:
+    @app.post("/detokenize", openapi_extra=openapi_body(DetokenizeRequest))
+    async def detokenize(request: Request) -> JSONResponse:
         state = _state(request)
+        body, ignored = await _body(request, DetokenizeRequest)
         state.check_model(body.model)
-        vocab = state.client.info.vocab_size
-        bad = [t for t in body.tokens if not (0 <= t < vocab)]
-        if bad:
-            raise bad_request(f"tokens contains ids outside the vocabulary [0, {vocab}): {bad[:5]}", "tokens")
-        text = await asyncio.to_thread(state.tokenizer.decode, body.tokens, False)  # megabytes of ids take a while
-        return JSONResponse({"prompt": text})
+        text = await asyncio.to_thread(_detokenized, state, body.tokens)  # megabytes of ids take a while
+        response = JSONResponse({"prompt": text})
+        name_ignored(response, ignored)
+        return response
+
+
+def _detokenized(state: ServerState, tokens: list[int]) -> str:
+    vocab = state.client.info.vocab_size
+    bad = [t for t in tokens if not (0 <= t < vocab)]
+    if bad:
+        raise bad_request(f"tokens contains ids outside the vocabulary [0, {vocab}): {bad[:5]}", "tokens")
+    return state.tokenizer.decode(tokens, False)
 

@@ -83,11 +83,8 @@ def render_messages(
     continue_final_message: bool = False,
     tools: Optional[list[dict[str, Any]]] = None,
     documents: Optional[list[dict[str, Any]]] = None,
-    add_special_tokens: bool = False,
-) -> list[int]:
-    """Chat template -> token ids (also used by /tokenize). Blocking: call it in a thread.
-    The template writes BOS and role markers itself: by default (as vLLM)
-    the tokenizer adds nothing more."""
+) -> str:
+    """Chat template -> prompt text (also used by /tokenize). Blocking: call it in a thread."""
     if not messages:
         raise bad_request("messages must not be empty", "messages")
     if continue_final_message and add_generation_prompt:
@@ -123,7 +120,7 @@ def render_messages(
         )
     except (ValueError, TypeError) as exc:
         raise bad_request(f"could not apply the chat template: {exc}", "messages") from None
-    return state.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    return text
 
 
 def _plain_message(i: int, m: ChatMessage) -> dict[str, Any]:
@@ -166,13 +163,15 @@ def prepare_chat(req: ChatCompletionRequest, state: ServerState) -> tuple[list[i
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     plan = plan_tools(req, state.config)
-    ids = render_messages(
+    text = render_messages(
         req.messages, state, req.add_generation_prompt, req.chat_template_kwargs, req.chat_template,
         continue_final_message=req.continue_final_message,
         tools=template_tools(req.tools),
         documents=req.documents,
-        add_special_tokens=req.add_special_tokens,
     )
+    state.check_text_length(text, "messages")
+    # The template writes BOS and role markers itself: by default (as vLLM) the tokenizer adds nothing more.
+    ids = state.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
     if req.truncate_prompt_tokens is not None and req.truncate_prompt_tokens > 0:
         ids = ids[-req.truncate_prompt_tokens :]
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens

@@ -104,6 +104,7 @@ def _tokenized(req: CompletionRequest, state: ServerState) -> list[tuple[str, li
         if not p:
             raise bad_request("prompt must not be empty", "prompt")
         if isinstance(p, str):
+            state.check_text_length(p)
             result.append((p, state.tokenizer.encode(p, add_special_tokens=req.add_special_tokens)))
         else:
             state.check_prompt_ids(p, 0)  # decoding needs ids inside the vocabulary

@@ -61,6 +61,8 @@ class ServerConfig:
     limits: RequestLimits = section(RequestLimits)
     # Near capacity, new low-priority requests get 503 (octavo/server/shedding.py).
     shedding: ShedConfig = section(ShedConfig)
+    # Unknown body fields are dropped, logged and named in x-octavo-ignored-fields; strict: a 400 naming them.
+    strict_request_fields: bool = option(False, "refuse requests with unknown fields (400) instead of ignoring them")
     # Jinja from the client runs in a sandbox with a deadline, but is still
     # code of the client's choosing: off unless the operator opts in.
     trust_request_chat_template: bool = option(

@@ -64,6 +64,7 @@ def _tokenized(req: EmbeddingRequest, state: ServerState) -> list[list[int]]:
         if isinstance(item, str):
             if not item:
                 raise bad_request("input must not contain empty strings", "input")
+            state.check_text_length(item, "input")
             item = state.client.info.pooler.embedding_ids(state.tokenizer, item, req.add_special_tokens)
         state.check_prompt_ids(item, 0, param="input")  # empty, outside the vocabulary, too long
         prompts.append(list(item))

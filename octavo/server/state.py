@@ -101,6 +101,23 @@ class ServerState:
                 headers={"Retry-After": "1"},
             )
 
+    def check_text_length(self, text: str, param: str = "prompt") -> None:
+        """A 400 for a text too long for the context whatever its tokens, before
+        the seconds its tokenization would take: no token stands for more
+        than ``max_token_bytes`` bytes, and a character is at least one byte.
+        Twice that bound leaves room for a normalizer that drops characters."""
+        limit = self.max_model_len
+        bound = limit * 2 * self.tokenizer.max_token_bytes
+        if len(text) > bound:
+            self.metrics.refused(metrics.REFUSED_CONTEXT_LENGTH)
+            where = "messages" if param == "messages" else "prompt"
+            raise bad_request(
+                f"This model's maximum context length is {limit} tokens. However, the {where} has {len(text)} "
+                f"characters, more than {limit} tokens of this model's tokenizer can hold ({bound} characters). "
+                f"Please reduce the length of the {where}.",
+                param,
+            )
+
     def check_prompt_ids(self, ids: list[int], max_tokens: Optional[int], param: str = "prompt") -> int:
         """Validate a tokenized prompt; returns max_tokens, defaulting to the
         model's generation_config ``max_new_tokens`` when the request left it

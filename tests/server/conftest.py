@@ -185,8 +185,9 @@ def offline_llm(model_path):
 @pytest.fixture(scope="session")
 def tuned_server(model_path, tmp_path_factory):
     """A second server with the opt-in and tuned options: request chat
-    templates trusted, small request limits (set through the generated
-    --max-* flags), a body limit big enough for multi-megabyte prompts."""
+    templates trusted, unknown request fields refused, small request limits
+    (set through the generated --max-* flags), a body limit big enough for
+    multi-megabyte prompts."""
     srv = ServerProcess(
         model_path,
         tmp_path_factory.mktemp("logs") / "tuned.log",
@@ -194,6 +195,7 @@ def tuned_server(model_path, tmp_path_factory):
         "--served-model-name", "tiny",
         "--max-body-size", "16MiB",
         "--trust-request-chat-template",
+        "--strict-request-fields",
         "--max-template-seconds", "1.5",
         "--max-n", "4",
         "--max-schema-bytes", "2000",
