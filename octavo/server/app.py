@@ -21,6 +21,7 @@ from octavo.openai.embeddings import EmbeddingRequest
 from octavo.openai.errors import bad_request, error_body, install_error_handlers
 from octavo.openai.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from octavo.openai.responses import ResponsesRequest
+from octavo.server.admission import Admission, ReleasingResponse, Reservation
 from octavo.server.bodies import describe_bodies, name_ignored, openapi_body, read_body
 from octavo.server.chat import create_chat_completion, render_messages, template_tools
 from octavo.server.completions import create_completion
@@ -66,7 +67,9 @@ def build_app(
             source = EngineSource(client.info.model_name, engine_config.cache, lambda: client.stats,
                                   lambda: client.num_restarts, lambda: client.engine_pid)
             metrics = ServerMetrics(registry, source, client.info.max_model_len)
-            app.state.server = ServerState(client, tokenizer, server_config, metrics)
+            waiting = server_config.max_waiting_requests
+            admission = Admission(None if waiting is None else engine_config.scheduler.max_num_seqs + waiting)
+            app.state.server = ServerState(client, tokenizer, server_config, metrics, admission)
             info = client.info
             task = "embed" if info.pooler is not None else "generate"
             pooling = f", {info.pooler.pooling_type} pooling" if info.pooler is not None else ""
@@ -125,15 +128,22 @@ async def _body(request: Request, model: type[Body]) -> tuple[Body, list[str]]:
     return await read_body(request, model, max_items, state.config.strict_request_fields)
 
 
-Handler = Callable[[Any, Request, ServerState], Awaitable[Response]]
+Handler = Callable[[Any, Request, ServerState, Reservation], Awaitable[Response]]
 
 
-async def _handled(request: Request, model: type[BaseModel], handler: Handler) -> Response:
-    """A request for the engine: its body read off the event loop, its ignored fields named."""
-    body, ignored = await _body(request, model)
-    response = await handler(body, request, _state(request))
+async def _admitted(request: Request, model: type[BaseModel], handler: Handler) -> Response:
+    """A request for the engine: its place is reserved before anything is
+    awaited and released when its response is over, whatever ends it."""
+    state = _state(request)
+    reservation = state.reserve()
+    try:
+        body, ignored = await _body(request, model)
+        response = await handler(body, request, state, reservation)
+    except BaseException:
+        reservation.release()
+        raise
     name_ignored(response, ignored)
-    return response
+    return ReleasingResponse(response, reservation)
 
 
 def _add_routes(app: FastAPI) -> None:
@@ -143,19 +153,19 @@ def _add_routes(app: FastAPI) -> None:
 
     @app.post("/v1/completions", openapi_extra=openapi_body(CompletionRequest))
     async def completions(request: Request) -> Response:
-        return await _handled(request, CompletionRequest, create_completion)
+        return await _admitted(request, CompletionRequest, create_completion)
 
     @app.post("/v1/chat/completions", openapi_extra=openapi_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
-        return await _handled(request, ChatCompletionRequest, create_chat_completion)
+        return await _admitted(request, ChatCompletionRequest, create_chat_completion)
 
     @app.post("/v1/responses", openapi_extra=openapi_body(ResponsesRequest))
     async def responses(request: Request) -> Response:
-        return await _handled(request, ResponsesRequest, create_response)
+        return await _admitted(request, ResponsesRequest, create_response)
 
     @app.post("/v1/embeddings", openapi_extra=openapi_body(EmbeddingRequest))
     async def embeddings(request: Request) -> Response:
-        return await _handled(request, EmbeddingRequest, create_embedding)
+        return await _admitted(request, EmbeddingRequest, create_embedding)
 
     def card(state: ServerState, name: str) -> dict:
         return {

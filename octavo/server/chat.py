@@ -29,6 +29,7 @@ from octavo.openai.protocol import (
 from octavo.outputs import RequestOutput
 from octavo.server.logprobs import chat_logprobs, prompt_logprobs_body
 from octavo.server.params import build_sampling_params, request_api_names
+from octavo.server.admission import Reservation
 from octavo.server.state import ServerState
 from octavo.server.streams import collect, primed, sse, sse_response
 from octavo.server.tools import ToolPlan, plan_tools
@@ -37,7 +38,7 @@ from octavo.server.tools import ToolPlan, plan_tools
 _RESERVED_TEMPLATE_VARIABLES = ("messages", "tools", "documents", "add_generation_prompt", "continue_final_message")
 
 
-async def create_chat_completion(req: ChatCompletionRequest, raw: Request, state: ServerState) -> Response:
+async def create_chat_completion(req: ChatCompletionRequest, raw: Request, state: ServerState, reservation: Reservation) -> Response:
     state.check_model(req.model)
     state.check_task(embeddings=False)
     state.check_engine()
@@ -45,7 +46,7 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, state
     # Template rendering and tokenization take time in proportion to the
     # request: in a thread, so the event loop keeps serving everyone else.
     prompt_ids, params, plan = await asyncio.to_thread(prepare_chat, req, state)
-    state.admit(1, req.priority)
+    state.admit(reservation, 1, req.priority)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     stream = state.generate(prompt_ids, params, req.priority, _api_names(req, plan))
     if req.stream:

@@ -51,8 +51,10 @@ class ServerConfig:
                                                "the process list")
     public_routes: tuple[str, ...] = option(DEFAULT_PUBLIC_ROUTES, "comma-separated paths served without the API "
                                             "key", parse=parse_routes, metavar="PATHS")
-    # Requests admitted but not yet producing tokens beyond which new ones get 503.
-    max_waiting_requests: Optional[int] = option(None, "beyond this many pending: 503 (default: no limit)")
+    # The server admits --max-num-seqs plus this many requests at once; the next gets 503 (octavo/server/admission.py).
+    max_waiting_requests: Optional[int] = option(
+        None, "requests that may wait beyond a full running batch (--max-num-seqs); more get 503 (default: no "
+              "limit)")
     shutdown_timeout_s: float = option(30.0, "seconds to drain on SIGTERM", unit="seconds",
                                        aliases=("--shutdown-timeout",))
     max_body_bytes: int = option(8 * 1024 * 1024, "larger bodies get 413", unit="bytes", aliases=("--max-body-size",))

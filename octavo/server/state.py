@@ -20,6 +20,7 @@ from octavo.outputs import RequestOutput
 from octavo.pooling import PoolingParams
 from octavo.sampling_params import SamplingParams
 from octavo.server import metrics
+from octavo.server.admission import Admission, Reservation
 from octavo.server.config import ServerConfig
 from octavo.server.metrics import ServerMetrics
 from octavo.server.params import param_error
@@ -33,10 +34,8 @@ class ServerState:
     tokenizer: Tokenizer
     config: ServerConfig
     metrics: ServerMetrics
+    admission: Admission
     shutting_down: bool = False
-    # Requests handed to the engine that have not produced output yet; the
-    # admission limit counts these (see ``admit``).
-    num_pending: int = 0
 
     @property
     def model_name(self) -> str:
@@ -81,25 +80,31 @@ class ServerState:
             self.metrics.refused(metrics.REFUSED_REQUEST_LIMIT)
             raise
 
-    def admit(self, count: int, priority: int) -> None:
-        """Overload answers 503 (the server, not the client, is over its
-        capacity: a rate limit of one client would be 429) with Retry-After,
-        which OpenAI clients and load balancers honour: a full queue, or a
-        sheddable priority while the engine is near capacity (--shed-*)."""
+    def reserve(self) -> Reservation:
+        """A place for one request, taken before its handler awaits anything
+        (octavo/server/admission.py). Overload answers 503 (the server, not
+        the client, is over its capacity: a rate limit of one client would be
+        429) with Retry-After, which OpenAI clients and load balancers honour."""
+        try:
+            return self.admission.reserve()
+        except APIError:
+            self.metrics.refused(metrics.REFUSED_QUEUE_FULL)
+            raise
+
+    def admit(self, reservation: Reservation, count: int, priority: int) -> None:
+        """Once the request is read: places for all its ``count`` prompts, and
+        a 503 for a sheddable priority while the engine is near capacity (--shed-*)."""
         try:
             check_shedding(self.config.shedding, self.client.stats, priority)
         except APIError:
             self.metrics.refused(metrics.REFUSED_SHED)
             raise
-        limit = self.config.max_waiting_requests
-        if limit is not None and self.num_pending + count > limit:
-            self.metrics.refused(metrics.REFUSED_QUEUE_FULL)
-            raise APIError(
-                503,
-                f"too many requests waiting ({self.num_pending}, limit {limit}); retry later",
-                code="overloaded",
-                headers={"Retry-After": "1"},
-            )
+        if count > reservation.count:
+            try:
+                reservation.grow(count - reservation.count)
+            except APIError:
+                self.metrics.refused(metrics.REFUSED_QUEUE_FULL)
+                raise
 
     def check_text_length(self, text: str, param: str = "prompt") -> None:
         """A 400 for a text too long for the context whatever its tokens, before
@@ -160,17 +165,13 @@ class ServerState:
         timeout = self.config.request_timeout_s
         deadline = arrival + timeout if timeout is not None else None
         tracker = self.metrics.tracker(arrival, len(prompt_ids))
-        self.num_pending += 1
-        pending, finished = True, False
+        finished = False
         error: Optional[str] = None  # why it failed (metrics.ERROR_*)
         try:
             stream = self.client.generate(uuid.uuid4().hex, prompt_ids, params, priority, arrival, deadline)
             # aclosing: when our consumer stops, the engine request aborts now, not at garbage collection.
             async with contextlib.aclosing(stream):
                 async for out in stream:
-                    if pending:
-                        pending = False
-                        self.num_pending -= 1
                     if out.error is not None:
                         error = metrics.ERROR_ENGINE
                         raise APIError(500, f"the engine failed this request: {out.error}", code="engine_error")
@@ -196,7 +197,5 @@ class ServerState:
             error = metrics.ERROR_REJECTED
             raise param_error(str(exc), api_names) from None
         finally:
-            if pending:
-                self.num_pending -= 1
             if not finished:
                 tracker.on_finish(None, time.monotonic(), error)
