@@ -131,41 +131,40 @@ async def _body(request: Request, model: type[Body]) -> tuple[Body, list[str]]:
 Handler = Callable[[Any, Request, ServerState, Reservation], Awaitable[Response]]
 
 
-async def _admitted(request: Request, model: type[BaseModel], handler: Handler) -> Response:
-    """A request for the engine: its place is reserved before anything is
-    awaited and released when its response is over, whatever ends it."""
-    state = _state(request)
-    reservation = state.reserve()
-    try:
-        body, ignored = await _body(request, model)
-        response = await handler(body, request, state, reservation)
-    except BaseException:
-        reservation.release()
-        raise
-    name_ignored(response, ignored)
-    return ReleasingResponse(response, reservation)
+def _admitted(model: type[BaseModel], handler: Handler) -> Callable[[Request], Awaitable[Response]]:
+    """The route of a request for the engine: its place is reserved before
+    anything is awaited and released when its response is over, whatever ends it."""
+
+    async def route(request: Request) -> Response:
+        state = _state(request)
+        reservation = state.reserve()
+        try:
+            body, ignored = await _body(request, model)
+            response = await handler(body, request, state, reservation)
+        except BaseException:
+            reservation.release()
+            raise
+        name_ignored(response, ignored)
+        return ReleasingResponse(response, reservation)
+
+    return route
+
+
+# (path, body, handler, route name) of the routes that run engine requests.
+_ENGINE_ROUTES: tuple[tuple[str, type[BaseModel], Handler, str], ...] = (
+    ("/v1/completions", CompletionRequest, create_completion, "completions"),
+    ("/v1/chat/completions", ChatCompletionRequest, create_chat_completion, "chat_completions"),
+    ("/v1/responses", ResponsesRequest, create_response, "responses"),
+    ("/v1/embeddings", EmbeddingRequest, create_embedding, "embeddings"),
+)
 
 
 def _add_routes(app: FastAPI) -> None:
     # Each route reads its own body (octavo/server/bodies.py); /openapi.json still describes it.
-    describe_bodies(app, [CompletionRequest, ChatCompletionRequest, ResponsesRequest, EmbeddingRequest,
-                          TokenizeRequest, DetokenizeRequest])
-
-    @app.post("/v1/completions", openapi_extra=openapi_body(CompletionRequest))
-    async def completions(request: Request) -> Response:
-        return await _admitted(request, CompletionRequest, create_completion)
-
-    @app.post("/v1/chat/completions", openapi_extra=openapi_body(ChatCompletionRequest))
-    async def chat_completions(request: Request) -> Response:
-        return await _admitted(request, ChatCompletionRequest, create_chat_completion)
-
-    @app.post("/v1/responses", openapi_extra=openapi_body(ResponsesRequest))
-    async def responses(request: Request) -> Response:
-        return await _admitted(request, ResponsesRequest, create_response)
-
-    @app.post("/v1/embeddings", openapi_extra=openapi_body(EmbeddingRequest))
-    async def embeddings(request: Request) -> Response:
-        return await _admitted(request, EmbeddingRequest, create_embedding)
+    describe_bodies(app, [model for _, model, _, _ in _ENGINE_ROUTES] + [TokenizeRequest, DetokenizeRequest])
+    for path, model, handler, name in _ENGINE_ROUTES:
+        app.add_api_route(path, _admitted(model, handler), methods=["POST"], name=name,
+                          openapi_extra=openapi_body(model))
 
     def card(state: ServerState, name: str) -> dict:
         return {

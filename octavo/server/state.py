@@ -114,14 +114,9 @@ class ServerState:
         limit = self.max_model_len
         bound = limit * 2 * self.tokenizer.max_token_bytes
         if len(text) > bound:
-            self.metrics.refused(metrics.REFUSED_CONTEXT_LENGTH)
             where = "messages" if param == "messages" else "prompt"
-            raise bad_request(
-                f"This model's maximum context length is {limit} tokens. However, the {where} has {len(text)} "
-                f"characters, more than {limit} tokens of this model's tokenizer can hold ({bound} characters). "
-                f"Please reduce the length of the {where}.",
-                param,
-            )
+            raise self._too_long(f"the {where} has {len(text)} characters, more than {limit} tokens of this "
+                                 f"model's tokenizer can hold ({bound} characters)", f"the {where}", param)
 
     def check_prompt_ids(self, ids: list[int], max_tokens: Optional[int], param: str = "prompt") -> int:
         """Validate a tokenized prompt; returns max_tokens, defaulting to the
@@ -145,15 +140,16 @@ class ServerState:
             resolved = max_tokens
             requested = len(ids) + max(max_tokens, 0)  # a negative max_tokens is SamplingParams' 400
         if requested > limit:
-            self.metrics.refused(metrics.REFUSED_CONTEXT_LENGTH)
             where = "messages" if param == "messages" else "prompt"
-            raise bad_request(
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{requested} tokens ({len(ids)} in the {where}, {requested - len(ids)} in the completion). "
-                f"Please reduce the length of the {where} or completion.",
-                param,
-            )
+            raise self._too_long(f"you requested {requested} tokens ({len(ids)} in the {where}, "
+                                 f"{requested - len(ids)} in the completion)", f"the {where} or completion", param)
         return resolved
+
+    def _too_long(self, detail: str, reduce: str, param: str) -> APIError:
+        """The context-length 400, in OpenAI's words (clients match them)."""
+        self.metrics.refused(metrics.REFUSED_CONTEXT_LENGTH)
+        return bad_request(f"This model's maximum context length is {self.max_model_len} tokens. However, {detail}. "
+                           f"Please reduce the length of {reduce}.", param)
 
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams | PoolingParams, priority: int, api_names: dict[str, str]

@@ -35,6 +35,16 @@ def kill_engine_under_a_stream(srv: ServerProcess) -> list[dict]:
     return [json.loads(x) for x in stream.lines[:-1]]
 
 
+def serves_on_a_new_engine(srv: ServerProcess, first_engine: int) -> dict[str, float]:
+    """Once healthy again, another engine process answers; the metrics when idle."""
+    srv.wait_healthy(timeout_s=120)
+    assert srv.engine_pid() != first_engine
+    r = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 5}, headers=srv.headers,
+                   timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+    return srv.wait_idle()
+
+
 def test_a_killed_engine_is_restarted(model_path, logs):
     srv = ServerProcess(model_path, logs / "restart.log", "--num-blocks", "128")
     try:
@@ -47,12 +57,7 @@ def test_a_killed_engine_is_restarted(model_path, logs):
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi"}, headers=srv.headers)
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
 
-        srv.wait_healthy(timeout_s=120)
-        assert srv.engine_pid() != first_engine
-        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 5}, headers=srv.headers,
-                       timeout=60)
-        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
-        metrics = srv.wait_idle()
+        metrics = serves_on_a_new_engine(srv, first_engine)
         # The stream that died with the engine failed; the request sent while it was down was refused.
         assert metrics["octavo:engine_restarts_total"] == 1
         assert metrics["octavo:request_errors_total[reason=engine_dead]"] == 1
@@ -83,12 +88,7 @@ def test_a_hung_engine_is_restarted(model_path, logs):
         wait_for(lambda: not os.path.exists(f"/proc/{first_engine}"), what="the hung engine to be killed")
 
         delay.unlink()
-        srv.wait_healthy(timeout_s=120)
-        assert srv.engine_pid() != first_engine
-        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 5}, headers=srv.headers,
-                       timeout=60)
-        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
-        metrics = srv.wait_idle()
+        metrics = serves_on_a_new_engine(srv, first_engine)
         assert metrics["octavo:engine_restarts_total"] == 1
         assert metrics["octavo:request_errors_total[reason=engine_hung]"] == 1
     finally:
