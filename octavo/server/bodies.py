@@ -114,7 +114,9 @@ def describe_bodies(app: FastAPI, models: list[type[pydantic.BaseModel]]) -> Non
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
-            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            # The arguments FastAPI's own openapi() passes that this app sets (servers: --root-path).
+            schema = get_openapi(title=app.title, version=app.version, openapi_version=app.openapi_version,
+                                 routes=app.routes, servers=app.servers)
             _, defs = models_json_schema([(m, "validation") for m in models],
                                          ref_template="#/components/schemas/{model}")
             schema.setdefault("components", {}).setdefault("schemas", {}).update(defs["$defs"])
