@@ -44,7 +44,7 @@ from torch.nn import functional as F
 
 from benchmarks.options import DEFAULT_MODEL
 from benchmarks.report import load_avg, print_table, write_json
-from benchmarks.roofline import in_turns, median_time
+from benchmarks.turns import in_turns, median_time
 
 if TYPE_CHECKING:
     from octavo.kernels.paged_decode import PagedDecodeKernel

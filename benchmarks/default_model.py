@@ -53,15 +53,17 @@ import random
 import statistics
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
 
 from benchmarks.peers.hf import HFPeer
 from benchmarks.peers.llamacpp import LlamaCppPeer
+from benchmarks.peers.llamacpp_batch import LlamaCppContext
 from benchmarks.peers.octavo_peer import OctavoPeer
 from benchmarks.report import load_avg, print_table, write_json
+from benchmarks.turns import batch1_decode, fmt_spread, in_rounds, ratios, spread
 from benchmarks.workload import Workload, ordinary_token_ids
 
 DEQUANTIZED = Path(__file__).resolve().parent / "models" / "smollm2-135m-dequantized"
@@ -119,114 +121,6 @@ def offline_workload(token_ids: Sequence[int], num: int, low: int, high: int, ou
                     f"{output_len} output tokens each (ignore_eos), seed {seed}")
 
 
-# ----------------------------------------------------------------------------- llama.cpp, low level
-
-class LlamaCppContext:
-    """A second llama.cpp context on a loaded ``Llama``'s model, driven through the batch API: several
-    sequences per llama_decode (``generate``) or logits for every token (``token_logprobs``)."""
-
-    def __init__(self, llm: Any, n_ctx: int, n_batch: int, n_seq: int) -> None:
-        import llama_cpp
-
-        self.lib = llama_cpp
-        params = llama_cpp.llama_context_params.from_buffer_copy(llm.context_params)
-        params.n_ctx, params.n_batch, params.n_ubatch, params.n_seq_max = n_ctx, n_batch, min(n_batch, 512), n_seq
-        self.ctx = llama_cpp.llama_init_from_model(llm._model.model, params)
-        if not self.ctx:
-            raise RuntimeError(f"llama.cpp could not make a context of {n_ctx} tokens, {n_seq} sequences")
-        self.n_vocab = llm.n_vocab()
-        self.n_batch = n_batch
-        self.batch = llama_cpp.llama_batch_init(n_batch, 0, 1)
-
-    def close(self) -> None:
-        if self.ctx:
-            self.lib.llama_batch_free(self.batch)
-            self.lib.llama_free(self.ctx)
-            self.ctx = None
-
-    def _decode(self, items: Sequence[tuple[int, int, int, bool]]) -> np.ndarray:
-        """items: (token, position, sequence, wants logits); the logits rows of those that want them."""
-        b = self.batch
-        for i, (token, pos, seq, out) in enumerate(items):
-            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = token, pos, 1, out
-            b.seq_id[i][0] = seq
-        b.n_tokens = len(items)
-        rc = self.lib.llama_decode(self.ctx, b)
-        if rc != 0:
-            raise RuntimeError(f"llama_decode returned {rc}")
-        rows = sum(1 for item in items if item[3])
-        return np.ctypeslib.as_array(self.lib.llama_get_logits(self.ctx), shape=(rows, self.n_vocab))
-
-    def _clear(self) -> None:
-        self.lib.llama_memory_clear(self.lib.llama_get_memory(self.ctx), True)
-
-    def generate(self, prompts: Sequence[list[int]], output_len: int) -> list[list[int]]:
-        """Greedy, all prompts as sequences of one batch; exactly ``output_len`` tokens each."""
-        self._clear()
-        items = [(t, i, s, i == len(p) - 1) for s, p in enumerate(prompts) for i, t in enumerate(p)]
-        following: list[int] = [0] * len(prompts)
-        for start in range(0, len(items), self.n_batch):
-            chunk = items[start:start + self.n_batch]
-            logits = self._decode(chunk)
-            row = 0
-            for _, _, seq, out in chunk:
-                if out:
-                    following[seq] = int(logits[row].argmax())
-                    row += 1
-        outputs: list[list[int]] = [[] for _ in prompts]
-        for step in range(output_len):
-            for seq, token in enumerate(following):
-                outputs[seq].append(token)
-            if step == output_len - 1:
-                break
-            logits = self._decode([(following[s], len(p) + step, s, True) for s, p in enumerate(prompts)])
-            following = [int(i) for i in logits.argmax(axis=1)]
-        return outputs
-
-    def token_logprobs(self, window: list[int]) -> np.ndarray:
-        """log p(window[i] | window[:i]) for i >= 1, from llama.cpp's logits (float32)."""
-        self._clear()
-        rows = []
-        for start in range(0, len(window), self.n_batch):
-            chunk = window[start:start + self.n_batch]
-            rows.append(self._decode([(t, start + i, 0, True) for i, t in enumerate(chunk)]).copy())
-        logits = torch.from_numpy(np.concatenate(rows)[:-1])
-        return torch.log_softmax(logits, dim=-1).gather(1, torch.tensor(window[1:])[:, None])[:, 0].numpy()
-
-
-def llamacpp_sequential(peer: LlamaCppPeer, prompts: Sequence[list[int]], output_len: int) -> None:
-    """One request after another through the ``Llama`` API, each from an empty cache."""
-    for prompt in prompts:
-        peer.llm.reset()  # else Llama.generate reuses the KV of a matching prefix of the last prompt
-        peer._generate(prompt, output_len)
-
-
-# ----------------------------------------------------------------------------- timing in turns
-
-def in_rounds(runs: dict[str, Callable[[], object]], rounds: int,
-              warmups: Optional[dict[str, Callable[[], object]]] = None) -> dict[str, list[tuple[float, float]]]:
-    """Each run warmed once (or its ``warmups`` entry run), then ``rounds`` rounds of every run in turn:
-    (wall s, process CPU s) per round. (benchmarks.roofline.in_turns keeps only the median; the ratios here
-    are taken within each round.)"""
-    for name, run in runs.items():
-        (warmups or {}).get(name, run)()
-    times: dict[str, list[tuple[float, float]]] = {name: [] for name in runs}
-    for _ in range(rounds):
-        for name, run in runs.items():
-            wall, cpu = time.perf_counter(), time.process_time()
-            run()
-            times[name].append((time.perf_counter() - wall, time.process_time() - cpu))
-    return times
-
-
-def spread(values: Sequence[float]) -> dict[str, float]:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
-def fmt_spread(s: dict[str, float], digits: int = 2) -> str:
-    return f"{s['median']:.{digits}f} ({s['min']:.{digits}f}-{s['max']:.{digits}f})"
-
-
 # ----------------------------------------------------------------------------- the three parts
 
 def octavo_greedy(llm: Any, prompts: Sequence[list[int]], n: int) -> None:
@@ -235,34 +129,6 @@ def octavo_greedy(llm: Any, prompts: Sequence[list[int]], n: int) -> None:
     outs = llm.generate(list(prompts), SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), use_tqdm=False)
     if any(len(o.outputs[0].token_ids) != n for o in outs):
         raise RuntimeError("Octavo generated a different number of tokens than requested")
-
-
-def batch1_decode(engines: dict[str, Callable[[list[int], int], object]], prompt: list[int], new_tokens: int,
-                  rounds: int) -> dict[str, Any]:
-    runs = {}
-    for name, gen in engines.items():
-        runs[f"{name}|{new_tokens}"] = lambda gen=gen: gen(prompt, new_tokens)
-        runs[f"{name}|1"] = lambda gen=gen: gen(prompt, 1)
-    times = in_rounds(runs, rounds)
-    rates = {}
-    for name in engines:
-        full, one = times[f"{name}|{new_tokens}"], times[f"{name}|1"]
-        rates[name] = {
-            "decode_tok_s": [(new_tokens - 1) / (f[0] - o[0]) for f, o in zip(full, one)],
-            "end_to_end_tok_s": [new_tokens / f[0] for f in full],
-            "cpu_s_per_token": [(f[1] - o[1]) / (new_tokens - 1) for f, o in zip(full, one)],
-            "wall_s": [f[0] for f in full], "wall_s_1_token": [o[0] for o in one],
-        }
-    return rates
-
-
-def ratios(rates: dict[str, Any], key: str, ours: Sequence[str], peers: Sequence[str]) -> list[dict[str, Any]]:
-    rows = []
-    for o in ours:
-        for p in peers:
-            per_round = [a / b for a, b in zip(rates[o][key], rates[p][key])]
-            rows.append({"octavo": o, "peer": p, "ratio": spread(per_round), "per_round": per_round})
-    return rows
 
 
 def octavo_logprobs(llm: Any, windows: Sequence[list[int]]) -> np.ndarray:
@@ -352,7 +218,7 @@ def main() -> None:
         engines = {
             "octavo-q4_1": lambda p, n: octavo_greedy(q4.llm, [p], n),
             "octavo-bf16": lambda p, n: octavo_greedy(bf16.llm, [p], n),
-            "llama.cpp": lambda p, n: llamacpp_sequential(lc, [p], n),
+            "llama.cpp": lambda p, n: lc.generate_each([p], n),
             hf_name: lambda p, n: hf._run_batch([p], n),
         }
         before = load_avg()
@@ -386,7 +252,7 @@ def main() -> None:
         if first:
             engines[f"octavo-q4_1{first}"] = (lambda: q4.generate(head), head)
             engines[f"octavo-bf16{first}"] = (lambda: bf16.generate(head), head)
-        engines[seq_name] = (lambda: llamacpp_sequential(lc, head.prompts, args.output_len), head)
+        engines[seq_name] = (lambda: lc.generate_each(head.prompts, args.output_len), head)
         engines[hf_run] = (lambda: hf.run(head, hf_bs), head)
         # Warm-up: each engine on 4 requests of 8 tokens (a whole pass would cost as much as a round).
         small = Workload("warm-up", workload.prompts[:4], [8] * 4, "warm-up")
@@ -394,7 +260,7 @@ def main() -> None:
             "octavo-q4_1": lambda: q4.generate(small), "octavo-bf16": lambda: bf16.generate(small),
             "llama.cpp batched": lambda: lc_batch.generate(small.prompts, 8),
             f"octavo-q4_1{first}": lambda: None, f"octavo-bf16{first}": lambda: None,  # the same engines
-            seq_name: lambda: llamacpp_sequential(lc, small.prompts[:1], 8),
+            seq_name: lambda: lc.generate_each(small.prompts[:1], 8),
             hf_run: lambda: hf.run(small, hf_bs),
         }
         before = load_avg()

@@ -17,7 +17,7 @@ from torch.nn import functional as F
 
 from benchmarks.options import DEFAULT_MODEL, int_list
 from benchmarks.report import load_avg, print_table, write_json
-from benchmarks.roofline import in_turns
+from benchmarks.turns import in_turns
 
 
 def main() -> None:

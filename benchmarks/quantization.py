@@ -11,8 +11,13 @@ Per model and weight format:
   matrix once in its stored form, scales and zero points included; the tied
   embedding read whole as the lm_head; plus the K/V);
 - offline throughput: a ShareGPT-like workload through ``LLM.generate``
-  (Octavo: continuous batching) or llama-cpp-python's ``Llama`` (one
-  sequence at a time: its offline API);
+  (Octavo: continuous batching) and llama.cpp batched (one sequence per
+  request in one context, benchmarks/peers/llamacpp_batch.py);
+- every format and file loaded side by side and timed in turns
+  (benchmarks/turns.py): ratios within each round, median (min-max);
+  llama.cpp files: Q8_0, Q4_0 (llama.cpp keeps the output layer in Q6_K)
+  and Q4_0 pure (every matrix Q4_0), each paired with the Octavo format
+  that treats its lm_head the same way (PAIRS);
 - ``--kernels``: one decoder layer's four products at ``--kernel-rows``
   rows: bf16 (the unquantized method: oneDNN prepack, the AMX kernel or
   Octavo's bf16 kernels), Octavo's int8/int4 kernels (W8A16, W4A16), W8A8
@@ -44,9 +49,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import json
+import math
 import os
+import random
 import statistics
 import time
 from pathlib import Path
@@ -55,8 +61,9 @@ from typing import Any, Callable, Optional
 import torch
 
 from benchmarks.report import load_avg, machine_info, print_table, write_json
-from benchmarks.roofline import bandwidth_gbs, decode_rate
-from benchmarks.workload import SHAREGPT_INPUT, SHAREGPT_OUTPUT, ordinary_token_ids, sharegpt_like
+from benchmarks.roofline import bandwidth_gbs
+from benchmarks.turns import batch1_decode, fmt_spread, in_rounds, ratios, spread
+from benchmarks.workload import SHAREGPT_INPUT, SHAREGPT_OUTPUT, Workload, ordinary_token_ids, sharegpt_like
 
 MIB = 2**20
 # (label, --quantization, lm_head quantized too): Octavo keeps the lm_head in
@@ -122,58 +129,88 @@ def _octavo(model: Path, quant: Optional[str], head: bool, args: argparse.Namesp
                       enable_prefix_caching=False, **options)
 
 
-def _llamacpp(model: Path, ftype: str, args: argparse.Namespace) -> tuple[Any, Path]:
+def _llamacpp(model: Path, ftype: str, pure: bool, args: argparse.Namespace) -> tuple[Any, Path]:
     from benchmarks.peers.llamacpp import LlamaCppPeer, gguf_path, quantized_gguf
 
     source = (args.gguf_dir / model.name / "model-bf16.gguf") if args.gguf_dir else gguf_path(model)
-    gguf = quantized_gguf(source, ftype, source.parent, args.threads)
+    gguf = quantized_gguf(source, ftype, source.parent, args.threads, pure=pure)
     n_ctx = max(args.prompt_len + args.new_tokens, args.max_input_len + args.max_output_len) + 16
     # The repacked layouts (use_extra_bufts) crash in decode with this build on
     # this machine (segfault in llama_decode, Q8_0 and Q4_0 alike): plain buffers.
     return LlamaCppPeer(model, n_ctx=n_ctx, threads=args.threads, gguf=gguf, extra_bufts=args.llamacpp_repack), gguf
 
 
+# Like with like: (Octavo weights, llama.cpp file). llama.cpp's Q8_0 quantizes the output layer (the tied
+# embedding) to Q8_0, so it pairs with Octavo's int8 with the lm_head quantized; its default Q4_0 keeps the
+# output layer in Q6_K (pairs with Octavo's int4 and a bf16 lm_head, both keeping a finer head), and the
+# "pure" Q4_0 file quantizes every matrix to Q4_0 (pairs with int4+head).
+PAIRS = (("octavo int8", "llama.cpp Q8_0"), ("octavo int8+head", "llama.cpp Q8_0"),
+         ("octavo int4", "llama.cpp Q4_0"), ("octavo int4+head", "llama.cpp Q4_0 pure"))
+LLAMACPP_FILES = (("Q8_0", False), ("Q4_0", False), ("Q4_0", True))
+
+
 def bench_model(model: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every format of ``model`` loaded side by side, then timed in turns (benchmarks/turns.py): batch-1
+    decode in ``--repeats`` rounds, offline in ``--offline-repeats`` rounds; ratios within each round."""
+    from benchmarks.peers.llamacpp_batch import LlamaCppContext
+
     shape = Shape.of(model)
     ids = ordinary_token_ids(model)
     workload = sharegpt_like(args.num_prompts, ids, seed=0,
                              inputs=dataclasses.replace(SHAREGPT_INPUT, high=args.max_input_len),
                              outputs=dataclasses.replace(SHAREGPT_OUTPUT, high=args.max_output_len))
     context = args.prompt_len + args.new_tokens // 2
-    runs: list[tuple[str, Callable[[], tuple[Any, float]]]] = [
-        (f"octavo {label}", lambda q=quant, h=head: (_octavo(model, q, h, args),
-                                                     shape.bytes_per_token(q, h, args.group_size, context)))
-        for label, quant, head in FORMATS
-    ]
+    kv_bytes = shape.layers * 2 * shape.kv_heads * shape.head_dim * context * 2
+    decode: dict[str, Callable[[list[int], int], object]] = {}
+    offline: dict[str, Callable[[], object]] = {}
+    per_token: dict[str, float] = {}
+    batches = []
+    for label, quant, head in FORMATS:
+        peer = _octavo(model, quant, head, args)
+        name = f"octavo {label}"
+        decode[name] = lambda p, n, peer=peer: peer.generate(Workload("decode", [p], [n], "decode probe"))
+        offline[name] = lambda peer=peer: peer.generate(workload)
+        per_token[name] = shape.bytes_per_token(quant, head, args.group_size, context)
     if not args.no_llamacpp:
-        for ftype in ("Q8_0", "Q4_0"):
-            def make(ftype: str = ftype) -> tuple[Any, float]:
-                peer, gguf = _llamacpp(model, ftype, args)
-                return peer, gguf.stat().st_size + shape.layers * 2 * shape.kv_heads * shape.head_dim * context * 2
-            runs.append((f"llama.cpp {ftype}", make))
+        for ftype, pure in LLAMACPP_FILES:
+            peer, gguf = _llamacpp(model, ftype, pure, args)
+            name = f"llama.cpp {ftype}{' pure' if pure else ''}"
+            decode[name] = lambda p, n, peer=peer: peer.generate_each([p], n)
+            # Offline, llama.cpp batches too: one sequence per request in one context.
+            n_ctx = len(workload.prompts) * 256 * math.ceil(workload.max_seq_len / 256)
+            batch = LlamaCppContext(peer.llm, n_ctx=n_ctx, n_batch=2048, n_seq=len(workload.prompts))
+            batches.append(batch)
+            offline[name] = lambda batch=batch: batch.generate(workload.prompts, workload.output_lens)
+            per_token[name] = gguf.stat().st_size + kv_bytes
+    bw = {name: bandwidth_gbs(int(max(b, 64 * MIB)), 5)["sum_read_gbs"] for name, b in per_token.items()}
+    load = load_avg()
+    prompt = random.Random(1).choices(ids, k=args.prompt_len)
+    b1 = batch1_decode(decode, prompt, args.new_tokens, args.repeats)
+    offline_times = in_rounds(offline, args.offline_repeats)
+    for batch in batches:
+        batch.close()
+    rates = {name: {"b1": b1[name]["decode_tok_s"],
+                    "offline": [workload.num_output_tokens / wall for wall, _ in offline_times[name]]}
+             for name in decode}
     rows = []
-    for name, make in runs:
-        peer, per_token = make()
-        bw = bandwidth_gbs(int(max(per_token, 64 * MIB)), 5)["sum_read_gbs"]
-        load = load_avg()
-        b1 = decode_rate(peer.generate, ids, 1, args.prompt_len, args.new_tokens, args.repeats)
-        offline = statistics.median(peer.run(workload).output_tok_s for _ in range(args.offline_repeats))
-        rows.append({"model": model.name, "weights": name, "b1_tok_s": b1, "MB_per_token": per_token / 1e6,
-                     "bw_GBs": bw, "bw_fraction": b1 * per_token / (bw * 1e9), "offline_out_tok_s": offline,
-                     "load": f"{load} -> {load_avg()}"})
-        print_table(rows[-1:], list(rows[-1]), title=f"{model.name}: {name}")
-        if hasattr(peer, "llm") and hasattr(peer.llm, "shutdown"):
-            peer.llm.shutdown()
-        del peer
-        gc.collect()
-    base = {r["weights"]: r for r in rows}
-    for r in rows:
-        r["b1_vs_octavo_bf16"] = r["b1_tok_s"] / base["octavo bf16"]["b1_tok_s"]
-        peer_name = {"octavo int8": "llama.cpp Q8_0", "octavo int4": "llama.cpp Q4_0",
-                     "octavo int8+head": "llama.cpp Q8_0", "octavo int4+head": "llama.cpp Q4_0"}.get(r["weights"])
-        if peer_name in base:
-            r["b1_vs_llamacpp"] = r["b1_tok_s"] / base[peer_name]["b1_tok_s"]
-            r["offline_vs_llamacpp"] = r["offline_out_tok_s"] / base[peer_name]["offline_out_tok_s"]
+    for name in decode:
+        b1_median = statistics.median(rates[name]["b1"])
+        row: dict[str, Any] = {
+            "model": model.name, "weights": name, "b1_tok_s": fmt_spread(spread(rates[name]["b1"]), 1),
+            "MB_per_token": per_token[name] / 1e6, "bw_GBs": bw[name],
+            "bw_fraction": b1_median * per_token[name] / (bw[name] * 1e9),
+            "offline_out_tok_s": fmt_spread(spread(rates[name]["offline"]), 1),
+        }
+        if name != "octavo bf16":
+            (r,) = ratios(rates, "b1", [name], ["octavo bf16"])
+            row["b1_vs_octavo_bf16"] = fmt_spread(r["ratio"])
+        peer = dict(PAIRS).get(name)
+        if peer in rates:
+            row["llamacpp_file"] = peer
+            row["b1_vs_llamacpp"] = fmt_spread(ratios(rates, "b1", [name], [peer])[0]["ratio"])
+            row["offline_vs_llamacpp"] = fmt_spread(ratios(rates, "offline", [name], [peer])[0]["ratio"])
+        row["load"] = f"{load} -> {load_avg()}"
+        rows.append(row)
     return rows
 
 
@@ -290,8 +327,8 @@ def main() -> None:
                         "(default: each checkpoint's folder); the quantized GGUFs are written beside it")
     parser.add_argument("--group-size", type=int, default=128, help="Octavo int4 group size")
     parser.add_argument("--threads", type=int, default=os.cpu_count())
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs per measure; the median is reported")
-    parser.add_argument("--offline-repeats", type=int, default=1, help="offline workload runs; the median")
+    parser.add_argument("--repeats", type=int, default=3, help="batch-1 rounds, every format once in each")
+    parser.add_argument("--offline-repeats", type=int, default=2, help="offline rounds, every format once in each")
     parser.add_argument("--prompt-len", type=int, default=32)
     parser.add_argument("--new-tokens", type=int, default=64, help="batch-1 decode length")
     parser.add_argument("--num-prompts", type=int, default=32, help="offline workload requests")
@@ -329,9 +366,10 @@ def main() -> None:
         result["kernels"] = table
     if not (args.kernels_only or args.read_rate):
         table = [r for m in models for r in bench_model(m, args)]
-        cols = ["model", "weights", "b1_tok_s", "b1_vs_octavo_bf16", "b1_vs_llamacpp", "bw_fraction",
-                "MB_per_token", "offline_out_tok_s", "offline_vs_llamacpp", "load"]
-        print_table(table, cols, title="batch-1 decode and offline throughput")
+        cols = ["model", "weights", "b1_tok_s", "b1_vs_octavo_bf16", "llamacpp_file", "b1_vs_llamacpp",
+                "bw_fraction", "MB_per_token", "offline_out_tok_s", "offline_vs_llamacpp", "load"]
+        print_table(table, cols, title=f"batch-1 decode and offline throughput, median (min-max) of rounds in "
+                                       f"turns ({args.repeats} batch-1, {args.offline_repeats} offline)")
         result["decode"] = table
     if args.json:
         write_json(args.json, result)

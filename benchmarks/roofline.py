@@ -10,10 +10,14 @@ decode-shaped). Then:
 - batch-1 decode tokens/s vs the bandwidth roofline: bandwidth / bytes read
   per token (every weight matrix once, the embedding row aside, plus the KV
   cache read by attention);
-- large-batch decode tokens/s vs the compute roofline: bf16 GFLOP/s /
-  (2 * matmul parameters) per token (attention FLOPs left out: small at these
-  context lengths).
-Batch-1 decode subtracts prefill: rate = (N - 1) / (t(N tokens) - t(1 token)).
+- large-batch decode tokens/s vs two compute roofs: the best GFLOP/s of the
+  model's dtype and the best of any dtype measured (bf16 or float32, whichever
+  this CPU runs faster), / (2 * matmul parameters) per token (attention FLOPs
+  left out: small at these context lengths).
+Batch-1 decode subtracts prefill: rate = (N - 1) / (t(N tokens) - t(1 token)),
+both timed in the same round; with ``--llamacpp``, llama.cpp's batch-1 decode
+is timed in turns with Octavo's (benchmarks/turns.py: ``--repeats`` rounds,
+median (min-max)), each from an empty cache.
 Batch-B decode is timed in the engine over steps where all B sequences decode
 (every prompt prefilled first; OctavoPeer.steady_decode_rate): timing whole
 generate calls would also count the ragged end, when requests prefilled in
@@ -25,47 +29,16 @@ import argparse
 import json
 import math
 import random
-import statistics
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable
-
 import torch
 
 from benchmarks.report import load_avg, print_table, write_json
+from benchmarks.turns import batch1_decode, fmt_spread, median_time, ratios, spread
 from benchmarks.options import add_common_args, apply_threads, int_list
 from benchmarks.workload import Workload, ordinary_token_ids
 
 MIB = 2**20
-
-
-def median_time(fn: Callable[[], object], repeats: int, warm: bool = True, fastest: bool = False) -> float:
-    """Median of ``repeats`` timed runs; ``fastest``: the minimum instead (on a
-    machine shared with other jobs, the closest to what the code itself costs)."""
-    if warm:  # page faults and allocator growth happen here, not in the timing
-        fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times) if fastest else statistics.median(times)
-
-
-def in_turns(runs: dict[str, Callable[[], object]], repeats: int, fastest: bool = False) -> dict[str, float]:
-    """Each run warmed once, then timed ``repeats`` times in turns with the
-    others, so that a machine drifting in speed hits them alike: median (or
-    fastest) seconds per run."""
-    for run in runs.values():
-        run()
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for _ in range(repeats):
-        for name, run in runs.items():
-            start = time.perf_counter()
-            run()
-            times[name].append(time.perf_counter() - start)
-    return {name: min(t) if fastest else statistics.median(t) for name, t in times.items()}
 
 
 def bandwidth_gbs(size_bytes: int, repeats: int) -> dict[str, float]:
@@ -121,20 +94,6 @@ def count_params(model: Path) -> int:
     return total
 
 
-def decode_rate(llm_generate: Callable[[Workload], object], token_ids: list[int], batch: int,
-                prompt_len: int, new_tokens: int, repeats: int, warm: bool = True) -> float:
-    """Decode tokens/s for ``batch`` concurrent sequences, prefill subtracted."""
-    rng = random.Random(batch)
-    prompts = [[rng.choice(token_ids) for _ in range(prompt_len)] for _ in range(batch)]
-
-    def timed(n: int) -> float:
-        wl = Workload("decode", prompts, [n] * batch, "decode probe")
-        return median_time(lambda: llm_generate(wl), repeats, warm)
-
-    t_full, t_first = timed(new_tokens), timed(1)
-    return batch * (new_tokens - 1) / (t_full - t_first)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(parser)
@@ -170,8 +129,11 @@ def main() -> None:
     mm = [{"m,k,n": f"{m},{k},{n}", "dtype": str(dt).split(".")[1], "gflops": matmul_gflops(m, k, n, dt, args.repeats)}
           for m, k, n in mm_shapes for dt in (torch.bfloat16, torch.float32)]
     print_table(mm, ["m,k,n", "dtype", "gflops"], title="torch.mm GFLOP/s (median of repeats)")
-    # The roofline is the best rate any measured shape reached in the model's dtype.
+    # Two compute roofs: the best rate any shape reached in the model's dtype, and the best of any dtype
+    # (on some CPUs bf16 runs at twice float32's rate, on others at half: a fraction of the model dtype's
+    # rate alone would flatter a model in the slower one).
     compute_peak = max(r["gflops"] for r in mm if r["dtype"] == args.dtype)
+    best_any = max(mm, key=lambda r: r["gflops"])
 
     from benchmarks.peers.octavo_peer import OctavoPeer
 
@@ -179,40 +141,55 @@ def main() -> None:
         raise ValueError(f"--large-batches must not exceed --max-num-seqs ({args.max_num_seqs})")
     peer = OctavoPeer.from_args(args, enable_prefix_caching=False)
     ids = ordinary_token_ids(args.model)
-    b1 = decode_rate(peer.generate, ids, 1, args.prompt_len, args.new_tokens, args.repeats)
-    context = args.prompt_len + args.new_tokens // 2
-    per_token = shape.bytes_per_token(weight_bytes, context, kv_bytes=weight_bytes)
+    prompt = random.Random(1).choices(ids, k=args.prompt_len)
+    engines = {"octavo": lambda p, n: peer.generate(Workload("decode", [p], [n], "decode probe"))}
     if args.llamacpp:
         from benchmarks.peers.llamacpp import LlamaCppPeer
 
         lc = LlamaCppPeer(args.model, n_ctx=args.prompt_len + args.new_tokens + 16, threads=args.threads)
-        lc_b1 = decode_rate(lc.generate, ids, 1, args.prompt_len, args.new_tokens, args.repeats)
+        engines["llama.cpp"] = lambda p, n: lc.generate_each([p], n)
+    # In turns: every round times each engine at N and at 1 token.
+    b1_rates = batch1_decode(engines, prompt, args.new_tokens, args.repeats)
+    if args.llamacpp:
         del lc
+    b1 = {name: spread(r["decode_tok_s"]) for name, r in b1_rates.items()}
+    context = args.prompt_len + args.new_tokens // 2
+    per_token = shape.bytes_per_token(weight_bytes, context, kv_bytes=weight_bytes)
     rng = random.Random(0)
     big = {b: peer.steady_decode_rate([[rng.choice(ids) for _ in range(args.prompt_len)] for _ in range(b)],
                                       args.large_new_tokens)
            for b in large_batches}
     best_b = max(big, key=big.get)
     flops_per_token = 2 * shape.matmul_params
-    rows = [
-        {"measure": "batch-1 decode", "tok_s": b1, "roofline_tok_s": model_gbs * 1e9 / per_token,
-         "fraction": b1 * per_token / (model_gbs * 1e9), "basis": f"{model_gbs:.1f} GB/s at {model_mib} MiB"},
-        {"measure": "batch-1 decode (DRAM)", "tok_s": b1, "roofline_tok_s": dram_gbs * 1e9 / per_token,
-         "fraction": b1 * per_token / (dram_gbs * 1e9), "basis": f"{dram_gbs:.1f} GB/s at {sizes[-1]} MiB"},
-    ] + ([
-        {"measure": "llama.cpp batch-1 decode", "tok_s": lc_b1, "roofline_tok_s": model_gbs * 1e9 / per_token,
-         "fraction": lc_b1 * per_token / (model_gbs * 1e9), "basis": f"{model_gbs:.1f} GB/s at {model_mib} MiB"},
-    ] if args.llamacpp else []) + [
-        {"measure": f"batch-{b} decode", "tok_s": r, "roofline_tok_s": compute_peak * 1e9 / flops_per_token,
-         "fraction": r * flops_per_token / (compute_peak * 1e9), "basis": f"{compute_peak:.0f} GFLOP/s {args.dtype}"}
-        for b, r in big.items()
-    ]
+
+    def read_row(measure: str, rate: dict[str, float], gbs: float, basis: str) -> dict[str, object]:
+        roof = gbs * 1e9 / per_token
+        return {"measure": measure, "tok_s": fmt_spread(rate, 1), "roofline_tok_s": roof,
+                "fraction": rate["median"] / roof, "basis": basis}
+
+    rows = []
+    for name, rate in b1.items():
+        rows.append(read_row(f"{name} batch-1 decode", rate, model_gbs, f"{model_gbs:.1f} GB/s at {model_mib} MiB"))
+        rows.append(read_row(f"{name} batch-1 decode (DRAM)", rate, dram_gbs,
+                             f"{dram_gbs:.1f} GB/s at {sizes[-1]} MiB"))
+    for b, r in big.items():
+        for gflops, basis in ((compute_peak, f"{compute_peak:.0f} GFLOP/s {args.dtype}"),
+                              (best_any["gflops"], f"{best_any['gflops']:.0f} GFLOP/s, best of any dtype "
+                                                   f"({best_any['dtype']} {best_any['m,k,n']})")):
+            rows.append({"measure": f"batch-{b} decode", "tok_s": f"{r:.1f}",
+                         "roofline_tok_s": gflops * 1e9 / flops_per_token,
+                         "fraction": r * flops_per_token / (gflops * 1e9), "basis": basis})
     print_table(rows, ["measure", "tok_s", "roofline_tok_s", "fraction", "basis"],
                 title=f"decode vs roofline, {args.model.name} {args.dtype}: {shape.params / 1e6:.0f}M params, "
                       f"{per_token / 1e6:.0f} MB read per batch-1 token, {flops_per_token / 1e9:.2f} GFLOP per token")
+    if "llama.cpp" in b1_rates:
+        (ratio,) = ratios(b1_rates, "decode_tok_s", ["octavo"], ["llama.cpp"])
+        print(f"batch-1 decode octavo / llama.cpp: {fmt_spread(ratio['ratio'])}x (median (min-max) of "
+              f"{args.repeats} rounds)")
     print(f"load {load_start} -> {load_avg()}; peak decode at batch {best_b}")
     write_json(args.json, {"benchmark": "roofline", "args": vars(args), "shape": asdict(shape),
-                           "bandwidth": bw, "matmul": mm, "decode": rows, "peak_batch": best_b})
+                           "bandwidth": bw, "matmul": mm, "decode": rows, "batch1_rounds": b1_rates,
+                           "peak_batch": best_b})
 
 
 if __name__ == "__main__":

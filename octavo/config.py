@@ -235,6 +235,13 @@ class ParallelConfig:
     tensor_parallel_size: int = option(1, "ranks that split every layer (heads, MLP columns, vocabulary)",
                                        aliases=("-tp",))
     pipeline_parallel_size: int = option(1, "stages that split the layer stack", aliases=("-pp",))
+    # vLLM's name. Whole experts per rank: each rank reads only its experts' weights, and a token's
+    # expert products run where the expert is, summed by the all-reduce the block has anyway
+    # (octavo/model/layers/moe.py; benchmarks/ep_dispatch.py measured it against an all-to-all).
+    enable_expert_parallel: bool = option(
+        False, "mixtures of experts: the tensor-parallel ranks hold whole experts (num_experts / "
+        "tensor_parallel_size each) instead of a slice of every expert; attention stays split by heads",
+    )
     distributed_executor_backend: Optional[str] = option(
         None, "uni: the model in the engine's process (one rank only); mp: a worker process per rank on this "
         "machine; ray: a Ray actor per rank (several machines). Default: uni for one rank, else mp",

@@ -31,7 +31,7 @@ SLOW = (
     "quant/test_checkpoints_tp.py", "spec_decode/test_parallel.py", "simulate/test_simulate_cli.py",
     "simulate/test_autoscaling_in_loop.py", "spec_decode/test_draft_engine.py", "spec_decode/test_metrics.py",
     "worker/test_decode_graphs.py", "worker/test_memory.py", "kernels/test_aarch64_build.py", "checkpoint/test_hub.py",
-    "spec_decode/test_greedy_parity.py", "kernels/test_bf16_gemm.py",
+    "spec_decode/test_greedy_parity.py", "kernels/test_bf16_gemm.py", "model/test_moe.py",
 )
 TESTS = Path(__file__).resolve().parent
 

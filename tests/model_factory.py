@@ -51,10 +51,26 @@ _ARCHS: dict[str, tuple[str, str, dict[str, Any]]] = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", {
         "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True,
     }),
+    # Latent attention (a 32 + 8 latent per token, heads of 16 + 8 for q.k and 16 for values) and eight
+    # experts, two per token, with a shared one; layer 0 dense. Every head is its own KV head; head_dim is
+    # the rotary part (transformers sizes its rotary tables by it).
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM", {
+        "kv_lora_rank": 32, "q_lora_rank": None, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+        "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "n_shared_experts": 1,
+        "first_k_dense_replace": 1, "num_key_value_heads": 4, "head_dim": 8,
+    }),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM", {
+        "kv_lora_rank": 32, "q_lora_rank": 24, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16,
+        "n_routed_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size": 32, "n_shared_experts": 1,
+        "first_k_dense_replace": 1, "num_key_value_heads": 4, "head_dim": 8, "n_group": 4, "topk_group": 2,
+    }),
 }
 # Gemma's norms scale by (1 + weight) and start at zero: random weights make
 # every norm (and a wrong one) show in the logits.
 _RANDOM_NORMS = {"gemma2", "gemma3"}
+# DeepSeek-V3's router bias starts at zero: random, it changes which experts win (and a router that
+# ignored it would show).
+_RANDOM_ROUTER_BIAS = {"deepseek_v3"}
 
 _COMMON: dict[str, Any] = {
     "hidden_size": 64,
@@ -102,6 +118,17 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2_moe": ("qwen2_moe", {}),
     "qwen3_moe": ("qwen3_moe", {}),
     "phi3": ("phi3", {}),
+    # DeepSeek-V2-Lite's shape (no query LoRA, greedy softmax routing); V2 with a query LoRA and
+    # routing within the best 2 of 4 expert groups; V3 (sigmoid scores, a correction bias, groups
+    # scored by their best two, renormalised) with YaRN whose mscale_all_dim changes the softmax scale.
+    "deepseek_v2_lite": ("deepseek_v2", {}),
+    "deepseek_v2": ("deepseek_v2", {"q_lora_rank": 24, "topk_method": "group_limited_greedy", "n_group": 4,
+                                    "topk_group": 2, "routed_scaling_factor": 1.5}),
+    "deepseek_v3": ("deepseek_v3", {
+        "norm_topk_prob": True, "routed_scaling_factor": 2.5,
+        "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
+                            "rope_theta": 10000.0, "mscale": 0.9, "mscale_all_dim": 0.7},
+    }),
     # Phi-4-mini's shape: a quarter of each head unrotated, tied embeddings,
     # LongRoPE. Both lengths equal, so the short factors hold at every length
     # (as in transformers); the explicit factor still sets the attention factor.
@@ -202,6 +229,11 @@ def make_tiny_model(
             for name, param in model.named_parameters():
                 if name.endswith("norm.weight"):
                     param.normal_(0.0, 0.3)
+    if arch in _RANDOM_ROUTER_BIAS:
+        with torch.no_grad():
+            for name, buffer in model.named_buffers():
+                if name.endswith("e_score_correction_bias"):
+                    buffer.normal_(0.0, 0.3)
     model = model.to(getattr(torch, dtype)).eval()
     model.save_pretrained(folder)
     # save_pretrained writes its own generation_config.json from the config;

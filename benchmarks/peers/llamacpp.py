@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 from benchmarks.report import PeerResult
 from benchmarks.workload import Workload
@@ -25,20 +25,24 @@ def gguf_path(model: Path) -> Path:
     return path
 
 
-def quantized_gguf(source: Path, ftype: str, out_dir: Path, threads: int) -> Path:
+def quantized_gguf(source: Path, ftype: str, out_dir: Path, threads: int, pure: bool = False) -> Path:
     """``source`` (a bf16 GGUF) quantized to ``ftype`` (Q8_0, Q4_0 ...: the
     names llama-quantize takes) by llama.cpp's quantizer
     (llama_model_quantize, what llama-quantize runs) into ``out_dir``; kept
-    when it exists."""
+    when it exists. By default llama.cpp keeps the output layer (the tied
+    token embedding where there is no separate one) in Q6_K for Q4_0 files;
+    ``pure`` (llama-quantize --pure) gives every matrix ``ftype``, like with
+    like against an engine that quantizes its lm_head the same way."""
     import llama_cpp
 
-    target = out_dir / f"{source.stem.removesuffix('-bf16')}-{ftype}.gguf"
+    target = out_dir / f"{source.stem.removesuffix('-bf16')}-{ftype}{'-pure' if pure else ''}.gguf"
     if target.is_file():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
     params.nthread = threads
+    params.pure = pure
     tmp = target.with_suffix(".part")
     if llama_cpp.llama_model_quantize(str(source).encode(), str(tmp).encode(), params) != 0:
         raise RuntimeError(f"llama.cpp could not quantize {source} to {ftype}")
@@ -75,6 +79,9 @@ class LlamaCppPeer:
             high_level.llama_cpp.llama_model_default_params = defaults
 
     def _generate(self, prompt: list[int], output_len: int) -> None:
+        # From an empty cache, as Octavo runs in the comparisons (prefix caching off): Llama.generate
+        # would otherwise reuse the KV of whatever prefix the last prompt shares with this one.
+        self.llm.reset()
         made = 0
         # top_k=1 with temp=0 is llama.cpp's greedy sampler; EOS is not checked
         # here, so the generator runs for exactly output_len tokens.
@@ -89,6 +96,11 @@ class LlamaCppPeer:
     def generate(self, workload: Workload) -> None:
         for prompt, n in zip(workload.prompts, workload.output_lens):
             self._generate(prompt, n)
+
+    def generate_each(self, prompts: Sequence[list[int]], output_len: int) -> None:
+        """One request after another, ``output_len`` tokens each."""
+        for prompt in prompts:
+            self._generate(prompt, output_len)
 
     def run(self, workload: Workload) -> PeerResult:
         start = time.perf_counter()

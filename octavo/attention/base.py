@@ -131,10 +131,11 @@ class AttentionBackend(ABC):
 
     def allocate_cache(self, spec: KVCacheSpec, num_blocks: int, device: torch.device,
                        static_scales: Optional[torch.Tensor] = None) -> LayerKVCache:
-        """A zero-filled cache of ``num_blocks`` blocks for a layer of ``spec``; ``static_scales``:
+        """A zero-filled cache of ``num_blocks`` blocks for a layer of ``spec`` (``spec.parts`` vectors per
+        token and head: K and V, or a latent cache's one); ``static_scales``:
         the checkpoint's [2, kv_heads] K/V scales (quantized caches)."""
         return allocate_layer_cache(num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim, spec.dtype,
-                                    device, static_scales)
+                                    device, static_scales, spec.parts)
 
     def write_kv(self, kv_cache: LayerKVCache, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
         """k, v [T, kv_heads, D] of this step into the cache (quantized when it is)."""

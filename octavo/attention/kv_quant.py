@@ -44,7 +44,8 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 @dataclass
 class LayerKVCache:
     """One layer's K and V blocks: ``data`` ``[2, num_blocks, block_size,
-    kv_heads, head_dim]`` (K then V); for a quantized cache ``scales``
+    kv_heads, head_dim]`` (K then V; a latent cache: ``[1, ...]``, one vector
+    per token); for a quantized cache ``scales``
     ``[2, num_blocks, kv_heads, block_size]`` float32 and, when the checkpoint
     provides them, ``static_scales`` ``[2, kv_heads]`` float32 (the step of K
     and of V per head, used instead of each row's own)."""
@@ -66,23 +67,24 @@ class LayerKVCache:
         return self.data.shape[2]
 
     def slots(self) -> torch.Tensor:
-        """``data`` as ``[2, num_blocks * block_size, kv_heads, head_dim]``."""
-        return self.data.view(2, -1, self.data.shape[-2], self.data.shape[-1])
+        """``data`` as ``[2, num_blocks * block_size, kv_heads, head_dim]`` (``[1, ...]``: latent)."""
+        return self.data.view(self.data.shape[0], -1, self.data.shape[-2], self.data.shape[-1])
 
 
 def allocate_layer_cache(
     num_blocks: int, block_size: int, kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
-    static_scales: Optional[torch.Tensor] = None,
+    static_scales: Optional[torch.Tensor] = None, parts: int = 2,
 ) -> LayerKVCache:
-    """Zero-filled: padded slots of a gathered block are masked out of
+    """``parts``: vectors per token and head (K and V: 2; a latent: 1).
+    Zero-filled: padded slots of a gathered block are masked out of
     attention, but a NaN bit pattern left in fresh memory would still poison
     the weighted sum (0 * NaN). Scales start at 1 for the same reason. On
     huge pages where the OS gives them: the decode kernels read blocks at
     scattered places (octavo/kernels/huge_pages.py)."""
-    data = huge_pages.zeros((2, num_blocks, block_size, kv_heads, head_dim), dtype, torch.device(device))
+    data = huge_pages.zeros((parts, num_blocks, block_size, kv_heads, head_dim), dtype, torch.device(device))
     if not is_quantized(dtype):
         return LayerKVCache(data)
-    scales = torch.ones(2, num_blocks, kv_heads, block_size, dtype=torch.float32, device=device)
+    scales = torch.ones(parts, num_blocks, kv_heads, block_size, dtype=torch.float32, device=device)
     if static_scales is not None:
         static_scales = static_scales.to(device=device, dtype=torch.float32).contiguous()
     return LayerKVCache(data, scales, static_scales)

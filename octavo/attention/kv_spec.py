@@ -7,7 +7,7 @@ keeps only its window) is a new spec; a new layout is a new backend."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import ClassVar, Optional
 
 import torch
 
@@ -23,6 +23,8 @@ class KVCacheSpec:
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    # Vectors kept per token and head: K and V (a latent cache keeps one).
+    parts: ClassVar[int] = 2
 
     @property
     def kind(self) -> str:
@@ -31,7 +33,8 @@ class KVCacheSpec:
     @property
     def bytes_per_token(self) -> int:
         element = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_kv_heads * (self.head_dim * element + (SCALE_BYTES if is_quantized(self.dtype) else 0))
+        scale = SCALE_BYTES if is_quantized(self.dtype) else 0
+        return self.parts * self.num_kv_heads * (self.head_dim * element + scale)
 
     @property
     def bytes_per_block(self) -> int:
@@ -51,3 +54,27 @@ class SlidingWindowSpec(KVCacheSpec):
     @property
     def kind(self) -> str:
         return f"sliding window {self.window}"
+
+
+@dataclass(frozen=True)
+class LatentKVCacheSpec(KVCacheSpec):
+    """Multi-head latent attention (DeepSeek-V2/V3): one vector per token instead of K and V per
+    head, the compressed latent (kv_lora_rank) followed by the rotary key every head shares
+    (``rope_dim``); heads decompress their keys and values from it, or absorb their projections
+    into the query and output. Kept as a single "head" of ``head_dim`` = kv_lora_rank + rope_dim."""
+
+    rope_dim: int = 0
+    parts: ClassVar[int] = 1
+
+    def __post_init__(self) -> None:
+        if is_quantized(self.dtype):
+            # A scale per token would span the normalised latent and the unnormalised rotary key alike.
+            raise ValueError(f"kv_cache_dtype {self.dtype} is not supported with multi-head latent attention "
+                             "(DeepSeek-V2/V3): leave kv_cache_dtype auto")
+
+    @property
+    def kind(self) -> str:
+        return f"latent {self.head_dim - self.rope_dim} + rope {self.rope_dim}"
+
+    def describe(self) -> str:
+        return f"{self.kind}, {self.dtype}"

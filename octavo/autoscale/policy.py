@@ -26,8 +26,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from octavo.autoscale.forecast import Forecast, RateHistory, fit_forecast
+from octavo.autoscale.forecast import Forecast, RateHistory
 from octavo.autoscale.reactive import SIGNALS, RateLimit, Recommendation, Stabiliser, hpa_recommendation
+from octavo.autoscale.refit import FitJob, Fitter, InlineFitter
 from octavo.autoscale.samples import MetricsSample
 from octavo.config import option, section
 
@@ -147,8 +148,10 @@ class ScaleDecision:
 
 
 class Autoscaler:
-    def __init__(self, config: AutoscalerConfig) -> None:
+    def __init__(self, config: AutoscalerConfig, fitter: Optional[Fitter] = None) -> None:
         self.config = config
+        # Inline by default: deterministic, as the simulator needs; the control loop passes a background one.
+        self._fitter = fitter or InlineFitter()
         c = config
         self._stabiliser = Stabiliser(
             c.scale_up_window_s, c.scale_down_window_s,
@@ -231,17 +234,19 @@ class Autoscaler:
         p = self.config.predictive
         if not p.enabled:
             return None, None
+        self._forecast = self._fitter.latest()
         peak = self._forecast.peak(now, now + p.horizon_s) if self._forecast else None
         if peak is None or now - self._fitted_at >= p.refit_interval_s:
             first, values = self._history.complete(now)
             # From the first bucket after the history (earlier than now after a gap in the
             # scrapes) to the end of the horizon of the last decision before the next refit.
             steps = math.ceil((now + p.horizon_s + p.refit_interval_s) / p.bucket_s) - (first + len(values)) + 1
-            self._forecast = fit_forecast(first, values, p.bucket_s, p.seasonal_periods_s, steps)
+            self._fitter.refit(FitJob(first, values, p.bucket_s, p.seasonal_periods_s, steps))
             self._fitted_at = now
+            self._forecast = self._fitter.latest()
             peak = self._forecast.peak(now, now + p.horizon_s) if self._forecast else None
         if peak is None or self._forecast is None:
-            return None, "predictive: history too short"
+            return None, "predictive: fitting" if self._fitter.busy else "predictive: history too short"
         # PredictiveConfig refuses enabled without a capacity.
         replicas = math.ceil(peak * p.headroom / float(p.capacity_per_replica) - 1e-9)
         return replicas, (f"predictive {replicas} (peak {peak:.3g} req/s within {p.horizon_s:g}s, "

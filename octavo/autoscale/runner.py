@@ -17,6 +17,7 @@ from octavo.autoscale.actuators.base import Actuator
 from octavo.autoscale.config import AutoscaleConfig
 from octavo.autoscale.gateway_admin import GatewayAdmin
 from octavo.autoscale.policy import Autoscaler, ScaleDecision
+from octavo.autoscale.refit import BackgroundFitter
 from octavo.autoscale.samples import MetricsSample
 from octavo.extras import require
 
@@ -69,7 +70,9 @@ def build(config: AutoscaleConfig) -> ControlLoop:
     if config.policy.predictive.enabled:
         require("statsmodels", "autoscale", "the predictive policy")
     actuator = build_actuator(config)
-    return ControlLoop(Autoscaler(config.policy), build_signals(config, actuator), actuator, config.interval_s)
+    # Fits run off the loop: a fit (statsmodels' import included) takes seconds, the interval must hold.
+    autoscaler = Autoscaler(config.policy, BackgroundFitter())
+    return ControlLoop(autoscaler, build_signals(config, actuator), actuator, config.interval_s)
 
 
 def build_actuator(config: AutoscaleConfig) -> Actuator:

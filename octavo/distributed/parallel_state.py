@@ -27,6 +27,9 @@ class ParallelState:
     # run (one process, or a simulated rank in a test).
     tp_group: Optional[dist.ProcessGroup] = None
     pp_group: Optional[dist.ProcessGroup] = None
+    # The tensor-parallel ranks hold whole experts of a mixture (a share each) instead of a slice of
+    # every expert; attention and the rest of the layer stay split as tensor parallelism splits them.
+    expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         for kind in ("tp", "pp"):
@@ -68,11 +71,14 @@ def parallel_state(state: ParallelState) -> Iterator[ParallelState]:
         set_parallel_state(previous)
 
 
-def init_model_parallel(tp_size: int, pp_size: int = 1) -> ParallelState:
+def init_model_parallel(tp_size: int, pp_size: int = 1, expert_parallel: bool = False) -> ParallelState:
     """Split the initialised torch.distributed world (tp_size * pp_size ranks)
     into groups and make them this process's state. Rank = pp_rank * tp_size
     + tp_rank: the ranks of one pipeline stage are neighbours, so a stage's
     all-reduces stay on one machine when ranks fill machines in order.
+
+    ``expert_parallel``: the experts of a mixture are shared out whole over a stage's
+    tensor-parallel ranks (``ParallelState.expert_parallel``).
 
     Every rank must call this (``new_group`` is collective)."""
     if not dist.is_initialized():
@@ -89,7 +95,7 @@ def init_model_parallel(tp_size: int, pp_size: int = 1) -> ParallelState:
         group = dist.new_group(list(range(column, world, tp_size)))
         if rank % tp_size == column:
             pp_group = group
-    state = ParallelState(rank % tp_size, tp_size, rank // tp_size, pp_size, tp_group, pp_group)
+    state = ParallelState(rank % tp_size, tp_size, rank // tp_size, pp_size, tp_group, pp_group, expert_parallel)
     set_parallel_state(state)
     return state
 

@@ -18,6 +18,7 @@ from octavo.core.structured_output import StructuredOutputBackend, StructuredOut
 from octavo.engine.detokenizer import IncrementalDetokenizer
 from octavo.engine.kv_events_publisher import KVEventPublisher
 from octavo.engine.request_state import RequestState, SequenceState
+from octavo.engine.routing_stats import RoutingStatsReader
 from octavo.engine.stats import EngineStats, StepStats
 from octavo.executor.registry import create_executor
 from octavo.model.config import load_arch_config
@@ -84,6 +85,7 @@ class LLMEngine:
                 config.scheduler, config.cache, self.executor.determine_num_kv_blocks(), self.max_model_len,
                 config.speculative,
             )
+            self._routing = RoutingStatsReader(self.executor)
             self._kv_events: Optional[KVEventPublisher] = None
             if config.cache.kv_events_endpoint:
                 self.scheduler.kv_cache_manager.enable_events()
@@ -242,6 +244,8 @@ class LLMEngine:
         self._fill_pipeline()
         sched_out, submitted, grammar_failed = self._in_flight.popleft()
         runner_out = self.executor.collect() if submitted else ModelRunnerOutput()
+        if submitted:
+            self._routing.step_ran()
         runner_out.failed.update(grammar_failed)
         progressed: dict[str, RequestState] = {}
         stopped: list[str] = []
@@ -269,6 +273,8 @@ class LLMEngine:
                 outputs.append(out)
         if self._kv_events is not None:
             self._kv_events.publish(self.scheduler.kv_cache_manager.take_events())
+        self._routing.maybe_read(nothing_in_flight=not any(sent for _, sent, _ in self._in_flight),
+                                 idle=not self.has_unfinished_requests())
         return outputs
 
     def _apply(self, state: RequestState, core_out: EngineCoreOutput, stopped: list[str]) -> None:
@@ -395,6 +401,8 @@ class LLMEngine:
             spec_num_accepted_tokens=spec.num_accepted_tokens,
             spec_accepted_per_position=list(spec.accepted_per_position),
             steps=self._steps.copy(),
+            moe_routed_tokens=self._routing.routed_tokens,  # replaced, never changed in place, by a read
+            moe_load_imbalance=dict(self._routing.load_imbalance),
         )
 
     def shutdown(self) -> None:

@@ -98,6 +98,10 @@ class EngineStats:
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_position: list[int] = field(default_factory=list)
     steps: StepStats = field(default_factory=StepStats)
+    # Mixtures of experts (octavo/engine/routing_stats.py), by decoder layer: (token, choice) pairs routed
+    # to each expert (cumulative), and the busiest expert's pairs over the mean in the last window read.
+    moe_routed_tokens: dict[int, list[int]] = field(default_factory=dict)
+    moe_load_imbalance: dict[int, float] = field(default_factory=dict)
 
     @property
     def kv_cache_usage(self) -> float:

@@ -83,7 +83,7 @@ def init_rank_worker(rank: int, args: InitArgs) -> Any:
         backend, init_method=args.dist_init_method, rank=rank, world_size=parallel.world_size,
         timeout=timedelta(minutes=10),
     )
-    init_model_parallel(parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
+    init_model_parallel(parallel.tensor_parallel_size, parallel.pipeline_parallel_size, parallel.enable_expert_parallel)
     return Worker(config, rank)
 
 

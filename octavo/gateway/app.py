@@ -1,20 +1,26 @@
 """The gateway's HTTP app: the OpenAI routes of ``octavo serve``, forwarded
 to the replicas, plus /health, /metrics and the admin API.
 
-A /v1 request goes: API key -> JSON parsed and validated with the server's
-own request models (a bad body is answered here, exactly as a replica would,
-without using one) -> rate limits -> response cache -> route and forward.
+A /v1 request goes: API key -> headers checked and body read within bounds
+(intake.py) -> JSON parsed and validated with the server's own request models
+(a bad body is answered here, exactly as a replica would, without using one)
+-> rate limits -> response cache -> route and forward. Every other route of
+an API key is rate limited too.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import gc
+import hashlib
+import hmac
 import json
 import logging
 import time
-from typing import Any, AsyncIterator, Optional
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Optional, Union
 
+import anyio
 import httpx
 import pydantic
 from fastapi import FastAPI, Request
@@ -23,12 +29,15 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from octavo.gateway.cache import MemoryCache, RedisCache, ResponseCache, cache_key, is_deterministic
 from octavo.gateway.config import GatewayConfig, KeyConfig
 from octavo.gateway.health import discovery_loop, probe_loop
+from octavo.gateway.intake import header_value, parse_json, read_body
 from octavo.gateway.kv_index import KVEventSubscriber, KVIndex
 from octavo.gateway.metrics import GatewayMetrics
 from octavo.gateway.proxy import Forwarder, NoReplica, split_events
 from octavo.gateway.ratelimit import Buckets, MemoryBuckets, RateLimiter, RedisBuckets, retry_after_header
-from octavo.gateway.replicas import ReplicaSet, normalize_url
+from octavo.gateway.replica_url import normalize_url
+from octavo.gateway.replicas import ReplicaSet
 from octavo.gateway.routing import KVAware, LeastLoad, Policy, PrefixAffinity, RoundRobin, RouteInput, Session
+from octavo.gateway.usage import StreamUsage, body_tokens, reservation
 from octavo.openai.disconnect import until_disconnected
 from octavo.openai.embeddings import EmbeddingRequest
 from octavo.openai.errors import APIError, bad_request, error_body, error_response, validation_error
@@ -49,6 +58,8 @@ _MODELS: dict[str, type[pydantic.BaseModel]] = {
 _USAGE_CHUNK_PATHS = ("/v1/completions", "/v1/chat/completions")
 # A stream is whole (and may be cached) once its last event has passed.
 _STREAM_ENDS = (b"data: [DONE]", b"event: response.completed", b"event: response.incomplete")
+# Events of a stream that failed (an engine that died under it, a replica lost mid-stream): never replayed.
+_STREAM_ERRORS = (b'data: {"error"', b"event: error", b"event: response.failed")
 # Fields that do not change a response's content: left out of the cache key.
 _NOT_IN_CACHE_KEY = ("priority", "user")
 _FORWARDED_HEADERS = ("x-request-id", "accept")
@@ -164,16 +175,14 @@ def _api_key(gw: Gateway, request: Request) -> Optional[KeyConfig]:
 def _forward_headers(request: Request) -> dict[str, str]:
     headers = {"content-type": "application/json"}
     for name in _FORWARDED_HEADERS:
-        if name in request.headers:
-            headers[name] = request.headers[name]
+        value = header_value(request, name)
+        if value is not None:
+            headers[name] = value
     return headers
 
 
 def _parse(raw: bytes, path: str) -> dict[str, Any]:
-    try:
-        data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise bad_request(f"malformed JSON body: {exc}") from None
+    data = parse_json(raw)
     if not isinstance(data, dict):
         raise bad_request("the body must be a JSON object")
     try:
@@ -258,100 +267,140 @@ def _generate_route(path: str):
         gw = _gateway(request)
         start = time.monotonic()
         key = _api_key(gw, request)
-        raw = await request.body()
-        if len(raw) > gw.config.max_body_bytes:
-            raise APIError(413, f"request body larger than {gw.config.max_body_bytes} bytes")
+        headers = _forward_headers(request)
+        raw = await read_body(request, gw.config.max_body_bytes, gw.config.body_timeout_s)
         data = _parse(raw, path)
         stream = bool(data.get("stream"))
-        hide_usage = False
+        cache_id = _cache_id(gw, request, key, path, data)  # of the body as the client sent it
+        charge = None
+        usage = StreamUsage()
         if key is not None:
-            rejection = await gw.limiter.admit(key)
-            if rejection is not None:
-                gw.metrics.rate_limited.labels(rejection.limit).inc()
-                return _rate_limited(rejection.limit, rejection.retry_after_s)
-            raw, hide_usage = _for_key(data, raw, key, stream and path in _USAGE_CHUNK_PATHS)
-        cache_id = None
-        # An embedding is a function of its input alone: always cacheable.
-        deterministic = path == "/v1/embeddings" or is_deterministic(data)
-        if gw.cache is not None and deterministic and "no-cache" not in request.headers.get("cache-control", ""):
-            cache_id = cache_key(path, {k: v for k, v in data.items() if k not in _NOT_IN_CACHE_KEY})
+            charge = await _admit(gw, key, reservation(path, data, raw))
+            if isinstance(charge, Response):
+                return charge
+            raw, usage = _for_key(data, raw, key, stream and path in _USAGE_CHUNK_PATHS)
+        if cache_id is not None:
             hit = await gw.cache.get(cache_id)
             gw.metrics.cache.labels("hit" if hit is not None else "miss").inc()
             if hit is not None:
+                if charge is not None:
+                    await charge.settle(0)
                 gw.metrics.added_latency.observe(time.monotonic() - start)
                 return _cached_response(hit, stream)
         route_input = await _route_input(gw, request, data, path)
         try:
-            # A client that leaves first gets a 499 nobody reads; the upstream call is closed with it.
+            # A client that leaves first gets a 499 nobody reads; the upstream call is closed with it
+            # (an unsettled charge keeps its reservation: what the replica did is not known).
             upstream = await until_disconnected(
-                request, gw.forwarder.send("POST", path, raw, _forward_headers(request), route_input, stream)
+                request, gw.forwarder.send("POST", path, raw, headers, route_input, stream)
             )
         except NoReplica:
+            if charge is not None:
+                await charge.settle(0)
             gw.metrics.unavailable.inc()
             return _unavailable(gw.config)
-        headers = {**upstream.headers, "x-octavo-replica": upstream.replica.url}
+        response_headers = {**upstream.headers, "x-octavo-replica": upstream.replica.url}
         gw.metrics.added_latency.observe(max(0.0, time.monotonic() - start - upstream.waited_s))
         if upstream.events is None:
-            if upstream.status == 200:
-                if key is not None:
-                    await gw.limiter.charge_tokens(key, _usage_tokens(upstream.body))
-                if cache_id is not None:
-                    await gw.cache.put(cache_id, upstream.body)
-            return Response(upstream.body, upstream.status, headers=headers)
-        return StreamingResponse(
-            _tee(gw, upstream.events, key, cache_id, hide_usage), headers=headers, media_type="text/event-stream"
-        )
+            if charge is not None:
+                await charge.settle(body_tokens(upstream.body) if upstream.status == 200 else 0)
+            if upstream.status == 200 and cache_id is not None:
+                await gw.cache.put(cache_id, upstream.body)
+            return Response(upstream.body, upstream.status, headers=response_headers)
+        return StreamingResponse(_tee(gw, upstream.events, charge, cache_id, usage), headers=response_headers,
+                                 media_type="text/event-stream")
 
     return route
 
 
-def _for_key(data: dict[str, Any], raw: bytes, key: KeyConfig, usage_chunk: bool) -> tuple[bytes, bool]:
-    """The body as sent upstream for this key: its priority class, and a
-    stream's usage chunk (``usage_chunk``: a stream that has one) asked for when a token budget must be charged (then
-    hidden again if the client did not ask for it). Returns (body, hide usage)."""
+@dataclass
+class _Charge:
+    """An admitted request of a rate-limited key: its token reservation, settled once when it ends."""
+
+    limiter: RateLimiter
+    key: KeyConfig
+    reserve: Optional[int]
+    settled: bool = False
+
+    async def settle(self, used: Optional[int]) -> None:
+        """``used``: the tokens the request cost; None (not known: abandoned
+        before any usage came back) leaves the reservation charged."""
+        if self.settled or used is None:
+            return
+        self.settled = True
+        # Also when the request's task is being cancelled (a client that hung up mid-stream).
+        with anyio.CancelScope(shield=True):
+            await self.limiter.settle(self.key, self.reserve, used)
+
+
+async def _admit(gw: Gateway, key: KeyConfig, reserve: Optional[int]) -> Union[_Charge, Response]:
+    """The key's charge for this request, or the 429 refusing it."""
+    rejection = await gw.limiter.admit(key, reserve)
+    if rejection is not None:
+        gw.metrics.rate_limited.labels(rejection.limit).inc()
+        return _rate_limited(rejection.limit, rejection.retry_after_s)
+    return _Charge(gw.limiter, key, reserve)
+
+
+def _cache_id(
+    gw: Gateway, request: Request, key: Optional[KeyConfig], path: str, data: dict[str, Any]
+) -> Optional[str]:
+    """The request's cache entry, or None when it may not be cached."""
+    if gw.cache is None or "no-cache" in request.headers.get("cache-control", ""):
+        return None
+    # An embedding is a function of its input alone: always cacheable.
+    if path != "/v1/embeddings" and not is_deterministic(data):
+        return None
+    scope = key.cache_scope if key is not None else ""
+    return cache_key(scope, path, {k: v for k, v in data.items() if k not in _NOT_IN_CACHE_KEY})
+
+
+def _for_key(data: dict[str, Any], raw: bytes, key: KeyConfig, usage_chunk: bool) -> tuple[bytes, StreamUsage]:
+    """The body as sent upstream for this key: its priority class and, for a
+    stream that has usage chunks (``usage_chunk``) of a key with a token
+    budget, usage on every chunk (so that a stream the client abandons is
+    charged what was generated until then). Returns the body and what of the
+    stream's usage to hide again from the client."""
     changed = False
     if data.get("priority", 0) != key.priority:
         data["priority"] = key.priority
         changed = True
-    hide_usage = False
-    if usage_chunk and key.tpm is not None and not (data.get("stream_options") or {}).get("include_usage"):
-        data["stream_options"] = {**(data.get("stream_options") or {}), "include_usage": True}
-        changed = hide_usage = True
-    return (json.dumps(data).encode() if changed else raw), hide_usage
+    usage = StreamUsage()
+    if usage_chunk and key.tpm is not None:
+        options = data.get("stream_options") or {}
+        asked_final = bool(options.get("include_usage"))
+        if not (asked_final and options.get("continuous_usage_stats")):
+            data["stream_options"] = {**options, "include_usage": True, "continuous_usage_stats": True}
+            usage = StreamUsage(hide_final=not asked_final, hide_per_chunk=True)
+            changed = True
+    return (json.dumps(data).encode() if changed else raw), usage
 
 
 async def _tee(
-    gw: Gateway, events: AsyncIterator[bytes], key: Optional[KeyConfig], cache_id: Optional[str], hide_usage: bool
+    gw: Gateway, events: AsyncIterator[bytes], charge: Optional[_Charge], cache_id: Optional[str], usage: StreamUsage
 ) -> AsyncIterator[bytes]:
     """Passes the stream on, keeping what the cache and the token budget need."""
     kept: list[bytes] = []
     size = 0
-    usage = 0
-    complete = False
-    async for event in events:
-        if b'"usage":{' in event:
-            usage = _usage_tokens(event[event.find(b"{"):].strip()) or usage
-            if hide_usage and b'"choices":[]' in event:
-                continue  # the usage chunk the gateway asked for, not the client
-        yield event
-        complete = event.startswith(_STREAM_ENDS)
-        if cache_id is not None and size <= gw.config.cache.max_bytes:
-            kept.append(event)
-            size += len(event)
-    if key is not None:
-        await gw.limiter.charge_tokens(key, usage)
-    if cache_id is not None and complete and size <= gw.config.cache.max_bytes:
-        await gw.cache.put(cache_id, b"".join(kept))
-
-
-def _usage_tokens(body: bytes) -> int:
+    whole = failed = False
     try:
-        data = json.loads(body)
-        # A Responses stream's usage is in its final event's response.
-        usage = data.get("usage") or (data.get("response") or {}).get("usage") or {}
-        return int(usage.get("total_tokens") or 0)
-    except (ValueError, AttributeError, TypeError):
-        return 0
+        async for upstream_event in events:
+            event = usage.see(upstream_event)
+            if event is None:
+                continue
+            yield event
+            failed = failed or event.startswith(_STREAM_ERRORS)
+            whole = event.startswith(_STREAM_ENDS)
+            if cache_id is not None and size <= gw.config.cache.max_bytes:
+                kept.append(event)
+                size += len(event)
+    finally:
+        # Whether the stream ended or its client left: charged for the tokens it has cost so far.
+        if charge is not None:
+            await charge.settle(usage.tokens)
+    # Only a whole stream without an error is worth replaying.
+    if cache_id is not None and whole and not failed and size <= gw.config.cache.max_bytes:
+        await gw.cache.put(cache_id, b"".join(kept))
 
 
 def _cached_response(hit: bytes, stream: bool) -> Response:
@@ -373,9 +422,9 @@ def _rate_limited(limit: str, retry_after_s: float) -> JSONResponse:
     return JSONResponse(body, 429, headers={"Retry-After": retry_after_header(retry_after_s)})
 
 
-def _unavailable(config: GatewayConfig) -> JSONResponse:
-    body = error_body(503, "no replica could serve the request (all failed or none is available)",
-                      code="no_replica_available")
+def _unavailable(config: GatewayConfig, message: str = "no replica could serve the request (all failed or none "
+                                                        "is available)") -> JSONResponse:
+    body = error_body(503, message, code="no_replica_available")
     # The soonest a replica can be routable again: an open breaker's cool-down, then a probe.
     retry_after_s = config.breaker.cooldown_s + config.probe_interval_s
     return JSONResponse(body, 503, headers={"Retry-After": retry_after_header(retry_after_s)})
@@ -384,10 +433,16 @@ def _unavailable(config: GatewayConfig) -> JSONResponse:
 def _passthrough_route(path: str):
     async def route(request: Request) -> Response:
         gw = _gateway(request)
-        _api_key(gw, request)
-        raw = await request.body()
+        key = _api_key(gw, request)
+        headers = _forward_headers(request)
+        raw = await read_body(request, gw.config.max_body_bytes, gw.config.body_timeout_s)
+        if key is not None:
+            # Counted as requests, and refused while the key's token budget is spent (they cost no tokens).
+            charge = await _admit(gw, key, 0)
+            if isinstance(charge, Response):
+                return charge
         try:
-            upstream = await gw.forwarder.send(request.method, path, raw, _forward_headers(request), RouteInput(), False)
+            upstream = await gw.forwarder.send(request.method, path, raw, headers, RouteInput(), False)
         except NoReplica:
             gw.metrics.unavailable.inc()
             return _unavailable(gw.config)
@@ -401,8 +456,14 @@ def _admin(gw: Gateway, request: Request) -> None:
     if expected is None:
         raise APIError(404, "the admin API is off (set admin_key)")
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or token.strip() != expected:
+    # Digests compared: the time taken tells nothing of how much of the key matched.
+    matched = hmac.compare_digest(_sha256(token.strip()), _sha256(expected))
+    if scheme.lower() != "bearer" or not matched:
         raise APIError(401, "the admin API needs the admin key", code="invalid_api_key")
+
+
+def _sha256(text: str) -> bytes:
+    return hashlib.sha256(text.encode("utf-8", "surrogateescape")).digest()
 
 
 def _replica_view(gw: Gateway) -> list[dict[str, Any]]:
@@ -418,7 +479,7 @@ def _add_own_routes(app: FastAPI) -> None:
     async def health(request: Request) -> JSONResponse:
         gw = _gateway(request)
         if not gw.replicas.routable():
-            return JSONResponse(error_body(503, "no replica is available", code="no_replica_available"), 503)
+            return _unavailable(gw.config, "no replica is available")
         return JSONResponse({"status": "ok"})
 
     @app.get("/metrics")
@@ -435,7 +496,7 @@ def _add_own_routes(app: FastAPI) -> None:
     async def add_replica(request: Request) -> JSONResponse:
         gw = _gateway(request)
         _admin(gw, request)
-        url = await _admin_url(request)
+        url = await _admin_url(gw, request)
         gw.replicas.add(url)
         return JSONResponse({"replicas": _replica_view(gw)})
 
@@ -443,18 +504,15 @@ def _add_own_routes(app: FastAPI) -> None:
     async def remove_replica(request: Request) -> JSONResponse:
         gw = _gateway(request)
         _admin(gw, request)
-        url = await _admin_url(request)
+        url = await _admin_url(gw, request)
         if not gw.replicas.remove(url):
             raise APIError(404, f"no replica {url}", param="url")
         gw.kv_index.forget(url)
         return JSONResponse({"replicas": _replica_view(gw)})
 
 
-async def _admin_url(request: Request) -> str:
-    try:
-        data = json.loads(await request.body())
-    except ValueError:
-        raise bad_request("malformed JSON body") from None
+async def _admin_url(gw: Gateway, request: Request) -> str:
+    data = parse_json(await read_body(request, gw.config.max_body_bytes, gw.config.body_timeout_s))
     url = data.get("url") if isinstance(data, dict) else None
     if not isinstance(url, str) or not url.strip():
         raise bad_request("url: a replica URL is required", "url")

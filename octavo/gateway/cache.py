@@ -1,11 +1,14 @@
 """Response cache for deterministic requests.
 
 Only requests whose output is a function of the request (temperature 0, or
-an explicit seed) are cached, keyed by the route and the whole body (model,
-prompt and every sampling parameter; ``stream`` too, since a stream and a
-JSON body are different bytes). A hit replays the stored bytes: a streamed
-response comes back as the same server-sent events. Stored only after the
-replica answered 200 and, for streams, after ``data: [DONE]``.
+an explicit seed) are cached, keyed by whose request it is (the API key, or
+the tenant it maps to: one tenant never receives another's response), the
+route and the whole body as the client sent it (model, prompt and every
+sampling parameter; ``stream`` and ``stream_options`` too, since a stream, a
+JSON body and a stream with a usage chunk are different bytes). A hit replays
+the stored bytes: a streamed response comes back as the same server-sent
+events. Stored only after the replica answered 200 and, for streams, after
+the stream's last event, never when it carried an error.
 
 In memory: LRU bounded in entries and bytes, entries expire after ``ttl_s``.
 Redis: shared by every gateway pointing at it; SET with EX, so expiry is
@@ -28,9 +31,10 @@ def is_deterministic(body: dict[str, Any]) -> bool:
     return body.get("temperature") == 0 or body.get("seed") is not None
 
 
-def cache_key(path: str, body: dict[str, Any]) -> str:
+def cache_key(scope: str, path: str, body: dict[str, Any]) -> str:
+    """``scope``: whose entry (an API key's digest or a tenant; "" for an open gateway)."""
     # sort_keys: the same request in another key order is the same request.
-    canonical = json.dumps([path, body], sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    canonical = json.dumps([scope, path, body], sort_keys=True, separators=(",", ":"), ensure_ascii=False)
     return _PREFIX + hashlib.sha256(canonical.encode("utf-8", "surrogatepass")).hexdigest()
 
 

@@ -4,10 +4,12 @@ what does not fit on a command line: API keys with their limits and priority
 classes)."""
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, fields
 from typing import Any, Optional
 
 from octavo.config import option, section
+from octavo.gateway.replica_url import normalize_url
 
 ROUTING_POLICIES = ("round-robin", "least-load", "prefix", "kv-aware", "session")
 
@@ -50,16 +52,30 @@ class CacheConfig:
 @dataclass
 class KeyConfig:
     """One API key: its limits (None: unlimited) and priority class, which
-    becomes the engine's ``priority`` field (lower runs first)."""
+    becomes the engine's ``priority`` field (lower runs first); keys naming
+    the same ``tenant`` share cached responses (by default each key has its own)."""
 
     key: str
     rpm: Optional[int] = None
     tpm: Optional[int] = None
     priority: int = 0
+    tenant: Optional[str] = None
+
+    @property
+    def digest(self) -> str:
+        # Keys are secrets: what is named after one (buckets, cache entries; maybe in a shared Redis) uses this.
+        return hashlib.sha256(self.key.encode()).hexdigest()[:32]
+
+    @property
+    def cache_scope(self) -> str:
+        """Whose cached responses a request of this key may be answered with."""
+        return f"tenant:{self.tenant}" if self.tenant is not None else f"key:{self.digest}"
 
     def __post_init__(self) -> None:
         if not self.key:
             raise ValueError("keys[].key must not be empty")
+        if self.tenant is not None and (not isinstance(self.tenant, str) or not self.tenant):
+            raise ValueError(f"keys[{self.key[:4]}...].tenant must be a non-empty string")
         for name in ("rpm", "tpm"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -96,13 +112,18 @@ class GatewayConfig:
     max_connections: int = option(1000, "most open connections to the replicas")
     max_body_bytes: int = option(8 * 2**20, "larger request bodies get 413 (a replica's own --max-body-size "
                                             "default)", unit="bytes")
+    max_header_bytes: int = option(64 * 2**10, "a request line and headers larger than this get 431",
+                                   unit="bytes")
+    body_timeout_s: float = option(30.0, "seconds a request body may take to arrive; slower uploads get 408",
+                                   unit="seconds")
     breaker: BreakerConfig = section(BreakerConfig, prefixed=True)
     cache: CacheConfig = section(CacheConfig, prefixed=True)
     redis_url: Optional[str] = option(None, "share the response cache and rate limits through Redis")
     # Without keys the gateway is open; with keys, every /v1 request needs one.
     keys: list[KeyConfig] = option([], "API keys with their limits and priority classes (config file only)",
                                    cli=False)
-    admin_key: Optional[str] = option(None, "bearer key of the admin API (default: $OCTAVO_GATEWAY_ADMIN_KEY)")
+    admin_key: Optional[str] = option(None, "bearer key of the admin API (default: $OCTAVO_GATEWAY_ADMIN_KEY; "
+                                            "unset or empty: the admin API is off)")
     upstream_api_key: Optional[str] = option(None, "bearer key sent to the replicas")
     log_level: str = option("info", "log level", choices=("debug", "info", "warning", "error"))
 
@@ -111,20 +132,32 @@ class GatewayConfig:
             raise ValueError(f"routing must be one of {', '.join(ROUTING_POLICIES)}; got {self.routing!r}")
         if self.routing == "kv-aware" and not self.tokenizer:
             raise ValueError("routing kv-aware needs tokenizer (the replicas' model folder)")
-        for name in ("block_size", "prefix_chunk_bytes", "max_connections", "max_body_bytes"):
+        for name in ("block_size", "prefix_chunk_bytes", "max_connections", "max_body_bytes", "max_header_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_imbalance < 0:
             raise ValueError(f"max_imbalance must be >= 0, got {self.max_imbalance}")
-        for name in ("probe_interval_s", "probe_timeout_s", "request_timeout_s", "connect_timeout_s"):
+        for name in ("probe_interval_s", "probe_timeout_s", "request_timeout_s", "connect_timeout_s", "body_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        self.replicas = [_checked_url(url, f"replicas[{i}]") for i, url in enumerate(self.replicas)]
+        self.kv_events = {_checked_url(url, "kv_events"): endpoint for url, endpoint in self.kv_events.items()}
+        if self.admin_key is not None and not self.admin_key.strip():
+            # An empty secret would let `Authorization: Bearer ` in: it means no admin API at all.
+            self.admin_key = None
         self.keys = [_key_config(k, i) for i, k in enumerate(self.keys)]
         seen = set()
         for k in self.keys:
             if k.key in seen:
                 raise ValueError("keys: a key is listed twice")
             seen.add(k.key)
+
+
+def _checked_url(url: str, name: str) -> str:
+    try:
+        return normalize_url(url)
+    except ValueError as exc:
+        raise ValueError(f"{name}: {exc}") from None
 
 
 def _key_config(value: Any, index: int) -> KeyConfig:

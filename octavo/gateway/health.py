@@ -51,6 +51,9 @@ async def probe(client: httpx.AsyncClient, replica: Replica, headers: dict[str, 
                     logger.debug("replica %s: unreadable /metrics", replica.url)
     except httpx.HTTPError:
         ok = False
+    except Exception:  # noqa: BLE001 - one replica's probe must never end the loop that closes every breaker
+        logger.exception("replica %s: probe failed", replica.url)
+        ok = False
     replica.healthy = ok
     if ok:
         if not breaker.allows_requests():

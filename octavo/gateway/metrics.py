@@ -62,6 +62,11 @@ class GatewayMetrics:
                                     registry=r)
         self.unavailable = Counter("octavo_gateway:unavailable", "Requests answered 503: every replica failed.",
                                    registry=r)
+        # Known label values at 0 from the start: a series born at its first event reads "No data".
+        for result in ("hit", "miss"):
+            self.cache.labels(result)
+        for limit in ("requests", "tokens"):
+            self.rate_limited.labels(limit)
         self.added_latency = Histogram("octavo_gateway:added_latency_seconds",
                                        "Gateway time per request, upstream wait excluded.",
                                        buckets=_ADDED_BUCKETS, registry=r)

@@ -5,7 +5,11 @@ client: on a connection error, a timeout or a 502/503 before the response
 started, and, for streams, until the first chunk has arrived (it is read
 before the client's response starts). Once bytes are on their way, a failing
 replica ends the stream with an error event. Every failure counts against the
-replica's breaker; every answer under 500 counts for it.
+replica's breaker; every answer under 500 counts for it. A 503 that says the
+replica is overloaded (its queue is full, or it sheds the request's priority)
+is retried elsewhere but is no failure: the replica is healthy, only busy, and
+opening its breaker would move its load onto the others. When every replica
+is overloaded, the client gets the last one's 503 and its Retry-After.
 """
 from __future__ import annotations
 
@@ -25,6 +29,8 @@ logger = logging.getLogger(__name__)
 
 # 504: the request's own deadline ran out on the replica; another replica would not help.
 _RETRIED = {500, 502, 503}
+# The error codes of a replica's 503 that mean "busy" rather than "broken" (octavo/server/state.py, shedding.py).
+_OVERLOADED_CODES = ("overloaded", "shed_low_priority")
 _HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "content-length", "content-encoding"}
 
 
@@ -42,6 +48,7 @@ class Upstream:
     waited_s: float  # until the body, or the first chunk of a stream
     body: bytes = b""
     events: Optional[AsyncIterator[bytes]] = None
+    overloaded: bool = False  # a 503 of a busy replica: try another before answering with it
 
 
 @dataclass
@@ -56,16 +63,21 @@ class Forwarder:
         self, method: str, path: str, content: bytes, headers: dict[str, str], route: RouteInput, stream: bool
     ) -> Upstream:
         tried: set[str] = set()
+        busy: Optional[Upstream] = None
         while True:
             candidates = [r for r in self.replicas.routable() if r.url not in tried]
             if not candidates:
+                if busy is not None:
+                    return busy
                 raise NoReplica()
             decision = self.policy.choose(route, candidates)
             self.metrics.routing.labels(decision.reason).inc()
             replica = decision.replica
             tried.add(replica.url)
             answer = await self._attempt(replica, method, path, content, headers, stream)
-            if answer is not None:
+            if answer is not None and answer.overloaded:
+                busy = answer
+            elif answer is not None:
                 return answer
 
     async def _attempt(
@@ -82,10 +94,13 @@ class Forwarder:
             )
             response = await self.client.send(request, stream=True)
             self.metrics.requests.labels(replica.url, str(response.status_code)).inc()
+            out_headers = {k: v for k, v in response.headers.items() if k.lower() not in _HOP_HEADERS}
             if response.status_code in _RETRIED:
+                body = await response.aread()
+                if response.status_code == 503 and _error_code(body) in _OVERLOADED_CODES:
+                    return Upstream(503, out_headers, replica, time.monotonic() - start, body=body, overloaded=True)
                 self._failed(replica)
                 return None
-            out_headers = {k: v for k, v in response.headers.items() if k.lower() not in _HOP_HEADERS}
             if stream and response.status_code == 200:
                 events = _events(response.aiter_raw())
                 first = await anext(events, b"")
@@ -134,6 +149,14 @@ class Forwarder:
     def _succeeded(self, replica: Replica, status: int) -> None:
         if status < 500:
             replica.breaker.record_success()
+
+
+def _error_code(body: bytes) -> Optional[str]:
+    try:
+        code = json.loads(body)["error"]["code"]
+    except (ValueError, KeyError, TypeError, RecursionError):
+        return None
+    return code if isinstance(code, str) else None
 
 
 async def _events(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:

@@ -3,17 +3,19 @@
 A bucket holds up to its per-minute budget and refills continuously at
 budget/60 per second, so a key may burst its whole minute at once and then
 runs at the steady rate. The request bucket is charged 1 at admission. The
-token bucket admits while it is above zero and is charged the response's
-usage (prompt + completion tokens) afterwards, so it can go negative: the
-cost of a request is only known once it has run, and the debt delays the
-key's next requests instead of being forgiven.
+token bucket admits while it is above zero, and the admitted request
+reserves its estimated cost at once (its prompt, and the most it may
+generate; at most the whole budget), so requests running side by side are
+bounded together; when it ends the reservation is settled to its usage
+(prompt + completion tokens): the difference is refunded or charged. The
+bucket can go negative: the debt delays the key's next requests instead of
+being forgiven.
 
 In memory, or in Redis (one Lua script per take: atomic across gateway
 replicas sharing the budget).
 """
 from __future__ import annotations
 
-import hashlib
 import math
 import time
 from dataclasses import dataclass
@@ -31,7 +33,8 @@ class Take:
 class Buckets(Protocol):
     async def take(self, key: str, capacity: float, cost: float, need: float) -> Take:
         """Refill ``key``'s bucket (``capacity`` per minute), then, if it holds
-        at least ``need``, subtract ``cost`` and allow."""
+        at least ``need``, subtract ``cost`` (a refund when negative; never
+        above ``capacity``) and allow."""
 
 
 def _retry_after(tokens: float, need: float, capacity: float) -> float:
@@ -49,7 +52,7 @@ class MemoryBuckets:
         if tokens < need:
             self._state[key] = (tokens, now)
             return Take(False, _retry_after(tokens, need, capacity))
-        self._state[key] = (tokens - cost, now)
+        self._state[key] = (min(capacity, tokens - cost), now)
         return Take(True, 0.0)
 
 
@@ -65,7 +68,7 @@ local at = tonumber(state[2]) or now
 tokens = math.min(capacity, tokens + math.max(0, now - at) * capacity / 60.0)
 local allowed = 0
 if tokens >= need then
-  tokens = tokens - cost
+  tokens = math.min(capacity, tokens - cost)
   allowed = 1
 end
 redis.call('HSET', KEYS[1], 'tokens', tostring(tokens), 'at', tostring(now))
@@ -93,9 +96,8 @@ def retry_after_header(seconds: float) -> str:
     return str(max(1, math.ceil(seconds)))
 
 
-def _bucket_name(api_key: str, kind: str) -> str:
-    # Keys are secrets: buckets (which may live in a shared Redis) are named by a digest.
-    return f"{kind}:{hashlib.sha256(api_key.encode()).hexdigest()[:32]}"
+def _bucket_name(key: KeyConfig, kind: str) -> str:
+    return f"{kind}:{key.digest}"
 
 
 @dataclass
@@ -108,19 +110,30 @@ class RateLimiter:
     def __init__(self, buckets: Buckets) -> None:
         self._buckets = buckets
 
-    async def admit(self, key: KeyConfig) -> Optional[Rejection]:
-        """Charge one request; None when the key may go ahead."""
+    async def admit(self, key: KeyConfig, reserve: int) -> Optional[Rejection]:
+        """Charge one request and reserve ``reserve`` tokens (capped at the
+        key's budget); None when the key may go ahead. The reservation must be
+        settled when the request ends."""
         if key.tpm is not None:
-            # Checked first and without a charge: a request refused for tokens must not spend its request budget.
-            take = await self._buckets.take(_bucket_name(key.key, "tpm"), key.tpm, 0.0, 1e-9)
+            # Checked and reserved in one take (atomic in Redis too); first, so that a request refused for
+            # tokens does not spend its request budget.
+            take = await self._buckets.take(_bucket_name(key, "tpm"), key.tpm, self.reserved(key, reserve), 1e-9)
             if not take.allowed:
                 return Rejection("tokens", take.retry_after_s)
         if key.rpm is not None:
-            take = await self._buckets.take(_bucket_name(key.key, "rpm"), key.rpm, 1.0, 1.0)
+            take = await self._buckets.take(_bucket_name(key, "rpm"), key.rpm, 1.0, 1.0)
             if not take.allowed:
+                await self.settle(key, reserve, 0)
                 return Rejection("requests", take.retry_after_s)
         return None
 
-    async def charge_tokens(self, key: KeyConfig, tokens: int) -> None:
-        if key.tpm is not None and tokens > 0:
-            await self._buckets.take(_bucket_name(key.key, "tpm"), key.tpm, float(tokens), -1e18)  # a charge always applies
+    @staticmethod
+    def reserved(key: KeyConfig, reserve: int) -> int:
+        return min(reserve, key.tpm) if key.tpm is not None else 0
+
+    async def settle(self, key: KeyConfig, reserve: int, used: int) -> None:
+        """A request that reserved ``reserve`` (as given to admit) used ``used`` tokens."""
+        if key.tpm is not None:
+            cost = float(used - self.reserved(key, reserve))
+            if cost:
+                await self._buckets.take(_bucket_name(key, "tpm"), key.tpm, cost, -1e18)  # always applies

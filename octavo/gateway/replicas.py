@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
 from octavo.gateway.config import BreakerConfig
+from octavo.gateway.replica_url import normalize_url
 
 logger = logging.getLogger(__name__)
 
@@ -113,15 +114,3 @@ class ReplicaSet:
 
     def routable(self) -> list[Replica]:
         return [r for r in self._replicas.values() if r.routable]
-
-
-def normalize_url(url: str) -> str:
-    """``http://host:port`` without a trailing slash; a bare ``host:port`` gets http://."""
-    url = url.strip().rstrip("/")
-    if not url:
-        raise ValueError("replica URL must not be empty")
-    if "://" not in url:
-        url = "http://" + url
-    if not url.startswith(("http://", "https://")):
-        raise ValueError(f"replica URL must be http(s): {url!r}")
-    return url

@@ -9,9 +9,10 @@ requests costs more than that.
 from __future__ import annotations
 
 import itertools
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Optional, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 from octavo.core.prefix_hash import BlockHash, extend_block_hashes
 from octavo.gateway.kv_index import KVIndex
@@ -71,18 +72,18 @@ class LeastLoad:
 
 @dataclass
 class _Remembered:
-    """Key -> replica URL, least recently used first."""
+    """Key -> replica URL (or what the policy keeps with it), least recently used first."""
 
-    entries: OrderedDict[object, str] = field(default_factory=OrderedDict)
+    entries: OrderedDict[object, Any] = field(default_factory=OrderedDict)
 
-    def get(self, key: object) -> Optional[str]:
+    def get(self, key: object) -> Optional[Any]:
         url = self.entries.get(key)
         if url is not None:
             self.entries.move_to_end(key)
         return url
 
-    def put(self, key: object, url: str) -> None:
-        self.entries[key] = url
+    def put(self, key: object, value: Any) -> None:
+        self.entries[key] = value
         self.entries.move_to_end(key)
         while len(self.entries) > _MAX_REMEMBERED:
             self.entries.popitem(last=False)
@@ -135,25 +136,66 @@ class Session:
 
 
 class KVAware:
-    """The replica whose published KV blocks cover the longest prefix of the prompt's tokens."""
+    """Cached prefix against queue, in prompt tokens: each replica's cost is the
+    prompt tokens it would prefill (those past its cached prefix) plus the
+    prefills queued before it, each waiting request (and each sent since the
+    last scrape) counted as the mean prompt routed so far. Running requests
+    only slow each step a little under continuous batching; they weigh in
+    through ``max_imbalance`` and the tie-break. A
+    replica whose cached prefix is worth less than the extra queue it carries
+    loses the request, so a hot replica sheds new tenants before its tail
+    grows, and a returning tenant stays where its prefix is while the queues
+    are close.
 
-    def __init__(self, index: KVIndex, block_size: int, max_imbalance: int) -> None:
+    The index learns of blocks from the replicas' events, which come only after
+    a prefill: a tenant's second request arriving before then would miss. So the
+    blocks of every routed prompt are remembered as in flight on their replica
+    for ``in_flight_s`` and count as cached there."""
+
+    def __init__(self, index: KVIndex, block_size: int, max_imbalance: int, in_flight_s: float = 30.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._index = index
         self._block_size = block_size
         self._max_imbalance = max_imbalance
+        self._in_flight_s = in_flight_s
+        self._clock = clock
+        self._in_flight = _Remembered()  # block hash -> (replica URL, routed at)
+        self._mean_prompt = 0.0
+        self._routed = 0
+
+    def _matched(self, replica: Replica, hashes: list[BlockHash], now: float) -> int:
+        n = self._index.matched_blocks(replica.url, hashes)
+        for h in hashes[n:]:
+            sent = self._in_flight.get(h)
+            if sent is None or sent[0] != replica.url or now - sent[1] > self._in_flight_s:
+                break
+            n += 1
+        return n
 
     def choose(self, request: RouteInput, candidates: list[Replica]) -> Decision:
         tokens = request.token_ids or []
+        now = self._clock()
         # The engine never hits the prompt's last token (it must compute its logits).
         hashes: list[BlockHash] = []
         extend_block_hashes(hashes, tokens, self._block_size, max(0, len(tokens) - 1) // self._block_size)
-        best, best_len = None, 0
-        for replica in candidates:
-            n = self._index.matched_blocks(replica.url, hashes)
-            if n > best_len or (n == best_len and best is not None and n and replica.load < best.load):
-                best, best_len = replica, n
-        if best is None:
-            return Decision(least_loaded(candidates), "kv_miss")
-        if _overloaded(best, candidates, self._max_imbalance):
-            return Decision(least_loaded(candidates), "kv_overloaded")
-        return Decision(best, "kv_hit")
+        self._routed += 1
+        self._mean_prompt += (len(tokens) - self._mean_prompt) / min(self._routed, 100)
+        matched = {r.url: self._matched(r, hashes, now) for r in candidates}
+        fewest = min(r.load for r in candidates)
+
+        def cost(replica: Replica) -> float:
+            queued = replica.load - replica.running
+            return len(tokens) - matched[replica.url] * self._block_size + queued * self._mean_prompt
+
+        eligible = [r for r in candidates if r.load - fewest <= self._max_imbalance]
+        best = min(cost(r) for r in eligible)
+        chosen = least_loaded([r for r in eligible if cost(r) == best])
+        if matched[chosen.url]:
+            reason = "kv_hit"
+        elif any(matched.values()):
+            reason = "kv_overloaded"  # a replica holds part of the prompt, its queue outweighs it
+        else:
+            reason = "kv_miss"
+        for h in hashes:
+            self._in_flight.put(h, (chosen.url, now))
+        return Decision(chosen, reason)

@@ -45,11 +45,38 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
+class ExpertRouting:
+    """How a router's logits become each token's experts and weights beyond the plain softmax top-k
+    (DeepSeek): ``scoring`` "softmax" or "sigmoid"; the experts fall into ``groups`` equal groups
+    of which a token keeps its best ``top_groups`` before the top-k (a group scored by its best
+    expert, ``group_score`` "max", or by the sum of its best two, "top2"); ``score_bias``: the router
+    has a per-expert bias (``e_score_correction_bias``) added to the scores to choose, not to
+    weigh; ``scale``: a factor on the final weights (``routed_scaling_factor``)."""
+
+    scoring: str = "softmax"
+    groups: int = 1
+    top_groups: int = 1
+    group_score: str = "max"
+    score_bias: bool = False
+    scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.scoring not in ("softmax", "sigmoid"):
+            raise ValueError(f"config.json: scoring_func must be softmax or sigmoid, got {self.scoring!r}")
+        if self.group_score not in ("max", "top2"):
+            raise ValueError(f"the router's group_score must be max or top2, got {self.group_score!r}")
+        if not 1 <= self.top_groups <= self.groups:
+            raise ValueError(f"config.json: topk_group ({self.top_groups}) must be between 1 and n_group "
+                             f"({self.groups})")
+
+
+@dataclass(frozen=True)
 class ExpertsConfig:
     """A mixture-of-experts feed-forward block: ``num_experts`` gated MLPs of ``intermediate_size``,
-    ``top_k`` of them per token by a softmax router (weights renormalised over the chosen ones when
-    ``renormalize``), and optionally one shared expert every token goes through, scaled by a
-    sigmoid gate (Qwen2-MoE). ``dense_layers``: layers that keep a dense MLP instead."""
+    ``top_k`` of them per token by a router (softmax unless ``routing`` says otherwise; weights
+    renormalised over the chosen ones when ``renormalize``), and optionally one shared expert every
+    token goes through, scaled by a sigmoid gate where ``shared_expert_gate`` (Qwen2-MoE; DeepSeek's
+    is ungated). ``dense_layers``: layers that keep a dense MLP instead."""
 
     num_experts: int
     top_k: int
@@ -57,6 +84,8 @@ class ExpertsConfig:
     renormalize: bool
     shared_intermediate_size: int = 0
     dense_layers: frozenset[int] = frozenset()
+    routing: ExpertRouting = ExpertRouting()
+    shared_expert_gate: bool = True
 
     def __post_init__(self) -> None:
         if not 1 <= self.top_k <= self.num_experts:
@@ -65,6 +94,29 @@ class ExpertsConfig:
         if self.intermediate_size < 1:
             raise ValueError(f"config.json: the experts' intermediate size must be positive, got "
                              f"{self.intermediate_size}")
+        groups = self.routing.groups
+        if self.num_experts % groups:
+            raise ValueError(f"config.json: n_group ({groups}) must divide the number of experts "
+                             f"({self.num_experts})")
+        if self.top_k > self.routing.top_groups * (self.num_experts // groups):
+            raise ValueError(f"config.json: num_experts_per_tok ({self.top_k}) exceeds the experts of the "
+                             f"topk_group ({self.routing.top_groups}) groups a token keeps")
+
+
+@dataclass(frozen=True)
+class LatentAttentionConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3): each token's keys and values are one latent
+    vector of ``kv_lora_rank`` plus a shared rotary key of ``qk_rope_head_dim``; per head, keys have
+    ``qk_nope_head_dim`` unrotated dims decompressed from the latent, values ``v_head_dim``.
+    ``q_lora_rank``: queries through a low-rank projection and its norm (None: one projection);
+    ``rope_interleave``: the rotary dims pair up as (0, 1), (2, 3) ... rather than by halves."""
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: Optional[int]
+    rope_interleave: bool
 
 
 @dataclass(frozen=True)
@@ -79,6 +131,9 @@ class ConfigReading:
     partial_rotary: bool = False  # partial_rotary_factor may rotate a leading part of each head only
     query_pre_attn_scalar: bool = False  # the softmax scale is query_pre_attn_scalar ** -0.5 (Gemma)
     experts: Optional[ExpertsConfig] = None  # the family's feed-forward blocks are mixtures of experts
+    latent_attention: Optional[LatentAttentionConfig] = None  # the family's attention is latent (DeepSeek)
+    # The rotated head size where config.json's head_dim does not give it (DeepSeek: qk_rope_head_dim).
+    head_dim: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -117,6 +172,7 @@ class ArchConfig:
     attention_bias: bool = False
     mlp_bias: bool = False
     experts: Optional[ExpertsConfig] = None
+    latent_attention: Optional[LatentAttentionConfig] = None
 
     def layer_rope(self, layer_idx: int) -> RopeConfig:
         """The rotary embedding layer ``layer_idx`` uses."""
@@ -154,7 +210,7 @@ def parse_arch_config(raw: dict[str, Any]) -> ArchConfig:
         raise ValueError(
             f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})"
         )
-    head_dim = raw.get("head_dim") or hidden // heads
+    head_dim = reading.head_dim or raw.get("head_dim") or hidden // heads
     num_layers = positive_int(raw, "num_hidden_layers")
     window = raw.get("sliding_window") if reading.sliding_window else None
     if raw.get("use_bidirectional_attention"):
@@ -182,12 +238,13 @@ def parse_arch_config(raw: dict[str, Any]) -> ArchConfig:
         eos_token_ids=token_id_list(raw.get("eos_token_id")),
         quantization=parse_quantization_config(raw),
         attention_scale=float(scalar) ** -0.5 if scalar else None,
-        attn_logit_softcap=_positive_or_none(raw, "attn_logit_softcapping"),
-        final_logit_softcap=_positive_or_none(raw, "final_logit_softcapping"),
+        attn_logit_softcap=positive_or_none(raw, "attn_logit_softcapping"),
+        final_logit_softcap=positive_or_none(raw, "final_logit_softcapping"),
         local_rope=local_rope,
         attention_bias=bool(raw.get("attention_bias", False)),
         mlp_bias=bool(raw.get("mlp_bias", False)),
         experts=reading.experts,
+        latent_attention=reading.latent_attention,
     )
 
 
@@ -207,7 +264,7 @@ def _ropes(raw: dict[str, Any], reading: ConfigReading) -> tuple[RopeConfig, Opt
     return parse_rope(raw, default_theta=1_000_000.0), local
 
 
-def _positive_or_none(raw: dict[str, Any], key: str) -> Optional[float]:
+def positive_or_none(raw: dict[str, Any], key: str) -> Optional[float]:
     value = raw.get(key)
     if value is None:
         return None

@@ -72,6 +72,13 @@ def _checkpoint_name_map(net: CausalLM, fused_stored: bool, stored: set[str]) ->
     return names
 
 
+def _other_ranks_tensors(net: CausalLM) -> set[str]:
+    """Checkpoint tensors that modules of this rank leave to other ranks (an ``other_ranks_tensors()``
+    method: the experts other ranks hold under expert parallelism)."""
+    return {f"{path}.{name}" for path, module in net.named_modules() if hasattr(module, "other_ranks_tensors")
+            for name in module.other_ranks_tensors()}
+
+
 @contextmanager
 def default_dtype(dtype: torch.dtype) -> Iterator[None]:
     """Layers create their parameters in torch's default dtype: ``dtype`` within the block."""
@@ -135,12 +142,14 @@ def load_model(
         stored_as.pop("lm_head.weight", None)
     stored = set(stored_as)
     wanted = _checkpoint_name_map(net, fused_stored, stored)
+    elsewhere = _other_ranks_tensors(net)
     if not any(n.startswith("model.") for n in stored):
         wanted = {n.removeprefix("model."): target for n, target in wanted.items()}
+        elsewhere = {n.removeprefix("model.") for n in elsewhere}
     missing = sorted(set(wanted) - set(stored))
-    # Layers of other pipeline stages are in the checkpoint but not here.
+    # Layers of other pipeline stages, and experts of other ranks, are in the checkpoint but not here.
     here = net.model.layer_range
-    unexpected = sorted(n for n in set(stored) - set(wanted) if _layer_index(n) in (None, *here))
+    unexpected = sorted(n for n in set(stored) - set(wanted) - elsewhere if _layer_index(n) in (None, *here))
     if missing or unexpected:
         raise ValueError(
             f"checkpoint in {folder} does not match {arch.architecture}: "

@@ -23,6 +23,8 @@ _FAMILIES: dict[str, tuple[str, str]] = {
     "MixtralForCausalLM": ("mixtral", "MixtralForCausalLM"),
     "Qwen2MoeForCausalLM": ("qwen2_moe", "Qwen2MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+    "DeepseekV2ForCausalLM": ("deepseek", "DeepseekV2ForCausalLM"),
+    "DeepseekV3ForCausalLM": ("deepseek", "DeepseekV3ForCausalLM"),
     # The same decoders saved without their LM head (transformers' AutoModel,
     # embedding checkpoints): their tensors lack the "model." prefix.
     "LlamaModel": ("llama", "LlamaForCausalLM"),

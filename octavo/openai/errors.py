@@ -24,7 +24,9 @@ _TYPES = {
     401: "invalid_request_error",
     404: "invalid_request_error",
     405: "invalid_request_error",
+    408: "invalid_request_error",
     413: "invalid_request_error",
+    431: "invalid_request_error",
     503: "service_unavailable_error",
 }
 

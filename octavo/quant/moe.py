@@ -26,11 +26,19 @@ ExpertProduct = Callable[[torch.Tensor], torch.Tensor]
 def run_routed(layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                gate_up: Callable[[int], ExpertProduct], down: Callable[[int], ExpertProduct]) -> torch.Tensor:
     """sum over k of ``topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t])``, each expert's products
-    given by ``gate_up(e)`` and ``down(e)``."""
+    given by ``gate_up(e)`` and ``down(e)`` (``e`` counted from the layer's ``expert_start``). The
+    pairs routed to experts the layer does not hold (another rank's, under expert parallelism) are
+    left out: their tokens get nothing from here."""
     top_k = topk_ids.shape[1]
-    flat = topk_ids.flatten()
-    order = flat.argsort(stable=True)
-    counts = torch.bincount(flat, minlength=layer.num_experts)
+    local = topk_ids.flatten() - layer.expert_start
+    pairs = None  # which (token, choice) pairs run here: all of them
+    if layer.num_experts < layer.total_experts:
+        pairs = ((local >= 0) & (local < layer.num_experts)).nonzero().flatten()
+        local = local.index_select(0, pairs)
+    order = local.argsort(stable=True)
+    counts = torch.bincount(local, minlength=layer.num_experts)
+    if pairs is not None:
+        order = pairs.index_select(0, order)  # back to indices of the (token, choice) pairs
     rows_of = order // top_k  # the token of each sorted (token, choice) pair
     routed = x.index_select(0, rows_of)
     out = torch.empty_like(routed)
@@ -75,8 +83,19 @@ class QuantizedMoEMethod(UnquantizedMoEMethod):
     """Experts loaded in float, then each expert's gate/up and down quantized as a linear layer's
     weight is (``quantize``: a weight [out, in] -> the kernels' weight); the float copies are released."""
 
-    def __init__(self, quantize: Callable[[torch.Tensor], QuantizedExpert]) -> None:
-        self.quantize = quantize
+    def __init__(self, quantize: Callable[[torch.Tensor], QuantizedExpert],
+                 check_in_features: Callable[[int, str], None], prefix: str) -> None:
+        """``check_in_features(n, where)``: raises where the quantization cannot cut ``n`` in-features
+        (int4's groups); ``prefix``: the experts' checkpoint path, for that error."""
+        self.quantize, self.check_in_features, self.prefix = quantize, check_in_features, prefix
+
+    def create_weights(self, layer: nn.Module, num_experts: int, hidden: int, intermediate: int,
+                       dtype: torch.dtype) -> None:
+        # Before any weight exists: the in-features are the gate/up products' hidden and this rank's
+        # share of the down products' intermediate features.
+        self.check_in_features(hidden, f"{self.prefix} (gate and up)")
+        self.check_in_features(intermediate, f"{self.prefix} (down)")
+        super().create_weights(layer, num_experts, hidden, intermediate, dtype)
 
     def process_weights_after_loading(self, layer: nn.Module) -> PreparedWeight:
         experts = QuantizedExperts([self.quantize(w) for w in layer.w13_weight.detach()],

@@ -101,11 +101,15 @@ class OnTheFlyLinearMethod(QuantizedLinearMethod):
 
     def create_weights(self, layer: nn.Module, input_size: int, output_sizes: list[int],
                        dtype: torch.dtype) -> None:
-        if self.bits == 4 and input_size % self.group_size:
-            prefix = getattr(layer, "prefix", "") or "a linear layer"
-            raise ValueError(f"quantization_group_size {self.group_size} does not divide the in-features "
-                             f"{input_size} of {prefix}")
+        self.check_in_features(input_size, getattr(layer, "prefix", "") or "a linear layer")
         UnquantizedLinearMethod().create_weights(layer, input_size, output_sizes, dtype)
+
+    def check_in_features(self, input_size: int, where: str) -> None:
+        """int4 cuts every row of in-features into whole groups: a ValueError naming the option where
+        ``group_size`` does not divide ``input_size`` (of ``where``)."""
+        if self.bits == 4 and input_size % self.group_size:
+            raise ValueError(f"quantization_group_size {self.group_size} does not divide the in-features "
+                             f"{input_size} of {where}")
 
     def process_weights_after_loading(self, layer: nn.Module) -> PreparedWeight:
         weight = layer.weight.detach()
@@ -145,7 +149,7 @@ class OnTheFlyScheme(QuantizationScheme):
         int8 rows over this rank's slice of them)."""
         if any(fnmatch(prefix, pattern) for pattern in self.keep):
             return UnquantizedMoEMethod()
-        return QuantizedMoEMethod(self.quantized.quantize)
+        return QuantizedMoEMethod(self.quantized.quantize, self.quantized.check_in_features, prefix)
 
     def describe(self) -> str:
         group = f", groups of {self.quantized.group_size}" if self.quantized.bits == 4 else ""

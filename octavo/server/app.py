@@ -65,7 +65,8 @@ def build_app(
         )
         try:
             source = EngineSource(client.info.model_name, engine_config.cache, lambda: client.stats,
-                                  lambda: client.num_restarts, lambda: client.engine_pid)
+                                  lambda: client.num_restarts, lambda: client.engine_pid,
+                                  server_config.moe_expert_metrics)
             metrics = ServerMetrics(registry, source, client.info.max_model_len)
             waiting = server_config.max_waiting_requests
             admission = Admission(None if waiting is None else engine_config.scheduler.max_num_seqs + waiting)

@@ -74,6 +74,9 @@ class ServerConfig:
     metrics_api_keys: tuple[str, ...] = option(
         (), "/metrics needs this key (repeatable) instead of being public or using --api-key",
         aliases=("--metrics-api-key",), repeatable=True, metavar="KEY")
+    moe_expert_metrics: bool = option(
+        False, "/metrics: tokens routed to each expert of each mixture-of-experts layer "
+        "(octavo:moe_expert_tokens_total, one series per layer and expert)")
     # Engine supervision (octavo.engine.restart_policy): a dead engine is
     # restarted up to this many times within the window; one more death
     # there and the server exits non-zero. 0: exit at the first death.

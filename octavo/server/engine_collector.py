@@ -54,6 +54,9 @@ class EngineSource:
     stats: Callable[[], EngineStats]
     num_restarts: Callable[[], int]
     pid: Callable[[], Optional[int]]
+    # octavo:moe_expert_tokens per layer and expert: layers x experts series (6144 for Qwen3-30B-A3B), so only
+    # when asked (--moe-expert-metrics); the per-layer imbalance is always there.
+    moe_expert_metrics: bool = False
 
 
 class EngineStatsCollector(Collector):
@@ -79,9 +82,29 @@ class EngineStatsCollector(Collector):
         for position, count in enumerate(stats.spec_accepted_per_position):
             family.add_metric([*model, str(position)], float(count))
         yield family
+        yield from self._moe_routing(stats)
         yield _counter("octavo:engine_restarts", "Times the engine process died and was restarted.", model,
                        float(self._src.num_restarts()))
         yield self._cache_info(stats)
+
+    def _moe_routing(self, stats: EngineStats) -> Iterator[Metric]:
+        model = self._src.model_name
+        imbalance = GaugeMetricFamily(
+            "octavo:moe_load_imbalance",
+            "Mixture-of-experts layers: tokens routed to the busiest expert over the mean per expert, in the "
+            "last window the engine read (1 = even).", labels=["model_name", "layer"])
+        for layer, value in stats.moe_load_imbalance.items():
+            imbalance.add_metric([model, str(layer)], value)
+        yield imbalance
+        routed = CounterMetricFamily(
+            "octavo:moe_expert_tokens",
+            "Mixture-of-experts layers: (token, choice) pairs routed to each expert (--moe-expert-metrics).",
+            labels=["model_name", "layer", "expert"])
+        if self._src.moe_expert_metrics:
+            for layer, counts in stats.moe_routed_tokens.items():
+                for expert, count in enumerate(counts):
+                    routed.add_metric([model, str(layer), str(expert)], float(count))
+        yield routed
 
     def _cache_info(self, stats: EngineStats) -> Metric:
         cache = self._src.cache

@@ -48,6 +48,11 @@ ERROR_ENGINE_DEAD = "engine_dead"  # the engine died under it: 503
 ERROR_ENGINE_HUNG = "engine_hung"  # a step of the engine hung under it: 503
 ERROR_TIMEOUT = "timeout"  # --request-timeout passed: 504
 ERROR_REJECTED = "rejected"  # the engine refused input the front let through: 400
+REFUSED_REASONS = (REFUSED_QUEUE_FULL, REFUSED_ENGINE_DEAD, REFUSED_SHUTTING_DOWN, REFUSED_REQUEST_LIMIT,
+                   REFUSED_CONTEXT_LENGTH, REFUSED_SHED)
+ERROR_REASONS = (ERROR_ENGINE, ERROR_ENGINE_DEAD, ERROR_TIMEOUT, ERROR_REJECTED)
+# Label values of request_success: the engine's finish reasons, and abort when the client went away.
+FINISHED_REASONS = ("stop", "length", "abort", "error")
 
 
 def token_buckets(max_value: int) -> tuple[float, ...]:
@@ -121,6 +126,12 @@ class ServerMetrics:
                                 ["model_name", "reason"], registry=registry)
         self.errors = Counter("octavo:request_errors", "Requests the engine accepted that failed, by reason.",
                               ["model_name", "reason"], registry=registry)
+        # Every known label value exported at 0 from the start: a series that appears only at its first
+        # event reads "No data" on a dashboard, and a sum with it is empty, where the truth is 0.
+        for counter, values in ((self.success, FINISHED_REASONS), (self._refused, REFUSED_REASONS),
+                                (self.errors, ERROR_REASONS)):
+            for value in values:
+                counter.labels(model, value)
 
     def refused(self, reason: str) -> None:
         self._refused.labels(self.model_name, reason).inc()

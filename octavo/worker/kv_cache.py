@@ -84,8 +84,9 @@ def allocate_kv_caches(
     fixed = sum(c.static_scales is not None for c in caches)
     block_size = specs[0].block_size
     logger.info(
-        "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB; layers: %s%s%s",
+        "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB, %d bytes per token; layers: %s%s%s",
         num_blocks, block_size, num_blocks * block_size, num_blocks * bytes_per_block(specs) / 2**20,
+        bytes_per_block(specs) // block_size,
         "; ".join(f"{n} {kind}" for kind, n in kinds.items()),
         f"; static scales from the checkpoint in {fixed} layers" if fixed else "",
         f"; and {padding_blocks} padding block{'s' * (padding_blocks > 1)}" if padding_blocks else "",

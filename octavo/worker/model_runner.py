@@ -18,6 +18,7 @@ from octavo.kernels.build import default_kernels, prebuild
 from octavo.model.config import load_arch_config
 from octavo.model.dtypes import resolve_dtype
 from octavo.model.kv_scales import load_static_kv_scales
+from octavo.model.layers.moe import has_experts, routed_token_counts
 from octavo.model.loader import load_model
 from octavo.model.pooler_config import resolve_pooler
 from octavo.outputs import TokenLogprobs
@@ -236,6 +237,10 @@ class ModelRunner:
             for s, first in zip(inputs.order, inputs.q_starts)
         }
 
+    def moe_routing_counts(self) -> dict[int, list[int]]:
+        """Tokens routed to each expert so far, by layer, of this rank's mixture-of-experts layers."""
+        return routed_token_counts(self.model)
+
     def _forward(self, scheduler_output: SchedulerOutput) -> Optional[tuple[StepInputs, Optional[torch.Tensor]]]:
         """Apply the step to the batch state (drop finished requests, add new
         ones, extend the others), apply block copies, run the model. None when
@@ -265,11 +270,13 @@ class ModelRunner:
     def _can_use_graphs(self, model_config: ModelConfig, spec: SpeculativeConfig) -> bool:
         """Decode steps replay recordings (CUDA graphs with the Triton backend, kernel tapes on CPU with the
         native one) at one rank (no collectives or stage hand-offs inside a recording), without speculation
-        (its steps are multi-token rows), for generating models (an embedding model never decodes)."""
+        (its steps are multi-token rows), for generating models (an embedding model never decodes), without
+        experts: routing reads each expert's row count back (quant/moe.py), which no recording can hold, and
+        an attempt would run (and count the routes of) the layers before the first mixture twice."""
         state = get_parallel_state()
         recordable = self.device.type in self.backends.attention.recorded_on
         return (recordable and not model_config.enforce_eager and state.tp_size == 1 and state.pp_size == 1
-                and not spec.enabled and self.pooler is None)
+                and not spec.enabled and self.pooler is None and not has_experts(self.model))
 
     def _capture_graphs(self, max_num_seqs: int) -> Optional[DecodeGraphs]:
         """Recorded decode steps for batches up to max_num_seqs (CUDA: at most 256, captured now; CPU: at most

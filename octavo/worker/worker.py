@@ -34,3 +34,6 @@ class Worker:
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.runner.execute(scheduler_output)
+
+    def moe_routing_counts(self) -> dict[int, list[int]]:
+        return self.runner.moe_routing_counts()

@@ -24,25 +24,6 @@ from tests.model_factory import make_tiny_model
 from tests.server.conftest import REPO
 
 
-class EmptyGateway(GatewayProcess):
-    """A gateway with no replica yet: its /health is 503 until the
-    autoscaler registers one, so it counts as up once /metrics answers."""
-
-    def _wait_up(self, timeout_s: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"gateway exited ({self.proc.returncode}):\n{self.log()}")
-            try:
-                if httpx.get(f"{self.url}/metrics", timeout=1.0).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        self.stop()
-        raise RuntimeError(f"gateway did not start:\n{self.log()}")
-
-
 class Load:
     """``clients`` threads each sending completions back to back through the
     gateway, keeping every status code."""
@@ -93,7 +74,8 @@ def test_burst_starts_a_replica_that_serves_then_it_drains_without_failures(tmp_
     monkeypatch.setenv("PYTHONPATH", str(REPO))
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     model = make_tiny_model(tmp_path / "model")
-    gateway = EmptyGateway(tmp_path / "gateway.log", "--routing", "least-load", "--no-cache")
+    # No replica yet: its /health is 503 until the autoscaler registers one.
+    gateway = GatewayProcess(tmp_path / "gateway.log", "--routing", "least-load", "--no-cache", wait=False)
     actuator = LocalActuator(
         LocalConfig(serve_args=(str(model), "--dtype", "float32", "--num-blocks", "256", "--served-model-name",
                                 "tiny", "--log-level", "warning"),

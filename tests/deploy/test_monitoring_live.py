@@ -121,6 +121,36 @@ def test_metrics_doc_lists_exactly_what_is_exported(stack):
         assert live_bounds[name] == set(bounds), name
 
 
+# Panels whose emptiness is explained by what this fleet runs: no speculative decoding, a dense model.
+EXPLAINED_EMPTY = {"Speculative decoding acceptance", "Expert load imbalance (max / mean)"}
+
+
+def _wait_for_scrapes(prometheus: PrometheusProcess) -> None:
+    deadline = time.monotonic() + 30
+    while len(prometheus.query("up == 1").json()["data"]["result"]) < 2:
+        assert time.monotonic() < deadline, "Prometheus did not scrape both targets"
+        time.sleep(0.3)
+
+
+def _empty_panels(prometheus: PrometheusProcess) -> list[tuple[str, str]]:
+    """(title, query) of every panel query with no series at all ("No data" in Grafana)."""
+    empty = []
+    for title, expr in dashboard_queries():
+        for variable, value in GRAFANA_VARIABLES.items():
+            expr = expr.replace(variable, value)
+        result = prometheus.query(expr).json()
+        assert result["status"] == "success", (title, result)
+        if not result["data"]["result"] and title not in EXPLAINED_EMPTY:
+            empty.append((title, expr))
+    return empty
+
+
+def test_no_panel_is_blank_on_an_idle_fleet(stack, prometheus):
+    _wait_for_scrapes(prometheus)
+    time.sleep(2.5)  # two scrapes more: rate() needs two samples of every series
+    assert _empty_panels(prometheus) == []
+
+
 def _load(gateway: GatewayProcess, seconds: float) -> list[int]:
     """Completions through the gateway from 4 threads for ``seconds``; their status codes."""
     codes: list[int] = []
@@ -144,10 +174,7 @@ def _load(gateway: GatewayProcess, seconds: float) -> list[int]:
 def test_prometheus_returns_the_p99_ttft_under_load(stack, prometheus):
     _, gateway = stack
     # rate() needs samples from before the load: wait for the first scrapes of both.
-    deadline = time.monotonic() + 30
-    while len(prometheus.query("up == 1").json()["data"]["result"]) < 2:
-        assert time.monotonic() < deadline, "Prometheus did not scrape both targets"
-        time.sleep(0.3)
+    _wait_for_scrapes(prometheus)
     codes = _load(gateway, seconds=4.0)
     assert codes and set(codes) == {200}
     deadline = time.monotonic() + 30
@@ -194,3 +221,5 @@ def test_dashboard_queries_parse_and_read_exported_metrics(stack, prometheus):
         assert "$" not in expr, (title, expr)
         r = prometheus.query(expr)  # a query that does not parse is a 400
         assert r.status_code == 200 and r.json()["status"] == "success", (title, r.text)
+    # After the load test above: a loaded fleet leaves no panel blank either.
+    assert _empty_panels(prometheus) == []

@@ -1,4 +1,4 @@
-"""Gemma 2, Phi-4-mini's shape and two mixtures of experts at tensor-parallel
+"""Gemma 2, Phi-4-mini's shape, two mixtures of experts and DeepSeek-V3 at tensor-parallel
 size 2 (two worker processes on gloo) against transformers' greedy output.
 
 Gemma 2: heads split with their soft-capped scores and alternating windows,
@@ -6,7 +6,9 @@ its final soft cap applied to the logits gathered on the driver. Phi-4-mini:
 the checkpoint's fused qkv_proj / gate_up_proj cut into q, k, v and gate, up
 before each part is sharded, partial rotary, tied embeddings. Mixtral and
 Qwen2-MoE: every rank holds a slice of every expert (and of the shared
-expert), the router whole, one all-reduce per block. Small budgets
+expert), the router whole, one all-reduce per block. DeepSeek-V3: each
+rank its heads' slices of the query, kv_b_proj and o_proj, the whole latent
+cache (every head reads it), sigmoid routing with its bias. Small budgets
 force chunked prefill, and a shared prefix hits the prefix cache."""
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ from tests.model_factory import make_variant
 NEW = 16
 
 
-@pytest.mark.parametrize("name", ["gemma2", "phi4_mini", "mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("name", ["gemma2", "phi4_mini", "mixtral", "qwen2_moe", "deepseek_v3"])
 def test_tp2_matches_transformers(tmp_path_factory, name):
     folder = make_variant(tmp_path_factory.mktemp("tp-archs"), name)
     prompts = random_prompts([5, 30, 61], seed=8) + shared_prefix_prompts()[:2]

@@ -2,36 +2,10 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import time
 
 import httpx
-import pytest
 
 from tests.gateway.conftest import GatewayProcess
-from tests.server.conftest import REPO, free_port
-
-
-@pytest.fixture
-def echo(tmp_path):
-    port = free_port()
-    log = open(tmp_path / "echo.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "uvicorn", "tests.gateway.echo_upstream:app", "--port", str(port),
-                             "--log-level", "warning"], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        for _ in range(300):
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.1)
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        log.close()
 
 
 def test_priority_class_per_key(echo, tmp_path):

@@ -11,7 +11,8 @@ from octavo.entrypoints.cli import build_parser, gateway_config, parse_command
 from octavo.gateway.config import BreakerConfig, CacheConfig, GatewayConfig, KeyConfig
 from octavo.gateway.kv_index import KVIndex
 from octavo.gateway.ratelimit import MemoryBuckets, RateLimiter, retry_after_header
-from octavo.gateway.replicas import Breaker, BreakerState, Replica, ReplicaSet, normalize_url
+from octavo.gateway.replica_url import normalize_url
+from octavo.gateway.replicas import Breaker, BreakerState, Replica, ReplicaSet
 from octavo.gateway.routing import KVAware, LeastLoad, PrefixAffinity, RouteInput, Session
 from octavo.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 
@@ -36,7 +37,7 @@ def test_least_load_and_the_gateway_s_own_in_flight_count():
     assert b.load == 2
 
 
-def test_kv_aware_picks_the_longest_cached_prefix_unless_overloaded():
+def test_kv_aware_weighs_the_cached_prefix_against_the_queue():
     index = KVIndex()
     tokens = list(range(100))
     hashes: list[bytes] = []
@@ -47,14 +48,40 @@ def test_kv_aware_picks_the_longest_cached_prefix_unless_overloaded():
     policy = KVAware(index, 16, max_imbalance=2)
     decision = policy.choose(RouteInput(token_ids=tokens), [a, b, c])
     assert (decision.replica, decision.reason) == (b, "kv_hit")
-    b.running = 3  # 3 more than the least loaded: beyond the imbalance
-    decision = policy.choose(RouteInput(token_ids=tokens), [a, b, c])
-    assert decision.reason == "kv_overloaded" and decision.replica in (a, c)
-    index.apply(b.url, EventBatch(0.0, [BlockRemoved([hashes[0]])]))  # the chain breaks at its first block
-    b.running = 0
+    # Running requests share steps but queue no prefill ahead: b keeps its 80 cached tokens.
+    b.running = 1
+    assert policy.choose(RouteInput(token_ids=tokens), [a, b, c]).replica is b
+    # One waiting prompt (the mean routed, 100 tokens) outweighs b's 48 extra cached tokens over a.
+    b.running, b.waiting = 0, 1
     assert policy.choose(RouteInput(token_ids=tokens), [a, b, c]).replica is a
-    index.apply(a.url, EventBatch(0.0, [AllBlocksCleared()]))
-    assert policy.choose(RouteInput(token_ids=tokens), [a, b, c]).reason == "kv_miss"
+    # Beyond max_imbalance a replica is out whatever it holds.
+    b.waiting, a.running = 0, 3
+    decision = policy.choose(RouteInput(token_ids=tokens), [a, b, c])
+    assert decision.replica is b
+    b.running = 3 + 3
+    decision = policy.choose(RouteInput(token_ids=tokens), [a, b, c])
+    assert (decision.replica, decision.reason) == (c, "kv_overloaded")
+
+
+def test_kv_aware_follows_a_tenant_s_first_request_before_its_events_arrive():
+    now = [0.0]
+    index = KVIndex()
+    a, b = _replicas(0, 0)
+    policy = KVAware(index, 16, max_imbalance=4, in_flight_s=30.0, clock=lambda: now[0])
+    tenant = list(range(200))
+    first = policy.choose(RouteInput(token_ids=tenant + [1000]), [a, b])
+    assert first.reason == "kv_miss"
+    # The second request of the tenant follows the first, though no event has arrived yet.
+    second = policy.choose(RouteInput(token_ids=tenant + [2000]), [b, a])
+    assert (second.replica, second.reason) == (first.replica, "kv_hit")
+    # A new tenant goes where the queue is shorter.
+    first.replica.waiting = 1
+    other = policy.choose(RouteInput(token_ids=list(range(500, 700))), [a, b])
+    assert other.replica is not first.replica and other.reason == "kv_miss"
+    # What was sent long ago and never confirmed by an event is forgotten.
+    first.replica.waiting = 0
+    now[0] = 31.0
+    assert policy.choose(RouteInput(token_ids=tenant + [3000]), [a, b]).reason == "kv_miss"
 
 
 def test_prefix_policy_follows_the_leading_chunks():
@@ -96,13 +123,14 @@ def test_token_buckets_admit_the_budget_and_charge_usage():
     key = KeyConfig("k", rpm=2, tpm=100)
 
     async def run():
-        assert await limiter.admit(key) is None
-        assert await limiter.admit(key) is None
-        refused = await limiter.admit(key)
+        assert await limiter.admit(key, 0) is None
+        assert await limiter.admit(key, 0) is None
+        refused = await limiter.admit(key, 0)
         assert refused.limit == "requests" and 0 < refused.retry_after_s <= 30
         other = KeyConfig("k2", tpm=100)
-        await limiter.charge_tokens(other, 150)  # usage beyond the budget: a debt
-        refused = await limiter.admit(other)
+        assert await limiter.admit(other, 10) is None
+        await limiter.settle(other, 10, 150)  # usage beyond the budget: a debt
+        refused = await limiter.admit(other, 0)
         assert refused.limit == "tokens" and refused.retry_after_s > 60 * 50 / 100 - 1
 
     asyncio.run(run())
@@ -128,8 +156,9 @@ def test_memory_cache_is_bounded_and_expires():
 def test_what_counts_as_deterministic_and_the_key():
     assert is_deterministic({"temperature": 0}) and is_deterministic({"temperature": 1, "seed": 3})
     assert not is_deterministic({}) and not is_deterministic({"temperature": 0.7})
-    assert cache_key("/v1/completions", {"a": 1, "b": 2}) == cache_key("/v1/completions", {"b": 2, "a": 1})
-    assert cache_key("/v1/completions", {"a": 1}) != cache_key("/v1/chat/completions", {"a": 1})
+    assert cache_key("", "/v1/completions", {"a": 1, "b": 2}) == cache_key("", "/v1/completions", {"b": 2, "a": 1})
+    assert cache_key("", "/v1/completions", {"a": 1}) != cache_key("", "/v1/chat/completions", {"a": 1})
+    assert cache_key("key:a", "/v1/completions", {"a": 1}) != cache_key("key:b", "/v1/completions", {"a": 1})
 
 
 def _parse(*argv: str):
@@ -141,7 +170,7 @@ def test_config_file_and_command_line(tmp_path):
     path.write_text("replicas: [http://a:1]\nrouting: session\nbreaker: {failure_threshold: 5}\n"
                     "keys:\n  - {key: k1, rpm: 10, priority: 2}\n")
     config = gateway_config(_parse("--config", str(path), "--replica", "b:2", "--port", "9"))
-    assert config.replicas == ["http://a:1", "b:2"] and config.port == 9 and config.routing == "session"
+    assert config.replicas == ["http://a:1", "http://b:2"] and config.port == 9 and config.routing == "session"
     assert config.breaker.failure_threshold == 5 and config.keys == [KeyConfig("k1", rpm=10, priority=2)]
     path.write_text("breaker: {failure_treshold: 5}\n")
     with pytest.raises(ValueError, match="unknown option 'breaker.failure_treshold' \\(did you mean 'failure_threshold'"):

@@ -1,9 +1,10 @@
-"""Mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE): routing, both checkpoint layouts of the
+"""Mixtures of experts (Mixtral, Qwen2-MoE, Qwen3-MoE, DeepSeek-V2/V3): routing, both checkpoint layouts of the
 experts, the error for a missing expert, and greedy output equal to transformers' through the
 engine with chunked prefill, prefix sharing, preemption and n > 1. Per-position logits against
 transformers are in tests/worker/test_runner_parity.py, with every other architecture."""
 from __future__ import annotations
 
+import re
 import shutil
 
 import pytest
@@ -18,7 +19,7 @@ from octavo.model.loader import load_model
 from tests.engine.conftest import hf_greedy, random_prompts, shared_prefix_prompts
 from tests.model_factory import load_hf_model
 
-MOE = ["mixtral", "qwen2_moe", "qwen3_moe"]
+MOE = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2_lite", "deepseek_v2", "deepseek_v3"]
 
 
 def test_routing_is_the_softmax_top_k_renormalised_when_asked():
@@ -63,14 +64,17 @@ def test_fused_expert_tensors_load_as_the_per_expert_ones(name, variant, tmp_pat
         assert torch.equal(tensor, theirs[name]), name
 
 
-def test_a_missing_expert_is_an_error_naming_it(variant, tmp_path):
+@pytest.mark.parametrize("name, tensor", [("qwen3_moe", "model.layers.1.mlp.experts.5.up_proj.weight"),
+                                          ("deepseek_v3", "model.layers.1.mlp.experts.6.down_proj.weight")])
+def test_a_missing_expert_is_a_one_line_error_naming_it(name, tensor, variant, tmp_path):
     folder = tmp_path / "broken"
-    shutil.copytree(variant("qwen3_moe"), folder)
+    shutil.copytree(variant(name), folder)
     tensors = load_file(folder / "model.safetensors")
-    del tensors["model.layers.1.mlp.experts.5.up_proj.weight"]
+    del tensors[tensor]
     save_file(tensors, str(folder / "model.safetensors"))
-    with pytest.raises(ValueError, match=r"missing tensors \['model\.layers\.1\.mlp\.experts\.5\.up_proj\.weight'\]"):
+    with pytest.raises(ValueError, match=re.escape(f"missing tensors ['{tensor}']")) as error:
         load_model(folder)
+    assert "\n" not in str(error.value)
 
 
 def _greedy(folder, prompts, n: int = 1, **kwargs) -> list[list[list[int]]]:
@@ -95,8 +99,9 @@ def test_greedy_output_matches_transformers_through_the_engine(name, variant):
     assert stats.num_preemptions > 0 and tokens == [[ref] for ref in reference]
 
 
-def test_prefix_sharing(variant):
-    folder = variant("qwen2_moe")
+@pytest.mark.parametrize("name", ["qwen2_moe", "deepseek_v3"])
+def test_prefix_sharing(name, variant):
+    folder = variant(name)
     prompts = shared_prefix_prompts()
     llm = LLM(str(folder), dtype="float32", enable_prefix_caching=True)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

@@ -28,12 +28,13 @@ from tests.worker.runner_utils import Blocks, make_request, make_runner, step
 # phi4_mini: its checkpoint stores qkv_proj and gate_up_proj fused.
 ARCHS = ["llama", "mistral", "qwen2", "qwen3", "llama_tied", "gemma2", "phi4_mini"]
 # Experts are quantized as linear weights are (their routers are not). Only the exact check runs on them: a
-# random tiny router turns quantization's error into other experts wherever two scores are close.
-MOE = ["mixtral", "qwen2_moe", "qwen3_moe"]
+# random tiny router turns quantization's error into other experts wherever two scores are close. DeepSeek's
+# kv_b_proj stays in float (its decode multiplies by the weight's halves directly).
+MOE = ["mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v2_lite"]
 GROUP = 32  # the tiny models' in-features are 64 and 128
 # Both quantizers work row by row, so a fused tensor quantizes as its parts do.
 _PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj",
-         "w1", "w2", "w3")
+         "w1", "w2", "w3", "kv_a_proj_with_mqa")
 
 
 def test_int8_rounds_each_weight_to_the_nearest_step_of_its_row():
@@ -81,6 +82,13 @@ def test_bad_options_name_their_field(options, field):
 def test_a_group_size_that_does_not_divide_in_features_names_the_field(variant):
     with pytest.raises(ValueError, match="quantization_group_size 128 does not divide the in-features 64"):
         make_runner(variant("llama"), quantization="int4")  # hidden_size 64
+
+
+def test_experts_whose_size_a_group_size_does_not_divide_name_the_field(variant):
+    """Qwen3-MoE's experts have 32 intermediate features: the down products' in-features."""
+    with pytest.raises(ValueError, match=r"quantization_group_size 64 does not divide the in-features 32 of "
+                                         r"model\.layers\.0\.mlp\.experts \(down\)"):
+        make_runner(variant("qwen3_moe"), quantization="int4", quantization_group_size=64)
 
 
 def _prompt_logits(folder: Path, dtype: str = "float32", **options: object) -> torch.Tensor:

@@ -91,7 +91,8 @@ def test_requests_and_stats_round_trip():
     )
     add = msg.AddRequest("r", [1, 2], params, priority=3, arrival_time=12.5)
     assert msg.to_engine_decoder.decode(msg.encoder.encode(add)) == add
-    stats = msg.StatsUpdate(EngineStats(num_running=1, num_free_blocks=3, num_total_blocks=4, prompt_tokens=9))
+    stats = msg.StatsUpdate(EngineStats(num_running=1, num_free_blocks=3, num_total_blocks=4, prompt_tokens=9,
+                                        moe_routed_tokens={0: [3, 1]}, moe_load_imbalance={0: 1.5}))
     assert msg.from_engine_decoder.decode(msg.encoder.encode(stats)) == stats
     abort = msg.AbortRequests(["a", "b"])
     assert msg.to_engine_decoder.decode(msg.encoder.encode(abort)) == abort

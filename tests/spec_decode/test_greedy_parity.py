@@ -49,6 +49,12 @@ def test_every_architecture_and_block_size(model_dir, arch, block_size):
     check(model_dir(arch), block_size=block_size)
 
 
+def test_latent_attention(model_dir):
+    """DeepSeek-V3: verifying proposals attends from multi-token rows over cached latents, which the
+    latent attention decompresses (decode rows attend in latent space)."""
+    check(model_dir("deepseek_v3"))
+
+
 def test_chunked_prefill_budget_16(model_dir):
     check(model_dir("llama"), max_num_batched_tokens=16)
 

@@ -85,7 +85,8 @@ def _llama3(rope: RopeConfig, inv_freq: torch.Tensor) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context stretched ``scale`` times."""
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
@@ -94,9 +95,9 @@ def _yarn(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, float]:
     attention_factor = rope.attention_factor
     if attention_factor is None:
         if rope.mscale and rope.mscale_all_dim:
-            attention_factor = _yarn_mscale(factor, rope.mscale) / _yarn_mscale(factor, rope.mscale_all_dim)
+            attention_factor = yarn_mscale(factor, rope.mscale) / yarn_mscale(factor, rope.mscale_all_dim)
         else:
-            attention_factor = _yarn_mscale(factor)
+            attention_factor = yarn_mscale(factor)
 
     def correction_dim(rotations: float) -> float:
         return head_dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(base))
@@ -144,3 +145,11 @@ class RotaryEmbedding:
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
         return x * cos + rotated * sin
+
+    @staticmethod
+    def apply_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [T, heads, dim] rotated with its dims paired as (0, 1), (2, 3) ... (DeepSeek). The result
+        comes out with each pair's first members, then their second ones: the order of the half-split
+        convention. Attention reads rotated vectors only through dot products of a query and a key
+        both laid out so, which no order of the dims changes."""
+        return RotaryEmbedding.apply(torch.cat((x[..., 0::2], x[..., 1::2]), dim=-1), cos, sin)

@@ -17,13 +17,13 @@ from octavo.model.layers.norm import RMSNorm
 from octavo.model.models.causal_lm import CausalLM
 
 
-class LlamaDecoderLayer(nn.Module):
-    def __init__(self, arch: ArchConfig, layer_idx: int, backends: ModelBackends, attention: AttentionOptions,
-                 mlp: nn.Module) -> None:
-        """``mlp``: the feed-forward block the family chose (gated dense; a mixture of experts)."""
+class PreNormDecoderLayer(nn.Module):
+    def __init__(self, arch: ArchConfig, backends: ModelBackends, self_attn: nn.Module, mlp: nn.Module) -> None:
+        """``self_attn``: the attention block the family chose (``Attention``; DeepSeek's latent one);
+        ``mlp``: its feed-forward block (gated dense; a mixture of experts)."""
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, backends.ops)
-        self.self_attn = Attention(arch, layer_idx, backends, f"model.layers.{layer_idx}.self_attn", attention)
+        self.self_attn = self_attn
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, backends.ops)
         self.mlp = mlp
         self.rope_index = 0
@@ -34,6 +34,13 @@ class LlamaDecoderLayer(nn.Module):
         h = self.self_attn(h, cos, sin, kv_cache, meta)
         h, residual = self.post_attention_layernorm.add_forward(h, residual)
         return self.mlp(h), residual
+
+
+class LlamaDecoderLayer(PreNormDecoderLayer):
+    def __init__(self, arch: ArchConfig, layer_idx: int, backends: ModelBackends, attention: AttentionOptions,
+                 mlp: nn.Module) -> None:
+        super().__init__(arch, backends,
+                         Attention(arch, layer_idx, backends, f"model.layers.{layer_idx}.self_attn", attention), mlp)
 
 
 class LlamaForCausalLM(CausalLM):
