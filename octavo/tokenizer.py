@@ -3,6 +3,7 @@
 file (octavo/checkpoint/tokenizer_files.py)."""
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any, Optional
 
@@ -74,6 +75,14 @@ class Tokenizer:
         if len(ids) >= 2 and ids[0] == bos and ids[1] == bos:
             return ids[1:]
         return ids
+
+    @functools.cached_property
+    def max_token_bytes(self) -> int:
+        """UTF-8 bytes of the longest vocabulary entry as the vocabulary spells
+        it: at least the bytes of text any one token stands for (a byte-level
+        BPE spells one byte as one character of one or two bytes; SentencePiece
+        spells text as it is, a space as the 3-byte "▁"). Added tokens included."""
+        return max(len(token.encode("utf-8")) for token in self._tok.get_vocab(with_added_tokens=True))
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)

@@ -42,7 +42,12 @@ from octavo.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["AsyncEngineClient", "EngineDeadError", "EngineRequestError", "RequestTimeoutError", "EngineInfo"]
+__all__ = ["AsyncEngineClient", "EngineDeadError", "EngineHungError", "EngineRequestError", "RequestTimeoutError",
+           "EngineInfo"]
+
+
+class EngineHungError(EngineDeadError):
+    """A step of the engine ran past the step timeout; it is being replaced."""
 
 
 class EngineRequestError(RuntimeError):
@@ -98,8 +103,10 @@ class AsyncEngineClient:
         start_timeout_s: float,
         restart_policy: Optional[RestartPolicy],
         on_give_up: Optional[Callable[[str], None]],
+        step_timeout_s: Optional[float] = None,
     ) -> None:
         self.config = config
+        self.step_timeout_s = step_timeout_s
         self.info: Optional[EngineInfo] = None
         self.stats = EngineStats()
         self.dead_reason: Optional[str] = None
@@ -110,6 +117,7 @@ class AsyncEngineClient:
         self._streams: dict[str, _Stream] = {}
         self._engine: Optional[EngineProcess] = None
         self._reader: Optional[asyncio.Task[None]] = None
+        self._watchdog: Optional[asyncio.Task[None]] = None
         self._restarter: Optional[asyncio.Task[None]] = None
         self._closing = False
 
@@ -120,10 +128,12 @@ class AsyncEngineClient:
         timeout_s: float = 600.0,
         restart_policy: Optional[RestartPolicy] = None,
         on_give_up: Optional[Callable[[str], None]] = None,
+        step_timeout_s: Optional[float] = None,
     ) -> AsyncEngineClient:
         """The first start must succeed (a bad model is an error now, not a
-        restart loop); ``restart_policy`` (default: never) governs later deaths."""
-        client = cls(config, timeout_s, restart_policy, on_give_up)
+        restart loop); ``restart_policy`` (default: never) governs later deaths;
+        ``step_timeout_s`` (default: none) is the longest a step may run."""
+        client = cls(config, timeout_s, restart_policy, on_give_up, step_timeout_s)
         client._adopt(*await EngineProcess.launch(config, timeout_s))
         return client
 
@@ -218,6 +228,23 @@ class AsyncEngineClient:
         loop = asyncio.get_running_loop()
         loop.add_reader(engine.sentinel, self._on_exit, engine)
         self._reader = asyncio.create_task(self._read_loop(engine))
+        if self.step_timeout_s is not None:
+            self._watchdog = asyncio.create_task(self._watch(engine, self.step_timeout_s))
+
+    async def _watch(self, engine: EngineProcess, timeout_s: float) -> None:
+        """Replace ``engine`` when a step of it runs past ``timeout_s``; checks
+        a few times per timeout (and at least every second)."""
+        while True:
+            await asyncio.sleep(min(1.0, timeout_s / 4))
+            report = engine.clock.overdue(timeout_s)
+            if report is not None:
+                logger.error(
+                    "engine step hung: running %.1f s, over the step timeout of %.1f s (--engine-step-timeout); "
+                    "it holds %d requests, %d tokens; the longest step before it took %.2f s",
+                    report.running_s, timeout_s, report.num_requests, report.num_tokens, report.longest_before_s,
+                )
+                self._lose(engine, f"engine step hung (over {timeout_s:g} s)", EngineHungError)
+                return
 
     async def _read_loop(self, engine: EngineProcess) -> None:
         while True:
@@ -257,8 +284,9 @@ class AsyncEngineClient:
     def _on_exit(self, engine: EngineProcess) -> None:
         self._lose(engine, f"engine process exited (code {engine.exitcode})")
 
-    def _lose(self, engine: EngineProcess, reason: str) -> None:
-        """The engine died: fail what it was serving and restart or give up."""
+    def _lose(self, engine: EngineProcess, reason: str, error: type[EngineDeadError] = EngineDeadError) -> None:
+        """The engine died (or hung): fail what it was serving with ``error``
+        and restart or give up."""
         if engine is not self._engine or self._closing:
             return
         asyncio.get_running_loop().remove_reader(engine.sentinel)
@@ -268,15 +296,17 @@ class AsyncEngineClient:
         self.dead_reason = f"{reason}; {self._next_step(delay)}"
         logger.error("%s; failing %d in-flight requests", self.dead_reason, len(self._streams))
         for stream in self._streams.values():
-            stream.fail(EngineDeadError(f"{reason}; the engine is restarting, retry the request"
-                                        if delay is not None else reason))
+            stream.fail(error(f"{reason}; the engine is restarting, retry the request" if delay is not None else reason))
         self._restarter = asyncio.create_task(self._replace(engine, delay))
 
     async def _retire(self, engine: EngineProcess, grace_s: float) -> None:
-        reader, self._reader = self._reader, None
-        if reader is not None:
-            reader.cancel()
-            await asyncio.gather(reader, return_exceptions=True)
+        """Stop reading from ``engine`` and watching it, then close it (a hung
+        process is killed once ``grace_s`` has passed)."""
+        tasks = [t for t in (self._reader, self._watchdog) if t is not None]
+        self._reader = self._watchdog = None
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await engine.aclose(grace_s)
 
     async def _replace(self, dead: EngineProcess, delay: Optional[float]) -> None:

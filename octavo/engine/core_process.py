@@ -25,7 +25,8 @@ The split follows vLLM V1:
   whole step (the forward): that is fatal, ``EngineFailed`` is sent and
   the process exits non-zero, and the front restarts it.
   The front also watches the process sentinel, which covers crashes that
-  send nothing (OOM killer, segfault).
+  send nothing (OOM killer, segfault), and the step clock (``step_clock.py``),
+  which covers a step that never returns.
 - SIGINT and SIGTERM are ignored here: Ctrl-C reaches the whole process
   group, and so does the SIGTERM of systemd (control-group kill), `timeout`
   or a shell's job control; the front must be able to drain in-flight
@@ -45,7 +46,9 @@ import zmq
 
 from octavo.config import EngineConfig
 from octavo.engine import messages as msg
+from octavo.engine.fault_injection import StepDelay
 from octavo.engine.stats import EngineStats, StatsLogger
+from octavo.engine.step_clock import StepClock
 from octavo.log import configure_logging
 
 if TYPE_CHECKING:  # torch: imported in the engine process only
@@ -57,7 +60,9 @@ STATS_INTERVAL_S = 0.1
 _IDLE_POLL_MS = 1000
 
 
-def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, log_level: int = logging.INFO) -> None:
+def run_engine_core(
+    config: EngineConfig, input_addr: str, output_addr: str, clock: StepClock, log_level: int = logging.INFO
+) -> None:
     """Process entry point (must be importable for ``spawn``); logs at the front's level."""
     configure_logging(log_level)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -71,7 +76,7 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, log
     out.connect(output_addr)
     loop: Optional[_EngineLoop] = None
     try:
-        loop = _EngineLoop(config, inp, out, parent)
+        loop = _EngineLoop(config, inp, out, parent, clock)
         loop.run()
     except Exception:
         report = traceback.format_exc()
@@ -114,11 +119,13 @@ def _stop_ranks(loop: Optional[_EngineLoop]) -> None:
 
 
 class _EngineLoop:
-    def __init__(self, config: EngineConfig, inp: zmq.Socket, out: zmq.Socket, parent: int) -> None:
+    def __init__(self, config: EngineConfig, inp: zmq.Socket, out: zmq.Socket, parent: int, clock: StepClock) -> None:
         from octavo.engine.llm_engine import LLMEngine  # torch: only in this process
 
-        self._inp, self._out, self._parent = inp, out, parent
+        self._inp, self._out, self._parent, self._clock = inp, out, parent, clock
         self.engine = LLMEngine(config)
+        self._delay = StepDelay.from_env()
+        self.engine.on_step_scheduled = self._scheduled
         self._last_stats: Optional[EngineStats] = None
         self._last_stats_time = 0.0
         self._stats_logger = StatsLogger()
@@ -147,10 +154,17 @@ class _EngineLoop:
             if self._stop:
                 return
             if self.engine.has_unfinished_requests():
+                self._clock.start()
                 outputs = self.engine.step()
+                self._clock.stop()
                 if outputs:
                     self._send(msg.StepOutputs([msg.to_message(o) for o in outputs]))
                 self._maybe_send_stats(force=False)
+
+    def _scheduled(self, num_requests: int, num_tokens: int) -> None:
+        self._clock.scheduled(num_requests, num_tokens)
+        if self._delay is not None:
+            self._delay.sleep()
 
     def _wait_for_input(self) -> bool:
         """Block until a message arrives; False when the front is gone."""

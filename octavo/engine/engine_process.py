@@ -23,6 +23,7 @@ import zmq.asyncio
 from octavo.config import EngineConfig
 from octavo.engine import messages as msg
 from octavo.engine.core_process import run_engine_core
+from octavo.engine.step_clock import StepClock
 from octavo.log import current_level
 
 logger = logging.getLogger(__name__)
@@ -52,9 +53,10 @@ class EngineProcess:
         self._pull.setsockopt(zmq.RCVHWM, 0)
         self._pull.bind(out_addr)
         spawn = multiprocessing.get_context("spawn")
+        self.clock = StepClock(spawn)  # the front's watchdog reads what the process writes
         self.proc = spawn.Process(
-            target=run_engine_core, args=(config, in_addr, out_addr, current_level()), name="octavo-engine",
-            daemon=True,
+            target=run_engine_core, args=(config, in_addr, out_addr, self.clock, current_level()),
+            name="octavo-engine", daemon=True,
         )
         self.alive = False  # True from EngineReady until the owner sees it die
 

@@ -7,7 +7,7 @@ import logging
 import time
 from collections import deque
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 from octavo.checkpoint.paths import model_path
 from octavo.config import EngineConfig
@@ -109,6 +109,9 @@ class LLMEngine:
         self._prompt_tokens = 0
         self._generation_tokens = 0
         self._steps = StepStats()
+        # Called with (requests, tokens) of each batch once scheduled, before its
+        # forward: the engine process records what a step that hangs was running.
+        self.on_step_scheduled: Optional[Callable[[int, int], None]] = None
 
     # ---- requests -------------------------------------------------------
 
@@ -330,6 +333,8 @@ class LLMEngine:
                 sched = self.config.scheduler
                 self._steps.observe(sched_out.total_num_tokens, len(sched_out.scheduled),
                                     sched.max_num_batched_tokens, sched.max_num_seqs)
+                if self.on_step_scheduled is not None:
+                    self.on_step_scheduled(len(sched_out.scheduled), sched_out.total_num_tokens)
             if submitted:
                 self.executor.submit(sched_out)
             self._in_flight.append((sched_out, submitted, grammar_failed))

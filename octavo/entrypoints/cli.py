@@ -24,10 +24,12 @@ if TYPE_CHECKING:
     from octavo.autoscale.config import AutoscaleConfig
     from octavo.gateway.config import GatewayConfig
 
-# ServerConfig's fields of how requests are read and answered: `octavo run-batch` takes these, `serve` all.
+# ServerConfig's fields of how requests are read and answered, and of how the engine is supervised:
+# `octavo run-batch` takes these, `serve` all.
 REQUEST_HANDLING = ("chat_template", "enable_auto_tool_choice", "tool_call_parser", "trust_request_chat_template",
+                    "strict_request_fields",
                     *(o.dest for o in dataclass_options(ServerConfig) if o.section in ("limits", "shedding")),
-                    "request_timeout_s")
+                    "request_timeout_s", "engine_max_restarts", "engine_restart_window_s", "engine_step_timeout_s")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -29,8 +29,8 @@ class BatchConfig:
 
     input_file: str = field(metadata={"help": "JSONL of {custom_id, method, url, body}; - for stdin",
                                       "aliases": ("-i",)})
-    output_file: str = field(metadata={"help": "JSONL of {id, custom_id, response, error}, in input order; - for "
-                                               "stdout", "aliases": ("-o",)})
+    output_file: str = field(metadata={"help": "JSONL of {id, custom_id, response, error}, a line as each request "
+                                               "finishes; - for stdout", "aliases": ("-o",)})
 
 
 @dataclass

@@ -1,20 +1,27 @@
 """OpenAI API bodies of completions, chat and tokenize (pydantic), and the
 checks every request body gets.
 
-An unknown request field is a 400 naming it, never silently dropped: a client
-that sends ``tools`` or ``audio`` and gets plain text with a 200 cannot tell
-that it was ignored. Fields OpenAI documents that Octavo does not implement
-get their own message ("not supported") so the client knows the name is right."""
+An unknown request field is dropped, and named in the list the validation
+context's ``IGNORED_FIELDS`` holds (the server logs it and names it in a
+response header): clients written for other OpenAI-compatible servers send
+their vendor fields. With ``STRICT_FIELDS`` set in the context it is a 400
+naming it instead. Fields OpenAI documents that Octavo does not implement
+are a 400 either way, with their own message ("not supported"): a client
+that sends ``tools`` or ``audio`` and gets plain text with a 200 could not
+tell that they were ignored."""
 from __future__ import annotations
 
 import time
 from typing import Any, ClassVar, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_serializer, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_serializer, model_validator
 
 from octavo.openai.errors import FieldError
 
 _INT64 = 2**63 - 1
+# Keys of the validation context (``model_validate(data, context=...)``).
+STRICT_FIELDS = "strict_fields"  # True: an unknown field is a 400
+IGNORED_FIELDS = "ignored_fields"  # a list that collects the unknown fields dropped
 
 
 class _Request(BaseModel):
@@ -30,11 +37,11 @@ class _Request(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _check_names_first(cls, data: Any) -> Any:
+    def _check_names_first(cls, data: Any, info: ValidationInfo) -> Any:
         if cls.check_raw:
             _check_raw(data)
         if isinstance(data, dict):
-            data = _check_names(cls, data)
+            data = _check_names(cls, data, info.context or {})
         return data
 
 
@@ -49,8 +56,8 @@ class _Body(_Request):
     check_raw: ClassVar[bool] = True
 
 
-def _check_names(cls: type[_Request], data: dict[Any, Any]) -> dict[Any, Any]:
-    """``data`` less the unsupported names it sets to null."""
+def _check_names(cls: type[_Request], data: dict[Any, Any], context: dict[str, Any]) -> dict[Any, Any]:
+    """``data`` less its unknown names and the unsupported names it sets to null."""
     known = set(cls.model_fields)
     known.update(f.alias for f in cls.model_fields.values() if f.alias)
     extra = [k for k in data if k not in known]
@@ -60,9 +67,11 @@ def _check_names(cls: type[_Request], data: dict[Any, Any]) -> dict[Any, Any]:
     unknown = sorted(str(k) for k in extra if k not in cls.unsupported)
     if unsupported:
         raise FieldError([unsupported[0]], f"not supported by this server: {', '.join(unsupported)}", named=True)
-    if unknown:
+    if unknown and context.get(STRICT_FIELDS):
         plural = "s" if len(unknown) > 1 else ""
         raise FieldError([unknown[0]], f"unknown field{plural}: {', '.join(unknown)}", named=True)
+    if unknown and IGNORED_FIELDS in context:
+        context[IGNORED_FIELDS].extend(unknown)
     return {k: v for k, v in data.items() if k in known}
 
 

@@ -5,12 +5,13 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import AsyncIterator, Callable, Optional
+from typing import Any, AsyncIterator, Awaitable, Callable, Optional, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
 
 import octavo
 from octavo.config import EngineConfig
@@ -20,6 +21,8 @@ from octavo.openai.embeddings import EmbeddingRequest
 from octavo.openai.errors import bad_request, error_body, install_error_handlers
 from octavo.openai.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from octavo.openai.responses import ResponsesRequest
+from octavo.server.admission import Admission, ReleasingResponse, Reservation
+from octavo.server.bodies import describe_bodies, name_ignored, openapi_body, read_body
 from octavo.server.chat import create_chat_completion, render_messages, template_tools
 from octavo.server.completions import create_completion
 from octavo.server.config import ServerConfig
@@ -34,6 +37,8 @@ from octavo.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 _STARTED = time.time()
+
+Body = TypeVar("Body", bound=BaseModel)
 
 
 def build_app(
@@ -55,14 +60,17 @@ def build_app(
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         policy = RestartPolicy(server_config.engine_max_restarts, server_config.engine_restart_window_s)
         client = await AsyncEngineClient.start(
-            engine_config, server_config.engine_start_timeout_s, policy, on_engine_gave_up
+            engine_config, server_config.engine_start_timeout_s, policy, on_engine_gave_up,
+            server_config.engine_step_timeout_s,
         )
         try:
             source = EngineSource(client.info.model_name, engine_config.cache, lambda: client.stats,
                                   lambda: client.num_restarts, lambda: client.engine_pid,
                                   server_config.moe_expert_metrics)
             metrics = ServerMetrics(registry, source, client.info.max_model_len)
-            app.state.server = ServerState(client, tokenizer, server_config, metrics)
+            waiting = server_config.max_waiting_requests
+            admission = Admission(None if waiting is None else engine_config.scheduler.max_num_seqs + waiting)
+            app.state.server = ServerState(client, tokenizer, server_config, metrics, admission)
             info = client.info
             task = "embed" if info.pooler is not None else "generate"
             pooling = f", {info.pooler.pooling_type} pooling" if info.pooler is not None else ""
@@ -115,22 +123,49 @@ def _state(request: Request) -> ServerState:
     return request.app.state.server
 
 
+async def _body(request: Request, model: type[Body]) -> tuple[Body, list[str]]:
+    state = _state(request)
+    max_items = state.config.limits.max_items(state.max_model_len)
+    return await read_body(request, model, max_items, state.config.strict_request_fields)
+
+
+Handler = Callable[[Any, Request, ServerState, Reservation], Awaitable[Response]]
+
+
+def _admitted(model: type[BaseModel], handler: Handler) -> Callable[[Request], Awaitable[Response]]:
+    """The route of a request for the engine: its place is reserved before
+    anything is awaited and released when its response is over, whatever ends it."""
+
+    async def route(request: Request) -> Response:
+        state = _state(request)
+        reservation = state.reserve()
+        try:
+            body, ignored = await _body(request, model)
+            response = await handler(body, request, state, reservation)
+        except BaseException:
+            reservation.release()
+            raise
+        name_ignored(response, ignored)
+        return ReleasingResponse(response, reservation)
+
+    return route
+
+
+# (path, body, handler, route name) of the routes that run engine requests.
+_ENGINE_ROUTES: tuple[tuple[str, type[BaseModel], Handler, str], ...] = (
+    ("/v1/completions", CompletionRequest, create_completion, "completions"),
+    ("/v1/chat/completions", ChatCompletionRequest, create_chat_completion, "chat_completions"),
+    ("/v1/responses", ResponsesRequest, create_response, "responses"),
+    ("/v1/embeddings", EmbeddingRequest, create_embedding, "embeddings"),
+)
+
+
 def _add_routes(app: FastAPI) -> None:
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await create_completion(body, request, _state(request))
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await create_chat_completion(body, request, _state(request))
-
-    @app.post("/v1/responses")
-    async def responses(body: ResponsesRequest, request: Request) -> Response:
-        return await create_response(body, request, _state(request))
-
-    @app.post("/v1/embeddings")
-    async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
-        return await create_embedding(body, request, _state(request))
+    # Each route reads its own body (octavo/server/bodies.py); /openapi.json still describes it.
+    describe_bodies(app, [model for _, model, _, _ in _ENGINE_ROUTES] + [TokenizeRequest, DetokenizeRequest])
+    for path, model, handler, name in _ENGINE_ROUTES:
+        app.add_api_route(path, _admitted(model, handler), methods=["POST"], name=name,
+                          openapi_extra=openapi_body(model))
 
     def card(state: ServerState, name: str) -> dict:
         return {
@@ -169,31 +204,42 @@ def _add_routes(app: FastAPI) -> None:
     async def version() -> JSONResponse:
         return JSONResponse({"version": octavo.__version__})
 
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest, request: Request) -> JSONResponse:
+    @app.post("/tokenize", openapi_extra=openapi_body(TokenizeRequest))
+    async def tokenize(request: Request) -> JSONResponse:
         state = _state(request)
+        body, ignored = await _body(request, TokenizeRequest)
         state.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("set exactly one of prompt or messages", "prompt")
         if body.messages is not None:
             state.config.limits.check_messages(body.messages, body.tools)
-            ids = await asyncio.to_thread(
+            text = await asyncio.to_thread(
                 render_messages, body.messages, state, body.add_generation_prompt, body.chat_template_kwargs,
                 body.chat_template, continue_final_message=body.continue_final_message,
                 tools=template_tools(body.tools),
             )
+            ids = await asyncio.to_thread(state.tokenizer.encode, text, False)  # the template writes BOS
         else:
             ids = await asyncio.to_thread(state.tokenizer.encode, body.prompt, body.add_special_tokens)
-        return JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len})
+        response = JSONResponse({"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len})
+        name_ignored(response, ignored)
+        return response
 
-    @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest, request: Request) -> JSONResponse:
+    @app.post("/detokenize", openapi_extra=openapi_body(DetokenizeRequest))
+    async def detokenize(request: Request) -> JSONResponse:
         state = _state(request)
+        body, ignored = await _body(request, DetokenizeRequest)
         state.check_model(body.model)
-        vocab = state.client.info.vocab_size
-        bad = [t for t in body.tokens if not (0 <= t < vocab)]
-        if bad:
-            raise bad_request(f"tokens contains ids outside the vocabulary [0, {vocab}): {bad[:5]}", "tokens")
-        text = await asyncio.to_thread(state.tokenizer.decode, body.tokens, False)  # megabytes of ids take a while
-        return JSONResponse({"prompt": text})
+        text = await asyncio.to_thread(_detokenized, state, body.tokens)  # megabytes of ids take a while
+        response = JSONResponse({"prompt": text})
+        name_ignored(response, ignored)
+        return response
+
+
+def _detokenized(state: ServerState, tokens: list[int]) -> str:
+    vocab = state.client.info.vocab_size
+    bad = [t for t in tokens if not (0 <= t < vocab)]
+    if bad:
+        raise bad_request(f"tokens contains ids outside the vocabulary [0, {vocab}): {bad[:5]}", "tokens")
+    return state.tokenizer.decode(tokens, False)
 

@@ -29,6 +29,7 @@ from octavo.openai.protocol import (
 from octavo.outputs import RequestOutput
 from octavo.server.logprobs import chat_logprobs, prompt_logprobs_body
 from octavo.server.params import build_sampling_params, request_api_names
+from octavo.server.admission import Reservation
 from octavo.server.state import ServerState
 from octavo.server.streams import collect, primed, sse, sse_response
 from octavo.server.tools import ToolPlan, plan_tools
@@ -37,7 +38,7 @@ from octavo.server.tools import ToolPlan, plan_tools
 _RESERVED_TEMPLATE_VARIABLES = ("messages", "tools", "documents", "add_generation_prompt", "continue_final_message")
 
 
-async def create_chat_completion(req: ChatCompletionRequest, raw: Request, state: ServerState) -> Response:
+async def create_chat_completion(req: ChatCompletionRequest, raw: Request, state: ServerState, reservation: Reservation) -> Response:
     state.check_model(req.model)
     state.check_task(embeddings=False)
     state.check_engine()
@@ -45,7 +46,7 @@ async def create_chat_completion(req: ChatCompletionRequest, raw: Request, state
     # Template rendering and tokenization take time in proportion to the
     # request: in a thread, so the event loop keeps serving everyone else.
     prompt_ids, params, plan = await asyncio.to_thread(prepare_chat, req, state)
-    state.admit(1, req.priority)
+    state.admit(reservation, 1, req.priority)
     request_id = f"chatcmpl-{uuid.uuid4().hex}"
     stream = state.generate(prompt_ids, params, req.priority, _api_names(req, plan))
     if req.stream:
@@ -83,11 +84,8 @@ def render_messages(
     continue_final_message: bool = False,
     tools: Optional[list[dict[str, Any]]] = None,
     documents: Optional[list[dict[str, Any]]] = None,
-    add_special_tokens: bool = False,
-) -> list[int]:
-    """Chat template -> token ids (also used by /tokenize). Blocking: call it in a thread.
-    The template writes BOS and role markers itself: by default (as vLLM)
-    the tokenizer adds nothing more."""
+) -> str:
+    """Chat template -> prompt text (also used by /tokenize). Blocking: call it in a thread."""
     if not messages:
         raise bad_request("messages must not be empty", "messages")
     if continue_final_message and add_generation_prompt:
@@ -123,7 +121,7 @@ def render_messages(
         )
     except (ValueError, TypeError) as exc:
         raise bad_request(f"could not apply the chat template: {exc}", "messages") from None
-    return state.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    return text
 
 
 def _plain_message(i: int, m: ChatMessage) -> dict[str, Any]:
@@ -166,13 +164,15 @@ def prepare_chat(req: ChatCompletionRequest, state: ServerState) -> tuple[list[i
     if req.top_logprobs is not None and not req.logprobs:
         raise bad_request("top_logprobs requires logprobs to be true", "top_logprobs")
     plan = plan_tools(req, state.config)
-    ids = render_messages(
+    text = render_messages(
         req.messages, state, req.add_generation_prompt, req.chat_template_kwargs, req.chat_template,
         continue_final_message=req.continue_final_message,
         tools=template_tools(req.tools),
         documents=req.documents,
-        add_special_tokens=req.add_special_tokens,
     )
+    state.check_text_length(text, "messages")
+    # The template writes BOS and role markers itself: by default (as vLLM) the tokenizer adds nothing more.
+    ids = state.tokenizer.encode(text, add_special_tokens=req.add_special_tokens)
     if req.truncate_prompt_tokens is not None and req.truncate_prompt_tokens > 0:
         ids = ids[-req.truncate_prompt_tokens :]
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens

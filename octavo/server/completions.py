@@ -18,6 +18,7 @@ from octavo.outputs import OutputAccumulator, RequestOutput, TokenLogprobs
 from octavo.sampling_params import SamplingParams
 from octavo.server.logprobs import LegacyLogprobs, aligned_prompt_logprobs, prompt_logprobs_body
 from octavo.server.params import build_sampling_params, request_api_names
+from octavo.server.admission import Reservation
 from octavo.server.state import ServerState
 from octavo.server.streams import merge, primed, sse, sse_response
 
@@ -31,14 +32,14 @@ class _Prompt:
     params: SamplingParams
 
 
-async def create_completion(req: CompletionRequest, raw: Request, state: ServerState) -> Response:
+async def create_completion(req: CompletionRequest, raw: Request, state: ServerState, reservation: Reservation) -> Response:
     state.check_model(req.model)
     state.check_task(embeddings=False)
     state.check_engine()
     state.check_limits(req)
     # Tokenizing a long prompt takes seconds: in a thread, off the event loop.
     prompts = await asyncio.to_thread(_prepare, req, state)
-    state.admit(len(prompts), req.priority)
+    state.admit(reservation, len(prompts), req.priority)
     request_id = f"cmpl-{uuid.uuid4().hex}"
     names = request_api_names(req, {})
     streams = [state.generate(p.ids, p.params, req.priority, names) for p in prompts]
@@ -104,6 +105,7 @@ def _tokenized(req: CompletionRequest, state: ServerState) -> list[tuple[str, li
         if not p:
             raise bad_request("prompt must not be empty", "prompt")
         if isinstance(p, str):
+            state.check_text_length(p)
             result.append((p, state.tokenizer.encode(p, add_special_tokens=req.add_special_tokens)))
         else:
             state.check_prompt_ids(p, 0)  # decoding needs ids inside the vocabulary

@@ -51,8 +51,10 @@ class ServerConfig:
                                                "the process list")
     public_routes: tuple[str, ...] = option(DEFAULT_PUBLIC_ROUTES, "comma-separated paths served without the API "
                                             "key", parse=parse_routes, metavar="PATHS")
-    # Requests admitted but not yet producing tokens beyond which new ones get 503.
-    max_waiting_requests: Optional[int] = option(None, "beyond this many pending: 503 (default: no limit)")
+    # The server admits --max-num-seqs plus this many requests at once; the next gets 503 (octavo/server/admission.py).
+    max_waiting_requests: Optional[int] = option(
+        None, "requests that may wait beyond a full running batch (--max-num-seqs); more get 503 (default: no "
+              "limit)")
     shutdown_timeout_s: float = option(30.0, "seconds to drain on SIGTERM", unit="seconds",
                                        aliases=("--shutdown-timeout",))
     max_body_bytes: int = option(8 * 1024 * 1024, "larger bodies get 413", unit="bytes", aliases=("--max-body-size",))
@@ -61,6 +63,8 @@ class ServerConfig:
     limits: RequestLimits = section(RequestLimits)
     # Near capacity, new low-priority requests get 503 (octavo/server/shedding.py).
     shedding: ShedConfig = section(ShedConfig)
+    # Unknown body fields are dropped, logged and named in x-octavo-ignored-fields; strict: a 400 naming them.
+    strict_request_fields: bool = option(False, "refuse requests with unknown fields (400) instead of ignoring them")
     # Jinja from the client runs in a sandbox with a deadline, but is still
     # code of the client's choosing: off unless the operator opts in.
     trust_request_chat_template: bool = option(
@@ -80,6 +84,11 @@ class ServerConfig:
         3, "restart a dead engine up to this many times per window, then exit 1 (0: exit at once)")
     engine_restart_window_s: float = option(60.0, "the window of --engine-max-restarts", unit="seconds",
                                             aliases=("--engine-restart-window",))
+    # A step running longer is a hung engine: restarted as for a death (octavo/engine/step_clock.py).
+    # Generous: a long prefill on a CPU takes seconds, a first step that compiles kernels a minute or two.
+    engine_step_timeout_s: float = option(
+        600.0, "a step running longer hangs the engine, which is restarted as for a death", unit="seconds",
+        aliases=("--engine-step-timeout",))
     # Seconds from arrival after which a request is aborted (504); None: no limit.
     request_timeout_s: Optional[float] = option(
         None, "abort requests older than this many seconds, 504 (default: no limit)", unit="seconds",
@@ -123,6 +132,8 @@ class ServerConfig:
             raise ValueError(f"engine_max_restarts must be >= 0, got {self.engine_max_restarts}")
         if self.engine_restart_window_s <= 0:
             raise ValueError(f"engine_restart_window_s must be > 0, got {self.engine_restart_window_s}")
+        if self.engine_step_timeout_s <= 0:
+            raise ValueError(f"engine_step_timeout_s must be > 0, got {self.engine_step_timeout_s}")
         if self.request_timeout_s is not None and self.request_timeout_s <= 0:
             raise ValueError(f"request_timeout_s must be > 0, got {self.request_timeout_s}")
         if self.tool_call_parser is not None and self.tool_call_parser not in PARSERS:

@@ -20,11 +20,12 @@ from octavo.openai.embeddings import EmbeddingData, EmbeddingRequest, EmbeddingR
 from octavo.openai.errors import bad_request
 from octavo.outputs import RequestOutput
 from octavo.pooling import PoolingParams
+from octavo.server.admission import Reservation
 from octavo.server.state import ServerState
 from octavo.server.streams import merge
 
 
-async def create_embedding(req: EmbeddingRequest, raw: Request, state: ServerState) -> Response:
+async def create_embedding(req: EmbeddingRequest, raw: Request, state: ServerState, reservation: Reservation) -> Response:
     state.check_model(req.model)
     state.check_task(embeddings=True)
     state.check_engine()
@@ -35,7 +36,7 @@ async def create_embedding(req: EmbeddingRequest, raw: Request, state: ServerSta
         raise bad_request(str(exc), "dimensions") from None
     # Tokenizing many long texts takes a while: off the event loop.
     prompts = await asyncio.to_thread(_tokenized, req, state)
-    state.admit(len(prompts), req.priority)
+    state.admit(reservation, len(prompts), req.priority)
     params = PoolingParams(dimensions=req.dimensions)
     streams = [state.generate(ids, params, req.priority, {}) for ids in prompts]
     finals = await until_disconnected(raw, _collect(streams))
@@ -64,6 +65,7 @@ def _tokenized(req: EmbeddingRequest, state: ServerState) -> list[list[int]]:
         if isinstance(item, str):
             if not item:
                 raise bad_request("input must not contain empty strings", "input")
+            state.check_text_length(item, "input")
             item = state.client.info.pooler.embedding_ids(state.tokenizer, item, req.add_special_tokens)
         state.check_prompt_ids(item, 0, param="input")  # empty, outside the vocabulary, too long
         prompts.append(list(item))

@@ -44,6 +44,14 @@ class RequestLimits:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
                 raise ValueError(f"{f.name} must be a positive number, got {value!r}")
 
+    def max_items(self, max_model_len: int) -> int:
+        """The most items any array or object of a valid request holds: a
+        prompt of token ids fills at most the context, each other list its
+        own limit, and a JSON schema of ``max_schema_bytes`` has no array of
+        more than half as many items (each takes a value and a comma)."""
+        return max(max_model_len, self.max_prompts, self.max_messages, self.max_stop, self.max_bad_words,
+                   self.max_logit_bias, self.max_token_ids, self.max_choices, self.max_schema_bytes // 2)
+
     def check(self, req: SamplingFields) -> None:
         """Raise a 400 for the first field of ``req`` over its limit."""
         _at_most("n", req.n, self.max_n)

@@ -45,6 +45,7 @@ REFUSED_SHED = "shed"  # a sheddable priority while the engine is near capacity 
 # Why a request the engine accepted did not complete (label values of request_errors).
 ERROR_ENGINE = "engine_error"  # the engine failed this request: 500
 ERROR_ENGINE_DEAD = "engine_dead"  # the engine died under it: 503
+ERROR_ENGINE_HUNG = "engine_hung"  # a step of the engine hung under it: 503
 ERROR_TIMEOUT = "timeout"  # --request-timeout passed: 504
 ERROR_REJECTED = "rejected"  # the engine refused input the front let through: 400
 REFUSED_REASONS = (REFUSED_QUEUE_FULL, REFUSED_ENGINE_DEAD, REFUSED_SHUTTING_DOWN, REFUSED_REQUEST_LIMIT,

@@ -54,6 +54,7 @@ from octavo.openai.responses import (
 from octavo.outputs import RequestOutput
 from octavo.sampling_params import SamplingParams
 from octavo.server.chat import prepare_chat
+from octavo.server.admission import Reservation
 from octavo.server.state import ServerState
 from octavo.server.streams import collect, primed, sse_response
 
@@ -67,7 +68,7 @@ _FIELD_NAMES = {"messages": "input", "max_completion_tokens": "max_output_tokens
 _API_NAMES = {"max_tokens": "max_output_tokens", "structured_outputs": "text"}
 
 
-async def create_response(req: ResponsesRequest, raw: Request, state: ServerState) -> Response:
+async def create_response(req: ResponsesRequest, raw: Request, state: ServerState, reservation: Reservation) -> Response:
     state.check_model(req.model)
     state.check_task(embeddings=False)
     state.check_engine()
@@ -75,7 +76,7 @@ async def create_response(req: ResponsesRequest, raw: Request, state: ServerStat
     with _renamed_fields():
         state.config.limits.check(chat)
         prompt_ids, params, _ = await asyncio.to_thread(prepare_chat, chat, state)
-    state.admit(1, req.priority)
+    state.admit(reservation, 1, req.priority)
     shell = _Shell(req, state.model_name, params, len(prompt_ids))
     stream = state.generate(prompt_ids, params, req.priority, _API_NAMES)
     if req.stream:

@@ -7,13 +7,20 @@ import uuid
 from dataclasses import dataclass
 from typing import AsyncIterator, Optional
 
-from octavo.engine.async_client import AsyncEngineClient, EngineDeadError, EngineRequestError, RequestTimeoutError
+from octavo.engine.async_client import (
+    AsyncEngineClient,
+    EngineDeadError,
+    EngineHungError,
+    EngineRequestError,
+    RequestTimeoutError,
+)
 from octavo.openai.errors import APIError, bad_request
 from octavo.openai.protocol import SamplingFields
 from octavo.outputs import RequestOutput
 from octavo.pooling import PoolingParams
 from octavo.sampling_params import SamplingParams
 from octavo.server import metrics
+from octavo.server.admission import Admission, Reservation
 from octavo.server.config import ServerConfig
 from octavo.server.metrics import ServerMetrics
 from octavo.server.params import param_error
@@ -27,10 +34,8 @@ class ServerState:
     tokenizer: Tokenizer
     config: ServerConfig
     metrics: ServerMetrics
+    admission: Admission
     shutting_down: bool = False
-    # Requests handed to the engine that have not produced output yet; the
-    # admission limit counts these (see ``admit``).
-    num_pending: int = 0
 
     @property
     def model_name(self) -> str:
@@ -75,25 +80,43 @@ class ServerState:
             self.metrics.refused(metrics.REFUSED_REQUEST_LIMIT)
             raise
 
-    def admit(self, count: int, priority: int) -> None:
-        """Overload answers 503 (the server, not the client, is over its
-        capacity: a rate limit of one client would be 429) with Retry-After,
-        which OpenAI clients and load balancers honour: a full queue, or a
-        sheddable priority while the engine is near capacity (--shed-*)."""
+    def reserve(self) -> Reservation:
+        """A place for one request, taken before its handler awaits anything
+        (octavo/server/admission.py). Overload answers 503 (the server, not
+        the client, is over its capacity: a rate limit of one client would be
+        429) with Retry-After, which OpenAI clients and load balancers honour."""
+        try:
+            return self.admission.reserve()
+        except APIError:
+            self.metrics.refused(metrics.REFUSED_QUEUE_FULL)
+            raise
+
+    def admit(self, reservation: Reservation, count: int, priority: int) -> None:
+        """Once the request is read: places for all its ``count`` prompts, and
+        a 503 for a sheddable priority while the engine is near capacity (--shed-*)."""
         try:
             check_shedding(self.config.shedding, self.client.stats, priority)
         except APIError:
             self.metrics.refused(metrics.REFUSED_SHED)
             raise
-        limit = self.config.max_waiting_requests
-        if limit is not None and self.num_pending + count > limit:
-            self.metrics.refused(metrics.REFUSED_QUEUE_FULL)
-            raise APIError(
-                503,
-                f"too many requests waiting ({self.num_pending}, limit {limit}); retry later",
-                code="overloaded",
-                headers={"Retry-After": "1"},
-            )
+        if count > reservation.count:
+            try:
+                reservation.grow(count - reservation.count)
+            except APIError:
+                self.metrics.refused(metrics.REFUSED_QUEUE_FULL)
+                raise
+
+    def check_text_length(self, text: str, param: str = "prompt") -> None:
+        """A 400 for a text too long for the context whatever its tokens, before
+        the seconds its tokenization would take: no token stands for more
+        than ``max_token_bytes`` bytes, and a character is at least one byte.
+        Twice that bound leaves room for a normalizer that drops characters."""
+        limit = self.max_model_len
+        bound = limit * 2 * self.tokenizer.max_token_bytes
+        if len(text) > bound:
+            where = "messages" if param == "messages" else "prompt"
+            raise self._too_long(f"the {where} has {len(text)} characters, more than {limit} tokens of this "
+                                 f"model's tokenizer can hold ({bound} characters)", f"the {where}", param)
 
     def check_prompt_ids(self, ids: list[int], max_tokens: Optional[int], param: str = "prompt") -> int:
         """Validate a tokenized prompt; returns max_tokens, defaulting to the
@@ -117,15 +140,16 @@ class ServerState:
             resolved = max_tokens
             requested = len(ids) + max(max_tokens, 0)  # a negative max_tokens is SamplingParams' 400
         if requested > limit:
-            self.metrics.refused(metrics.REFUSED_CONTEXT_LENGTH)
             where = "messages" if param == "messages" else "prompt"
-            raise bad_request(
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{requested} tokens ({len(ids)} in the {where}, {requested - len(ids)} in the completion). "
-                f"Please reduce the length of the {where} or completion.",
-                param,
-            )
+            raise self._too_long(f"you requested {requested} tokens ({len(ids)} in the {where}, "
+                                 f"{requested - len(ids)} in the completion)", f"the {where} or completion", param)
         return resolved
+
+    def _too_long(self, detail: str, reduce: str, param: str) -> APIError:
+        """The context-length 400, in OpenAI's words (clients match them)."""
+        self.metrics.refused(metrics.REFUSED_CONTEXT_LENGTH)
+        return bad_request(f"This model's maximum context length is {self.max_model_len} tokens. However, {detail}. "
+                           f"Please reduce the length of {reduce}.", param)
 
     async def generate(
         self, prompt_ids: list[int], params: SamplingParams | PoolingParams, priority: int, api_names: dict[str, str]
@@ -137,17 +161,13 @@ class ServerState:
         timeout = self.config.request_timeout_s
         deadline = arrival + timeout if timeout is not None else None
         tracker = self.metrics.tracker(arrival, len(prompt_ids))
-        self.num_pending += 1
-        pending, finished = True, False
+        finished = False
         error: Optional[str] = None  # why it failed (metrics.ERROR_*)
         try:
             stream = self.client.generate(uuid.uuid4().hex, prompt_ids, params, priority, arrival, deadline)
             # aclosing: when our consumer stops, the engine request aborts now, not at garbage collection.
             async with contextlib.aclosing(stream):
                 async for out in stream:
-                    if pending:
-                        pending = False
-                        self.num_pending -= 1
                     if out.error is not None:
                         error = metrics.ERROR_ENGINE
                         raise APIError(500, f"the engine failed this request: {out.error}", code="engine_error")
@@ -158,10 +178,11 @@ class ServerState:
                         tracker.on_finish(out, now)
                     yield out
         except EngineDeadError as exc:
-            # The engine died under this request and is being restarted (or the
-            # server is about to exit): a retry may well succeed.
-            error = metrics.ERROR_ENGINE_DEAD
-            raise APIError(503, f"the engine failed while serving this request: {exc}", code="engine_dead",
+            # The engine died (or hung) under this request and is being restarted
+            # (or the server is about to exit): a retry may well succeed.
+            hung = isinstance(exc, EngineHungError)
+            error = metrics.ERROR_ENGINE_HUNG if hung else metrics.ERROR_ENGINE_DEAD
+            raise APIError(503, f"the engine failed while serving this request: {exc}", code=error,
                            headers={"Retry-After": "1"}) from None
         except RequestTimeoutError:
             # 504: the server gave up waiting on its own engine, the client did nothing wrong.
@@ -172,7 +193,5 @@ class ServerState:
             error = metrics.ERROR_REJECTED
             raise param_error(str(exc), api_names) from None
         finally:
-            if pending:
-                self.num_pending -= 1
             if not finished:
                 tracker.on_finish(None, time.monotonic(), error)

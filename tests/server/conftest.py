@@ -51,17 +51,20 @@ class ServerProcess:
         new_session: bool = False,
         tls: Optional[ssl.SSLContext] = None,
         port: Optional[int] = None,
+        env: Optional[dict[str, str]] = None,
     ) -> None:
         """``tls``: the server speaks HTTPS (its --ssl-* args are the caller's); clients trust this context.
-        ``port``: a given port, for a restart at the same address."""
+        ``port``: a given port, for a restart at the same address. ``env``: more environment variables."""
         self.port = port or free_port()
         self.tls = tls
         self.url = f"{'https' if tls else 'http'}://127.0.0.1:{self.port}"
         self.api_key = api_key
         cmd = [sys.executable, "-m", "octavo.entrypoints.cli", "serve", str(model), "--port", str(self.port)]
         cmd += ["--dtype", "float32", "--log-level", "warning", *args]
+        extra_env = env or {}
         env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
         env.pop("OCTAVO_API_KEY", None)
+        env.update(extra_env)
         if api_key is not None and key_from_env:
             env["OCTAVO_API_KEY"] = api_key
         elif api_key is not None:
@@ -182,8 +185,9 @@ def offline_llm(model_path):
 @pytest.fixture(scope="session")
 def tuned_server(model_path, tmp_path_factory):
     """A second server with the opt-in and tuned options: request chat
-    templates trusted, small request limits (set through the generated
-    --max-* flags), a body limit big enough for multi-megabyte prompts."""
+    templates trusted, unknown request fields refused, small request limits
+    (set through the generated --max-* flags), a body limit big enough for
+    multi-megabyte prompts."""
     srv = ServerProcess(
         model_path,
         tmp_path_factory.mktemp("logs") / "tuned.log",
@@ -191,6 +195,7 @@ def tuned_server(model_path, tmp_path_factory):
         "--served-model-name", "tiny",
         "--max-body-size", "16MiB",
         "--trust-request-chat-template",
+        "--strict-request-fields",
         "--max-template-seconds", "1.5",
         "--max-n", "4",
         "--max-schema-bytes", "2000",

@@ -84,7 +84,6 @@ def test_langchain_openai_embeddings(embed_server, reference):
     ({"input": "x", "dimensions": 20}, "dimensions", "one of 16, 32"),
     ({"input": "x", "dimensions": 0}, "dimensions", "positive"),
     ({"input": "x", "encoding_format": "int8"}, "encoding_format", ""),
-    ({"input": "x", "truncate": True}, "truncate", "unknown field"),
 ])
 def test_bad_requests_name_the_field(embed_server, body, param, words):
     with embed_server.http() as http:

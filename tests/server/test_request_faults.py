@@ -41,7 +41,7 @@ def completion(srv: ServerProcess, **body) -> httpx.Response:
 # The HTTP edge refuses schemas past --max-schema-depth (the engine's own
 # limit, for the Python API, is tested in tests/engine/test_fault_isolation.py);
 # 700 levels (1400 JSON containers) do not even parse.
-@pytest.mark.parametrize("depth, message", [(300, "nested"), (400, "nested"), (700, "parsing the body")])
+@pytest.mark.parametrize("depth, message", [(300, "nested"), (400, "nested"), (700, "nested too deeply")])
 def test_a_too_deep_schema_is_a_4xx_and_the_server_serves_on(srv, depth, message):
     fmt = f'{{"type": "json_schema", "json_schema": {{"name": "deep", "schema": {deep_schema_json(depth)}}}}}'
     body = f'{{"messages": [{{"role": "user", "content": "hi"}}], "max_tokens": 4, "response_format": {fmt}}}'

@@ -1,15 +1,22 @@
-"""`octavo run-batch`: OpenAI batch files answered exactly as `octavo serve` answers."""
+"""`octavo run-batch`: OpenAI batch files answered exactly as `octavo serve` answers;
+bad lines, engine deaths and timeouts cost only what they must."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 
+from octavo.engine.fault_injection import ENV as STEP_DELAY_ENV
 from octavo.entrypoints.cli import main
 from octavo.entrypoints.run_batch import BATCH_URLS, parse_line
 from tests.server.conftest import REPO
+from tests.server.helpers import wait_for
 
 _CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 6, "temperature": 0}
 _COMPLETION = {"model": "tiny", "prompt": "The rain", "max_tokens": 5, "temperature": 0, "logprobs": 2}
@@ -37,31 +44,54 @@ def batch_results(model_path, tmp_path_factory):
         json.dumps({"custom_id": "wrong-url", "method": "POST", "url": "/v1/images", "body": {}}),
         "",  # blank lines are skipped
         _line("chat-2", "/v1/chat/completions", {**_CHAT, "max_tokens": 3}),
+        # A line separator inside a JSON string is text, not the end of the line.
+        json.dumps({"custom_id": "u2028", "method": "POST", "url": "/v1/completions",
+                    "body": {"prompt": "a\u2028b", "max_tokens": 2}}, ensure_ascii=False),
+        '{"custom_id": "deep", "body": ' + "[" * 100_000 + "]" * 100_000 + "}",
     ]
-    (folder / "in.jsonl").write_text("\n".join(lines) + "\n")
+    data = "\n".join(lines).encode() + b"\n" + b'{"custom_id": "bad-utf8 \xff"}\n'
+    data += (_line("last", "/v1/completions", {"prompt": "x", "max_tokens": 1}) + "\n").encode()
+    (folder / "in.jsonl").write_bytes(data)
     main(["run-batch", str(model_path), "-i", str(folder / "in.jsonl"), "-o", str(folder / "out.jsonl"),
           "--dtype", "float32", "--num-blocks", "256", "--served-model-name", "tiny"])
     return [json.loads(line) for line in (folder / "out.jsonl").read_text().splitlines()]
 
 
-def test_every_line_gets_a_result_in_input_order(batch_results):
-    assert [r["custom_id"] for r in batch_results] == ["chat-1", "cmpl-1", None, "refused", "wrong-url", "chat-2"]
-    assert len({r["id"] for r in batch_results}) == len(batch_results)
-    ok = [r for r in batch_results if r["error"] is None]
-    assert [r["custom_id"] for r in ok] == ["chat-1", "cmpl-1", "refused", "chat-2"]
-    for r in ok:
+def _error_line(results: list[dict], words: str) -> dict:
+    (found,) = [r for r in results if r["error"] is not None and words in r["error"]["message"]]
+    return found
+
+
+def test_every_line_gets_one_result(batch_results):
+    """Written as each finishes: one per line, matched by custom_id."""
+    ok = ["chat-1", "chat-2", "cmpl-1", "last", "refused", "u2028"]
+    assert sorted(r["custom_id"] for r in batch_results if r["custom_id"]) == sorted([*ok, "wrong-url"])
+    assert len(batch_results) == 10 and len({r["id"] for r in batch_results}) == len(batch_results)
+    answered = [r for r in batch_results if r["error"] is None]
+    assert sorted(r["custom_id"] for r in answered) == ok
+    for r in answered:
         assert r["response"]["request_id"]
         assert r["response"]["status_code"] == (400 if r["custom_id"] == "refused" else 200)
 
 
 def test_a_bad_line_gets_an_error_and_the_rest_run(batch_results):
     by_id = {r["custom_id"]: r for r in batch_results}
-    assert "not valid JSON" in batch_results[2]["error"]["message"] and batch_results[2]["response"] is None
+    assert _error_line(batch_results, "not valid JSON: Expecting")["response"] is None
     assert "url must be one of" in by_id["wrong-url"]["error"]["message"]
     refused = by_id["refused"]["response"]
     assert refused["status_code"] == 400 and refused["body"]["error"]["param"] == "n"
     assert by_id["chat-2"]["response"]["status_code"] == 200
     assert by_id["chat-2"]["response"]["body"]["usage"]["completion_tokens"] == 3
+
+
+def test_odd_lines_are_their_own_errors(batch_results):
+    """A U+2028 in a string does not split its line; a line of invalid UTF-8
+    or nested 100 000 deep is that line's error, and the lines after it run."""
+    by_id = {r["custom_id"]: r for r in batch_results}
+    assert by_id["u2028"]["response"]["body"]["usage"]["completion_tokens"] == 2
+    assert _error_line(batch_results, "nested too deeply")["error"]["message"].startswith("line 9: ")
+    assert _error_line(batch_results, "not valid UTF-8")["error"]["message"].startswith("line 10: ")
+    assert by_id["last"]["response"]["status_code"] == 200
 
 
 def test_bodies_equal_what_the_server_returns(batch_results, server):
@@ -126,7 +156,7 @@ def test_stdin_and_stdout(model_path):
     ('[1, 2]', "expected a JSON object"),
 ])
 def test_parse_line_names_what_is_wrong(text, message):
-    req = parse_line(text, 7, BATCH_URLS[:2])
+    req = parse_line(text.encode(), 7, BATCH_URLS[:2])
     assert req.error.startswith("line 7: ") and message in req.error and req.body is None
 
 
@@ -143,3 +173,81 @@ def test_a_model_that_cannot_load_is_one_line(model_path, tmp_path, capsys):
     err = capsys.readouterr().err
     assert exc.value.code == 2 and "octavo: error: start-up failed:" in err and "Traceback" not in err
     assert not (tmp_path / "out.jsonl").exists()
+
+
+def _batch(model_path: Path, folder: Path, lines: list[str], *args: str, delay: str = "") -> subprocess.Popen:
+    """`octavo run-batch` in a process of its own; steps sleep ``delay`` seconds while it is set."""
+    (folder / "in.jsonl").write_text("\n".join(lines) + "\n")
+    step_delay = folder / "step-delay"
+    if delay:
+        step_delay.write_text(delay)
+    cmd = [sys.executable, "-m", "octavo.entrypoints.cli", "run-batch", str(model_path), "-i",
+           str(folder / "in.jsonl"), "-o", str(folder / "out.jsonl"), "--dtype", "float32", "--num-blocks", "128",
+           "--enforce-eager", *args]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", STEP_DELAY_ENV: str(step_delay)}
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def _results(folder: Path) -> list[dict]:
+    path = folder / "out.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def _engine_of(proc: subprocess.Popen) -> int:
+    for task in Path(f"/proc/{proc.pid}/task").iterdir():
+        for pid in (task / "children").read_text().split():
+            if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return int(pid)
+    raise AssertionError("no engine child process")
+
+
+def test_an_engine_death_retries_the_lines_in_flight(model_path, tmp_path):
+    """Lines are written as they finish (a crash loses none of them); the
+    lines the killed engine held run again on the next one."""
+    lines = [_line(f"r{i}", "/v1/completions", {"prompt": f"line {i}", "max_tokens": 8, "ignore_eos": True})
+             for i in range(6)]
+    proc = _batch(model_path, tmp_path, lines, "--max-num-seqs", "2", delay="0.3")
+    try:
+        wait_for(lambda: len(_results(tmp_path)) >= 1, timeout_s=180, what="a first result line")
+        assert proc.poll() is None  # written while the batch still runs
+        os.kill(_engine_of(proc), signal.SIGKILL)
+        time.sleep(1.0)
+        (tmp_path / "step-delay").unlink()
+        assert proc.wait(180) == 0, proc.stderr.read()
+    finally:
+        proc.kill()
+    results = _results(tmp_path)
+    assert sorted(r["custom_id"] for r in results) == [f"r{i}" for i in range(6)]
+    assert all(r["response"]["status_code"] == 200 for r in results), results
+    assert all(r["response"]["body"]["usage"]["completion_tokens"] == 8 for r in results)
+
+
+def test_lines_failed_by_the_engine_make_the_command_fail(model_path, tmp_path):
+    """No restart allowed and every step hangs: each line is marked with the
+    503 that failed it, and the command exits non-zero saying how many."""
+    lines = [_line(f"r{i}", "/v1/completions", {"prompt": f"line {i}", "max_tokens": 4}) for i in range(3)]
+    proc = _batch(model_path, tmp_path, lines, "--engine-max-restarts", "0", "--engine-step-timeout", "2",
+                  delay="3600")
+    try:
+        assert proc.wait(180) == 1
+    finally:
+        proc.kill()
+    assert "3 of 3 requests failed on the server's side" in proc.stderr.read()
+    results = _results(tmp_path)
+    assert sorted(r["custom_id"] for r in results) == ["r0", "r1", "r2"]
+    codes = {r["response"]["body"]["error"]["code"] for r in results}
+    assert all(r["response"]["status_code"] == 503 for r in results) and "engine_hung" in codes, results
+
+
+def test_request_timeout_does_not_count_time_queued(model_path, tmp_path):
+    """12 lines of about 1.5 s each, 2 at a time, under a 6 s timeout: the
+    last ones wait far longer than 6 s behind the others, yet none times out."""
+    lines = [_line(f"r{i}", "/v1/completions", {"prompt": f"line {i}", "max_tokens": 10, "ignore_eos": True})
+             for i in range(12)]
+    proc = _batch(model_path, tmp_path, lines, "--max-num-seqs", "2", "--request-timeout", "6", delay="0.15")
+    try:
+        assert proc.wait(300) == 0, proc.stderr.read()
+    finally:
+        proc.kill()
+    results = _results(tmp_path)
+    assert len(results) == 12 and all(r["response"]["status_code"] == 200 for r in results), results

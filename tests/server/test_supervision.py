@@ -1,5 +1,6 @@
-"""A dead engine process is restarted with back-off; past the restart limit
-the server exits non-zero (docs/SERVING.md, Failure handling)."""
+"""A dead engine process is restarted with back-off, and so is one whose step
+hangs; past the restart limit the server exits non-zero (docs/SERVING.md,
+Failure handling)."""
 from __future__ import annotations
 
 import json
@@ -11,6 +12,7 @@ import sys
 import httpx
 import pytest
 
+from octavo.engine.fault_injection import ENV as STEP_DELAY_ENV
 from tests.server.conftest import REPO, ServerProcess
 from tests.server.helpers import LONG, SSEStream, wait_for
 
@@ -33,6 +35,16 @@ def kill_engine_under_a_stream(srv: ServerProcess) -> list[dict]:
     return [json.loads(x) for x in stream.lines[:-1]]
 
 
+def serves_on_a_new_engine(srv: ServerProcess, first_engine: int) -> dict[str, float]:
+    """Once healthy again, another engine process answers; the metrics when idle."""
+    srv.wait_healthy(timeout_s=120)
+    assert srv.engine_pid() != first_engine
+    r = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 5}, headers=srv.headers,
+                   timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+    return srv.wait_idle()
+
+
 def test_a_killed_engine_is_restarted(model_path, logs):
     srv = ServerProcess(model_path, logs / "restart.log", "--num-blocks", "128")
     try:
@@ -45,16 +57,40 @@ def test_a_killed_engine_is_restarted(model_path, logs):
         r = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi"}, headers=srv.headers)
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
 
-        srv.wait_healthy(timeout_s=120)
-        assert srv.engine_pid() != first_engine
-        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 5}, headers=srv.headers,
-                       timeout=60)
-        assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
-        metrics = srv.wait_idle()
+        metrics = serves_on_a_new_engine(srv, first_engine)
         # The stream that died with the engine failed; the request sent while it was down was refused.
         assert metrics["octavo:engine_restarts_total"] == 1
         assert metrics["octavo:request_errors_total[reason=engine_dead]"] == 1
         assert metrics["octavo:requests_refused_total[reason=engine_dead]"] == 1
+    finally:
+        srv.stop()
+
+
+def test_a_hung_engine_is_restarted(model_path, logs):
+    """A step that never returns (the test-only hook makes steps sleep while
+    its file exists): past --engine-step-timeout the request gets 503
+    engine_hung, the log names what the step held, and a new engine serves.
+    Eager steps: on a CPU a first decode of a batch size records a kernel
+    tape, a legitimate step of seconds on a busy machine."""
+    delay = logs / "step-delay"
+    srv = ServerProcess(model_path, logs / "hung.log", "--num-blocks", "128", "--engine-step-timeout", "5",
+                        "--enforce-eager", env={STEP_DELAY_ENV: str(delay)})
+    try:
+        first_engine = srv.engine_pid()
+        delay.write_text("3600")
+        r = httpx.post(srv.url + "/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 5},
+                       headers=srv.headers, timeout=60)
+        error = r.json()["error"]
+        assert r.status_code == 503 and error["code"] == "engine_hung" and r.headers["retry-after"] == "1", error
+        assert "hung" in error["message"] and "restarting" in error["message"]
+        log = srv.log()
+        assert "engine step hung" in log and "it holds 1 requests" in log, log
+        wait_for(lambda: not os.path.exists(f"/proc/{first_engine}"), what="the hung engine to be killed")
+
+        delay.unlink()
+        metrics = serves_on_a_new_engine(srv, first_engine)
+        assert metrics["octavo:engine_restarts_total"] == 1
+        assert metrics["octavo:request_errors_total[reason=engine_hung]"] == 1
     finally:
         srv.stop()
 
@@ -85,6 +121,7 @@ def test_the_server_exits_after_too_many_deaths_in_the_window(model_path, logs):
     ("--engine-max-restarts", "-1", "engine_max_restarts"),
     ("--engine-restart-window", "0", "engine_restart_window_s"),
     ("--request-timeout", "0", "request_timeout_s"),
+    ("--engine-step-timeout", "0", "engine_step_timeout_s"),
 ])
 def test_bad_supervision_flags_are_refused_naming_the_field(model_path, flag, value, field):
     cmd = [sys.executable, "-m", "octavo.entrypoints.cli", "serve", str(model_path), flag, value]
