@@ -6,11 +6,12 @@ template as typed key/value metadata in front of its tensors. The header is
 parsed here rather than by the ``gguf`` package's reader for two reasons:
 that reader builds a numpy view per array element (5 s for a 49k-token
 vocabulary, on every start), and it trusts the counts a file declares. Here
-every count and length is checked against the bytes left in the file before
-anything is read or allocated, tensor extents against the file's size, and
-every way a file can be unreadable is one ``ValueError`` naming the file and
-the field. The ``gguf`` package still supplies the format's constants (value
-and block types, block sizes) and the dequantizers of block types.
+every count and length is checked against the bytes left in the file and
+the bounds of octavo/checkpoint/bounds.py before anything is read or
+allocated, tensor extents against the file's size, and every way a file can
+be unreadable is one ``ValueError`` naming the file and the field. The
+``gguf`` package still supplies the format's constants (value and block
+types, block sizes) and the dequantizers of block types.
 """
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 import numpy as np
+
+from octavo.checkpoint.bounds import MAX_METADATA_ARRAY, MAX_METADATA_STRING, short_repr
 
 _MAGIC = b"GGUF"
 _MISSING = object()
@@ -89,6 +92,8 @@ class _Cursor:
 
     def string(self, what: str) -> str:
         length = self.scalar("<Q", what)
+        if length > MAX_METADATA_STRING:
+            raise self.fail(f"{what} declares a string of {length} bytes; at most {MAX_METADATA_STRING} are read")
         start = self.take(length, what)
         try:
             return bytes(self.buf[start:start + length]).decode("utf-8")
@@ -108,6 +113,8 @@ class _Cursor:
     def array(self, what: str) -> list[Any]:
         kind = self.scalar("<I", what)
         count = self.scalar("<Q", what)
+        if count > MAX_METADATA_ARRAY:
+            raise self.fail(f"{what} declares {count} elements; at most {MAX_METADATA_ARRAY} are read")
         if kind in _SCALARS:  # read in one go, after checking the bytes are there
             dtype = np.dtype(_SCALARS[kind][1])
             start = self.take(count * dtype.itemsize, what)
@@ -207,19 +214,28 @@ class GgufFile:
             return default
         if kind is not None and not _is(value, kind):
             raise ValueError(f"{self.path}: metadata {key!r} must be {getattr(kind, '__name__', kind)}; "
-                             f"it holds {type(value).__name__} {_short(value)}")
+                             f"it holds {type(value).__name__} {short_repr(value)}")
         return value
 
-    def require(self, key: str, kind: type | None = None) -> Any:
+    def require(self, key: str, kind: type | Callable[[Any], bool] | None = None) -> Any:
         value = self.get(key, _MISSING, kind)
         if value is _MISSING:
             raise ValueError(f"{self.path}: GGUF metadata has no {key!r}")
         return value
 
-    def arch_key(self, suffix: str, default: Any = _MISSING) -> Any:
+    def arch_key(self, suffix: str, default: Any = _MISSING, kind: type | Callable[[Any], bool] | None = None) -> Any:
         """``<architecture>.<suffix>`` (llama.cpp prefixes model fields with the architecture)."""
         key = f"{self.architecture}.{suffix}"
-        return self.require(key) if default is _MISSING else self.get(key, default)
+        return self.require(key, kind) if default is _MISSING else self.get(key, default, kind)
+
+
+def list_of(kind: type) -> Callable[[Any], bool]:
+    """A ``kind`` for ``GgufFile.get``: a list whose every element is ``kind``."""
+    def check(value: Any) -> bool:
+        return isinstance(value, list) and all(_is(v, kind) for v in value)
+
+    check.__name__ = f"a list of {kind.__name__}"
+    return check
 
 
 def _is(value: Any, kind: type | Callable[[Any], bool]) -> bool:
@@ -230,11 +246,6 @@ def _is(value: Any, kind: type | Callable[[Any], bool]) -> bool:
     if isinstance(kind, type):
         return isinstance(value, kind)
     return kind(value)
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def open_gguf(path: str | Path) -> GgufFile:

@@ -5,6 +5,7 @@ import random
 import pytest
 import torch
 
+from tests.checkpoint.hostile_files import ValidModel, valid_model
 from tests.worker.runner_utils import Blocks, make_request, make_runner, step
 
 PROMPT = [random.Random(7).randrange(5, 512) for _ in range(24)]
@@ -17,6 +18,12 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def valid(tmp_path_factory: pytest.TempPathFactory) -> ValidModel:
+    """The valid tiny model (folder and GGUF file) the hostile files are made from."""
+    return valid_model(tmp_path_factory.mktemp("valid"))
 
 
 def octavo_logits(model, prompt=PROMPT, decode=(7, 99), dtype="float32", **kwargs) -> tuple[torch.Tensor, list[int]]:

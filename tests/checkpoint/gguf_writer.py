@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import gguf
 import numpy as np
@@ -157,3 +157,44 @@ def reference_folder(folder: Path, dst: Path, matrix_type: str, types: Optional[
               .to(t.dtype) for name, t in tensors.items()}
     save_file(stored, dst / "model.safetensors")
     return dst
+
+
+def rewrite_gguf(src: Path, dst: Path, drop: tuple[str, ...] = (), **fields: Any) -> Path:
+    """``src`` with metadata ``fields`` set (each stored as its Python type says: str, bool, int as
+    UINT64 or INT64, float as FLOAT64, a list as an array of its first element's type) and the keys
+    in ``drop`` left out; its tensors as they are."""
+    reader = gguf.GGUFReader(str(src))
+    arch = fields.get("general.architecture", reader.fields["general.architecture"].contents())
+    writer = gguf.GGUFWriter(str(dst), arch)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture" or key in drop or key in fields:
+            continue
+        vtype = field.types[0]
+        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(key, field.contents(), vtype, sub_type=sub)
+    for key, value in fields.items():
+        if key != "general.architecture":
+            vtype, sub = _value_type(value), None
+            if isinstance(value, list):
+                sub = _value_type(value[0]) if value else gguf.GGUFValueType.STRING
+            writer.add_key_value(key, value, vtype, sub_type=sub)
+    for tensor in reader.tensors:
+        writer.add_tensor(tensor.name, tensor.data, raw_shape=tensor.data.shape, raw_dtype=tensor.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
+
+
+def _value_type(value: Any) -> gguf.GGUFValueType:
+    types = gguf.GGUFValueType
+    if isinstance(value, bool):
+        return types.BOOL
+    if isinstance(value, int):
+        return types.UINT64 if value >= 0 else types.INT64
+    if isinstance(value, float):
+        return types.FLOAT64
+    if isinstance(value, list):
+        return types.ARRAY
+    return types.STRING

@@ -20,7 +20,7 @@ from octavo import LLM, SamplingParams
 from octavo.model.config import load_arch_config
 from octavo.tokenizer import Tokenizer
 from tests.checkpoint.conftest import PROMPT, TOKENIZER_CORPUS, octavo_logits, train_sentencepiece
-from tests.checkpoint.gguf_writer import reference_folder, write_gguf
+from tests.checkpoint.gguf_writer import reference_folder, rewrite_gguf, write_gguf
 from tests.engine.conftest import hf_greedy
 from tests.model_factory import load_hf_model, make_tiny_model
 from tests.worker.runner_utils import hf_logits, make_runner
@@ -179,30 +179,6 @@ def test_truncated_file_is_named(files, tmp_path):
             load_arch_config(broken)
 
 
-def _rewrite(src, dst, drop=(), **fields):
-    """``src`` with metadata ``fields`` replaced (string values) and keys in ``drop`` left out."""
-    reader = gguf.GGUFReader(str(src))
-    writer = gguf.GGUFWriter(str(dst), fields.get("general.architecture", reader.fields["general.architecture"]
-                                                  .contents()))
-    for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture" or key in drop:
-            continue
-        value = fields.get(key, field.contents())
-        vtype = field.types[0]
-        sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(key, value, vtype, sub_type=sub)
-    for key, value in fields.items():
-        if key not in reader.fields and key != "general.architecture":
-            writer.add_string(key, value)
-    for tensor in reader.tensors:
-        writer.add_tensor(tensor.name, tensor.data, raw_shape=tensor.data.shape, raw_dtype=tensor.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return dst
-
-
 def test_a_file_that_is_not_gguf_is_named(tmp_path):
     (tmp_path / "model.gguf").write_text("not a model")
     with pytest.raises(ValueError, match="model.gguf is not a GGUF file"):
@@ -211,21 +187,21 @@ def test_a_file_that_is_not_gguf_is_named(tmp_path):
 
 def test_unsupported_architecture_is_named(files, tmp_path):
     path, _ = files("llama", "F32")
-    other = _rewrite(path, tmp_path / "falcon.gguf", **{"general.architecture": "falcon"})
+    other = rewrite_gguf(path, tmp_path / "falcon.gguf", **{"general.architecture": "falcon"})
     with pytest.raises(ValueError, match="GGUF architecture 'falcon' is not supported; supported: llama, qwen2"):
         LLM(other)
 
 
 def test_unknown_pre_tokenizer_is_named(files, tmp_path):
     path, _ = files("llama", "F32")
-    other = _rewrite(path, tmp_path / "pre.gguf", **{"tokenizer.ggml.pre": "mystery-bpe"})
+    other = rewrite_gguf(path, tmp_path / "pre.gguf", **{"tokenizer.ggml.pre": "mystery-bpe"})
     with pytest.raises(ValueError, match="tokenizer.ggml.pre 'mystery-bpe' is not supported"):
         Tokenizer(other)
 
 
 def test_missing_metadata_is_named(files, tmp_path):
     path, _ = files("llama", "F32")
-    other = _rewrite(path, tmp_path / "short.gguf", drop=("llama.block_count",))
+    other = rewrite_gguf(path, tmp_path / "short.gguf", drop=("llama.block_count",))
     with pytest.raises(ValueError, match="GGUF metadata has no 'llama.block_count'"):
         load_arch_config(other)
 

@@ -55,6 +55,9 @@ class GgufSource(TensorSource):
     def names(self) -> set[str]:
         return set(self._records)
 
+    def stored_bytes(self) -> int:
+        return sum(record.data.nbytes for record in self.file.tensors)
+
     def tensors(self, wanted: set[str], device: str | torch.device) -> Iterator[tuple[str, torch.Tensor]]:
         dequantized: Counter[str] = Counter()
         blocks: dict[int, dict[str, torch.Tensor]] = {}  # one split per record for qweight, scales (, mins)
