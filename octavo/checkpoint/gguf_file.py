@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from math import prod
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -74,7 +74,7 @@ class GgufTensor:
 class _Cursor:
     """Reads little-endian values from ``buf``, never past its end."""
 
-    def __init__(self, buf: mmap.mmap, where: Path) -> None:
+    def __init__(self, buf: mmap.mmap | bytes, where: Path) -> None:
         self.buf, self.pos, self.end, self.where = buf, 0, len(buf), where
 
     def fail(self, what: str) -> ValueError:
@@ -132,13 +132,18 @@ class _Cursor:
 class GgufFile:
     """Metadata and tensor records of one GGUF file (memory-mapped, read lazily)."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, contents: Optional[bytes] = None) -> None:
+        """The file at ``path``, memory-mapped; or ``contents`` given as bytes
+        (``path`` then only names it in errors: the parsers' fuzzer uses this)."""
         self.path = Path(path)
-        try:
-            with open(self.path, "rb") as f:
-                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        except (OSError, ValueError) as exc:  # ValueError: an empty file cannot be mapped
-            raise ValueError(f"{self.path} is not a readable GGUF file: {exc}") from None
+        if contents is not None:
+            self._map: mmap.mmap | bytes = contents
+        else:
+            try:
+                with open(self.path, "rb") as f:
+                    self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            except (OSError, ValueError) as exc:  # ValueError: an empty file cannot be mapped
+                raise ValueError(f"{self.path} is not a readable GGUF file: {exc}") from None
         cursor = _Cursor(self._map, self.path)
         if cursor.end < 24 or bytes(self._map[:4]) != _MAGIC:
             raise ValueError(f"{self.path} is not a GGUF file (no GGUF magic and header)")

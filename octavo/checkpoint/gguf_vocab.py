@@ -122,7 +122,10 @@ def _byte_level(file: GgufFile, tokens: list[str], types: list[int]) -> Tokenize
     if any(len(m) != 2 for m in merges):
         raise ValueError(f"{file.path}: tokenizer.ggml.merges holds an entry that is not two tokens")
     vocab = {token: i for i, token in enumerate(tokens)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=split.ignore_merges))
+    try:
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=split.ignore_merges))
+    except Exception as exc:  # tokenizers raises plain Exception for a merge of tokens not in the vocabulary
+        raise ValueError(f"{file.path}: metadata 'tokenizer.ggml.merges' does not fit the tokens: {exc}") from None
     if split.nfc:
         tok.normalizer = normalizers.NFC()
     steps = [pre_tokenizers.Digits(individual_digits=True)] if split.single_digits else []

@@ -213,6 +213,8 @@ CASES: tuple[HostileCase, ...] = (
                 ("tokenizer.ggml.merges", "a list of str")),
     HostileCase("gguf-tokens-as-integers", "tokenizer", _gguf_with(**{"tokenizer.ggml.tokens": [1, 2, 3]}),
                 ("tokenizer.ggml.tokens", "a list of str")),
+    HostileCase("gguf-merge-of-unknown-tokens", "tokenizer", _gguf_with(**{"tokenizer.ggml.merges": ["zzz yyy"]}),
+                ("tokenizer.ggml.merges", "zzz")),
     HostileCase("gguf-chat-template-as-integer", "tokenizer", _gguf_with(**{"tokenizer.chat_template": 7}),
                 ("tokenizer.chat_template", "must be str", "7")),
     HostileCase("gguf-context-length-2^62", "config", _gguf_with(**{"llama.context_length": 1 << 62}),
