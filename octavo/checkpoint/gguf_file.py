@@ -6,11 +6,12 @@ template as typed key/value metadata in front of its tensors. The header is
 parsed here rather than by the ``gguf`` package's reader for two reasons:
 that reader builds a numpy view per array element (5 s for a 49k-token
 vocabulary, on every start), and it trusts the counts a file declares. Here
-every count and length is checked against the bytes left in the file before
-anything is read or allocated, tensor extents against the file's size, and
-every way a file can be unreadable is one ``ValueError`` naming the file and
-the field. The ``gguf`` package still supplies the format's constants (value
-and block types, block sizes) and the dequantizers of block types.
+every count and length is checked against the bytes left in the file and
+the bounds of octavo/checkpoint/bounds.py before anything is read or
+allocated, tensor extents against the file's size, and every way a file can
+be unreadable is one ``ValueError`` naming the file and the field. The
+``gguf`` package still supplies the format's constants (value and block
+types, block sizes) and the dequantizers of block types.
 """
 from __future__ import annotations
 
@@ -20,9 +21,11 @@ from dataclasses import dataclass
 from functools import lru_cache
 from math import prod
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import numpy as np
+
+from octavo.checkpoint.bounds import MAX_METADATA_ARRAY, MAX_METADATA_STRING, short_repr
 
 _MAGIC = b"GGUF"
 _MISSING = object()
@@ -71,7 +74,7 @@ class GgufTensor:
 class _Cursor:
     """Reads little-endian values from ``buf``, never past its end."""
 
-    def __init__(self, buf: mmap.mmap, where: Path) -> None:
+    def __init__(self, buf: mmap.mmap | bytes, where: Path) -> None:
         self.buf, self.pos, self.end, self.where = buf, 0, len(buf), where
 
     def fail(self, what: str) -> ValueError:
@@ -89,6 +92,8 @@ class _Cursor:
 
     def string(self, what: str) -> str:
         length = self.scalar("<Q", what)
+        if length > MAX_METADATA_STRING:
+            raise self.fail(f"{what} declares a string of {length} bytes; at most {MAX_METADATA_STRING} are read")
         start = self.take(length, what)
         try:
             return bytes(self.buf[start:start + length]).decode("utf-8")
@@ -108,6 +113,8 @@ class _Cursor:
     def array(self, what: str) -> list[Any]:
         kind = self.scalar("<I", what)
         count = self.scalar("<Q", what)
+        if count > MAX_METADATA_ARRAY:
+            raise self.fail(f"{what} declares {count} elements; at most {MAX_METADATA_ARRAY} are read")
         if kind in _SCALARS:  # read in one go, after checking the bytes are there
             dtype = np.dtype(_SCALARS[kind][1])
             start = self.take(count * dtype.itemsize, what)
@@ -125,13 +132,18 @@ class _Cursor:
 class GgufFile:
     """Metadata and tensor records of one GGUF file (memory-mapped, read lazily)."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, contents: Optional[bytes] = None) -> None:
+        """The file at ``path``, memory-mapped; or ``contents`` given as bytes
+        (``path`` then only names it in errors: the parsers' fuzzer uses this)."""
         self.path = Path(path)
-        try:
-            with open(self.path, "rb") as f:
-                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        except (OSError, ValueError) as exc:  # ValueError: an empty file cannot be mapped
-            raise ValueError(f"{self.path} is not a readable GGUF file: {exc}") from None
+        if contents is not None:
+            self._map: mmap.mmap | bytes = contents
+        else:
+            try:
+                with open(self.path, "rb") as f:
+                    self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            except (OSError, ValueError) as exc:  # ValueError: an empty file cannot be mapped
+                raise ValueError(f"{self.path} is not a readable GGUF file: {exc}") from None
         cursor = _Cursor(self._map, self.path)
         if cursor.end < 24 or bytes(self._map[:4]) != _MAGIC:
             raise ValueError(f"{self.path} is not a GGUF file (no GGUF magic and header)")
@@ -207,19 +219,28 @@ class GgufFile:
             return default
         if kind is not None and not _is(value, kind):
             raise ValueError(f"{self.path}: metadata {key!r} must be {getattr(kind, '__name__', kind)}; "
-                             f"it holds {type(value).__name__} {_short(value)}")
+                             f"it holds {type(value).__name__} {short_repr(value)}")
         return value
 
-    def require(self, key: str, kind: type | None = None) -> Any:
+    def require(self, key: str, kind: type | Callable[[Any], bool] | None = None) -> Any:
         value = self.get(key, _MISSING, kind)
         if value is _MISSING:
             raise ValueError(f"{self.path}: GGUF metadata has no {key!r}")
         return value
 
-    def arch_key(self, suffix: str, default: Any = _MISSING) -> Any:
+    def arch_key(self, suffix: str, default: Any = _MISSING, kind: type | Callable[[Any], bool] | None = None) -> Any:
         """``<architecture>.<suffix>`` (llama.cpp prefixes model fields with the architecture)."""
         key = f"{self.architecture}.{suffix}"
-        return self.require(key) if default is _MISSING else self.get(key, default)
+        return self.require(key, kind) if default is _MISSING else self.get(key, default, kind)
+
+
+def list_of(kind: type) -> Callable[[Any], bool]:
+    """A ``kind`` for ``GgufFile.get``: a list whose every element is ``kind``."""
+    def check(value: Any) -> bool:
+        return isinstance(value, list) and all(_is(v, kind) for v in value)
+
+    check.__name__ = f"a list of {kind.__name__}"
+    return check
 
 
 def _is(value: Any, kind: type | Callable[[Any], bool]) -> bool:
@@ -230,11 +251,6 @@ def _is(value: Any, kind: type | Callable[[Any], bool]) -> bool:
     if isinstance(kind, type):
         return isinstance(value, kind)
     return kind(value)
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def open_gguf(path: str | Path) -> GgufFile:

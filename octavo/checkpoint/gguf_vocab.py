@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
-from octavo.checkpoint.gguf_file import GgufFile
+from octavo.checkpoint.gguf_file import GgufFile, list_of
 from octavo.checkpoint.sentencepiece import CONTROL, MODEL_BPE, NORMAL, USER_DEFINED, SpmVocab, build_tokenizer
 
 # GPT-2's split, also written as tokenizers' ByteLevel(use_regex=True).
@@ -58,30 +58,28 @@ _PRE_TOKENIZERS = {
 def end_token_ids(file: GgufFile) -> tuple[int, ...]:
     """The tokens that end a generation: EOS, and the end-of-turn and
     end-of-message tokens when the file names them (llama.cpp stops on them too)."""
-    found = (file.get(f"tokenizer.ggml.{name}_token_id") for name in ("eos", "eot", "eom"))
-    return tuple(dict.fromkeys(int(i) for i in found if i is not None))
+    found = (file.get(f"tokenizer.ggml.{name}_token_id", kind=int) for name in ("eos", "eot", "eom"))
+    return tuple(dict.fromkeys(i for i in found if i is not None))
 
 
 def gguf_tokenizer(file: GgufFile) -> tuple[Tokenizer, dict[str, Any]]:
     """The tokenizer of ``file`` and tokenizer_config.json's fields as its
     metadata gives them: bos_token, eos_token, unk_token, pad_token (texts),
     add_bos_token, chat_template."""
-    kind = file.get("tokenizer.ggml.model")
-    tokens = file.get("tokenizer.ggml.tokens")
+    kind = file.get("tokenizer.ggml.model", kind=str)
+    tokens = file.get("tokenizer.ggml.tokens", kind=list_of(str))
     if kind is None or not tokens:
         raise ValueError(f"{file.path} has no tokenizer (tokenizer.ggml.model / tokenizer.ggml.tokens); "
                          "pass --tokenizer with the model's Hugging Face folder")
-    types = [int(t) for t in file.get("tokenizer.ggml.token_type") or [NORMAL] * len(tokens)]
-    if len(types) != len(tokens):
-        raise ValueError(f"{file.path}: tokenizer.ggml.token_type has {len(types)} entries for {len(tokens)} tokens")
-    ids = {name: file.get(f"tokenizer.ggml.{name}_token_id") for name in ("bos", "eos", "unknown", "padding")}
+    types = _per_token(file, "token_type", int, NORMAL, len(tokens))
+    ids = {name: file.get(f"tokenizer.ggml.{name}_token_id", kind=int) for name in ("bos", "eos", "unknown", "padding")}
     if kind == "llama":
-        scores = [float(s) for s in file.get("tokenizer.ggml.scores") or [0.0] * len(tokens)]
+        scores = [float(s) for s in _per_token(file, "scores", float, 0.0, len(tokens))]
         tok = build_tokenizer(SpmVocab(
-            list(tokens), scores, types, model_type=MODEL_BPE,
-            add_dummy_prefix=bool(file.get("tokenizer.ggml.add_space_prefix", True)),
+            tokens, scores, types, model_type=MODEL_BPE,
+            add_dummy_prefix=file.get("tokenizer.ggml.add_space_prefix", True, bool),
             unk_id=ids["unknown"], bos_id=ids["bos"], eos_id=ids["eos"], pad_id=ids["padding"],
-        ))
+        ), str(file.path))
     elif kind == "gpt2":
         tok = _byte_level(file, list(tokens), types)
     else:
@@ -97,24 +95,37 @@ def gguf_tokenizer(file: GgufFile) -> tuple[Tokenizer, dict[str, Any]]:
         "unk_token": text(ids["unknown"]),
         "pad_token": text(ids["padding"]),
         # llama.cpp's default when the file does not say: SentencePiece vocabularies start with BOS.
-        "add_bos_token": bool(file.get("tokenizer.ggml.add_bos_token", kind == "llama")),
-        "chat_template": file.get("tokenizer.chat_template"),
+        "add_bos_token": file.get("tokenizer.ggml.add_bos_token", kind == "llama", bool),
+        "chat_template": file.get("tokenizer.chat_template", kind=str),
     }
     return tok, {k: v for k, v in config.items() if v is not None}
 
 
+def _per_token(file: GgufFile, name: str, kind: type, default: Any, count: int) -> list[Any]:
+    """``tokenizer.ggml.<name>``, one ``kind`` per token (``default`` for each when absent)."""
+    values = file.get(f"tokenizer.ggml.{name}", kind=list_of(kind))
+    if values is None:
+        return [default] * count
+    if len(values) != count:
+        raise ValueError(f"{file.path}: metadata 'tokenizer.ggml.{name}' has {len(values)} entries for {count} tokens")
+    return values
+
+
 def _byte_level(file: GgufFile, tokens: list[str], types: list[int]) -> Tokenizer:
-    pre = file.get("tokenizer.ggml.pre", "default")
+    pre = file.get("tokenizer.ggml.pre", "default", str)
     split = _PRE_TOKENIZERS.get(pre)
     if split is None:
         raise ValueError(f"{file.path}: tokenizer.ggml.pre {pre!r} is not supported; supported: "
                          f"{', '.join(sorted(_PRE_TOKENIZERS))}; or pass --tokenizer with the model's "
                          "Hugging Face folder")
-    merges = [tuple(m.split(" ", 1)) for m in file.get("tokenizer.ggml.merges") or []]
+    merges = [tuple(m.split(" ", 1)) for m in file.get("tokenizer.ggml.merges", [], list_of(str))]
     if any(len(m) != 2 for m in merges):
         raise ValueError(f"{file.path}: tokenizer.ggml.merges holds an entry that is not two tokens")
     vocab = {token: i for i, token in enumerate(tokens)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=split.ignore_merges))
+    try:
+        tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=split.ignore_merges))
+    except Exception as exc:  # tokenizers raises plain Exception for a merge of tokens not in the vocabulary
+        raise ValueError(f"{file.path}: metadata 'tokenizer.ggml.merges' does not fit the tokens: {exc}") from None
     if split.nfc:
         tok.normalizer = normalizers.NFC()
     steps = [pre_tokenizers.Digits(individual_digits=True)] if split.single_digits else []

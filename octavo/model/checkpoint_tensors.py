@@ -10,13 +10,15 @@ GGUF files have their own source (octavo/model/gguf/).
 """
 from __future__ import annotations
 
-import json
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any, Iterator
 
 import torch
 from safetensors import safe_open
+
+from octavo.checkpoint.bounds import read_json_file
+from octavo.checkpoint.safetensors_header import read_safetensors_header
 
 _SAFETENSORS = ("model.safetensors", "model.safetensors.index.json")
 _TORCH_BIN = ("pytorch_model.bin", "pytorch_model.bin.index.json")
@@ -36,17 +38,24 @@ class TensorSource(ABC):
     def tensors(self, wanted: set[str], device: str | torch.device) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, tensor) for each name of ``wanted`` the checkpoint holds, each read once."""
 
+    @abstractmethod
+    def stored_bytes(self) -> int:
+        """The bytes the checkpoint's tensors take as stored (what bounds the model built for it)."""
+
 
 class SafetensorsSource(TensorSource):
+    """Safetensors files, each header checked against its file (octavo/checkpoint/safetensors_header.py)
+    before the safetensors library maps it."""
+
     def __init__(self, files: list[Path]) -> None:
         self.files, self.where = files, files[0].parent
+        self._headers = [read_safetensors_header(file) for file in files]
 
     def names(self) -> set[str]:
-        names: set[str] = set()
-        for file in self.files:
-            with _open_safetensors(file, "cpu") as f:
-                names.update(f.keys())
-        return names
+        return {name for header in self._headers for name in header.tensors}
+
+    def stored_bytes(self) -> int:
+        return sum(header.stored_bytes() for header in self._headers)
 
     def tensors(self, wanted: set[str], device: str | torch.device) -> Iterator[tuple[str, torch.Tensor]]:
         for file in self.files:
@@ -75,6 +84,9 @@ class TorchBinSource(TensorSource):
         if self._index_names is not None:
             return set(self._index_names)
         return {name for file in self.files for name in _load_bin(file)}
+
+    def stored_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for file in self.files for t in _load_bin(file).values())
 
     def tensors(self, wanted: set[str], device: str | torch.device) -> Iterator[tuple[str, torch.Tensor]]:
         for file in self.files:
@@ -121,12 +133,14 @@ def _indexed_files(folder: Path, single: str, index_name: str) -> tuple[list[Pat
     """([files], names from the index or None) for one format, None when the folder has neither file."""
     index = folder / index_name
     if index.is_file():
-        try:
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise ValueError(f"{index} is not a weight index (a JSON object with a 'weight_map'): {exc}") from None
+        document = read_json_file(index)
+        weight_map = document.get("weight_map") if isinstance(document, dict) else None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise ValueError(f"{index} is not a weight index (a JSON object with a 'weight_map' of file names)")
         names = sorted(set(weight_map.values()))
+        outside = [n for n in names if Path(n).name != n or n in ("", ".", "..")]
+        if outside:
+            raise ValueError(f"{index} names shards outside its folder: {outside[:3]}")
         missing = [n for n in names if not (folder / n).is_file()]
         if missing:
             raise ValueError(f"{index} lists shards that are missing: {missing}")

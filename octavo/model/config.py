@@ -2,12 +2,13 @@
 parts where families differ (``ConfigReading``)."""
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+from octavo.checkpoint.bounds import (MAX_CONTEXT, MAX_LAYERS, MAX_ROPE_FACTOR, MAX_VOCAB, bounded_float, bounded_int,
+                                      read_json_file, short_repr)
 from octavo.checkpoint.gguf_file import is_gguf, open_gguf
 from octavo.model.gguf.config import gguf_config_json
 from octavo.model.registry import model_class_for
@@ -16,6 +17,7 @@ from octavo.quant.checkpoint_config import CheckpointQuantization, parse_quantiz
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 # Older Phi-3 configs name LongRoPE "su" (and some "yarn" with short/long factors).
 _ROPE_ALIASES = {"su": "longrope"}
+MAX_TOKEN_ID = MAX_VOCAB - 1
 
 
 @dataclass(frozen=True)
@@ -186,33 +188,53 @@ class ArchConfig:
 
 
 def load_arch_config(folder: str | Path) -> ArchConfig:
-    """The config of a checkpoint folder (config.json) or a GGUF file (its metadata)."""
+    """The config of a checkpoint folder (config.json) or a GGUF file (its
+    metadata); a ValueError naming the file, the field and its value for one
+    out of bounds."""
     if is_gguf(folder):
-        return parse_arch_config(gguf_config_json(open_gguf(folder)))
-    path = Path(folder) / "config.json"
-    if not path.is_file():
-        raise ValueError(f"no config.json in {folder}")
-    with open(path) as f:
-        return parse_arch_config(json.load(f))
+        where, raw = Path(folder), gguf_config_json(open_gguf(folder))
+    else:
+        where = Path(folder) / "config.json"
+        if not where.is_file():
+            raise ValueError(f"no config.json in {folder}")
+        raw = read_json_file(where)
+    try:
+        return parse_arch_config(raw)
+    except ValueError as exc:
+        raise ValueError(f"{where}: {str(exc).removeprefix('config.json: ')}") from None
 
 
 def parse_arch_config(raw: dict[str, Any]) -> ArchConfig:
+    if not isinstance(raw, dict):
+        raise ValueError(f"config.json must hold a JSON object, got {type(raw).__name__}")
     archs = raw.get("architectures") or []
     if not archs:
         raise ValueError("config.json has no 'architectures' entry")
+    if not isinstance(archs, list) or not isinstance(archs[0], str):
+        raise ValueError(f"config.json: architectures must be a list of class names, got {short_repr(archs)}")
     architecture = archs[0]
+    # Bounded before the family reads the config: some build per-layer tables from it.
+    num_layers = positive_int(raw, "num_hidden_layers", MAX_LAYERS)
+    for key in ("rope_scaling", "rope_parameters"):
+        if not isinstance(raw.get(key) or {}, dict):
+            raise ValueError(f"config.json: {key} must be an object or null, got {short_repr(raw[key])}")
     reading = model_class_for(architecture).config_reading(raw)  # ValueError for unknown archs
 
     hidden = positive_int(raw, "hidden_size")
     heads = positive_int(raw, "num_attention_heads")
-    kv_heads = int(raw.get("num_key_value_heads") or heads)
-    if kv_heads < 1 or heads % kv_heads:
+    kv_heads = positive_int(raw, "num_key_value_heads") if raw.get("num_key_value_heads") is not None else heads
+    if heads % kv_heads:
         raise ValueError(
             f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv_heads})"
         )
-    head_dim = reading.head_dim or raw.get("head_dim") or hidden // heads
-    num_layers = positive_int(raw, "num_hidden_layers")
-    window = raw.get("sliding_window") if reading.sliding_window else None
+    head_dim = reading.head_dim or (positive_int(raw, "head_dim") if raw.get("head_dim") is not None
+                                    else hidden // heads)
+    if head_dim < 1:
+        raise ValueError(f"config.json: hidden_size ({hidden}) is less than num_attention_heads ({heads})")
+    max_positions = (positive_int(raw, "max_position_embeddings", MAX_CONTEXT)
+                     if raw.get("max_position_embeddings") is not None else 2048)
+    window = (positive_int(raw, "sliding_window", MAX_CONTEXT)
+              if reading.sliding_window and raw.get("sliding_window") is not None else None)
     if raw.get("use_bidirectional_attention"):
         raise ValueError("use_bidirectional_attention (an encoder layout) is not supported by a causal LM")
     rope, local_rope = _ropes(raw, reading)
@@ -223,18 +245,19 @@ def parse_arch_config(raw: dict[str, Any]) -> ArchConfig:
         num_layers=num_layers,
         num_heads=heads,
         num_kv_heads=kv_heads,
-        head_dim=int(head_dim),
+        head_dim=head_dim,
         intermediate_size=positive_int(raw, "intermediate_size"),
         vocab_size=positive_int(raw, "vocab_size"),
-        max_position_embeddings=int(raw.get("max_position_embeddings") or 2048),
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=max_positions,
+        rms_norm_eps=bounded_float(raw.get("rms_norm_eps", 1e-6), "config.json: rms_norm_eps"),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         # Gemma names it hidden_activation (its hidden_act, where present, is stale).
         hidden_act=raw.get("hidden_activation") or raw.get("hidden_act", "silu"),
         rope=rope,
         layer_windows=_layer_windows(raw, num_layers, window, reading.sliding_pattern),
         dtype=raw.get("dtype") or raw.get("torch_dtype"),
-        bos_token_id=raw.get("bos_token_id"),
+        bos_token_id=None if raw.get("bos_token_id") is None else bounded_int(
+            raw["bos_token_id"], "config.json: bos_token_id", 0, MAX_TOKEN_ID),
         eos_token_ids=token_id_list(raw.get("eos_token_id")),
         quantization=parse_quantization_config(raw),
         attention_scale=float(scalar) ** -0.5 if scalar else None,
@@ -283,31 +306,34 @@ def parse_rope(
     write ``rope_theta`` and an optional ``rope_scaling`` (type under "type"
     or "rope_type"). Both are merged, the v5 keys winning. ``section``: the
     parameters to read instead (one layer type's); ``partial_ok``: whether
-    the architecture rotates only part of each head."""
+    the architecture rotates only part of each head. Every number is checked
+    finite and positive (a zero or NaN factor would turn every position's
+    rotation into NaN), lengths from 1 to ``MAX_CONTEXT``."""
     if section is None:
         params = {**(raw.get("rope_scaling") or {}), **(raw.get("rope_parameters") or {})}
-        theta = float(params.get("rope_theta", raw.get("rope_theta", default_theta)))
+        theta = params.get("rope_theta", raw.get("rope_theta", default_theta))
     else:
+        if not isinstance(section, dict):
+            raise ValueError(f"config.json: a layer type's rope_parameters must be an object, "
+                             f"got {short_repr(section)}")
         params = section
-        theta = float(params.get("rope_theta", default_theta))
+        theta = params.get("rope_theta", default_theta)
+    theta = bounded_float(theta, "config.json: rope_theta")
     rope_type = params.get("rope_type") or params.get("type") or "default"
-    rope_type = _ROPE_ALIASES.get(rope_type, rope_type)
+    rope_type = _ROPE_ALIASES.get(rope_type, rope_type) if isinstance(rope_type, str) else rope_type
     if rope_type == "yarn" and "short_factor" in params:  # Phi-3's older spelling of LongRoPE
         rope_type = "longrope"
     if rope_type not in ROPE_TYPES:
-        raise ValueError(f"rope_type {rope_type!r} is not supported; supported: {', '.join(ROPE_TYPES)}")
-    partial = float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)))
+        raise ValueError(f"rope_type {short_repr(rope_type)} is not supported; supported: {', '.join(ROPE_TYPES)}")
+    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    partial = bounded_float(partial, "config.json: partial_rotary_factor", 1.0)
     if partial != 1.0 and not partial_ok:
         raise ValueError(f"partial_rotary_factor {partial} is not supported for {raw['architectures'][0]}")
-    if not 0.0 < partial <= 1.0:
-        raise ValueError(f"partial_rotary_factor must be in (0, 1], got {partial}")
     if rope_type == "default":
         return RopeConfig(theta=theta, partial_rotary_factor=partial)
-    original = (
-        raw.get("original_max_position_embeddings")
-        or params.get("original_max_position_embeddings")
-        or raw.get("max_position_embeddings")
-    )
+    original = _trained_length(raw, params)
+    if rope_type in ("llama3", "yarn", "longrope") and not original:
+        raise ValueError(f"rope scaling {rope_type!r} needs original_max_position_embeddings")
     if rope_type == "longrope":
         return _longrope(raw, params, theta, partial, original)
     if "factor" not in params and rope_type != "yarn":
@@ -317,25 +343,48 @@ def parse_rope(
         if not (original and raw.get("max_position_embeddings")):
             raise ValueError("rope scaling 'yarn' needs a 'factor' or both context lengths")
         factor = raw["max_position_embeddings"] / original
+    low, high = (_rope_number(params, key, default) for key, default in
+                 (("low_freq_factor", 1.0), ("high_freq_factor", 4.0)))
+    if rope_type == "llama3" and high <= low:  # the two wavelengths between which llama3 blends
+        raise ValueError(f"config.json: rope high_freq_factor ({high}) must exceed low_freq_factor ({low})")
     return RopeConfig(
         rope_type=rope_type,
         theta=theta,
-        factor=float(factor),
-        original_max_position_embeddings=int(original) if original else None,
-        low_freq_factor=float(params.get("low_freq_factor", 1.0)),
-        high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-        beta_fast=float(params.get("beta_fast") or 32.0),
-        beta_slow=float(params.get("beta_slow") or 1.0),
-        mscale=params.get("mscale"),
-        mscale_all_dim=params.get("mscale_all_dim"),
-        attention_factor=params.get("attention_factor"),
+        factor=bounded_float(factor, "config.json: rope factor", MAX_ROPE_FACTOR),
+        original_max_position_embeddings=original,
+        low_freq_factor=low,
+        high_freq_factor=high,
+        beta_fast=_rope_number(params, "beta_fast", 32.0),
+        beta_slow=_rope_number(params, "beta_slow", 1.0),
+        mscale=_rope_number(params, "mscale", None, zero_ok=True),
+        mscale_all_dim=_rope_number(params, "mscale_all_dim", None, zero_ok=True),
+        attention_factor=_rope_number(params, "attention_factor", None),
         truncate=bool(params.get("truncate", True)),
         partial_rotary_factor=partial,
     )
 
 
+def _trained_length(raw: dict[str, Any], params: dict[str, Any]) -> Optional[int]:
+    """original_max_position_embeddings (top level or in the rope's
+    parameters), else max_position_embeddings, else None; each where given
+    an integer from 1 to ``MAX_CONTEXT``."""
+    for where, key in ((raw, "original_max_position_embeddings"), (params, "original_max_position_embeddings"),
+                       (raw, "max_position_embeddings")):
+        if where.get(key) is not None:
+            return positive_int(where, key, MAX_CONTEXT)
+    return None
+
+
+def _rope_number(params: dict[str, Any], key: str, default: Optional[float], zero_ok: bool = False) -> Optional[float]:
+    """A rope parameter (``default`` when absent or null): a finite positive number (or zero when ``zero_ok``)."""
+    value = params.get(key)
+    if value is None:
+        return default
+    return bounded_float(value, f"config.json: rope {key}", zero_ok=zero_ok)
+
+
 def _longrope(raw: dict[str, Any], params: dict[str, Any], theta: float, partial: float,
-              original: Optional[int]) -> RopeConfig:
+              original: int) -> RopeConfig:
     """Phi-3.5 / Phi-4-mini's LongRoPE: a divisor per frequency, one list for
     contexts within the trained length and one beyond; the attention factor
     defaults to sqrt(1 + ln(factor) / ln(original)) with factor = the two
@@ -345,32 +394,32 @@ def _longrope(raw: dict[str, Any], params: dict[str, Any], theta: float, partial
         values = params.get(key)
         if not isinstance(values, list) or not values:
             raise ValueError(f"rope scaling 'longrope' needs a list {key}")
-        factors[key] = tuple(float(v) for v in values)
-    if not original:
-        raise ValueError("rope scaling 'longrope' needs original_max_position_embeddings")
+        if len(values) > MAX_CONTEXT:
+            raise ValueError(f"config.json: rope {key} has {len(values)} entries")
+        factors[key] = tuple(bounded_float(v, f"config.json: rope {key}[{i}]") for i, v in enumerate(values))
     factor = params.get("factor") or (raw.get("max_position_embeddings") or original) / original
+    factor = bounded_float(factor, "config.json: rope factor", MAX_ROPE_FACTOR)
     attention_factor = params.get("attention_factor")
     if attention_factor is None:
         attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
     return RopeConfig(
         rope_type="longrope",
         theta=theta,
-        factor=float(factor),
-        original_max_position_embeddings=int(original),
-        attention_factor=float(attention_factor),
+        factor=factor,
+        original_max_position_embeddings=original,
+        attention_factor=bounded_float(attention_factor, "config.json: rope attention_factor"),
         short_factor=factors["short_factor"],
         long_factor=factors["long_factor"],
         partial_rotary_factor=partial,
     )
 
 
-def token_id_list(value: Any) -> tuple[int, ...]:
-    """eos_token_id is an int, a list of ints, or absent."""
+def token_id_list(value: Any, where: str = "config.json: eos_token_id") -> tuple[int, ...]:
+    """eos_token_id is an int, a list of ints, or absent; ``where``: the file and field, for errors."""
     if value is None:
         return ()
-    if isinstance(value, int):
-        return (value,)
-    return tuple(int(v) for v in value)
+    values = value if isinstance(value, list) else [value]
+    return tuple(bounded_int(v, where, 0, MAX_TOKEN_ID) for v in values)
 
 
 def _layer_windows(
@@ -387,13 +436,17 @@ def _layer_windows(
         # Mistral has no such key and slides everywhere.
         first = int(raw.get("max_window_layers", 0) or 0)
         layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(num_layers)]
+    if not isinstance(layer_types, list) or not all(isinstance(t, str) for t in layer_types):
+        raise ValueError(f"config.json: layer_types must be a list of layer type names, got {short_repr(layer_types)}")
     if len(layer_types) != num_layers:
         raise ValueError(f"layer_types has {len(layer_types)} entries for {num_layers} layers")
     return tuple(int(window) if t == "sliding_attention" else None for t in layer_types)
 
 
-def positive_int(raw: dict[str, Any], key: str) -> int:
+def positive_int(raw: dict[str, Any], key: str, high: Optional[int] = None) -> int:
+    """config.json's ``key``: an integer from 1 to ``high`` (no bound when None)."""
     value = raw.get(key)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"config.json: {key} must be a positive integer, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1 or (high is not None and value > high):
+        bound = "" if high is None else f" at most {high}"
+        raise ValueError(f"config.json: {key} must be a positive integer{bound}, got {short_repr(value)}")
     return value

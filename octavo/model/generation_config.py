@@ -1,11 +1,11 @@
 """generation_config.json: the checkpoint's stop tokens and sampling defaults."""
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from octavo.checkpoint.bounds import read_json_file
 from octavo.model.config import token_id_list
 
 
@@ -26,8 +26,9 @@ def load_generation_defaults(folder: str | Path) -> GenerationDefaults:
     path = Path(folder) / "generation_config.json"
     if not path.is_file():
         return GenerationDefaults()
-    with open(path) as f:
-        raw = json.load(f)
+    raw = read_json_file(path)
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path} must hold a JSON object, got {type(raw).__name__}")
 
     def pick(key: str, kind: type) -> Optional[float | int]:
         value = raw.get(key)
@@ -37,7 +38,7 @@ def load_generation_defaults(folder: str | Path) -> GenerationDefaults:
     if max_new_tokens is not None and max_new_tokens < 1:
         raise ValueError(f"{path}: max_new_tokens must be >= 1, got {max_new_tokens}")
     return GenerationDefaults(
-        eos_token_ids=token_id_list(raw.get("eos_token_id")),
+        eos_token_ids=token_id_list(raw.get("eos_token_id"), f"{path}: eos_token_id"),
         temperature=pick("temperature", float),
         top_p=pick("top_p", float),
         top_k=pick("top_k", int),

@@ -124,6 +124,7 @@ def load_model(
     arch = load_arch_config(folder)
     torch_dtype = resolve_dtype(dtype, arch.dtype)
     source = checkpoint_source(folder)
+    _check_fits_tensors(arch, source)
     backends = backends or ModelBackends()
     model_class = model_class_for(arch.architecture)
     if arch.quantization is not None:
@@ -164,6 +165,35 @@ def load_model(
     logger.info("linear layers: %s", _kernel_summary(kernels))
     logger.debug("linear layers by kernel: %s", kernels)
     return net, arch
+
+
+def _check_fits_tensors(arch: ArchConfig, source: TensorSource) -> None:
+    """Refuse a config the checkpoint's tensors cannot fill, before the model is built: its layer
+    count against the layers stored, and the fewest parameters its shape implies against the bytes
+    stored (at one bit a parameter, below any storage format), so that what is allocated is bounded
+    by the size of the files and not by the numbers a config declares."""
+    layers = {_layer_index(n) for n in source.names()} - {None}
+    # More layers stored than declared is no risk (DeepSeek-V3 stores its next-token predictor as one more).
+    if layers and max(layers) + 1 < arch.num_layers:
+        raise ValueError(f"{source.where}: num_hidden_layers is {arch.num_layers}; the checkpoint holds tensors of "
+                         f"{max(layers) + 1} layers")
+    stored = source.stored_bytes()
+    floor = _fewest_parameters(arch)
+    if floor > 8 * stored:
+        raise ValueError(f"{source.where}: the config's shape (hidden_size {arch.hidden_size}, intermediate_size "
+                         f"{arch.intermediate_size}, vocab_size {arch.vocab_size}, {arch.num_layers} layers of "
+                         f"{arch.num_heads} heads of {arch.head_dim}) needs at least {floor} parameters; the "
+                         f"checkpoint's tensors hold {stored} bytes")
+
+
+def _fewest_parameters(arch: ArchConfig) -> int:
+    """A lower bound of the model's parameter count: the embedding, and per layer the attention's
+    output projection and two of the MLP's matrices (or of the experts', where fewer)."""
+    attention = arch.hidden_size * arch.num_heads * arch.head_dim
+    mlp = 2 * arch.hidden_size * arch.intermediate_size
+    if arch.experts is not None:
+        mlp = min(mlp, 2 * arch.hidden_size * arch.experts.num_experts * arch.experts.intermediate_size)
+    return arch.vocab_size * arch.hidden_size + arch.num_layers * (attention + mlp)
 
 
 def _kernel_summary(kernels: dict[str, int], shown: int = 2, width: int = 60) -> str:

@@ -5,8 +5,9 @@ Python between them. A recording of one step (a CUDA graph; on CPU a kernel tape
 replays its kernels with a single call. Replay reads fixed addresses, so every input lives in a static buffer
 per recorded batch size; a step of n decodes copies its inputs into the smallest recorded size >= n and pads the
 rest with rows that write their K/V into a spare block no request owns (the "null block", one more than the pool
-the scheduler manages) and attend over it alone. The attention metadata is sized for ``max_model_len``, so one
-recording serves every context length; there is one per KV cache group, each layer reading its group's.
+the scheduler manages) and attend over it alone. The attention metadata is sized for the longest sequence (the
+model runner's max_model_len, or the pool's size where smaller), so one recording serves every context length;
+there is one per KV cache group, each layer reading its group's.
 
 Without a recorder (tests) the same static buffers and padding run eagerly: everything but the recording.
 """

@@ -312,12 +312,18 @@ class ModelRunner:
         try:
             with torch.inference_mode():  # as the steps that replay them run
                 return DecodeGraphs(self.model, self.kv_caches, self.num_blocks, self.block_size, sizes,
-                                    self.max_model_len, self.backends.attention, self.device, recorder,
+                                    self._longest_sequence(), self.backends.attention, self.device, recorder,
                                     memory_budget=None if on_cuda else TAPE_MEMORY_BUDGET,
                                     layer_groups=self._layer_groups)
         except Exception:
             logger.exception("recording decode steps (%s) failed; running every step eagerly", recorder.name)
             return None
+
+    def _longest_sequence(self) -> int:
+        """The most tokens one sequence can reach: max_model_len, or fewer where the pool holds fewer
+        (the scheduler's rule). The recorded steps' block tables are this long: sized by max_model_len
+        alone, a context of 2^24 made them 2 GiB for a pool of 64 blocks."""
+        return min(self.max_model_len, self.num_blocks * self.block_size)
 
     def _sample(self, scheduled: list[ScheduledRow], logits: torch.Tensor, out: ModelRunnerOutput) -> None:
         """Draw the batch's tokens (verify its proposals) in one pass. Should
@@ -431,7 +437,7 @@ class ModelRunner:
         if not new:
             return 0
         num_tokens = request.num_tokens + len(new)
-        room = [self.num_speculative_tokens, min(self.max_model_len, self.num_blocks * self.block_size) - num_tokens]
+        room = [self.num_speculative_tokens, self._longest_sequence() - num_tokens]
         max_tokens = request.sampling_params.max_tokens
         if max_tokens is not None:
             room.append(max_tokens - request.num_output_tokens - len(new) - 1)

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from tests.checkpoint.gguf_writer import reference_folder, write_gguf
+from tests.checkpoint.hostile_files import ValidModel, valid_model
 from tests.model_factory import make_tiny_model
 from tests.worker.runner_utils import Blocks, make_request, make_runner, step
 
@@ -43,6 +44,12 @@ def files(tmp_path_factory):
         return made[key]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def valid(tmp_path_factory: pytest.TempPathFactory) -> ValidModel:
+    """The valid tiny model (folder and GGUF file) the hostile files are made from."""
+    return valid_model(tmp_path_factory.mktemp("valid"))
 
 
 def octavo_logits(model, prompt=PROMPT, decode=(7, 99), dtype="float32", **kwargs) -> tuple[torch.Tensor, list[int]]:

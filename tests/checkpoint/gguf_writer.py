@@ -20,7 +20,7 @@ import json
 import re
 import shutil
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import gguf
 import numpy as np
@@ -211,22 +211,26 @@ def reference_folder(folder: Path, dst: Path, matrix_type: str, types: Optional[
 
 
 def rewrite_gguf(src: Path, dst: Path, drop: tuple[str, ...] = (),
-                 tensors: Optional[dict[str, Optional[np.ndarray]]] = None, **fields: str) -> Path:
-    """``src`` with metadata ``fields`` replaced (string values), keys in ``drop`` left out, and
-    the tensors named in ``tensors`` replaced by the values given there (None: left out)."""
+                 tensors: Optional[dict[str, Optional[np.ndarray]]] = None, **fields: Any) -> Path:
+    """``src`` with metadata ``fields`` set (each stored as its Python type says: str, bool, int as
+    UINT64 or INT64, float as FLOAT64, a list as an array of its first element's type), the keys in
+    ``drop`` left out, and the tensors named in ``tensors`` replaced by the values given there (None:
+    left out)."""
     reader = gguf.GGUFReader(str(src))
-    writer = gguf.GGUFWriter(str(dst), fields.get("general.architecture", reader.fields["general.architecture"]
-                                                  .contents()))
+    arch = fields.get("general.architecture", reader.fields["general.architecture"].contents())
+    writer = gguf.GGUFWriter(str(dst), arch)
     for key, field in reader.fields.items():
-        if key.startswith("GGUF.") or key == "general.architecture" or key in drop:
+        if key.startswith("GGUF.") or key == "general.architecture" or key in drop or key in fields:
             continue
-        value = fields.get(key, field.contents())
         vtype = field.types[0]
         sub = field.types[-1] if vtype == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(key, value, vtype, sub_type=sub)
+        writer.add_key_value(key, field.contents(), vtype, sub_type=sub)
     for key, value in fields.items():
-        if key not in reader.fields and key != "general.architecture":
-            writer.add_string(key, value)
+        if key != "general.architecture":
+            vtype, sub = _value_type(value), None
+            if isinstance(value, list):
+                sub = _value_type(value[0]) if value else gguf.GGUFValueType.STRING
+            writer.add_key_value(key, value, vtype, sub_type=sub)
     for tensor in reader.tensors:
         data = (tensors or {}).get(tensor.name, tensor.data)
         if data is not None:
@@ -236,3 +240,16 @@ def rewrite_gguf(src: Path, dst: Path, drop: tuple[str, ...] = (),
     writer.write_tensors_to_file()
     writer.close()
     return dst
+
+
+def _value_type(value: Any) -> gguf.GGUFValueType:
+    types = gguf.GGUFValueType
+    if isinstance(value, bool):
+        return types.BOOL
+    if isinstance(value, int):
+        return types.UINT64 if value >= 0 else types.INT64
+    if isinstance(value, float):
+        return types.FLOAT64
+    if isinstance(value, list):
+        return types.ARRAY
+    return types.STRING

@@ -10,9 +10,12 @@ blocks are Q8_0, Q4_0 or Q4_1 become a ``quantization_config`` of method "gguf"
 """
 from __future__ import annotations
 
+import math
+import re
 from collections import Counter
 from typing import Any
 
+from octavo.checkpoint.bounds import MAX_CONTEXT, MAX_LAYERS, MAX_ROPE_FACTOR, bounded_float, bounded_int
 from octavo.checkpoint.gguf_file import GgufFile
 from octavo.checkpoint.gguf_vocab import end_token_ids
 from octavo.model.gguf.experts import experts_config_json, quantized_experts
@@ -22,6 +25,11 @@ from octavo.model.gguf.names import ARCHITECTURES, FUSED_GROUPS, ROUTERS, hf_nam
 KERNEL_TYPES = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
 FLOAT_TYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 _ROPE_SCALING = ("none", "linear", "yarn")
+_REQUIRED = object()
+_BLOCK_INDEX = re.compile(r"^blk\.(\d+)\.")
+# Widths and head counts: the widest released models are about 2^15 wide; a
+# declared width the tensors do not have is refused by the loader's memory budget.
+_MAX_WIDTH = 1 << 20
 
 
 def gguf_config_json(file: GgufFile) -> dict[str, Any]:
@@ -36,31 +44,36 @@ def gguf_config_json(file: GgufFile) -> dict[str, Any]:
     if "rope_freqs.weight" in tensors:
         raise ValueError(f"{file.path}: per-dimension rope frequency factors (rope_freqs.weight, Llama 3.1 "
                          "rope scaling) are not supported in GGUF files; load the Hugging Face folder instead")
-    heads = int(file.arch_key("attention.head_count"))
-    hidden = int(file.arch_key("embedding_length"))
+    heads = _count(file, "attention.head_count")
+    hidden = _count(file, "embedding_length")
+    layers = _count(file, "block_count", high=MAX_LAYERS)
+    stored = max((int(m.group(1)) + 1 for name in tensors if (m := _BLOCK_INDEX.match(name))), default=0)
+    if stored < layers:
+        raise ValueError(f"{file.path}: metadata '{arch}.block_count' is {layers}; the file holds tensors of "
+                         f"{stored} blocks")
     raw: dict[str, Any] = {
         "architectures": [ARCHITECTURES[arch]],
         "hidden_size": hidden,
-        "num_hidden_layers": int(file.arch_key("block_count")),
+        "num_hidden_layers": layers,
         "num_attention_heads": heads,
-        "num_key_value_heads": int(file.arch_key("attention.head_count_kv", heads)),
-        "head_dim": int(file.arch_key("attention.key_length", hidden // heads)),
-        "intermediate_size": int(file.arch_key("feed_forward_length")),
+        "num_key_value_heads": _count(file, "attention.head_count_kv", heads),
+        "head_dim": _count(file, "attention.key_length", hidden // heads),
+        "intermediate_size": _count(file, "feed_forward_length"),
         # GGUF dims are innermost first: token_embd is [hidden, vocab].
         "vocab_size": int(tensors["token_embd.weight"].shape[-1]),
-        "max_position_embeddings": int(file.arch_key("context_length", 2048)),
-        "rms_norm_eps": float(file.arch_key("attention.layer_norm_rms_epsilon", 1e-6)),
+        "max_position_embeddings": _count(file, "context_length", 2048, high=MAX_CONTEXT),
+        "rms_norm_eps": _number(file, "attention.layer_norm_rms_epsilon", 1e-6),
         "tie_word_embeddings": "output.weight" not in tensors,
         "hidden_act": "silu",
-        "rope_theta": float(file.arch_key("rope.freq_base", 10000.0)),
-        "bos_token_id": file.get("tokenizer.ggml.bos_token_id"),
+        "rope_theta": _number(file, "rope.freq_base", 10000.0),
+        "bos_token_id": file.get("tokenizer.ggml.bos_token_id", kind=int),
         "eos_token_id": list(end_token_ids(file)),
         "dtype": _float_dtype(file),
     }
-    window = file.arch_key("attention.sliding_window", None)
+    window = file.arch_key("attention.sliding_window", None, int)
     if window:  # Mistral converted with its window kept; llama.cpp's own converter drops it
         raw["architectures"] = ["MistralForCausalLM"]
-        raw["sliding_window"] = int(window)
+        raw["sliding_window"] = _count(file, "attention.sliding_window", high=MAX_CONTEXT)
     if arch == "llama" and "blk.0.attn_q.bias" in tensors:
         raw["attention_bias"] = True
     raw.update(_rope_scaling(file))
@@ -72,20 +85,32 @@ def gguf_config_json(file: GgufFile) -> dict[str, Any]:
 
 
 def _rope_scaling(file: GgufFile) -> dict[str, Any]:
-    kind = file.arch_key("rope.scaling.type", "none")
+    kind = file.arch_key("rope.scaling.type", "none", str)
     if kind not in _ROPE_SCALING:
         raise ValueError(f"{file.path}: rope.scaling.type {kind!r} is not supported; supported: {_ROPE_SCALING}")
     if kind == "none":
         return {}
-    params: dict[str, Any] = {"rope_type": kind, "factor": float(file.arch_key("rope.scaling.factor"))}
-    original = file.arch_key("rope.scaling.original_context_length", None)
-    if original:
-        params["original_max_position_embeddings"] = int(original)
+    params: dict[str, Any] = {"rope_type": kind,
+                              "factor": _number(file, "rope.scaling.factor", high=MAX_ROPE_FACTOR)}
+    if file.arch_key("rope.scaling.original_context_length", None) is not None:
+        params["original_max_position_embeddings"] = _count(file, "rope.scaling.original_context_length",
+                                                            high=MAX_CONTEXT)
     for key, name in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
-        value = file.arch_key(f"rope.scaling.{key}", None)
-        if value is not None:
-            params[name] = float(value)
+        if file.arch_key(f"rope.scaling.{key}", None) is not None:
+            params[name] = _number(file, f"rope.scaling.{key}")
     return {"rope_scaling": params}
+
+
+def _count(file: GgufFile, suffix: str, default: Any = _REQUIRED, high: int = _MAX_WIDTH) -> int:
+    """The integer metadata ``<arch>.<suffix>``, from 1 to ``high``; ValueError naming the key and its value."""
+    value = file.arch_key(suffix) if default is _REQUIRED else file.arch_key(suffix, default)
+    return bounded_int(value, f"{file.path}: metadata '{file.architecture}.{suffix}'", 1, high)
+
+
+def _number(file: GgufFile, suffix: str, default: Any = _REQUIRED, high: float = math.inf) -> float:
+    """The positive finite number metadata ``<arch>.<suffix>``; ValueError naming the key and its value."""
+    value = file.arch_key(suffix) if default is _REQUIRED else file.arch_key(suffix, default)
+    return bounded_float(value, f"{file.path}: metadata '{file.architecture}.{suffix}'", high)
 
 
 def _float_dtype(file: GgufFile) -> str:

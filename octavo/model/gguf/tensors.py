@@ -68,6 +68,9 @@ class GgufSource(TensorSource):
     def names(self) -> set[str]:
         return set(self._records)
 
+    def stored_bytes(self) -> int:
+        return sum(record.data.nbytes for record in self.file.tensors)
+
     def tensors(self, wanted: set[str], device: str | torch.device) -> Iterator[tuple[str, torch.Tensor]]:
         dequantized: Counter[str] = Counter()
         # The record being handed out, read once: its float tensor ("") or its split blocks
