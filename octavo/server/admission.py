@@ -24,11 +24,19 @@ from octavo.openai.errors import APIError
 
 
 class Admission:
-    """Places for ``limit`` engine requests at once (None: no limit)."""
+    """Places for ``limit`` engine requests at once (None: no limit); ``batch``: how many of them
+    the engine runs at once (``--max-num-seqs``), the others wait."""
 
-    def __init__(self, limit: Optional[int]) -> None:
+    def __init__(self, limit: Optional[int], batch: Optional[int] = None) -> None:
         self.limit = limit
+        self.batch = batch
         self.in_use = 0
+
+    def waiting_besides(self, reservation: Reservation) -> int:
+        """Requests held now, ``reservation``'s aside, beyond what the engine's batch runs: the queue
+        as of this moment, where the engine's own count arrives a snapshot later."""
+        others = self.in_use - reservation.count
+        return max(0, others - self.batch) if self.batch is not None else 0
 
     def reserve(self) -> Reservation:
         """One place, or the 503 when none is free."""

@@ -69,7 +69,8 @@ def build_app(
                                   server_config.moe_expert_metrics)
             metrics = ServerMetrics(registry, source, client.info.max_model_len)
             waiting = server_config.max_waiting_requests
-            admission = Admission(None if waiting is None else engine_config.scheduler.max_num_seqs + waiting)
+            batch = engine_config.scheduler.max_num_seqs
+            admission = Admission(None if waiting is None else batch + waiting, batch)
             app.state.server = ServerState(client, tokenizer, server_config, metrics, admission)
             info = client.info
             task = "embed" if info.pooler is not None else "generate"

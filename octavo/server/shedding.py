@@ -42,15 +42,18 @@ class ShedConfig:
             raise ValueError(f"shed_waiting must be >= 0, got {self.shed_waiting}")
 
 
-def check_shedding(config: ShedConfig, stats: EngineStats, priority: int) -> None:
-    """Raise the 503 when ``priority`` is sheddable and the engine is past a threshold."""
+def check_shedding(config: ShedConfig, stats: EngineStats, priority: int, waiting_now: int = 0) -> None:
+    """Raise the 503 when ``priority`` is sheddable and the engine is past a threshold. ``waiting_now``:
+    the requests the front holds beyond the engine's batch at this moment; the engine's stats are a
+    snapshot up to a step (or, under load, seconds) old, and a burst arrives between two of them."""
     if priority < config.shed_min_priority:
         return
     reason = None
+    waiting = max(stats.num_waiting, waiting_now)
     if config.shed_kv_usage is not None and stats.kv_cache_usage >= config.shed_kv_usage:
         reason = f"KV cache {100 * stats.kv_cache_usage:.0f}% used (limit {100 * config.shed_kv_usage:.0f}%)"
-    elif config.shed_waiting is not None and stats.num_waiting >= config.shed_waiting:
-        reason = f"{stats.num_waiting} requests queued (limit {config.shed_waiting})"
+    elif config.shed_waiting is not None and waiting >= config.shed_waiting:
+        reason = f"{waiting} requests queued (limit {config.shed_waiting})"
     if reason is not None:
         raise APIError(
             503, f"the server is near capacity ({reason}) and sheds requests of priority >= "

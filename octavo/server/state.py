@@ -95,7 +95,8 @@ class ServerState:
         """Once the request is read: places for all its ``count`` prompts, and
         a 503 for a sheddable priority while the engine is near capacity (--shed-*)."""
         try:
-            check_shedding(self.config.shedding, self.client.stats, priority)
+            check_shedding(self.config.shedding, self.client.stats, priority,
+                           self.admission.waiting_besides(reservation))
         except APIError:
             self.metrics.refused(metrics.REFUSED_SHED)
             raise
