@@ -25,6 +25,9 @@ from octavo.attention.kv_quant import LayerKVCache, allocate_layer_cache, write_
 from octavo.attention.kv_spec import KVCacheSpec
 
 PAGED_KV = "[2, blocks, block_size, kv_heads, head_dim]"
+# Rows a request may have to count as short (``StepLayout.num_short``): a speculative step's k + 1 for
+# k <= 7. A decode kernel reads the whole context once per row, so longer chunks go to prefill.
+SHORT_QUERY = 8
 # window (None = full attention) -> mask; True marks keys a query attends to.
 MaskByWindow = dict[Optional[int], Optional[torch.Tensor]]
 
@@ -33,7 +36,8 @@ MaskByWindow = dict[Optional[int], Optional[torch.Tensor]]
 class StepLayout:
     """How the worker laid out one step's tokens, flattened to
     ``[total_tokens, ...]``: request i owns rows ``query_starts[i] ..
-    + query_lens[i]``, single-token rows (decodes) first, longest context first."""
+    + query_lens[i]``, single-token rows (decodes) first, longest context first,
+    then the short requests over a cached context, then the others."""
 
     block_size: int
     num_decodes: int
@@ -44,6 +48,11 @@ class StepLayout:
     block_table: torch.Tensor  # [requests, max blocks] int64, padded with block 0
     slot_mapping: torch.Tensor  # [total_tokens] int64: block_id * block_size + offset
     device: torch.device
+    # The requests right after the decodes whose few rows (2 .. SHORT_QUERY) extend a cached context:
+    # speculative verification rows, a prefill's short last chunk. A backend whose decode kernel walks
+    # the block tables runs each of their rows as a decode row, so a verified token's logits are those
+    # plain decoding would give at that position, bit for bit; the others treat them as prefill chunks.
+    num_short: int = 0
 
 
 @dataclass

@@ -32,14 +32,25 @@ class PagedDecodeBackend(AttentionBackend):
         """Attention of the decode rows q [num_decodes, heads, D] over their cached contexts."""
 
     def build_metadata(self, layout: StepLayout) -> PagedDecodeMetadata:
-        n = layout.num_decodes
+        """The decodes and every row of the short requests after them are decode rows: row j of a short
+        request of q tokens over a context of c attends the c - q + 1 + j tokens up to its own, exactly
+        as decoding that token would."""
+        requests = layout.num_decodes + layout.num_short
         table = lens = None
-        longest = 0
-        if n:
-            longest = layout.context_lens[0]  # decodes come longest first
-            table = layout.block_table[:n, : layout.blocks_needed[0]]
-            lens = torch.tensor(layout.context_lens[:n], dtype=self.context_len_dtype, device=layout.device)
-        return PagedDecodeMetadata(layout.slot_mapping, n, build_prefills(layout, self.windows), table, lens, longest)
+        rows: list[int] = list(range(layout.num_decodes))  # the request of each decode row
+        contexts = layout.context_lens[: layout.num_decodes]
+        for i in range(layout.num_decodes, requests):
+            q, c = layout.query_lens[i], layout.context_lens[i]
+            rows += [i] * q
+            contexts += range(c - q + 1, c + 1)
+        if rows:
+            width = max(layout.blocks_needed[:requests])
+            table = layout.block_table[:requests, :width]
+            if layout.num_short:
+                table = table[torch.tensor(rows, device=layout.device)]
+            lens = torch.tensor(contexts, dtype=self.context_len_dtype, device=layout.device)
+        prefills = build_prefills(layout, self.windows, first=requests)
+        return PagedDecodeMetadata(layout.slot_mapping, len(rows), prefills, table, lens, max(contexts, default=0))
 
     def static_decode_metadata(self, size: int, max_blocks: int, null_block: int, null_slot: int,
                                max_context: int, device: torch.device) -> PagedDecodeMetadata:

@@ -41,10 +41,12 @@ def window_mask(query_pos: torch.Tensor, keys: torch.Tensor, window: Optional[in
     return mask
 
 
-def build_prefills(layout: StepLayout, windows: Iterable[Optional[int]]) -> list[PrefillChunk]:
-    """One chunk per multi-token request, its masks built per window."""
+def build_prefills(layout: StepLayout, windows: Iterable[Optional[int]], first: Optional[int] = None
+                   ) -> list[PrefillChunk]:
+    """One chunk per multi-token request from request ``first`` on (default: every one after the
+    decodes), its masks built per window."""
     chunks = []
-    for i in range(layout.num_decodes, len(layout.query_lens)):
+    for i in range(layout.num_decodes if first is None else first, len(layout.query_lens)):
         start, context = layout.context_lens[i] - layout.query_lens[i], layout.context_lens[i]
         fresh = start == 0
         query_pos = torch.arange(start, context, device=layout.device).unsqueeze(1)

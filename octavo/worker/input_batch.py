@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from octavo.attention.base import AttentionBackend, AttentionMetadata, StepLayout
+from octavo.attention.base import SHORT_QUERY, AttentionBackend, AttentionMetadata, StepLayout
 from octavo.core.step_state import ScheduledRow
 
 
@@ -28,13 +28,16 @@ def prepare_inputs(
     device: torch.device,
 ) -> StepInputs:
     """Lay the step's tokens out (decodes first, longest context first, so
-    decodes of similar length sit in contiguous rows) and let ``backend``
+    decodes of similar length sit in contiguous rows; then the short requests
+    over a cached context, see ``StepLayout.num_short``) and let ``backend``
     build its metadata from that layout, once per KV cache group (each
     group's layers read its own block tables)."""
     decodes = sorted(
         (s for s in scheduled if s.num_tokens == 1), key=lambda s: s.start_pos, reverse=True
     )
-    order = decodes + [s for s in scheduled if s.num_tokens > 1]
+    short = [s for s in scheduled if 1 < s.num_tokens <= SHORT_QUERY and s.start_pos > 0]
+    short_ids = {id(s) for s in short}
+    order = decodes + short + [s for s in scheduled if s.num_tokens > 1 and id(s) not in short_ids]
     lens = [s.num_tokens for s in order]
     starts = [s.start_pos for s in order]
     context = [start + n for start, n in zip(starts, lens)]
@@ -59,7 +62,8 @@ def prepare_inputs(
         block_table = ints([s.block_tables[group][:n] + [0] * (width - n) for s, n in zip(order, blocks_needed)])
         slot_mapping = block_table[row_req, positions // block_size] * block_size + positions % block_size
         attn.append(backend.build_metadata(StepLayout(
-            block_size=block_size, num_decodes=len(decodes), query_starts=q_starts, query_lens=lens,
+            block_size=block_size, num_decodes=len(decodes), num_short=len(short), query_starts=q_starts,
+            query_lens=lens,
             context_lens=context, blocks_needed=blocks_needed, block_table=block_table, slot_mapping=slot_mapping,
             device=device,
         )))

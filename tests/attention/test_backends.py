@@ -157,3 +157,35 @@ def test_prefill_chunks_attend_in_float32_where_chosen(monkeypatch, in_float32, 
     expected = torch.softmax(scores, dim=-1) @ vv
     assert out.dtype == torch.bfloat16 and out.shape == q.shape
     torch.testing.assert_close(out.double(), expected, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", [F32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 6])
+def test_a_short_request_attends_as_the_decodes_of_its_tokens(dtype, window):
+    """Speculative verification: each row of a 4-token request over a cached context gives, bit for bit,
+    what decoding its token alone at that position gives (the decode kernel runs the rows), so verified
+    tokens are the ones plain decoding picks."""
+    backend = select_attention_backend("native", CPU, dtype, dtype, {None, 6})
+    gen = torch.Generator().manual_seed(2)
+    cache = allocate_layer_cache(NUM_BLOCKS, BLOCK, KV_HEADS, DIM, dtype, CPU)
+    every_slot = torch.arange(NUM_BLOCKS * BLOCK)
+    write_kv(cache, *(torch.randn(NUM_BLOCKS * BLOCK, KV_HEADS, DIM, generator=gen).to(dtype) for _ in range(2)),
+             every_slot)
+    blocks = torch.randperm(NUM_BLOCKS, generator=gen).tolist()[:7]
+    verify = Request("v", list(range(24)), SamplingParams())
+    other = Request("o", list(range(10)), SamplingParams())
+
+    def rows(scheduled: list[ScheduledRow]):
+        inputs = prepare_inputs(scheduled, BLOCK, backend, CPU)
+        q = torch.randn(inputs.input_ids.shape[0], HEADS, DIM, generator=gen).to(dtype)
+        kv = torch.zeros(inputs.input_ids.shape[0], KV_HEADS, DIM, dtype=dtype)  # the cache is not written
+        return inputs, q, kv
+
+    inputs, q, kv = rows([ScheduledRow(verify, 20, 4, [blocks], True), ScheduledRow(other, 9, 1, [blocks[4:]], True)])
+    assert inputs.attn[0].num_decodes == 5 and not inputs.attn[0].prefills
+    together = backend.forward(q, kv, kv, cache, inputs.attn[0], window)
+    first = inputs.q_starts[[s.request.request_id for s in inputs.order].index("v")]
+    for j in range(4):
+        alone, _, one_kv = rows([ScheduledRow(verify, 20 + j, 1, [blocks], True)])
+        out = backend.forward(q[first + j : first + j + 1], one_kv, one_kv, cache, alone.attn[0], window)
+        assert torch.equal(out[0], together[first + j])

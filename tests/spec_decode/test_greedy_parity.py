@@ -24,7 +24,7 @@ def prompts() -> list[list[int]]:
 
 
 def generate(folder, prompt_list, params=GREEDY, **kwargs) -> tuple[list[list[list[int]]], LLM]:
-    llm = LLM(folder, dtype="float32", **kwargs)
+    llm = LLM(folder, **{"dtype": "float32", **kwargs})
     outs = llm.generate(prompt_list, params, use_tqdm=False)
     assert_no_leak(llm)
     assert_proposer_state_dropped(llm)
@@ -47,6 +47,14 @@ def check(folder, prompt_list=None, params=GREEDY, **kwargs) -> LLM:
 @pytest.mark.parametrize("arch", ARCHS)
 def test_every_architecture_and_block_size(model_dir, arch, block_size):
     check(model_dir(arch), block_size=block_size)
+
+
+@pytest.mark.parametrize("max_num_seqs", [1, 8])
+def test_bfloat16(model_dir, max_num_seqs):
+    """In bfloat16 too, where a changed rounding would flip near-ties: the proposals' rows attend through
+    the decode kernel as plain decoding's rows do (StepLayout.num_short), so each verified position's
+    logits are the ones plain decoding computes."""
+    check(model_dir("llama"), dtype="bfloat16", max_num_seqs=max_num_seqs)
 
 
 def test_latent_attention(model_dir):
