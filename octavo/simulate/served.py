@@ -10,7 +10,7 @@ the bare fit predicted ~14 ms. A served step is modelled as
     served(step) = engine_scale * engine(step) + per_step_s + per_token_s * sampled
 
 - ``engine_scale``: the engine's own work stretched by contention for the
-  cores (the front, other processes); 1 on cores of its own;
+  cores (the front, other processes); 1 on cores of its own, and never less;
 - ``per_step_s``: per step, the output message to the front and its wake-up;
 - ``per_token_s``: per token streamed, the front's detokenizing and SSE
   writing, which competes with the engine for the same cores and so grows
@@ -83,6 +83,9 @@ class ServedCost:
         y = np.array([p.seconds for p in probes], dtype=np.float64)
         if np.any(y <= 0):
             raise ValueError("probes: measured seconds must be > 0")
-        coef = nonnegative_relative_lstsq(x, y)
+        # A served step takes at least the engine's own time (one thread: wall >= CPU time): engine_scale >= 1.
+        # Left free, the fit traded it for the per-token term, which the decode probes cannot tell apart (both
+        # grow with the batch), and put it at 0.1-0.7, making prompt steps under load too short.
+        coef = nonnegative_relative_lstsq(x, y, lower=np.array([1.0, 0.0, 0.0, 0.0]))
         error = float(np.mean(np.abs(x @ coef - y) / y))
         return cls(*map(float, coef), num_probes=len(probes), mean_abs_rel_error=error, load_avg=load_avg)

@@ -84,3 +84,12 @@ def test_streaming_cost_saturates_a_replica_the_bare_model_keeps_up_with():
     assert served["throughput"]["output_tokens_per_s"] < 1 / TRUE.per_token_s
     assert served["ttft_s"]["p99"] > 10 * bare["ttft_s"]["p99"]  # the queue grows over the trace
 
+
+
+def test_a_served_step_is_never_fitted_faster_than_the_engine_alone():
+    """Data a free fit would explain with the engine at half its own CPU time: the scale stays at 1 and the
+    other terms take up the rest."""
+    faster = ServedCost(engine_scale=0.5, per_step_s=0.004, per_token_s=0.0015, per_request_s=0.02)
+    fitted = ServedCost.fit(_probes(faster, 0.0, random.Random(2)))
+    assert fitted.engine_scale == pytest.approx(1.0)
+    assert fitted.per_step_s >= 0 and fitted.per_token_s >= 0 and fitted.per_request_s >= 0
