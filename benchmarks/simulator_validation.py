@@ -20,9 +20,10 @@ around each one):
    throughput, with the load average.
 
 The saturation rate is where a full batch (``max_num_seqs`` sequences)
-just keeps up: each request costs its served prefill step and ``output``
-slots of a full batch's served decode step, so a replica finishes at most
-1 / (prefill + output * step(full batch) / full batch) requests a second.
+just keeps up: each request costs what its prompt adds to a full batch's
+served step and ``output`` slots of that batch's served decode step, so a
+replica finishes at most 1 / (prompt + output * step(full batch) / full
+batch) requests a second.
 """
 from __future__ import annotations
 
@@ -133,10 +134,11 @@ def simulate(cost: CostModel, trace: list[TraceRequest], seed: int) -> dict:
 def saturation_rate(cost: CostModel, prompt: int, output: int) -> float:
     """Requests/s a replica finishes with a full batch decoding (the module docstring)."""
     batch = cost.engine.max_num_seqs
-    prefill = cost.step_seconds(StepWork(prompt, 1, prompt * (prompt + 1) / 2, sampled_seqs=1))
-    step = cost.step_seconds(StepWork(decode_seqs=batch, decode_context_tokens=batch * (prompt + output // 2),
-                                      sampled_seqs=batch))
-    return 1.0 / (prefill + output * step / batch)
+    context = batch * (prompt + output // 2)
+    step = cost.step_seconds(StepWork(decode_seqs=batch, decode_context_tokens=context, sampled_seqs=batch))
+    # A prompt joins a full batch's step (a mixed step): what it adds to that step.
+    joined = cost.step_seconds(StepWork(prompt, 1, prompt * (prompt + 1) / 2, batch, context, batch + 1))
+    return 1.0 / (joined - step + output * step / batch)
 
 
 def calibrate(args: argparse.Namespace, engine_flags: list[str], base_url: str) -> Path:

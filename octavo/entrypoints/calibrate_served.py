@@ -48,7 +48,7 @@ class ServedProbePlan:
     batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     batch_prompt_len: int = 32
     decode_tokens: int = 48
-    repeats: int = 2
+    repeats: int = 4
 
     def fitted_to(self, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int) -> ServedProbePlan:
         """Cut to the engine's context, sequence limit and token budget (a batch's prompts fit one step)."""
