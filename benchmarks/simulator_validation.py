@@ -1,21 +1,29 @@
-"""Does the capacity simulator predict one real replica? Calibrate, then run
-the same traces against `octavo serve` and through `octavo simulate`.
+"""Does the capacity simulator predict one real, loaded replica? Calibrate
+against a running `octavo serve`, then replay Poisson traces below, at and
+above its saturation against the server and through `octavo simulate`.
 
-    python -m benchmarks.simulator_validation --model benchmarks/models/llama-100m
+    python -m benchmarks.simulator_validation [--model octavo/assets/octavo-mini]
 
-Steps, back to back (the machine is shared: the load average is recorded
+Steps, back to back (the machine may be shared: the load average is recorded
 around each one):
-1. `octavo simulate calibrate` on the model (or --cost-model to reuse one);
-2. one `octavo serve` with the calibrated engine's limits; a few lone
-   requests measure what serving adds to the calibrated engine steps: per
-   step (the output message, the HTTP front streaming each token on the
-   same cores: their TPOT minus the cost model's decode step) and per request
-   (HTTP, tokenizing the id list: their TTFT minus the prefill step). The
-   simulator adds them as --step-overhead and --request-overhead;
-3. per workload: a seeded trace (octavo/simulate/traces.py), saved as JSONL,
-   replayed against the server at its arrival times (streaming
+1. one `octavo serve` of the model (its engine options: --max-num-seqs,
+   --kv-cache-memory, --dtype, --threads as OMP_NUM_THREADS);
+2. `octavo simulate calibrate --clock cpu --served URL` with the same options:
+   the bare engine's steps on the CPU clock, then probes of the server for
+   what serving adds (octavo/simulate/served.py), or --cost-model to reuse one;
+3. the rates: --rates, or the cost model's saturation rate (below) times
+   0.5, 1 and 1.5;
+4. per rate: a seeded Poisson trace (octavo/simulate/traces.py), saved as
+   JSONL, replayed against the server at its arrival times (streaming
    /v1/completions, the prompt as token ids, ``ignore_eos``), and simulated;
-4. a table of predicted vs measured TTFT p50/p99 and output throughput.
+5. a table of predicted vs measured TTFT, TPOT and e2e p50/p99 and output
+   throughput, with the load average.
+
+The saturation rate is where a full batch (``max_num_seqs`` sequences)
+just keeps up: each request costs what its prompt adds to a full batch's
+served step and ``output`` slots of that batch's served decode step, so a
+replica finishes at most 1 / (prompt + output * step(full batch) / full
+batch) requests a second.
 """
 from __future__ import annotations
 
@@ -28,42 +36,22 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from statistics import median
 
 import httpx
 
 from benchmarks.online import running_server
 from benchmarks.report import load_avg
 from benchmarks.workload import ordinary_token_ids
+from octavo.config import CacheConfig, SchedulerConfig
 from octavo.simulate.cost_model import CostModel, StepWork
 from octavo.simulate.replica import ReplicaShape
 from octavo.simulate.report import SLO, percentile, summarize
 from octavo.simulate.simulator import FleetConfig, Simulator
 from octavo.simulate.traces import LengthDist, TraceRequest, TraceSpec, generate, save_jsonl
-from octavo.config import CacheConfig, SchedulerConfig
 
 RESULTS = Path(__file__).resolve().parent / "results" / "simulator"
-
-
-@dataclass(frozen=True)
-class Workload:
-    name: str
-    spec: TraceSpec
-
-
-def workloads(duration: float) -> list[Workload]:
-    def lengths(p: str, o: str) -> dict:
-        return {"prompt": LengthDist.parse(p), "output": LengthDist.parse(o)}
-
-    return [
-        Workload("poisson-light", TraceSpec("poisson", duration, 0.3, **lengths("lognormal:128:0.6:16:512",
-                                                                                  "uniform:16:64"))),
-        Workload("poisson-busy", TraceSpec("poisson", duration, 1.0, **lengths("lognormal:96:0.5:16:384",
-                                                                                 "uniform:32:96"))),
-        Workload("long-prompts", TraceSpec("poisson", duration, 0.2, **lengths("uniform:600:1200", "fixed:16"))),
-        Workload("bursty", TraceSpec("bursty", duration, 0.2, burst_rate=2.0, on_s=8.0, off_s=20.0,
-                                     **lengths("lognormal:128:0.6:16:512", "uniform:16:64"))),
-    ]
+DEFAULT_MODEL = Path(__file__).resolve().parent.parent / "octavo" / "assets" / "octavo-mini"
+FIGURES = ("ttft_p50", "ttft_p99", "tpot_p50", "tpot_p99", "e2e_p50", "e2e_p99", "output_tokens_per_s")
 
 
 # ---- the real replica --------------------------------------------------
@@ -104,7 +92,8 @@ async def replay(base_url: str, model: str, trace: list[TraceRequest], vocab: li
 
     rng = random.Random(seed)
     prompts = [[rng.choice(vocab) for _ in range(t.prompt_tokens)] for t in trace]
-    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    # A fresh connection per request (as the served calibration): a kept-alive one can meet the server closing it.
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
     async with httpx.AsyncClient(base_url=base_url, timeout=900, limits=limits) as client:
         t0 = time.perf_counter()
         tasks = []
@@ -117,61 +106,66 @@ async def replay(base_url: str, model: str, trace: list[TraceRequest], vocab: li
 
 
 def measured_summary(results: list[Measured]) -> dict:
-    ttfts = [m.ttft for m in results]
+    """The figures of FIGURES, as the simulator's summary computes them (TPOT over requests with two tokens)."""
+    ttfts, e2es = [m.ttft for m in results], [m.e2e for m in results]
+    tpots = [(m.e2e - m.ttft) / (m.tokens - 1) for m in results if m.tokens > 1]
     span = max(m.done for m in results) - min(m.sent for m in results)
-    return {"ttft_p50": percentile(ttfts, 50), "ttft_p99": percentile(ttfts, 99),
-            "output_tokens_per_s": sum(m.tokens for m in results) / span,
-            "tpot_p50": percentile([(m.e2e - m.ttft) / (m.tokens - 1) for m in results if m.tokens > 1], 50)}
-
-
-def serving_overheads(base_url: str, model: str, cost: CostModel, vocab: list[int], n: int) -> tuple[float, float]:
-    """What a served request costs beyond the calibrated engine steps, from lone requests (nothing
-    else in flight): per step, the median of (TPOT - the cost model's batch-1 decode step); per
-    request, the median of (TTFT - its prefill step - that step overhead)."""
-    ttft_gaps, step_gaps = [], []
-    out = 16
-    for i in range(n):
-        length = 64 + 64 * i
-        m = asyncio.run(replay(base_url, model, [TraceRequest(0.0, length, out)], vocab, seed=100 + i))[0]
-        prefill = cost.predict(StepWork(length, 1, length * (length + 1) / 2, 0, 0))
-        decode = sum(cost.predict(StepWork(decode_seqs=1, decode_context_tokens=length + j + 1))
-                     for j in range(out - 1)) / (out - 1)
-        step_gaps.append((m.e2e - m.ttft) / (m.tokens - 1) - decode)
-        ttft_gaps.append(m.ttft - prefill)
-        time.sleep(0.2)
-    step = max(0.0, median(step_gaps))
-    return max(0.0, median(ttft_gaps) - step), step
+    out = {f"{name}_p{q}": percentile(values, q) for name, values in (("ttft", ttfts), ("tpot", tpots),
+                                                                        ("e2e", e2es)) for q in (50, 99)}
+    return {**out, "output_tokens_per_s": sum(m.tokens for m in results) / span}
 
 
 # ---- the simulated replica ---------------------------------------------
 
 
-def simulate(cost: CostModel, trace: list[TraceRequest], overhead: float, step_overhead: float, seed: int) -> dict:
+def replica_shape(cost: CostModel) -> ReplicaShape:
     e = cost.engine
-    shape = ReplicaShape(SchedulerConfig(e.max_num_seqs, e.max_num_batched_tokens, e.enable_chunked_prefill),
-                         CacheConfig(block_size=e.block_size), e.num_kv_blocks, e.max_model_len)
-    result = Simulator(cost, shape, FleetConfig(request_overhead_s=overhead, step_overhead_s=step_overhead), seed=seed).run(trace)
+    return ReplicaShape(SchedulerConfig(e.max_num_seqs, e.max_num_batched_tokens, e.enable_chunked_prefill),
+                        CacheConfig(block_size=e.block_size), e.num_kv_blocks, e.max_model_len)
+
+
+def simulate(cost: CostModel, trace: list[TraceRequest], seed: int) -> dict:
+    result = Simulator(cost, replica_shape(cost), FleetConfig(), seed=seed).run(trace)
     s = summarize(result, SLO())
-    return {"ttft_p50": s["ttft_s"]["p50"], "ttft_p99": s["ttft_s"]["p99"],
-            "output_tokens_per_s": s["throughput"]["output_tokens_per_s"], "tpot_p50": s["tpot_s"]["p50"],
-            "preemptions": s["preemptions"]}
+    out = {f"{name}_p{q}": s[f"{name}_s"][f"p{q}"] for name in ("ttft", "tpot", "e2e") for q in (50, 99)}
+    return {**out, "output_tokens_per_s": s["throughput"]["output_tokens_per_s"], "preemptions": s["preemptions"]}
+
+
+def saturation_rate(cost: CostModel, prompt: int, output: int) -> float:
+    """Requests/s a replica finishes with a full batch decoding (the module docstring)."""
+    batch = cost.engine.max_num_seqs
+    context = batch * (prompt + output // 2)
+    step = cost.step_seconds(StepWork(decode_seqs=batch, decode_context_tokens=context, sampled_seqs=batch))
+    # A prompt joins a full batch's step (a mixed step): what it adds to that step.
+    joined = cost.step_seconds(StepWork(prompt, 1, prompt * (prompt + 1) / 2, batch, context, batch + 1))
+    return 1.0 / (joined - step + output * step / batch)
+
+
+def calibrate(args: argparse.Namespace, engine_flags: list[str], base_url: str) -> Path:
+    path = args.out_dir / "cost.json"
+    cmd = [sys.executable, "-m", "octavo.entrypoints.cli", "simulate", "calibrate", str(args.model), *engine_flags,
+           "-o", str(path), "--repeats", str(args.calibration_repeats), "--max-batch", str(args.max_num_seqs),
+           "--clock", "cpu", "--served", base_url, "--steps-out", str(args.out_dir / "steps.jsonl")]
+    subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
+    return path
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", type=Path, default=Path(__file__).resolve().parent / "models" / "llama-100m")
+    p.add_argument("--model", type=Path, default=DEFAULT_MODEL)
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--kv-cache-memory", default="1GiB")
+    p.add_argument("--max-num-seqs", type=int, default=32)
+    p.add_argument("--kv-cache-memory", default="256MiB")
     p.add_argument("--cost-model", type=Path, default=None, help="reuse this calibration instead of running one")
     p.add_argument("--calibration-repeats", type=int, default=1)
-    p.add_argument("--calibration-max-batch", type=int, default=32)
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads of the calibrated engine and the server (OMP_NUM_THREADS); one thread "
                         "degrades more gracefully than a spinning pool when other work shares the cores")
-    p.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per workload")
-    p.add_argument("--only", default=None, help="comma-separated workload names")
-    p.add_argument("--overhead-probes", type=int, default=5)
+    p.add_argument("--rates", default=None, help="comma-separated requests/s (default: 0.5, 1 and 1.5 times the "
+                                                 "cost model's saturation rate)")
+    p.add_argument("--duration", type=float, default=30.0, help="seconds of arrivals per rate")
+    p.add_argument("--prompt-len", type=int, default=200)
+    p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--port", type=int, default=8571)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out-dir", type=Path, default=RESULTS)
@@ -181,52 +175,50 @@ def main() -> None:
                     "--kv-cache-memory", args.kv_cache_memory]
     cli = [sys.executable, "-m", "octavo.entrypoints.cli"]
     loads = {"start": load_avg()}
-    cost_path = args.cost_model
-    if cost_path is None:
-        cost_path = args.out_dir / "cost.json"
-        subprocess.run(cli + ["simulate", "calibrate", str(args.model), *engine_flags, "-o", str(cost_path),
-                              "--repeats", str(args.calibration_repeats), "--max-batch", str(args.calibration_max_batch),
-                              "--steps-out", str(args.out_dir / "steps.jsonl")],
-                       check=True, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
-        loads["after_calibration"] = load_avg()
-    cost = CostModel.load(cost_path)
     vocab = ordinary_token_ids(args.model)
-    chosen = [w for w in workloads(args.duration) if not args.only or w.name in args.only.split(",")]
     rows = []
     base_url = f"http://127.0.0.1:{args.port}"
     cmd = cli + ["serve", str(args.model), *engine_flags, "--port", str(args.port), "--log-level", "warning"]
     with running_server(cmd, base_url, args.out_dir / "serve.log", 600, args.threads):
+        cost_path = args.cost_model or calibrate(args, engine_flags, base_url)
+        loads["after_calibration"] = load_avg()
+        cost = CostModel.load(cost_path)
+        if cost.served is None:
+            raise SystemExit(f"{cost_path}: no served calibration (`octavo simulate calibrate --served URL`)")
+        saturation = saturation_rate(cost, args.prompt_len, args.output_len)
+        rates = [float(r) for r in args.rates.split(",")] if args.rates else [f * saturation for f in (0.5, 1, 1.5)]
+        print(f"predicted saturation: {saturation:.2f} req/s; rates {', '.join(f'{r:.2f}' for r in rates)}")
         model = httpx.get(f"{base_url}/v1/models").json()["data"][0]["id"]
-        asyncio.run(replay(base_url, model, [TraceRequest(0.0, 256, 8)] * 4, vocab, seed=99))  # warm up
-        overhead, step_overhead = serving_overheads(base_url, model, cost, vocab, args.overhead_probes)
-        print(f"serving overheads: {overhead * 1e3:.1f} ms per request, {step_overhead * 1e3:.1f} ms per step")
-        for w in chosen:
-            trace = generate(w.spec, args.seed)
-            save_jsonl(trace, args.out_dir / f"{w.name}.jsonl")
+        lengths = {"prompt": LengthDist.parse(f"fixed:{args.prompt_len}"),
+                   "output": LengthDist.parse(f"fixed:{args.output_len}")}
+        for rate in rates:
+            trace = generate(TraceSpec("poisson", args.duration, rate, **lengths), args.seed)
+            save_jsonl(trace, args.out_dir / f"poisson-{rate:.2f}.jsonl")
             before = load_avg()
             measured = measured_summary(asyncio.run(replay(base_url, model, trace, vocab, args.seed)))
-            predicted = simulate(cost, trace, overhead, step_overhead, args.seed)
-            row = {"workload": w.name, "requests": len(trace), "load": f"{before} -> {load_avg()}",
-                   "measured": measured, "predicted": predicted,
-                   "error": {k: predicted[k] / measured[k] - 1 for k in ("ttft_p50", "ttft_p99",
-                                                                          "output_tokens_per_s", "tpot_p50")}}
+            predicted = simulate(cost, trace, args.seed)
+            row = {"rate": rate, "of_saturation": rate / saturation, "requests": len(trace),
+                   "load": f"{before} -> {load_avg()}", "measured": measured, "predicted": predicted,
+                   "error": {k: predicted[k] / measured[k] - 1 for k in FIGURES}}
             rows.append(row)
             print(json.dumps(row))
     loads["end"] = load_avg()
-    report = {"model": str(args.model), "cost_model": cost.to_json(), "request_overhead_s": overhead,
-              "step_overhead_s": step_overhead,
+    report = {"model": str(args.model), "cost_model": cost.to_json(), "saturation_rate": saturation,
               "loads": loads, "rows": rows, "args": {k: str(v) for k, v in vars(args).items()}}
     (args.out_dir / "validation.json").write_text(json.dumps(report, indent=2) + "\n")
-    print("| workload | requests | TTFT p50 meas / sim (ms) | TTFT p99 meas / sim (ms) | "
-          "output tok/s meas / sim | TPOT p50 meas / sim (ms) | load 1/5/15 |")
-    print("|---|---|---|---|---|---|---|")
+    print_table(rows)
+
+
+def print_table(rows: list[dict]) -> None:
+    """Measured / simulated (error): latencies in ms, throughput in output tokens/s."""
+    head = " | ".join(f"{k.replace('_', ' ')} meas / sim" for k in FIGURES)
+    print(f"| rate (x saturation) | requests | {head} | load 1/5/15 |")
+    print("|---" * (len(FIGURES) + 3) + "|")
     for r in rows:
         m, s, e = r["measured"], r["predicted"], r["error"]
-        print(f"| {r['workload']} | {r['requests']} "
-              f"| {m['ttft_p50'] * 1e3:.0f} / {s['ttft_p50'] * 1e3:.0f} ({e['ttft_p50']:+.0%}) "
-              f"| {m['ttft_p99'] * 1e3:.0f} / {s['ttft_p99'] * 1e3:.0f} ({e['ttft_p99']:+.0%}) "
-              f"| {m['output_tokens_per_s']:.1f} / {s['output_tokens_per_s']:.1f} ({e['output_tokens_per_s']:+.0%}) "
-              f"| {m['tpot_p50'] * 1e3:.1f} / {s['tpot_p50'] * 1e3:.1f} ({e['tpot_p50']:+.0%}) | {r['load']} |")
+        scale = {k: 1.0 if k == "output_tokens_per_s" else 1e3 for k in FIGURES}
+        cells = " | ".join(f"{m[k] * scale[k]:.0f} / {s[k] * scale[k]:.0f} ({e[k]:+.0%})" for k in FIGURES)
+        print(f"| {r['rate']:.2f} ({r['of_saturation']:.1f}x) | {r['requests']} | {cells} | {r['load']} |")
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ SLOW = (
     "default_model/", "server/", "gateway/", "deploy/", "executor/", "distributed/", "autoscale/",
     "worker/test_kv_quant_runner.py", "test_mini_model.py", "quant/test_quant_targets.py",
     "engine/test_cpu_targets.py", "kernels/test_paged_decode.py", "quant/test_quantized_perplexity.py",
-    "quant/test_checkpoints_tp.py", "spec_decode/test_parallel.py", "simulate/test_simulate_cli.py",
+    "quant/test_checkpoints_tp.py", "spec_decode/test_parallel.py", "simulate/test_simulate_cli.py", "simulate/test_calibrate_served.py",
     "simulate/test_autoscaling_in_loop.py", "spec_decode/test_draft_engine.py", "spec_decode/test_metrics.py",
     "worker/test_decode_graphs.py", "worker/test_memory.py", "kernels/test_aarch64_build.py", "checkpoint/test_hub.py",
     "spec_decode/test_greedy_parity.py", "kernels/test_bf16_gemm.py", "model/test_moe.py",

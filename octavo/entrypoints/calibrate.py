@@ -9,6 +9,13 @@ every step (mixed steps, as under online load). Each ``LLMEngine.step()`` is
 timed whole (scheduling, forward, sampling, the scheduler's update and
 detokenizing: what the engine's loop spends per step), and the step's work
 is read from the ``SchedulerOutput`` that step scheduled.
+
+Steps are timed on the wall clock, or (``--clock cpu``) on the process's CPU
+clock: with one thread that is the step's own work without the time other
+processes held the core, which on a loaded machine scatters wall-clock steps
+of the same work over a range of 1-10x. A cost model fitted on CPU time
+predicts the engine alone; ``--served`` then measures what contention and the
+HTTP front add (calibrate_served.py).
 """
 from __future__ import annotations
 
@@ -23,8 +30,9 @@ from typing import Any, Callable, Optional
 
 import octavo
 from octavo.config import option
+from octavo.entrypoints.calibrate_served import calibrate_served, served_summary
 from octavo.sampling_params import SamplingParams
-from octavo.simulate.cost_model import CostModel, EngineShape, MachineInfo, StepWork, step_work
+from octavo.simulate.cost_model import CostModel, EngineShape, FitQuality, MachineInfo, StepWork, step_work
 
 logger = logging.getLogger(__name__)
 
@@ -80,11 +88,25 @@ class _StepRecorder:
         return self.last
 
 
-def measure(engine, probes: list[Probe], repeats: int) -> tuple[list[StepWork], list[float]]:
+CLOCKS = ("wall", "cpu")
+
+
+@dataclass
+class TimedSteps:
+    """Each non-empty step's work and its seconds on both clocks, in the order they ran."""
+
+    works: list[StepWork] = field(default_factory=list)
+    wall: list[float] = field(default_factory=list)
+    cpu: list[float] = field(default_factory=list)
+
+    def seconds(self, clock: str) -> list[float]:
+        return self.cpu if clock == "cpu" else self.wall
+
+
+def measure(engine, probes: list[Probe], repeats: int) -> TimedSteps:
     recorder = _StepRecorder(engine.scheduler.schedule)
     engine.scheduler.schedule = recorder
-    works: list[StepWork] = []
-    seconds: list[float] = []
+    timed = TimedSteps()
     ids = iter(range(10**9))
     vocab = engine.vocab_size
 
@@ -107,14 +129,15 @@ def measure(engine, probes: list[Probe], repeats: int) -> tuple[list[StepWork], 
                 if pending:
                     add(probe, pending)
                     pending -= 1
-                start = time.perf_counter()
+                wall, cpu = time.perf_counter(), time.process_time()
                 engine.step()
-                elapsed = time.perf_counter() - start
+                wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
                 work = step_work(recorder.last) if recorder.last is not None else StepWork()
                 if not work.is_empty:
-                    works.append(work)
-                    seconds.append(elapsed)
-    return works, seconds
+                    timed.works.append(work)
+                    timed.wall.append(wall)
+                    timed.cpu.append(cpu)
+    return timed
 
 
 def cpu_model() -> str:
@@ -131,7 +154,9 @@ def cpu_model() -> str:
 
 
 def calibrate(model: Optional[str], options: dict, repeats: int = 2, max_batch: int = 64,
-              steps_out: Optional[Path] = None) -> CostModel:
+              steps_out: Optional[Path] = None, clock: str = "wall", served_url: Optional[str] = None) -> CostModel:
+    """Fit the cost model to the engine's steps; with ``served_url`` (an `octavo serve` of the same model and
+    options), also the served terms."""
     import torch
 
     from octavo.entrypoints.llm import LLM
@@ -142,7 +167,7 @@ def calibrate(model: Optional[str], options: dict, repeats: int = 2, max_batch: 
         probes = default_probes(engine.max_model_len, max_batch)
         # Kernels build and caches fill on the first steps: not timed.
         measure(engine, warmup_probes(engine.max_model_len), 1)
-        works, seconds = measure(engine, probes, repeats)
+        timed = measure(engine, probes, repeats)
     finally:
         llm.shutdown()
     config = engine.config
@@ -162,11 +187,15 @@ def calibrate(model: Optional[str], options: dict, repeats: int = 2, max_batch: 
         max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
         enable_chunked_prefill=config.scheduler.enable_chunked_prefill,
     )
+    seconds = timed.seconds(clock)
     if steps_out is not None:
         with open(steps_out, "w") as f:
-            for work, t in zip(works, seconds):
-                f.write(json.dumps({**dataclasses.asdict(work), "seconds": t}) + "\n")
-    return CostModel.fit_steps(works, seconds, machine, shape)
+            for work, t, wall, cpu in zip(timed.works, seconds, timed.wall, timed.cpu):
+                f.write(json.dumps({**dataclasses.asdict(work), "seconds": t, "wall_s": wall, "cpu_s": cpu}) + "\n")
+    cost = CostModel.fit_steps(timed.works, seconds, machine, shape)
+    if served_url is not None:
+        cost.served = calibrate_served(served_url, cost, engine.vocab_size)
+    return cost
 
 
 @dataclass
@@ -177,6 +206,10 @@ class CalibrateConfig:
     repeats: int = option(2, "times to run the probe set")
     max_batch: int = option(64, "largest probe batch")
     steps_out: Optional[Path] = option(None, "also write every timed step (JSONL)")
+    clock: str = option("wall", "time steps on the wall clock, or on the process's CPU clock (one thread: the "
+                                "engine's own work, steadier on a loaded machine)", choices=tuple(CLOCKS))
+    served: Optional[str] = option(None, "URL of a running `octavo serve` of the same model and engine options: "
+                                         "also fit what serving adds (the front, contention) from probes of it")
 
 
 def run_calibrate(model: Optional[str], engine_options: dict[str, Any], args: CalibrateConfig) -> CostModel:
@@ -184,11 +217,18 @@ def run_calibrate(model: Optional[str], engine_options: dict[str, Any], args: Ca
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     if args.max_batch < 1:
         raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
-    cost = calibrate(model, engine_options, args.repeats, args.max_batch, args.steps_out)
+    cost = calibrate(model, engine_options, args.repeats, args.max_batch, args.steps_out, args.clock, args.served)
     cost.save(args.output)
-    fit = cost.fit
-    print(f"cost model: {args.output} ({fit.num_steps} steps; |error| mean {100 * fit.mean_abs_rel_error:.1f}%, "
-          f"p90 {100 * fit.p90_abs_rel_error:.1f}%)")
+    print(f"cost model: {args.output} ({fit_summary(cost.fit)})")
+    for kind, quality in cost.fit.by_kind.items():
+        print(f"  {kind:>8} steps: {fit_summary(quality)}")
     for name, value in cost.coefficients.items():
         print(f"  {name:>26}: {value * 1e3:.4f} ms")
+    if cost.served is not None:
+        print(served_summary(cost.served))
     return cost
+
+
+def fit_summary(fit: FitQuality) -> str:
+    return (f"{fit.num_steps} steps; |error| mean {100 * fit.mean_abs_rel_error:.1f}%, "
+            f"p90 {100 * fit.p90_abs_rel_error:.1f}%, median error {100 * fit.median_rel_error:+.1f}%")

@@ -51,10 +51,10 @@ class SimulateRunConfig:
     routing: str = _opt("least-load", "the gateway's routing policy", _FLEET, choices=tuple(sorted(ROUTING_POLICIES)))
     cold_start: float = _opt(60.0, "seconds from scale-up to a ready replica", _FLEET, unit="seconds")
     interval: float = _opt(10.0, "seconds between fleet samples / scaler decisions", _FLEET, unit="seconds")
-    request_overhead: float = _opt(0.0, "seconds each request spends outside engine steps (HTTP, tokenizing)",
-                                   _FLEET, unit="seconds")
-    step_overhead: float = _opt(0.0, "seconds a served step costs beyond the calibrated engine step (streaming, "
-                                     "the HTTP front)", _FLEET, unit="seconds")
+    request_overhead: float = _opt(0.0, "seconds each request spends outside engine steps (HTTP, tokenizing), on "
+                                        "top of the cost model's served calibration", _FLEET, unit="seconds")
+    step_overhead: float = _opt(0.0, "seconds a served step costs beyond the cost model's step (streaming, the "
+                                     "HTTP front), on top of its served calibration", _FLEET, unit="seconds")
     autoscale: str = _opt("none", "predictive: max(reactive, Holt-Winters forecast / --capacity-per-replica)",
                           _SCALING, choices=("none", "reactive", "predictive"))
     min_replicas: int = _opt(1, "fewest replicas", _SCALING)

@@ -128,7 +128,7 @@ class SimReplica:
         out = self.scheduler.schedule()
         if out.is_empty:
             return None
-        duration = self._cost.predict(step_work(out)) + self._step_overhead_s
+        duration = self._cost.step_seconds(step_work(out)) + self._step_overhead_s
         self._step, self.step_end_s = out, now + duration
         self.busy_s += duration
         self.num_steps += 1

@@ -36,10 +36,11 @@ class FleetConfig:
     cold_start_s: float = 60.0
     # How often the fleet is sampled (timeline, and the scaler's input) and the scaler consulted.
     interval_s: float = 10.0
-    # Latency outside the engine's steps (HTTP, tokenization, streaming): added before a request reaches a replica.
+    # Latency outside the engine's steps (HTTP, tokenization, streaming): added before a request reaches a replica,
+    # on top of the cost model's served per-request cost.
     request_overhead_s: float = 0.0
-    # What a served step costs beyond the calibrated engine step (its output message, the HTTP front
-    # streaming each token on the same cores): added to every step.
+    # What a served step costs beyond the calibrated step (the cost model's served terms, when it has them): added
+    # to every step.
     step_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
@@ -117,7 +118,8 @@ class Simulator:
         for i, t in enumerate(sorted(trace, key=lambda r: r.arrival_s)):
             record = RequestRecord(f"r{i}", t.arrival_s, t.prompt_tokens, t.output_tokens)
             self._records.append(record)
-            self._post(t.arrival_s + self.fleet.request_overhead_s, "arrive", record)
+            delay = self.fleet.request_overhead_s + self.cost_model.request_overhead_s
+            self._post(t.arrival_s + delay, "arrive", record)
         self._unfinished = len(self._records)
         last_arrival = max((t.arrival_s for t in trace), default=0.0)
         self._post(self.fleet.interval_s, "tick", None)

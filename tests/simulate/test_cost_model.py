@@ -35,7 +35,7 @@ def _random_work(rng: random.Random) -> StepWork:
 
 def test_fit_recovers_known_coefficients():
     true = {"step": 4e-3, "prefill_tokens": 1.5e-4, "prefill_seqs": 2e-3, "prefill_attention_mpairs": 3e-2,
-            "decode_seqs": 6e-4, "decode_context_ktokens": 2e-4}
+            "decode_seqs": 6e-4, "decode_context_ktokens": 2e-4, "mixed_step": 3e-3}
     truth = CostModel(true)
     rng = random.Random(0)
     works = [_random_work(rng) for _ in range(400)]
@@ -60,7 +60,9 @@ def test_fit_keeps_every_coefficient_non_negative():
 def test_prediction_is_linear_and_empty_steps_are_free():
     model = CostModel({f: 0.001 * (i + 1) for i, f in enumerate(FEATURES)})
     work = StepWork(10, 1, 2e6, 3, 4000)
-    assert model.predict(work) == pytest.approx(0.001 + 0.002 * 10 + 0.003 + 0.004 * 2 + 0.005 * 3 + 0.006 * 4)
+    # A prompt chunk and decodes in one step: a mixed step.
+    assert model.predict(work) == pytest.approx(0.001 + 0.002 * 10 + 0.003 + 0.004 * 2 + 0.005 * 3 + 0.006 * 4
+                                                + 0.007)
     assert model.predict(StepWork()) == 0.0
 
 
@@ -83,3 +85,24 @@ def test_bad_input_names_the_field(tmp_path):
         CostModel.load(tmp_path / "x.json")
     with pytest.raises(ValueError, match="cost_model"):
         CostModel.load(tmp_path / "missing.json")
+
+
+def test_fit_quality_is_reported_per_step_kind_and_kept_in_the_file(tmp_path):
+    truth = CostModel({"step": 2e-3, "prefill_tokens": 1e-4, "prefill_seqs": 0.0, "prefill_attention_mpairs": 0.0,
+                       "decode_seqs": 5e-4, "decode_context_ktokens": 0.0, "mixed_step": 0.0})
+    works = [StepWork(decode_seqs=b) for b in range(1, 21)] + [StepWork(64 * n, 1) for n in range(1, 11)]
+    works += [StepWork(64, 1, decode_seqs=b) for b in range(1, 6)]
+    # Decode steps measured 30% slower than the truth, the others exact: no linear model fits both, and each
+    # kind's error is its own steps' error.
+    seconds = [truth.predict(w) * (1.3 if w.kind == "decode" else 1.0) for w in works]
+    fitted = CostModel.fit_steps(works, seconds)
+    by_kind = fitted.fit.by_kind
+    assert {k: q.num_steps for k, q in by_kind.items()} == {"decode": 20, "prefill": 10, "mixed": 5}
+    for kind, quality in by_kind.items():
+        steps = [(fitted.predict(w), t) for w, t in zip(works, seconds) if w.kind == kind]
+        errors = sorted((p - t) / t for p, t in steps)
+        assert quality.mean_abs_rel_error == pytest.approx(sum(map(abs, errors)) / len(errors))
+        assert errors[0] <= quality.median_rel_error <= errors[-1]
+    assert fitted.fit.mean_abs_rel_error > 0.01  # the compromise shows
+    fitted.save(tmp_path / "cost.json")
+    assert CostModel.load(tmp_path / "cost.json").fit == fitted.fit

@@ -1,0 +1,45 @@
+"""`octavo simulate calibrate --served URL` against a real `octavo serve`."""
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from octavo.entrypoints.calibrate_served import ServedProbePlan, calibrate_served
+from octavo.entrypoints.cli import main
+from octavo.simulate.cost_model import CostModel
+from tests.model_factory import make_tiny_model
+from tests.server.conftest import ServerProcess
+from tests.simulate.sim_helpers import cost_model
+
+ENGINE = ["--max-model-len", "128", "--num-blocks", "512", "--max-num-seqs", "8"]
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("served")
+    model = make_tiny_model(folder / "model")
+    server = ServerProcess(model, folder / "server.log", *ENGINE, api_key=None)
+    yield model, server
+    server.stop()
+
+
+def test_calibration_fits_the_served_terms_from_the_server(served, tmp_path):
+    model, server = served
+    out = tmp_path / "cost.json"
+    main(["simulate", "calibrate", str(model), "--dtype", "float32", *ENGINE, "-o", str(out), "--repeats", "1",
+          "--max-batch", "4", "--clock", "cpu", "--served", server.url])
+    cost = CostModel.load(out)
+    plan = ServedProbePlan().fitted_to(128, 8, cost.engine.max_num_batched_tokens)
+    # Every lone prompt and every batch, in each measured round (the warm-up round is left out).
+    assert cost.served.num_probes == plan.repeats * (len(plan.prompt_lens) + len(plan.batches))
+    assert cost.served.load_avg.count("/") == 2
+    assert set(cost.fit.by_kind) == {"decode", "prefill", "mixed"}
+    # The probes leave nothing behind: the server holds no request afterwards.
+    metrics = httpx.get(f"{server.url}/metrics").text
+    running = [line for line in metrics.splitlines() if line.startswith("octavo:num_requests_running")]
+    assert running and all(float(line.split()[-1]) == 0 for line in running)
+
+
+def test_a_server_that_cannot_be_probed_is_a_clear_error():
+    with pytest.raises(ValueError, match="served: cannot probe"):
+        calibrate_served("http://127.0.0.1:9", cost_model(step=1e-3), vocab_size=100)
