@@ -319,7 +319,7 @@ class _Charge:
 
     limiter: RateLimiter
     key: KeyConfig
-    reserve: Optional[int]
+    reserve: int
     settled: bool = False
 
     async def settle(self, used: Optional[int]) -> None:
@@ -333,7 +333,7 @@ class _Charge:
             await self.limiter.settle(self.key, self.reserve, used)
 
 
-async def _admit(gw: Gateway, key: KeyConfig, reserve: Optional[int]) -> Union[_Charge, Response]:
+async def _admit(gw: Gateway, key: KeyConfig, reserve: int) -> Union[_Charge, Response]:
     """The key's charge for this request, or the 429 refusing it."""
     rejection = await gw.limiter.admit(key, reserve)
     if rejection is not None:

@@ -19,11 +19,15 @@ _CHUNK_USAGE = re.compile(rb'"usage":(\{[^{}]*\})')
 # About four bytes of text per token in common vocabularies. Only the reservation is sized by it (usage
 # settles the charge); token-id prompts are over-counted, which errs on the safe side.
 _BYTES_PER_TOKEN = 4
+# What a request that sets no bound on its output reserves for it (most chat clients send none). Reserving
+# the key's whole minute instead would let such a key run one request at a time; the settlement charges
+# what it really generated either way, a longer answer as a debt on the key's next requests.
+UNBOUNDED_OUTPUT_TOKENS = 1024
 
 
-def reservation(path: str, data: dict[str, Any], raw: bytes) -> Optional[int]:
+def reservation(path: str, data: dict[str, Any], raw: bytes) -> int:
     """The tokens a request may cost: its body's size for the prompt plus the
-    most it may generate; None when it sets no bound on generation."""
+    most it may generate (``UNBOUNDED_OUTPUT_TOKENS`` when it sets no bound)."""
     prompt = len(raw) // _BYTES_PER_TOKEN + 1
     if path == "/v1/embeddings":
         return prompt
@@ -34,7 +38,7 @@ def reservation(path: str, data: dict[str, Any], raw: bytes) -> Optional[int]:
     else:
         limit = data.get("max_output_tokens")
     if limit is None:
-        return None
+        limit = UNBOUNDED_OUTPUT_TOKENS
     return prompt + int(limit) * int(data.get("n") or 1)
 
 

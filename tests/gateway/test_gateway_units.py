@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
@@ -14,6 +15,7 @@ from octavo.gateway.ratelimit import MemoryBuckets, RateLimiter, retry_after_hea
 from octavo.gateway.replica_url import normalize_url
 from octavo.gateway.replicas import Breaker, BreakerState, Replica, ReplicaSet
 from octavo.gateway.routing import KVAware, LeastLoad, PrefixAffinity, RouteInput, Session
+from octavo.gateway.usage import UNBOUNDED_OUTPUT_TOKENS, reservation
 from octavo.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 
 
@@ -222,3 +224,23 @@ def test_dns_discovery_adds_addresses_and_leaves_static_replicas_alone():
     asyncio.run(run())
     urls = {r.url for r in replicas}
     assert "http://static:1" in urls and "http://127.0.0.1:1234" in urls
+
+
+def test_a_request_without_an_output_bound_reserves_a_bounded_share():
+    # Chat clients mostly send no max_tokens: such a request reserves its prompt and UNBOUNDED_OUTPUT_TOKENS
+    # (it was a TypeError, a 500, under a token limit), so several run side by side within a key's minute.
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    raw = json.dumps(body).encode()
+    reserve = reservation("/v1/chat/completions", body, raw)
+    assert reserve == len(raw) // 4 + 1 + UNBOUNDED_OUTPUT_TOKENS
+    assert reservation("/v1/chat/completions", {**body, "max_tokens": 10, "n": 2}, raw) == len(raw) // 4 + 1 + 20
+    key = KeyConfig("sk", tpm=3 * reserve + reserve // 2)  # admits while above zero: the fourth runs into debt
+    limiter = RateLimiter(MemoryBuckets())
+
+    async def run() -> list[bool]:
+        admitted = [await limiter.admit(key, reserve) is None for _ in range(5)]
+        for _ in range(4):
+            await limiter.settle(key, reserve, 50)  # each used 50 tokens: the rest of its reservation comes back
+        return admitted + [await limiter.admit(key, reserve) is None]
+
+    assert asyncio.run(run()) == [True, True, True, True, False, True]
