@@ -14,8 +14,8 @@
  * and the product, per output n, with the weight's groups g (scale s, min m,
  * a group a whole number of blocks):
  *   out = sum_g s_g * sum_{b in g} d_b * isum(q, xq)_b + m_g * sum_{b in g} d_b * isum(xq)_b
- * isum exact in int32, the rest in float32 (a multiply, then an add: the
- * tests' reference does the same sums, only in another order).
+ * isum exact in int32, the rest in float32 (FMAs on VNNI and AVX2: the
+ * tests' reference does the same sums in float64, within float32 rounding).
  *
  * Weights: quant_linear.c's layout, read as it is (no second copy):
  *   int8: w[N/16][K][16]; int4: w[N/16][K/2][16], byte q[k] | q[k + 1] << 4;
@@ -107,6 +107,9 @@ static void round_rows(const void *x, int dtype, int64_t M, int64_t K, int64_t g
 #define ISA "avx512_vnni"
 #define INT8_OFFSET 128 /* int8 weights read as q + 128 */
 
+/* a * s + c, one rounding: the per-block scaling is a sixth of a row's work at one row. */
+ALWAYS_INLINE fvec fmadd(fvec a, float s, fvec c) { return (fvec)_mm512_fmadd_ps((__m512)a, _mm512_set1_ps(s), (__m512)c); }
+
 /* Four 16-byte rows at p -> 16 dwords, dword j = the rows' byte j. */
 ALWAYS_INLINE __m512i quad_rows(const void *p) {
     const __m512i v = _mm512_loadu_si512(p);
@@ -167,6 +170,15 @@ ALWAYS_INLINE void block_isums(const int R, const int bits, const void *w, const
 #include <immintrin.h>
 #define ISA "avx2"
 #define INT8_OFFSET 0
+
+ALWAYS_INLINE fvec fmadd(fvec a, float s, fvec c) {
+    __m256 x[2], y[2];
+    memcpy(x, &a, sizeof a);
+    memcpy(y, &c, sizeof c);
+    for (int i = 0; i < 2; i++) y[i] = _mm256_fmadd_ps(x[i], _mm256_set1_ps(s), y[i]);
+    memcpy(&c, y, sizeof c);
+    return c;
+}
 
 /* Four 16-byte rows at p -> (X, Y), 8 dwords each, dword = one output's 4
  * bytes: X holds outputs 0..3 | 8..11, Y 4..7 | 12..15 (the 128-bit lanes
@@ -234,6 +246,8 @@ ALWAYS_INLINE void block_isums(const int R, const int bits, const void *w, const
 #define ISA "portable"
 #define INT8_OFFSET 0
 
+ALWAYS_INLINE fvec fmadd(fvec a, float s, fvec c) { return a * s + c; }
+
 ALWAYS_INLINE void block_isums(const int R, const int bits, const void *w, const int8_t *xq[MAX_ROWS],
                                ivec out[MAX_ROWS]) {
     for (int r = 0; r < R; r++)
@@ -272,13 +286,13 @@ ALWAYS_INLINE void rows_block(const int R, const int bits, const rounded_rows rr
             block_isums(R, bits, p, xq, isum);
             for (int r = 0; r < R; r++) {
                 const int32_t offset = bits == 8 ? INT8_OFFSET * rr.xsum[(r0 + r) * B + b] : 0;
-                gacc[r] += __builtin_convertvector(isum[r] - offset, fvec) * rr.d[(r0 + r) * B + b];
+                gacc[r] = fmadd(__builtin_convertvector(isum[r] - offset, fvec), rr.d[(r0 + r) * B + b], gacc[r]);
             }
         }
         const fvec s = load_fvec(sc + g * BLOCK);
         for (int r = 0; r < R; r++) {
             acc[r] += gacc[r] * s;
-            if (mn) acc[r] += load_fvec(mn + g * BLOCK) * rr.gsum[(r0 + r) * G + g];
+            if (mn) acc[r] = fmadd(load_fvec(mn + g * BLOCK), rr.gsum[(r0 + r) * G + g], acc[r]);
         }
     }
     const int64_t size = element_size(dtype);
