@@ -38,7 +38,10 @@ second chunk on attention reads K/V back from the cache as decode does (a window
 own fresh K/V, which would hide a quantized KV cache's error). Configurations: Octavo on the dequantized
 model in float32 (the reference: the Q4_1 weights' values exactly, so the reference carries Q4_1's rounding)
 and bf16; that model quantized by Octavo to int8 at load (bf16 activations); Octavo on the GGUF with bf16
-and float32 activations, and with bf16 plus an int8 or fp8 KV cache; llama.cpp on the GGUF, its logits for
+and float32 activations, and with bf16 plus an int8 or fp8 KV cache; Octavo on the GGUF prefilling in chunks
+of QDOT_ROWS (4) tokens, so every product takes the few-row path decode takes, with its default int8
+activations (rows rounded as llama.cpp's Q8_0) and with float ones; llama.cpp on the GGUF (whose products
+round the activations alike at every row count), its logits for
 every token of the window (a second context on the same model, what ``logits_all`` gives) log-softmaxed
 here in float32; transformers float32 on the dequantized model (a check on the reference). mean_abs_dlogp /
 max_abs_dlogp: the mean / largest absolute difference of the scored tokens' log-probabilities from the
@@ -194,6 +197,7 @@ def main() -> None:
 
     from octavo import LLM
     from octavo.assets.default_model import fetch
+    from octavo.quant.qweights import QDOT_ROWS
 
     started = time.perf_counter()
     gguf = fetch()
@@ -300,10 +304,11 @@ def main() -> None:
             timings[name] = time.perf_counter() - start
             print(f"  {name}: ppl {math.exp(-scores[name].mean()):.4f} ({timings[name]:.0f} s)", flush=True)
 
-        def octavo_config(model: Path, dtype: str, **extra: Any) -> Callable[[], np.ndarray]:
+        def octavo_config(model: Path, dtype: str, chunk: int = args.ppl_chunk, **extra: Any
+                          ) -> Callable[[], np.ndarray]:
             def run() -> np.ndarray:
-                llm = LLM(str(model), dtype=dtype, kv_cache_memory_bytes=KV_BYTES,
-                          max_num_batched_tokens=args.ppl_chunk, **extra)
+                llm = LLM(str(model), dtype=dtype, kv_cache_memory_bytes=KV_BYTES, max_num_batched_tokens=chunk,
+                          **extra)
                 try:
                     return octavo_logprobs(llm, windows)
                 finally:
@@ -320,6 +325,10 @@ def main() -> None:
         score("octavo q4_1 bf16", octavo_config(gguf, "bfloat16"))
         score("octavo q4_1 bf16 + int8 KV", octavo_config(gguf, "bfloat16", kv_cache_dtype="int8"))
         score("octavo q4_1 bf16 + fp8 KV", octavo_config(gguf, "bfloat16", kv_cache_dtype="fp8"))
+        for dtype in ("float32", "bfloat16"):
+            for rows in ("int8", "float"):
+                score(f"octavo q4_1 {dtype.replace('bfloat16', 'bf16').replace('float32', 'fp32')}, {rows} "
+                      f"activations at {QDOT_ROWS} rows", octavo_config(gguf, dtype, QDOT_ROWS, quantized_activations=rows))
         ppl_ctx = LlamaCppContext(lc.llm, n_ctx=args.window, n_batch=args.window, n_seq=1)
         score("llama.cpp q4_1", lambda: np.concatenate([ppl_ctx.token_logprobs(w) for w in windows]).astype(np.float64))
         ppl_ctx.close()

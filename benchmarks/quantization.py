@@ -20,7 +20,9 @@ Per model and weight format:
   that treats its lm_head the same way (PAIRS);
 - ``--kernels``: one decoder layer's four products at ``--kernel-rows``
   rows: bf16 (the unquantized method: oneDNN prepack, the AMX kernel or
-  Octavo's bf16 kernels), Octavo's int8/int4 kernels (W8A16, W4A16), W8A8
+  Octavo's bf16 kernels), Octavo's int8/int4 kernels (at up to 4 rows the
+  rows rounded to int8 per block of 32, qdot_linear.c; "float rows": the
+  same weights with --quantized-activations float, W8A16/W4A16), W8A8
   (rows rounded to int8 per token, w8a8_linear.c: VNNI where the CPU has
   it), torch's own CPU ops (``_weight_int8pack_mm``,
   ``_weight_int4pack_mm_for_cpu``) and torch float32 (``F.linear`` on a
@@ -71,6 +73,9 @@ MIB = 2**20
 # serves as its output layer, so the "+head" rows read what it reads.
 FORMATS = (("bf16", None, False), ("int8", "int8", False), ("int4", "int4", False), ("w8a8", "w8a8", False),
            ("int8+head", "int8", True), ("int4+head", "int4", True))
+# The same weights with --quantized-activations float (W8A16/W4A16 at every row count): what the default int8
+# activations at decode gain over.
+FLOAT_ROWS = ("int8+head", "int4+head")
 ROWS = (1, 4, 16, 64, 256)
 
 
@@ -118,13 +123,14 @@ class Shape:
         return self.layers * (layer + kv) + matrix(self.vocab, self.hidden, quant if head else None)
 
 
-def _octavo(model: Path, quant: Optional[str], head: bool, args: argparse.Namespace) -> Any:
+def _octavo(model: Path, quant: Optional[str], head: bool, args: argparse.Namespace,
+            activations: str = "int8") -> Any:
     from benchmarks.peers.octavo_peer import OctavoPeer
 
     options: dict[str, Any] = {}
     if quant is not None:
         options = {"quantization": quant, "quantization_group_size": args.group_size,
-                   "unquantized_modules": "" if head else "lm_head"}
+                   "unquantized_modules": "" if head else "lm_head", "quantized_activations": activations}
     return OctavoPeer(model, "bfloat16", max_num_seqs=args.max_num_seqs, kv_cache_memory_bytes=2**30,
                       enable_prefix_caching=False, **options)
 
@@ -145,7 +151,8 @@ def _llamacpp(model: Path, ftype: str, pure: bool, args: argparse.Namespace) -> 
 # output layer in Q6_K (pairs with Octavo's int4 and a bf16 lm_head, both keeping a finer head), and the
 # "pure" Q4_0 file quantizes every matrix to Q4_0 (pairs with int4+head).
 PAIRS = (("octavo int8", "llama.cpp Q8_0"), ("octavo int8+head", "llama.cpp Q8_0"),
-         ("octavo int4", "llama.cpp Q4_0"), ("octavo int4+head", "llama.cpp Q4_0 pure"))
+         ("octavo int4", "llama.cpp Q4_0"), ("octavo int4+head", "llama.cpp Q4_0 pure"),
+         ("octavo int8+head float rows", "llama.cpp Q8_0"), ("octavo int4+head float rows", "llama.cpp Q4_0 pure"))
 LLAMACPP_FILES = (("Q8_0", False), ("Q4_0", False), ("Q4_0", True))
 
 
@@ -165,8 +172,10 @@ def bench_model(model: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
     offline: dict[str, Callable[[], object]] = {}
     per_token: dict[str, float] = {}
     batches = []
-    for label, quant, head in FORMATS:
-        peer = _octavo(model, quant, head, args)
+    formats = [(label, quant, head, "int8") for label, quant, head in FORMATS]
+    formats += [(f"{label} float rows", quant, head, "float") for label, quant, head in FORMATS if label in FLOAT_ROWS]
+    for label, quant, head, activations in formats:
+        peer = _octavo(model, quant, head, args, activations)
         name = f"octavo {label}"
         decode[name] = lambda p, n, peer=peer: peer.generate(Workload("decode", [p], [n], "decode probe"))
         offline[name] = lambda peer=peer: peer.generate(workload)
@@ -234,11 +243,13 @@ def _layer_kernels(shape: Shape, group: int) -> dict[str, list[Callable[[torch.T
     from octavo.model.layers.linear import RowParallelLinear
     from octavo.model.loader import default_dtype
     from octavo.quant.onthefly import quantize_int4, quantize_int8, quantize_w8a8
+    from octavo.quant.qweights import quantized_activations
     from octavo.quant.unquantized import UnquantizedLinearMethod
 
     ops = torch.ops.aten
     kernels: dict[str, list[Callable[[torch.Tensor], object]]] = {
-        k: [] for k in ("bf16", "int8", "int4", "w8a8", "torch int8", "torch int4", "torch fp32")}
+        k: [] for k in ("bf16", "int8", "int4", "int8 float rows", "int4 float rows", "w8a8", "torch int8",
+                        "torch int4", "torch fp32")}
     for _, n, k in shape.layer_products():
         w = torch.randn(n, k, dtype=torch.bfloat16) * 0.02
         method = UnquantizedLinearMethod.for_backend("auto", torch.device("cpu"), torch.bfloat16)
@@ -257,6 +268,9 @@ def _layer_kernels(shape: Shape, group: int) -> dict[str, list[Callable[[torch.T
         kernels["bf16"].append(layer)
         kernels["int8"].append(q8)
         kernels["int4"].append(q4)
+        with quantized_activations("float"):
+            kernels["int8 float rows"].append(quantize_int8(w))
+            kernels["int4 float rows"].append(quantize_int4(w, group))
         kernels["w8a8"].append(quantize_w8a8(w))
         kernels["torch fp32"].append(lambda x, w32=w.float(): torch.nn.functional.linear(x.float(), w32))
         kernels["torch int8"].append(lambda x, q=ints8.contiguous(), s=s8: ops._weight_int8pack_mm(x, q, s))
@@ -278,6 +292,8 @@ def bench_kernels(model: Path, group: int, row_counts: tuple[int, ...] = ROWS) -
         for name in ("int8", "int4", "w8a8", "torch int8", "torch int4", "torch fp32"):
             row[f"{name} x"] = times["bf16"] / times[name]
         row["w8a8 vs int8 x"] = times["int8"] / times["w8a8"]
+        for bits in ("int8", "int4"):
+            row[f"{bits} vs float rows x"] = times[f"{bits} float rows"] / times[bits]
         rows.append(row)
     return rows
 

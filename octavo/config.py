@@ -24,6 +24,7 @@ KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 LINEAR_BACKENDS = ("auto", "native", "onednn", "torch")
 QUANTIZATIONS = ("int8", "int4", "w8a8")
 QUANTIZATION_GROUP_SIZES = (32, 64, 128)
+QUANTIZED_ACTIVATIONS = ("int8", "float")
 
 
 def option(default: Any, help: str, **extra: Any) -> Any:
@@ -194,6 +195,15 @@ class ModelConfig:
         128, f"int4: inputs sharing one scale and zero point, one of {QUANTIZATION_GROUP_SIZES}; must divide "
         "every linear layer's in-features"
     )
+    # At one row the float kernel is bound by widening each weight to float32;
+    # rounding the row to 8 bits lets integer dot products (VNNI, AVX2) take
+    # the bytes as they are, with llama.cpp's numerics (its Q8_0 activations).
+    quantized_activations: str = option(
+        "int8", "int8/int4 weights (on the fly, GGUF, GPTQ, AWQ, compressed-tensors) at few rows (decode): int8 "
+        "rounds the activations per block of 32 as llama.cpp's Q8_0 does and multiplies by integer dot products "
+        "(the numerics change as llama.cpp's defaults do); float keeps them in dtype (the exact float32 sums)",
+        choices=QUANTIZED_ACTIVATIONS,
+    )
     # The output layer turns hidden states into logits directly, so its error
     # is not averaged away by later layers (llama.cpp keeps it at higher
     # precision too); with tied embeddings (most small models) quantizing it
@@ -240,6 +250,9 @@ class ModelConfig:
                 raise ValueError(f"served_model_name must be one or more non-empty names, got {self.served_model_name!r}")
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}; got {self.quantization!r}")
+        if self.quantized_activations not in QUANTIZED_ACTIVATIONS:
+            raise ValueError(f"quantized_activations must be one of {', '.join(QUANTIZED_ACTIVATIONS)}; "
+                             f"got {self.quantized_activations!r}")
         if self.quantization_group_size not in QUANTIZATION_GROUP_SIZES:
             raise ValueError(f"quantization_group_size must be one of {QUANTIZATION_GROUP_SIZES}; "
                              f"got {self.quantization_group_size!r}")

@@ -92,7 +92,7 @@ def prebuild(names: Iterable[str], target: Optional[CpuTarget] = None) -> None:
 def default_kernels(target: Optional[CpuTarget] = None) -> tuple[str, ...]:
     """The kernels a CPU engine loads on ``target`` for a float or int8/int4 model."""
     linear = ("amx_linear",) if "amx" in (target or cpu_target()).name else ("bf16_linear", "bf16_gemm")
-    return ("paged_decode", "fused_ops", "quant_linear", *linear)
+    return ("paged_decode", "fused_ops", "quant_linear", "qdot_linear", *linear)
 
 
 def _build_quietly(name: str, target: CpuTarget) -> None:

@@ -32,6 +32,18 @@ enum { F32 = 0, BF16 = 1, F16 = 2, I8 = 3, FP8 = 4 };
         }                                   \
     } while (0)
 
+/* Runs CASE(R) for each block of up to 4 rows r0..r0+R-1 of M: R a
+ * constant in each copy, so a kernel's row loops unroll into registers. */
+#define FOR_ROW_BLOCKS_OF_4(M, r0, CASE)                                  \
+    for (int64_t r0 = 0; r0 < (M); r0 += 4) {                             \
+        switch ((M) - r0 < 4 ? (int)((M) - r0) : 4) {                     \
+            CASE(1)                                                       \
+            CASE(2)                                                       \
+            CASE(3)                                                       \
+            CASE(4)                                                       \
+        }                                                                 \
+    }
+
 ALWAYS_INLINE int64_t element_size(int dtype) { return dtype == F32 ? 4 : (dtype == I8 || dtype == FP8) ? 1 : 2; }
 
 /* float8_e4m3fn (1 sign, 4 exponent bits of bias 7, 3 mantissa bits, no

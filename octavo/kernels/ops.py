@@ -27,6 +27,7 @@ from octavo.kernels.amx_linear import amx_linear_kernel, amx_multiply
 from octavo.kernels.bf16_linear import bf16_gemm_kernel, bf16_linear_kernel, bf16_linear_widening_kernel
 from octavo.kernels.fused_ops import FusedOps, fused_ops
 from octavo.kernels.paged_decode import PagedDecodeKernel, paged_decode_kernel
+from octavo.kernels.qdot_linear import qdot_linear_kernel
 from octavo.kernels.quant_linear import quant_linear_kernel
 from octavo.kernels.w8a8_linear import w8a8_linear_kernel
 
@@ -36,6 +37,8 @@ _LIB.define("amx_linear(Tensor x, Tensor blocks, Tensor? bias, int out_features)
 _LIB.define("bf16_gemm(Tensor x, Tensor weight, Tensor? bias, bool dot) -> Tensor")
 _LIB.define("quant_linear(Tensor rows, int bits, int group_size, Tensor packed, Tensor scales, Tensor? mins, "
             "Tensor? bias, int out_features, bool amx) -> Tensor")
+_LIB.define("qdot_linear(Tensor rows, int bits, int group_size, Tensor packed, Tensor scales, Tensor? mins, "
+            "Tensor? bias, int out_features) -> Tensor")
 _LIB.define("w8a8_linear(Tensor rows, Tensor packed, Tensor wsum, Tensor scales, Tensor? bias, "
             "int out_features) -> Tensor")
 _LIB.define("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!)? residual) -> Tensor")
@@ -78,6 +81,13 @@ def quant_linear(rows: torch.Tensor, bits: int, group_size: int, packed: torch.T
                  amx: bool) -> torch.Tensor:
     """rows [M, K] @ an int8/int4 weight packed by octavo/kernels/quant_linear.py, by quant_linear.c."""
     return quant_linear_kernel(required=True)(rows, bits, group_size, packed, scales, mins, bias, out_features, amx)
+
+
+def qdot_linear(rows: torch.Tensor, bits: int, group_size: int, packed: torch.Tensor, scales: torch.Tensor,
+                mins: Optional[torch.Tensor], bias: Optional[torch.Tensor], out_features: int) -> torch.Tensor:
+    """rows [M, K] rounded to int8 per block of 32 (llama.cpp's Q8_0) @ an int8/int4 weight packed by
+    octavo/kernels/quant_linear.py, by integer dot products (qdot_linear.c)."""
+    return qdot_linear_kernel(required=True)(rows, bits, group_size, packed, scales, mins, bias, out_features)
 
 
 def w8a8_linear(rows: torch.Tensor, packed: torch.Tensor, wsum: torch.Tensor, scales: torch.Tensor,
@@ -127,6 +137,7 @@ _LIB.impl("bf16_linear", bf16_linear, "CPU")
 _LIB.impl("amx_linear", amx_linear, "CPU")
 _LIB.impl("bf16_gemm", bf16_gemm, "CPU")
 _LIB.impl("quant_linear", quant_linear, "CPU")
+_LIB.impl("qdot_linear", qdot_linear, "CPU")
 _LIB.impl("w8a8_linear", w8a8_linear, "CPU")
 for _name, _fn in (("rms_norm", rms_norm), ("silu_mul", silu_mul), ("rotary_write_kv", rotary_write_kv),
                    ("argmax", argmax), ("paged_decode", paged_decode)):
@@ -154,6 +165,12 @@ def _amx_linear_fake(x: torch.Tensor, blocks: torch.Tensor, bias: Optional[torch
 def _quant_linear_fake(rows: torch.Tensor, bits: int, group_size: int, packed: torch.Tensor, scales: torch.Tensor,
                        mins: Optional[torch.Tensor], bias: Optional[torch.Tensor], out_features: int,
                        amx: bool) -> torch.Tensor:
+    return rows.new_empty((rows.shape[0], out_features))
+
+
+@torch.library.register_fake("octavo::qdot_linear")
+def _qdot_linear_fake(rows: torch.Tensor, bits: int, group_size: int, packed: torch.Tensor, scales: torch.Tensor,
+                      mins: Optional[torch.Tensor], bias: Optional[torch.Tensor], out_features: int) -> torch.Tensor:
     return rows.new_empty((rows.shape[0], out_features))
 
 

@@ -28,13 +28,13 @@
  * product once more); otherwise only the summation order (the number of
  * chains) differs between the paths.
  *
- * Not done here: multiplying int8 weights by int8-quantized rows with VNNI
- * (vpdpbusd). Rounding the rows to 8 bits costs ~2^-8 relative per row
- * element, 400x the 1e-5 the float32 path promises (tests/quant), and the
- * dot product needs the weights as 4 consecutive k's per lane, another
- * layout beside the one the AMX path reads: that is a scheme of its own,
- * asked for by name (--quantization w8a8, compressed-tensors W8A8), in
- * w8a8_linear.c with its own layout. Tried and dropped: int4 times
+ * Rows rounded to int8 (llama.cpp's Q8_0 activations) times these same
+ * packed bytes by integer dot products are qdot_linear.c's: the default at
+ * few rows; this path runs them with --quantized-activations float.
+ * Rounding the rows costs ~2^-8 relative per row element, 400x the 1e-5
+ * this path promises (tests/quant/test_qweights.py). Int8 rows per token at
+ * any number of rows are a scheme of their own (--quantization w8a8,
+ * compressed-tensors W8A8): w8a8_linear.c. Tried and dropped: int4 times
  * bf16 rows by vdpbf16ps (each nibble or'ed into the bf16 128 + q, the 128
  * taken off per group): slower on the Xeon measured (in L2, one thread:
  * 13.8 vs 14.9 GB/s at one row, 5.9 vs 8.8 at four).
@@ -238,16 +238,7 @@ static void fma_linear(const float *xf, const float *xs, int64_t M, int64_t K, i
                        int64_t group, const float *scales, const float *mins, const void *bias, int dtype, void *out) {
     const int64_t blocks = N / BLOCK;
 #pragma omp parallel for schedule(static)
-    for (int64_t nb = 0; nb < blocks; nb++) {
-        for (int64_t r0 = 0; r0 < M; r0 += MAX_ROWS) {
-            switch (M - r0 < MAX_ROWS ? (int)(M - r0) : MAX_ROWS) {
-                ROWS_CASE(1)
-                ROWS_CASE(2)
-                ROWS_CASE(3)
-                ROWS_CASE(4)
-            }
-        }
-    }
+    for (int64_t nb = 0; nb < blocks; nb++) FOR_ROW_BLOCKS_OF_4(M, r0, ROWS_CASE)
 }
 
 /* float32 copies of the rows and their sums per group (the mins' factor). */

@@ -21,6 +21,8 @@ class ModelBackends:
     attention: AttentionBackend = field(default_factory=lambda: TorchSdpaBackend({None}))
     # RMSNorm (+ residual), the gated activation, rotary (+ K/V write), argmax: torch or native.
     ops: ElementwiseOps = TORCH_OPS
+    # int8/int4 weights at few rows: rows rounded to int8 (Q8_0 blocks) or kept float (octavo/quant/qweights.py).
+    quantized_activations: str = "int8"
 
     def linear_method(self, prefix: str) -> LinearMethod:
         """The method of the linear layer at ``prefix`` (e.g. ``lm_head``)."""

@@ -23,6 +23,7 @@ from octavo.model.models.causal_lm import CausalLM
 from octavo.model.registry import model_class_for
 from octavo.quant.base import LinearWeightHolder
 from octavo.quant.prequantized import CheckpointScheme
+from octavo.quant.qweights import quantized_activations
 
 logger = logging.getLogger(__name__)
 
@@ -156,7 +157,7 @@ def load_model(
             f"checkpoint in {folder} does not match {arch.architecture}: "
             f"missing tensors {missing[:10]}, unexpected tensors {unexpected[:10]}"
         )
-    with torch.no_grad():
+    with torch.no_grad(), quantized_activations(backends.quantized_activations):
         _load_tensors(net, source, {stored_as[n]: target for n, target in wanted.items()}, device)
         kernels = _process_weights_after_loading(net, backends.quantization.describe())
     net.eval()

@@ -22,7 +22,11 @@ Canonical form, one weight [N outputs, K inputs] of this rank's shard:
   groups are contiguous).
 
 The kernels compute q * scale + min with min = -zero * scale in float32, so
-``dequantize()`` returns exactly that. On a CPU the native kernels run
+``dequantize()`` returns exactly that. At few rows (decode) the rows are by
+default rounded to int8 per block of 32 as llama.cpp's Q8_0 rounds them and
+multiplied by integer dot products (octavo/kernels/qdot_linear.c), changing
+the numerics as llama.cpp's defaults do; ``quantized_activations("float")``
+around the weights' construction keeps the rows in float. On a CPU the native kernels run
 (octavo/kernels/quant_linear.c, built for the process's CPU target: AVX-512,
 AVX2 or portable C, plus AMX tiles for many bf16 rows where the CPU has
 them); elsewhere (CUDA, no C compiler, a dtype they do not take, out
@@ -31,13 +35,17 @@ F.linear runs: correct, not fast.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Callable, Iterator, Optional
 
 import torch
 from torch.nn import functional as F
 
 from octavo.kernels import ops
+from octavo.config import QUANTIZED_ACTIVATIONS
 from octavo.kernels.bf16_linear import bf16_gemm_kernel
+from octavo.kernels.qdot_linear import ROW_BLOCK, QdotLinearKernel, qdot_linear_kernel
 from octavo.quant.linear_table import shared_table
 from octavo.kernels.quant_linear import (
     LANES,
@@ -65,6 +73,28 @@ FMA_ROWS = 4
 # vs 2256 ms with oneDNN's product, one thread).
 FMA_ALWAYS_ROWS = 64
 MANY_ROW_BUCKETS = (256, 1024)
+# Rows up to which, with int8 activations, the rows are rounded to int8 and
+# multiplied by integer dot products (qdot_linear.c) rather than by the FMA
+# kernel. At 4 rows it is still 1.2x (int8) and 1.3x (int4) the FMA kernel
+# on SmolLM2-135M's layer (one thread, benchmarks/quantization.py --kernels);
+# past it bf16 rows go to AMX tiles where the CPU has them (FMA_ROWS), and
+# the FMA kernel shares each widened weight among more rows.
+QDOT_ROWS = 4
+
+_ACTIVATIONS: ContextVar[str] = ContextVar("quantized_activations", default="int8")
+
+
+@contextmanager
+def quantized_activations(mode: str) -> Iterator[None]:
+    """Weights built inside take ``mode``'s rows at few rows: ``int8`` (rounded per block of 32 as
+    llama.cpp's Q8_0, integer dot products; the default) or ``float`` (the rows as they are)."""
+    if mode not in QUANTIZED_ACTIVATIONS:
+        raise ValueError(f"quantized_activations must be one of {', '.join(QUANTIZED_ACTIVATIONS)}; got {mode!r}")
+    token = _ACTIVATIONS.set(mode)
+    try:
+        yield
+    finally:
+        _ACTIVATIONS.reset(token)
 
 
 class QuantizedWeight:
@@ -97,9 +127,11 @@ class QuantizedWeight:
             self.packed = pack_int8(q) if bits == 8 else pack_int4(q)
             self.scales, self.mins = pack_groups(scales), None if mins is None else pack_groups(mins)
             self.amx = self.kernel.has_amx and k % 32 == 0 and n % 32 == 0
+            rounded = _ACTIVATIONS.get() == "int8" and k % ROW_BLOCK == 0 and group_size % ROW_BLOCK == 0
+            self.qdot: Optional[QdotLinearKernel] = qdot_linear_kernel() if rounded else None
             self._many_rows: dict[torch.dtype, dict[int, str]] = {}  # rows dtype -> bucket -> way
         else:
-            self.packed, self.scales, self.mins, self.amx = q.contiguous(), scales, mins, False
+            self.packed, self.scales, self.mins, self.amx, self.qdot = q.contiguous(), scales, mins, False, None
 
     @property
     def nbytes(self) -> int:
@@ -110,9 +142,11 @@ class QuantizedWeight:
         if self.kernel is None:
             return f"int{self.bits} dequantize + F.linear"
         fma = f"int{self.bits} fma {self.kernel.isa}"
-        if self.amx:
-            return f"{fma} (<= {FMA_ROWS} rows) + amx"
-        return f"{fma} (> {FMA_ALWAYS_ROWS} rows: measured, fma or dequantize)"
+        name = f"{fma} (<= {FMA_ROWS} rows) + amx" if self.amx else \
+            f"{fma} (> {FMA_ALWAYS_ROWS} rows: measured, fma or dequantize)"
+        if self.qdot is not None:
+            return f"int{self.bits} x q8_0 rows {self.qdot.isa} (<= {QDOT_ROWS} rows), else {name}"
+        return name
 
     def unpack(self) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
         """(q [N, K], scales [N, G] float32, mins [N, G] float32 or None): the
@@ -141,6 +175,10 @@ class QuantizedWeight:
         rows = x.reshape(-1, self.in_features).contiguous()
         if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous()):
             bias = bias.to(x.dtype).contiguous()
+        if self.qdot is not None and rows.shape[0] <= QDOT_ROWS:
+            out = ops.call(self.qdot, torch.ops.octavo.qdot_linear, rows, self.bits, self.group_size, self.packed,
+                           self.scales, self.mins, bias, self.out_features)
+            return out.view(*x.shape[:-1], self.out_features)
         amx = self.amx and x.dtype == torch.bfloat16 and rows.shape[0] > FMA_ROWS
         if not amx and rows.shape[0] > FMA_ALWAYS_ROWS and self._many_rows_way(rows.shape[0], x.dtype) == "dequantize":
             out = self._dequantized_product(rows, bias)

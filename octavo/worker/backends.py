@@ -28,4 +28,5 @@ def model_backends(
         quantization=quantization_scheme(config, device, dtype),
         attention=select_attention_backend(config.attention_backend, device, dtype, cache_dtype, set(windows)),
         ops=TORCH_OPS if kernels is None else NativeElementwiseOps(kernels),
+        quantized_activations=config.quantized_activations,
     )

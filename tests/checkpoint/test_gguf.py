@@ -23,6 +23,7 @@ from tests.checkpoint.conftest import (FLOAT_ATOL, PROMPT, QUANT_ATOL, TOKENIZER
 from tests.checkpoint.gguf_writer import rewrite_gguf, write_gguf
 from tests.engine.conftest import hf_greedy
 from tests.model_factory import load_hf_model, make_tiny_model
+from tests.quant.q8_0_rows import round_linear_inputs
 from tests.worker.runner_utils import hf_logits, make_runner
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -55,15 +56,30 @@ def test_block_types_run_on_the_int_kernels(files, arch, matrix_type):
     assert all(k.startswith(f"gguf {matrix_type} (int{bits} group 32): int{bits}")
                for name, k in kernels.items() if name != "lm_head"), kernels
     assert not kernels["lm_head"].startswith("gguf")
-    got, tokens = octavo_logits(path)
+    got, tokens = octavo_logits(path, quantized_activations="float")
     torch.testing.assert_close(got, hf_logits(load_hf_model(reference), tokens), atol=QUANT_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("arch, matrix_type", [("llama", "Q8_0"), ("qwen3", "Q4_0"), ("llama", "Q4_1")])
+def test_int8_activations_match_transformers_with_q8_0_rounded_inputs(files, arch, matrix_type):
+    """A 3-token prompt and decode steps: every product has at most QDOT_ROWS rows, so every quantized layer
+    rounds its rows to int8; transformers does the same rounding in a hook on each of its linear layers.
+    The embedding is stored as F32: a block-quantized table holds multiples of one scale, which after the norm
+    put values exactly on halves, where a last-bit difference between the two sides' norms decides the
+    rounding (a step of d); tests/quant/test_qdot.py pins the rounding itself."""
+    path, reference = files(arch, matrix_type, types={"model.embed_tokens.weight": "F32"})
+    assert all("q8_0 rows" in k for name, k in _kernels(path).items() if name != "lm_head")
+    got, tokens = octavo_logits(path, prompt=PROMPT[:3], decode=(7, 99, 5, 300))
+    hf = load_hf_model(reference)
+    round_linear_inputs(hf)
+    torch.testing.assert_close(got, hf_logits(hf, tokens), atol=QUANT_ATOL, rtol=0)
 
 
 @pytest.mark.parametrize("arch, matrix_type", [("llama", "Q4_0"), ("qwen2", "Q8_0"), ("llama", "Q4_1"), ("llama", "F32")])
 def test_greedy_tokens_match_transformers(files, arch, matrix_type):
     path, reference = files(arch, matrix_type)
     prompts = [PROMPT[:n] for n in (1, 9, 24)]
-    outs = LLM(path, dtype="float32").generate(prompts, GREEDY, use_tqdm=False)
+    outs = LLM(path, dtype="float32", quantized_activations="float").generate(prompts, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(reference, prompts, new_tokens=16)
 
 

@@ -1,8 +1,8 @@
 """The default model, SmolLM2-135M-Instruct (a Q4_1 GGUF file), against transformers on the same
 file: the tokenizer built from its metadata (the ``smollm`` pre-tokenizer) and the chat template
-give transformers' ids; Octavo's int4 kernels, reading the Q4_1 blocks as stored, give transformers'
-logits on the dequantized weights (float32) to float32 rounding of 30 layers, and the same greedy
-tokens."""
+give transformers' ids; Octavo's int4 kernels, reading the Q4_1 blocks as stored, with float
+activations (``quantized_activations="float"``) give transformers' logits on the dequantized weights
+(float32) to float32 rounding of 30 layers, and the same greedy tokens."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -72,14 +72,15 @@ def test_chat_template_gives_transformers_ids(smollm2, hf, messages):
 
 def test_q4_1_blocks_run_on_the_int4_kernels_with_transformers_logits(smollm2, hf):
     prompt = Tokenizer(smollm2).encode(HELDOUT_SAMPLE_PATH.read_text()[:400], add_special_tokens=False)
-    got, tokens = octavo_logits(smollm2, prompt=prompt, num_blocks=32)
+    got, tokens = octavo_logits(smollm2, prompt=prompt, num_blocks=32, quantized_activations="float")
     torch.testing.assert_close(got, hf_logits(hf[0], tokens), atol=LOGIT_ATOL, rtol=0)
 
 
 def test_greedy_tokens_match_transformers(smollm2, hf):
     model, tokenizer = hf
-    outs = LLM(smollm2, dtype="float32").generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS,
-                                                                          ignore_eos=True), use_tqdm=False)
+    llm = LLM(smollm2, dtype="float32", quantized_activations="float")
+    outs = llm.generate(PROMPTS, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True),
+                        use_tqdm=False)
     prompts = [tokenizer.encode(p, add_special_tokens=False) for p in PROMPTS]
     assert [list(o.prompt_token_ids) for o in outs] == prompts
     # One left-padded batch through generate, as a user of transformers runs several prompts.
@@ -94,7 +95,7 @@ def test_greedy_tokens_match_transformers(smollm2, hf):
 
 
 def test_it_answers_sensibly(smollm2):
-    llm = LLM(smollm2)  # the default: bfloat16 activations on the int4 kernels
+    llm = LLM(smollm2)  # the default: bfloat16 activations, rounded to int8 at decode, on the int4 kernels
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(temperature=0.0, max_tokens=24))
     assert "Paris" in out[0].outputs[0].text

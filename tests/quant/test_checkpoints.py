@@ -1,7 +1,9 @@
 """GPTQ, AWQ and compressed-tensors checkpoints of tiny Llama and Qwen2
-models, written by the tests in each tool's layout, load as stored: Octavo's
-logits equal transformers' on the dequantized weights (within 1e-3) and
-greedy tokens are identical; broken checkpoints are errors naming what is
+models, written by the tests in each tool's layout, load as stored: with
+float activations (``quantized_activations="float"``) Octavo's logits equal
+transformers' on the dequantized weights (within 1e-3) and greedy tokens are
+identical; in bf16, with the default int8 activations at decode, they stay
+within bf16's bound; broken checkpoints are errors naming what is
 wrong, raised before any tensor is read."""
 from __future__ import annotations
 
@@ -56,7 +58,7 @@ def checkpoints(tmp_path_factory):
 @pytest.mark.parametrize("case", CASES)
 def test_logits_match_transformers_on_dequantized_weights(case, checkpoints):
     folder, reference = checkpoints(case)
-    runner = make_runner(folder)
+    runner = make_runner(folder, quantized_activations="float")
     kernels = {m.linear_method.kernel_name(m) for m in runner.model.modules() if hasattr(m, "linear_method")}
     assert any(CASES[case][1].method in name for name in kernels), kernels
     blocks = Blocks(runner)
@@ -74,7 +76,7 @@ def test_greedy_tokens_match_transformers(case, checkpoints):
     folder, reference = checkpoints(case)
     prompts = [PROMPT[:n] for n in (1, 9, 40)]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    outs = LLM(folder, dtype="float32").generate(prompts, params, use_tqdm=False)
+    outs = LLM(folder, dtype="float32", quantized_activations="float").generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(reference, prompts, new_tokens=24)
 
 
@@ -150,7 +152,8 @@ def test_fused_parts_with_different_act_orders_are_refused(gptq_copy):
 @pytest.mark.parametrize("case", ["gptq4-asym-actorder", "ct-w8a16-asym"])
 def test_bfloat16_prefill_and_decode_match_transformers_in_bfloat16(case, checkpoints):
     """bf16 activations take the kernels' many-row path (AMX tiles where the
-    CPU has them) for the prefill: within what bf16 rounding allows of
+    CPU has them) for the prefill, and the decode steps the default int8
+    activations (Q8_0 rounding): within what bf16 rounding allows of
     transformers run in bf16 on the dequantized weights (the bound the
     unquantized bf16 parity test uses)."""
     folder, reference = checkpoints(case)

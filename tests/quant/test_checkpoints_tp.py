@@ -104,7 +104,8 @@ def test_engine_at_tensor_parallel_2_matches_transformers(name, tmp_path):
     base = make_tiny_model(tmp_path / "base", "qwen2", num_key_value_heads=1, vocab_size=511)
     folder, reference = write_quantized(base, tmp_path / name, QUANTS[name])
     prompts = [[5, 17, 250, 33, 480, 91], list(range(100, 131))]
-    llm = LLM(folder, dtype="float32", tensor_parallel_size=2, threads_per_worker=1, num_blocks=16, block_size=8)
+    llm = LLM(folder, dtype="float32", tensor_parallel_size=2, threads_per_worker=1, num_blocks=16, block_size=8,
+              quantized_activations="float")
     try:
         outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
                             use_tqdm=False)

@@ -2,10 +2,12 @@
 which layers stay unquantized, the options' refusals, and whole tiny models
 of every architecture.
 
-Two model checks: (1) exact: a quantized model's logits equal (1e-4, float32)
-those of the unquantized model loaded from a checkpoint holding the
+Two model checks: (1) exact, with float activations
+(``quantized_activations="float"``): a quantized model's logits equal (1e-4,
+float32) those of the unquantized model loaded from a checkpoint holding the
 dequantized weights, so loading, fusing, packing and the kernels add nothing
-to the quantization itself; (2) close: the logits stay near the unquantized
+to the quantization itself; (2) close, with the default int8 activations at
+decode: the logits stay near the unquantized
 model's, in bf16 (the serving dtype): relative RMS error <= 5% for int8 and
 <= 35% for int4 in groups of 32. Random Gaussian weights are quantization's
 worst case (measured: int8 1.6-2.5%, int4 20-26%); the trained model's
@@ -73,7 +75,8 @@ def test_layers_matching_a_kept_pattern_stay_unquantized():
 
 @pytest.mark.parametrize("options, field", [({"quantization": "int3"}, "quantization"),
                                            ({"quantization": "int4", "quantization_group_size": 48},
-                                            "quantization_group_size")])
+                                            "quantization_group_size"),
+                                           ({"quantized_activations": "int4"}, "quantized_activations")])
 def test_bad_options_name_their_field(options, field):
     with pytest.raises(ValueError, match=f"^{field} must be one of"):
         ModelConfig(model="m", **options)
@@ -120,7 +123,8 @@ def _dequantized_checkpoint(src: Path, dst: Path, quantize) -> Path:
 def test_quantized_model_equals_the_model_of_its_dequantized_weights(name, quantization, variant, tmp_path):
     quantize = quantize_int8 if quantization == "int8" else lambda t: quantize_int4(t, GROUP)
     reference = _dequantized_checkpoint(variant(name), tmp_path / "dequantized", quantize)
-    ours = _prompt_logits(variant(name), quantization=quantization, quantization_group_size=GROUP)
+    ours = _prompt_logits(variant(name), quantization=quantization, quantization_group_size=GROUP,
+                          quantized_activations="float")
     diff = (ours - _prompt_logits(reference)).abs().max().item()
     assert diff < 1e-4, f"max abs diff {diff}"
 

@@ -1,7 +1,8 @@
 """Quantized checkpoints under each CPU target this machine can execute
 (forced as OCTAVO_CPU_TARGET would): the layers multiply through the int8 /
 int4 kernel built for that target (never dequantize + F.linear), and greedy
-tokens equal transformers' on the dequantized weights. A CI machine without
+tokens equal transformers' on the dequantized weights (float activations:
+the int8 rows' kernel is checked per target by tests/quant/test_qdot.py). A CI machine without
 AMX or AVX-512 still runs the paths it has; the others skip naming the
 missing feature."""
 from __future__ import annotations
@@ -34,7 +35,7 @@ def checkpoints(tmp_path_factory):
 def test_quantized_greedy_matches_transformers_under_target(checkpoints, forced_target, target_name, case):  # noqa: F811
     target = forced_target(target_name)
     folder, reference = checkpoints[case]
-    llm = LLM(folder, dtype="float32", num_blocks=64)
+    llm = LLM(folder, dtype="float32", num_blocks=64, quantized_activations="float")
     model = llm.engine.executor.worker.runner.model
     names = {m.linear_method.kernel_name(m) for m in model.modules() if hasattr(m, "linear_method")}
     bits = CASES[case][1].bits

@@ -1,7 +1,9 @@
 """The quantized weights every format goes through (octavo/quant/qweights.py):
 packing round trips exactly, and each weight multiplies like
 ``x @ dequant(W).T`` for 1, 7, 64 and 300 rows on every path (the native
-FMA kernel, the AMX tile kernel, dequantize + F.linear).
+FMA kernel, the AMX tile kernel, dequantize + F.linear). These are the paths
+of float activations (``quantized_activations("float")``); the default, rows
+rounded to int8 at few rows, is tests/quant/test_qdot.py's.
 
 How the products are compared: float32 activations go through the exact
 path (float32 products and sums), so the result equals the float64
@@ -27,7 +29,7 @@ from octavo.kernels.quant_linear import (
     unpack_int4,
     unpack_int8,
 )
-from octavo.quant.qweights import FMA_ROWS, Int4Weight, Int8Weight, QuantizedWeight
+from octavo.quant.qweights import FMA_ROWS, Int4Weight, Int8Weight, QuantizedWeight, quantized_activations
 
 ROWS = [1, 7, 64, 300]
 needs_kernel = pytest.mark.skipif(quant_linear_kernel() is None, reason="no C compiler: the kernel cannot be built")
@@ -42,7 +44,8 @@ def _int8(n: int, k: int, seed: int, groups: int = 1, zeros: bool = False) -> In
     q = torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8)
     scale = torch.rand(n, groups, generator=gen) * 0.01 + 1e-3
     zero = torch.randint(-3, 4, (n, groups), generator=gen).float() if zeros else None
-    return Int8Weight(q, scale.squeeze(1) if groups == 1 else scale, zero)
+    with quantized_activations("float"):
+        return Int8Weight(q, scale.squeeze(1) if groups == 1 else scale, zero)
 
 
 def _int4(n: int, k: int, group: int, seed: int, perm: bool = False) -> Int4Weight:
@@ -50,7 +53,8 @@ def _int4(n: int, k: int, group: int, seed: int, perm: bool = False) -> Int4Weig
     q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
     scales = torch.rand(n, k // group, generator=gen) * 0.02 + 1e-3
     zeros = torch.rand(n, k // group, generator=gen) * 15
-    return Int4Weight(q, scales, zeros, group, torch.randperm(k, generator=gen) if perm else None)
+    with quantized_activations("float"):
+        return Int4Weight(q, scales, zeros, group, torch.randperm(k, generator=gen) if perm else None)
 
 
 def test_layouts_round_trip_exactly():
