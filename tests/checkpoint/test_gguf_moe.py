@@ -4,7 +4,8 @@ config read from the metadata is config.json's; float files give transformers' l
 weights; Q8_0/Q4_0/Q4_1 experts run quantized on the int kernels (the routers in float) within the
 dense files' tolerance of transformers on the dequantized weights, with identical greedy tokens;
 experts of a type no kernel runs are dequantized; a stacked expert tensor that is missing or of the
-wrong shape is one ``octavo: error:`` line naming it."""
+wrong shape is one ``octavo: error:`` line naming it. Float activations throughout
+(``quantized_activations="float"``): the reference is transformers on the dequantized weights."""
 from __future__ import annotations
 
 import logging
@@ -42,7 +43,7 @@ def test_config_comes_from_the_metadata(files, arch):
 @pytest.mark.parametrize("arch, matrix_type", [("mixtral", "F32"), ("qwen2_moe", "F16"), ("qwen3_moe", "BF16")])
 def test_float_files_match_transformers(files, arch, matrix_type):
     path, reference = files(arch, matrix_type)
-    got, tokens = octavo_logits(path)
+    got, tokens = octavo_logits(path, quantized_activations="float")
     torch.testing.assert_close(got, hf_logits(load_hf_model(reference), tokens), atol=FLOAT_ATOL, rtol=0)
 
 
@@ -60,7 +61,7 @@ def test_experts_run_on_the_int_kernels(files, arch, matrix_type):
     # The routers stay float, whatever their type in the file (Qwen2-MoE's shared expert gate is quantized there).
     routers = {name: k for name, k in kernels.items() if name.endswith((".mlp.gate", ".shared_expert_gate"))}
     assert routers and set(routers.values()) == {"torch"}, routers
-    got, tokens = octavo_logits(path)
+    got, tokens = octavo_logits(path, quantized_activations="float")
     torch.testing.assert_close(got, hf_logits(load_hf_model(reference), tokens), atol=QUANT_ATOL, rtol=0)
 
 
@@ -69,7 +70,7 @@ def test_greedy_tokens_match_transformers(files, arch, matrix_type):
     path, reference = files(arch, matrix_type)
     prompts = [PROMPT[:n] for n in (1, 9, 24)]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    outs = LLM(path, dtype="float32").generate(prompts, params, use_tqdm=False)
+    outs = LLM(path, dtype="float32", quantized_activations="float").generate(prompts, params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(reference, prompts, new_tokens=16)
 
 
@@ -79,7 +80,7 @@ def test_gate_up_and_down_of_two_kernel_types_both_stay_quantized(files):
     path, reference = files("mixtral", "Q4_0", types=down)
     (kernel,) = {k for name, k in _kernels(path).items() if name.endswith(".experts")}
     assert kernel.startswith("gguf Q4_0 (int4 group 32), down gguf Q8_0 (int8 group 32): int4"), kernel
-    got, tokens = octavo_logits(path)
+    got, tokens = octavo_logits(path, quantized_activations="float")
     torch.testing.assert_close(got, hf_logits(load_hf_model(reference), tokens), atol=QUANT_ATOL, rtol=0)
 
 
@@ -93,7 +94,7 @@ def test_experts_of_a_type_without_kernel_are_dequantized(files, caplog):
     assert kernels["model.layers.0.self_attn.qkv_proj"].startswith("gguf Q8_0")
     # Q8_0: both layers' stacked gate and up, beside the embedding and the output layer (always float).
     assert "2 tensors of Q5_0, 6 tensors of Q8_0" in caplog.text
-    got, tokens = octavo_logits(path)
+    got, tokens = octavo_logits(path, quantized_activations="float")
     torch.testing.assert_close(got, hf_logits(load_hf_model(reference), tokens), atol=QUANT_ATOL, rtol=0)
 
 

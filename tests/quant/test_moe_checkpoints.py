@@ -22,6 +22,7 @@ from octavo.model.layers.moe import FusedMoE
 from octavo.model.loader import load_model
 from octavo.quant.checkpoint_config import parse_quantization_config
 from octavo.quant.prequantized import PrequantizedMoEMethod
+from octavo.quant.qweights import quantized_activations
 from tests.checkpoint.conftest import octavo_logits
 from tests.engine.conftest import hf_greedy
 from tests.model_factory import load_hf_model
@@ -46,8 +47,10 @@ def checkpoints(tmp_path_factory):
 
 
 def _logits(folder, **options) -> tuple[torch.Tensor, list[int]]:
-    """PROMPT as one prefill, then 3 decode steps (many-row and one-row expert products)."""
-    return octavo_logits(folder, PROMPT, decode=(7, 99, 300), **options)
+    """PROMPT as one prefill, then 3 decode steps (many-row and one-row expert products), with float
+    activations: transformers' dequantized model is the reference (the int8-rounded rows have their
+    own tests, tests/quant/test_qdot.py)."""
+    return octavo_logits(folder, PROMPT, decode=(7, 99, 300), quantized_activations="float", **options)
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if "w8a8" not in c])
@@ -74,7 +77,7 @@ def test_greedy_tokens_match_transformers(checkpoints):
     """Through the engine, prefills chunked beside decodes; every KV block back in the pool after."""
     folder, reference = checkpoints("awq4-qwen3_moe")
     prompts = [PROMPT[:n] for n in (1, 9, 40)]
-    llm = LLM(folder, dtype="float32", max_num_batched_tokens=16)
+    llm = LLM(folder, dtype="float32", max_num_batched_tokens=16, quantized_activations="float")
     outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True), use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outs] == hf_greedy(reference, prompts, new_tokens=24)
     stats = llm.engine.get_stats()
@@ -117,7 +120,8 @@ def test_experts_split_across_ranks_add_up_to_the_whole(quant):
             for relative, shard in layer.checkpoint_tensors(leaf, set(), "experts").items():
                 module, _, tensor = relative.rpartition(".")
                 param.weight_loader(param, stored[module][tensor], shard)
-        layer.finish_loading()
+        with quantized_activations("float"):  # against the float reference above
+            layer.finish_loading()
         outs.append(layer(x, topk_weights, topk_ids))
     torch.testing.assert_close(outs[0] + outs[1], want, atol=1e-4, rtol=1e-4)
 
