@@ -42,13 +42,12 @@ class Policy(Protocol):
         """``candidates``: routable replicas, never empty."""
 
 
-_turns = itertools.count()
-
-
-def least_loaded(candidates: list[Replica]) -> Replica:
+def least_loaded(candidates: list[Replica], turn: int) -> Replica:
     """Shortest queue; KV usage breaks ties (the emptier cache evicts less),
-    then turns: idle replicas share the work instead of the first taking it all."""
-    start = next(_turns) % len(candidates)
+    then turns: idle replicas share the work instead of the first taking it all.
+    ``turn`` counts the calling policy's decisions: its own, so a policy's
+    choices depend on its history only (the simulator replays them exactly)."""
+    start = turn % len(candidates)
     rotated = candidates[start:] + candidates[:start]
     return min(rotated, key=lambda r: (r.load, r.kv_usage))
 
@@ -66,8 +65,11 @@ class RoundRobin:
 
 
 class LeastLoad:
+    def __init__(self) -> None:
+        self._turns = itertools.count()
+
     def choose(self, request: RouteInput, candidates: list[Replica]) -> Decision:
-        return Decision(least_loaded(candidates), "least_load")
+        return Decision(least_loaded(candidates, next(self._turns)), "least_load")
 
 
 @dataclass
@@ -95,6 +97,7 @@ class PrefixAffinity:
     the replica that last served the longest matching chain gets the request."""
 
     def __init__(self, chunk_bytes: int, max_imbalance: int) -> None:
+        self._turns = itertools.count()
         self._chunk = chunk_bytes
         self._max_imbalance = max_imbalance
         self._owner = _Remembered()
@@ -111,7 +114,8 @@ class PrefixAffinity:
                     decision = Decision(owner, "prefix_hit")
                 break
         if decision is None:
-            decision = Decision(least_loaded(candidates), "prefix_miss" if hashes else "least_load")
+            chosen = least_loaded(candidates, next(self._turns))
+            decision = Decision(chosen, "prefix_miss" if hashes else "least_load")
         for h in hashes:
             self._owner.put(h, decision.replica.url)
         return decision
@@ -121,16 +125,17 @@ class Session:
     """Sticky by the session header or the ``user`` field; new sessions go to the least loaded replica."""
 
     def __init__(self, max_imbalance: int) -> None:
+        self._turns = itertools.count()
         self._max_imbalance = max_imbalance
         self._owner = _Remembered()
 
     def choose(self, request: RouteInput, candidates: list[Replica]) -> Decision:
         if request.session is None:
-            return Decision(least_loaded(candidates), "least_load")
+            return Decision(least_loaded(candidates, next(self._turns)), "least_load")
         owner = next((r for r in candidates if r.url == self._owner.get(request.session)), None)
         if owner is not None and not _overloaded(owner, candidates, self._max_imbalance):
             return Decision(owner, "session")
-        chosen = least_loaded(candidates)
+        chosen = least_loaded(candidates, next(self._turns))
         self._owner.put(request.session, chosen.url)
         return Decision(chosen, "session_new")
 
@@ -160,6 +165,7 @@ class KVAware:
         self._in_flight_s = in_flight_s
         self._clock = clock
         self._in_flight = _Remembered()  # block hash -> (replica URL, routed at)
+        self._turns = itertools.count()
         self._mean_prompt = 0.0
         self._routed = 0
 
@@ -189,7 +195,7 @@ class KVAware:
 
         eligible = [r for r in candidates if r.load - fewest <= self._max_imbalance]
         best = min(cost(r) for r in eligible)
-        chosen = least_loaded([r for r in eligible if cost(r) == best])
+        chosen = least_loaded([r for r in eligible if cost(r) == best], next(self._turns))
         if matched[chosen.url]:
             reason = "kv_hit"
         elif any(matched.values()):

@@ -103,12 +103,13 @@ def allocate_kv_caches(
     fixed = sum(c.static_scales is not None for c in caches)
     block_size = specs[0].block_size
     logger.info(
-        "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB, %d bytes per token; layers: %s%s%s",
+        # One short line (the start-up log keeps its lines under ~200 characters): dtypes without "torch.".
+        "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB, %d bytes per token; %s%s%s",
         num_blocks, block_size, num_blocks * block_size, num_blocks * bytes_per_block(owners) / 2**20,
         bytes_per_block(owners) // block_size,
-        "; ".join(f"{n} {kind}" for kind, n in kinds.items()),
+        "; ".join(f"{n} layers {kind}" for kind, n in kinds.items()).replace("torch.", ""),
         f"; static scales from the checkpoint in {fixed} layers" if fixed else "",
-        f"; and {padding_blocks} padding block{'s' * (padding_blocks > 1)}" if padding_blocks else "",
+        f"; +{padding_blocks} padding block{'s' * (padding_blocks > 1)}" if padding_blocks else "",
     )
     return caches
 
