@@ -107,7 +107,7 @@ def allocate_kv_caches(
         "KV cache: %d blocks x %d tokens = %d tokens, %.1f MiB, %d bytes per token; %s%s%s",
         num_blocks, block_size, num_blocks * block_size, num_blocks * bytes_per_block(owners) / 2**20,
         bytes_per_block(owners) // block_size,
-        "; ".join(f"{n} layers {kind}" for kind, n in kinds.items()).replace("torch.", ""),
+        "; ".join(f"{n} layer{'s' * (n > 1)} {kind}" for kind, n in kinds.items()).replace("torch.", ""),
         f"; static scales from the checkpoint in {fixed} layers" if fixed else "",
         f"; +{padding_blocks} padding block{'s' * (padding_blocks > 1)}" if padding_blocks else "",
     )

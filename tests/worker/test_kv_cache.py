@@ -59,8 +59,9 @@ def test_allocation_counts_the_scale_bytes_and_says_so(caplog):
     data_and_scales = sum(c.data.nbytes + c.scales.nbytes for c in caches)
     assert data_and_scales == 5 * bytes_per_block(shape)
     assert caches[0].scales.shape == (2, 5, 2, 16) and caches[0].scales.dtype == torch.float32
-    assert "5 blocks x 16 tokens = 80 tokens" in caplog.text and "torch.int8 + float32 scales" in caplog.text
-    assert "1 full: 2 KV heads x 64" in caplog.text and "1 sliding window 32: 2 KV heads x 64" in caplog.text
+    assert "5 blocks x 16 tokens = 80 tokens" in caplog.text and "int8 + float32 scales" in caplog.text
+    assert "1 layer full: 2 KV heads x 64" in caplog.text
+    assert "1 layer sliding window 32: 2 KV heads x 64" in caplog.text
 
 
 def _filled(dtype: torch.dtype, seed: int) -> LayerKVCache:
