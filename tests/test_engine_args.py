@@ -23,6 +23,7 @@ _NON_DEFAULT = {
     "linear_backend": ("onednn", "onednn"),
     "quantization": ("int4", "int4"),
     "quantization_group_size": ("64", 64),
+    "quantized_activations": ("float", "float"),
     "unquantized_modules": ("lm_head,model.layers.0.*", "lm_head,model.layers.0.*"),
     "task": ("embed", "embed"),
     "pooling_type": ("weightedmean", "weightedmean"),

@@ -10,22 +10,33 @@ from pathlib import Path
 import httpx
 import pytest
 
+from octavo.engine.fault_injection import ENV as STEP_DELAY_ENV
 from tests.server.conftest import ServerProcess
 from tests.server.helpers import LONG, SSEStream, wait_for
 
 
 @pytest.fixture(scope="module")
-def small_server(model_path, tmp_path_factory):
-    """One running sequence at a time, at most one request pending; the key comes from $OCTAVO_API_KEY."""
+def step_delay(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("lifecycle-delay") / "step-delay"
+
+
+@pytest.fixture(scope="module")
+def small_server(model_path, tmp_path_factory, step_delay):
+    """One running sequence at a time, at most one request pending; the key comes from $OCTAVO_API_KEY;
+    steps slowed on demand (octavo/engine/fault_injection.py)."""
     logs = tmp_path_factory.mktemp("lifecycle")
     args = ("--max-num-seqs", "1", "--max-waiting-requests", "1", "--shutdown-timeout", "20")
-    srv = ServerProcess(model_path, logs / "small.log", *args, key_from_env=True, new_session=True)
+    srv = ServerProcess(model_path, logs / "small.log", *args, key_from_env=True, new_session=True,
+                        env={STEP_DELAY_ENV: str(step_delay)})
     yield srv
     srv.stop()
 
 
-def test_overload_503_then_graceful_sigterm(small_server):
+def test_overload_503_then_graceful_sigterm(small_server, step_delay):
     srv = small_server
+    # Slow steps while the server is full: on a quiet machine the running request could otherwise finish
+    # (and free its place) before the third one arrives.
+    step_delay.write_text("0.05")
     running = SSEStream(srv, LONG)
     running.start()
     wait_for(lambda: len(running.lines) >= 2, what="the first request to stream")
@@ -36,6 +47,7 @@ def test_overload_503_then_graceful_sigterm(small_server):
     r = httpx.post(srv.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}, headers=srv.headers)
     assert r.status_code == 503 and r.headers["retry-after"] == "1"
     assert r.json()["error"]["code"] == "overloaded"
+    step_delay.unlink()  # the drain below at full speed
 
     # SIGTERM to the whole process group (as systemd, `timeout` or a shell's
     # job control send it) while both are in flight: the engine ignores it
