@@ -352,7 +352,7 @@ class ModelRunner:
             rows.states, rows.generators, self.vocab_size, device=self.device, grammar=self._grammar,
             positions=rows.positions,
         )
-        result = verify(logits, meta, self._drafts(scheduled))
+        result = verify(logits, meta, self._drafts(scheduled), self.backends.ops.argmax)
         return _Draw(requests, result.token_ids, rows.row_starts, result.logprobs, meta.max_num_logprobs)
 
     def _drafts(self, scheduled: list[ScheduledRow]) -> Drafts:
