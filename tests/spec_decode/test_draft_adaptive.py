@@ -88,3 +88,14 @@ def test_greedy_output_exact_while_proposals_start_and_stop(pair):
     stats = llm.engine.scheduler.spec_stats
     assert stats.num_drafts > 0
     assert_no_leak(llm)
+
+
+def test_one_off_expensive_steps_do_not_decide():
+    """Recording a step's kernel tape costs ~10 plain steps, and a few such steps fall in speculation's first
+    ones: the choice follows the steady costs all the same."""
+    gov = SpeculationGovernor(warmup_steps=8, probe_every=50, probe_steps=3)
+    for cost in (30.0, 3.0, 30.0, 3.0, 30.0, 3.0, 3.0, 3.0):  # speculation first: 1 s per token when steady
+        assert gov.should_propose(1)
+        gov.record(1, 3, cost, verified=True, proposed=True)
+    drive(gov, 1, 200, spec_cost=3.0, plain_cost=2.0, accepted=2.0)
+    assert gov.speculation_pays(1) is True
