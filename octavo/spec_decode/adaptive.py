@@ -6,11 +6,13 @@ proposer (a draft model's k forwards, or almost nothing for n-gram).
 
 So the choice is measured, per batch-size bucket (1, 2-3, 4-7, 8-15, ...):
 the cost per emitted token of steps that verified and proposed, and of
-plain steps, each the median of its last ``window`` steps: a mean let one-off
-steps decide (the step that records a kernel tape costs ~10 plain ones, and
-three of them fall in speculation's first steps at batch 1, so octavo-mini +
-its draft measured speculation dearer and stopped it for good, though it
-pays there 1.1-1.2x). A bucket first measures
+plain steps, each as the median cost of its last ``window`` steps over the
+mean tokens they emitted. Not a mean of each step's cost per token: one-off
+steps decided that (a size's first step runs eagerly, the next records its
+kernel tape at ~10 plain steps' cost, and speculation's first steps at batch
+1 hold several such, so octavo-mini + its draft measured speculation dearer
+and stopped it for good, where it pays 1.05-1.2x); and the first
+``settle_steps`` steps of each mode are not measured at all. A bucket first measures
 speculation, then plain decoding, then takes the cheaper; every
 ``probe_every`` steps it runs the other mode for ``probe_steps`` steps again,
 so a change of text or load is noticed: 1% of the steps, which bounds what
@@ -29,25 +31,50 @@ from typing import Optional
 
 
 class _Recent:
-    """The median of the last ``window`` values added; ``count``: how many were added in all."""
+    """The median of the last ``window`` values added."""
 
     def __init__(self, window: int) -> None:
         self.values: deque[float] = deque(maxlen=window)
-        self.count = 0
 
     def add(self, x: float) -> None:
         self.values.append(x)
-        self.count += 1
 
     @property
     def value(self) -> Optional[float]:
         return statistics.median(self.values) if self.values else None
 
 
+class _Mode:
+    """One mode's steps in a bucket: their recent median cost per step over the mean tokens they emitted
+    (tokens per step average out as throughput does; costs take the median, which one-off steps do not
+    move). The first ``settle`` steps are not measured."""
+
+    def __init__(self, window: int, settle: int) -> None:
+        self.seconds = _Recent(window)
+        self.emitted: deque[int] = deque(maxlen=window)
+        self.settle = settle
+        self.count = 0  # steps measured
+
+    def add(self, seconds: float, emitted: int) -> None:
+        if self.settle:
+            self.settle -= 1
+            return
+        self.seconds.add(seconds)
+        self.emitted.append(emitted)
+        self.count += 1
+
+    @property
+    def value(self) -> Optional[float]:
+        """Seconds per emitted token (None: nothing measured yet)."""
+        if not self.emitted:
+            return None
+        return self.seconds.value * len(self.emitted) / sum(self.emitted)
+
+
 @dataclass
 class _Bucket:
-    spec: _Recent  # seconds per emitted token, speculating
-    plain: _Recent  # ... without proposals
+    spec: _Mode  # steps that verified and proposed
+    plain: _Mode  # ... neither
     steps: int = 0  # decisions taken in this bucket
     probe_left: int = 0  # steps of the other mode still to run
 
@@ -63,6 +90,7 @@ class SpeculationGovernor:
         probe_every: int = 400,
         probe_steps: int = 4,
         window: int = 16,
+        settle_steps: int = 8,
     ) -> None:
         self.adaptive = adaptive
         self.max_batch_size = max_batch_size
@@ -70,6 +98,7 @@ class SpeculationGovernor:
         self.probe_every = probe_every
         self.probe_steps = probe_steps
         self.window = window
+        self.settle_steps = settle_steps
         self._buckets: dict[int, _Bucket] = {}
         self._overhead = _Recent(window)  # seconds per step spent outside the model runner
 
@@ -100,7 +129,7 @@ class SpeculationGovernor:
             return
         b = self._bucket(batch_size)
         per_step = seconds + (self._overhead.value or 0.0)
-        (b.spec if verified else b.plain).add(per_step / emitted)
+        (b.spec if verified else b.plain).add(per_step, emitted)
 
     def record_overhead(self, seconds: float) -> None:
         """Time between two steps spent outside the runner (scheduling, output
@@ -117,7 +146,7 @@ class SpeculationGovernor:
     def _bucket(self, batch_size: int) -> _Bucket:
         bucket = batch_size.bit_length()
         if bucket not in self._buckets:
-            self._buckets[bucket] = _Bucket(_Recent(self.window), _Recent(self.window))
+            self._buckets[bucket] = _Bucket(*(_Mode(self.window, self.settle_steps) for _ in range(2)))
         return self._buckets[bucket]
 
     @staticmethod
