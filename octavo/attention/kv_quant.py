@@ -115,15 +115,20 @@ def dequantize(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -
 
 
 def write_kv(cache: LayerKVCache, k: torch.Tensor, v: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """k, v [T, kv_heads, D] into their slots: cast when the cache holds
-    another float dtype (a no-op otherwise), quantized into a quantized one."""
+    """k, v [T, kv_heads, D] into their slots (``write_vectors``)."""
+    write_vectors(cache, (k, v), slot_mapping)
+
+
+def write_vectors(cache: LayerKVCache, vectors: tuple[torch.Tensor, ...], slot_mapping: torch.Tensor) -> None:
+    """Each of ``vectors`` [T, kv_heads, D] (K and V, or a latent cache's one) into its part's slots: cast
+    when the cache holds another float dtype (a no-op otherwise), quantized into a quantized one."""
     slots = cache.slots()
     if not cache.quantized:
-        slots[0].index_copy_(0, slot_mapping, k.to(cache.dtype))
-        slots[1].index_copy_(0, slot_mapping, v.to(cache.dtype))
+        for i, x in enumerate(vectors):
+            slots[i].index_copy_(0, slot_mapping, x.to(cache.dtype))
         return
     block, offset = slot_mapping // cache.block_size, slot_mapping % cache.block_size
-    for i, x in enumerate((k, v)):
+    for i, x in enumerate(vectors):
         static = None if cache.static_scales is None else cache.static_scales[i]
         values, scales = quantize(x, cache.dtype, static)
         _as_bytes(slots[i]).index_copy_(0, slot_mapping, _as_bytes(values))

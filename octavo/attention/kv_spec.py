@@ -61,20 +61,17 @@ class LatentKVCacheSpec(KVCacheSpec):
     """Multi-head latent attention (DeepSeek-V2/V3): one vector per token instead of K and V per
     head, the compressed latent (kv_lora_rank) followed by the rotary key every head shares
     (``rope_dim``); heads decompress their keys and values from it, or absorb their projections
-    into the query and output. Kept as a single "head" of ``head_dim`` = kv_lora_rank + rope_dim."""
+    into the query and output. Kept as a single "head" of ``head_dim`` = kv_lora_rank + rope_dim;
+    quantized (int8 / fp8), with one scale per token over the whole vector, as a K/V cache keeps
+    one per token and head (kv_quant.py), so the backends' quantized decode reads it unchanged."""
 
     rope_dim: int = 0
     parts: ClassVar[int] = 1
-
-    def __post_init__(self) -> None:
-        if is_quantized(self.dtype):
-            # A scale per token would span the normalised latent and the unnormalised rotary key alike.
-            raise ValueError(f"kv_cache_dtype {self.dtype} is not supported with multi-head latent attention "
-                             "(DeepSeek-V2/V3): leave kv_cache_dtype auto")
 
     @property
     def kind(self) -> str:
         return f"latent {self.head_dim - self.rope_dim} + rope {self.rope_dim}"
 
     def describe(self) -> str:
-        return f"{self.kind}, {self.dtype}"
+        scales = " + a float32 scale per token" if is_quantized(self.dtype) else ""
+        return f"{self.kind}, {self.dtype}{scales}"
