@@ -1,11 +1,11 @@
-"""GGUF ``deepseek2`` files written from tiny transformers DeepSeek models as llama.cpp's converter writes
-them (tests/checkpoint/gguf_writer.py): DeepSeek-V2-Lite's shape (no query LoRA, greedy softmax routing),
-V2 (a query LoRA, routing within groups) and V3 (sigmoid scores, the correction bias, groups, YaRN), each
-with kv_b_proj split into attn_k_b / attn_v_b as newer converters write it and whole as older ones did. The
-config read from the metadata is config.json's; float files give transformers' logits on the same weights
-(float32, within 1e-4) and its greedy tokens; Q8_0 layers run on the int kernels with kv_b_proj in float; a
-missing tensor is one ``octavo: error:`` line naming it; metadata out of bounds, or at odds with the tensors,
-is a ValueError naming the key and the value."""
+"""GGUF ``deepseek2`` files written from tiny transformers DeepSeek models as llama.cpp's converter writes them
+(tests/checkpoint/gguf_writer.py): DeepSeek-V2-Lite's shape (no query LoRA, greedy softmax routing), V2 (a query
+LoRA, routing within groups) and V3 (sigmoid scores, the correction bias, groups, YaRN), each with kv_b_proj split
+into attn_k_b / attn_v_b as newer converters write it and whole as older ones did. The config read from the metadata
+is config.json's; float files (F32, BF16, F16) give transformers' logits on the same weights (float32, within 1e-4)
+and its greedy tokens; Q8_0 layers run on the int kernels with kv_b_proj in float; a missing tensor is one ``octavo:
+error:`` line naming it; metadata out of bounds, or at odds with the tensors, is a ValueError naming the key and the
+value."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -57,10 +57,12 @@ def test_a_file_without_gating_function_is_deepseek_v2(files, tmp_path):
     assert load_arch_config(older) == load_arch_config(path)
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("name", DEEPSEEK)
-def test_float_files_match_transformers(files, name, layout):
-    path, reference = deepseek_file(files, name, split_kv_b=LAYOUTS[layout])
+@pytest.mark.parametrize("name, layout, matrix_type", [
+    *((name, layout, "F32") for name in DEEPSEEK for layout in LAYOUTS),
+    ("v3", "split-kv-b", "BF16"), ("v2", "whole-kv-b", "F16"),
+])
+def test_float_files_match_transformers(files, name, layout, matrix_type):
+    path, reference = deepseek_file(files, name, matrix_type, LAYOUTS[layout])
     got, tokens = octavo_logits(path)
     torch.testing.assert_close(got, hf_logits(load_hf_model(reference), tokens), atol=FLOAT_ATOL, rtol=0)
 
