@@ -14,9 +14,16 @@ as token ids and ``ignore_eos`` (so its work is known exactly):
   and after), not at the client: a client on the same loaded cores reads 32
   streams in bursts, and its own time would be taken for the server's.
 
-Each batch size runs once unmeasured first: the engine records a decode step
-the first time it meets a batch size, a one-off cost served traffic does not
-pay again.
+- bursts of more requests than the batch holds, sent at once, with outputs of
+  mixed lengths (so prompts join the running batch as others finish, as under
+  a load past saturation): the time from the first request sent to the last
+  token is the saturated server's. The scheduler, run on the same burst
+  (``burst_steps``), says which steps the server ran; the fit makes the
+  served terms give that time (octavo/simulate/served.py).
+
+Each batch size runs once unmeasured first (and a burst too): the engine
+records a decode step the first time it meets a batch size, a one-off cost
+served traffic does not pay again.
 """
 from __future__ import annotations
 
@@ -32,7 +39,8 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from octavo.simulate.cost_model import CostModel, StepWork
-from octavo.simulate.served import ServedCost, ServedProbe
+from octavo.simulate.replica import ReplicaShape, burst_steps
+from octavo.simulate.served import SaturationProbe, ServedCost, ServedProbe
 
 logger = logging.getLogger(__name__)
 
@@ -42,21 +50,31 @@ TPOT_HISTOGRAM = "octavo:request_time_per_output_token_seconds"
 @dataclass(frozen=True)
 class ServedProbePlan:
     """The probe set: lone prompts of ``prompt_lens``; batches of ``batches`` decoding ``decode_tokens`` each
-    after ``batch_prompt_len``-token prompts; all ``repeats`` times."""
+    after ``batch_prompt_len``-token prompts; all ``repeats`` times. Then ``bursts`` bursts (after one unmeasured)
+    of ``burst_per_seq`` requests per sequence the engine batches, ``burst_prompt_len``-token prompts and outputs
+    uniform in ``burst_output``."""
 
     prompt_lens: tuple[int, ...] = (32, 128, 256, 384)
     batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     batch_prompt_len: int = 32
     decode_tokens: int = 48
     repeats: int = 4
+    bursts: int = 2
+    burst_per_seq: int = 3
+    burst_prompt_len: int = 192
+    burst_output: tuple[int, int] = (32, 96)
 
     def fitted_to(self, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int) -> ServedProbePlan:
         """Cut to the engine's context, sequence limit and token budget (a batch's prompts fit one step)."""
         room = max(2, max_model_len - self.decode_tokens - 8)
         batches = tuple(sorted({min(b, max_num_seqs) for b in self.batches}))
         batch_prompt = max(2, min(self.batch_prompt_len, room, max_num_batched_tokens // batches[-1]))
+        longest = max(2, min(self.burst_output[1], max_model_len // 2))
+        burst_output = (min(self.burst_output[0], longest), longest)
+        burst_prompt = max(2, min(self.burst_prompt_len, max_model_len - longest - 8))
         return ServedProbePlan(tuple(sorted({min(n, room) for n in self.prompt_lens})), batches, batch_prompt,
-                               self.decode_tokens, self.repeats)
+                               self.decode_tokens, self.repeats, self.bursts, self.burst_per_seq, burst_prompt,
+                               burst_output)
 
 
 async def _stream(client: httpx.AsyncClient, model: str, prompt: list[int], max_tokens: int) -> list[float]:
@@ -120,6 +138,31 @@ async def _probe(base_url: str, model: str, cost: CostModel, plan: ServedProbePl
     return probes
 
 
+async def _saturate(base_url: str, model: str, cost: CostModel, plan: ServedProbePlan, vocab_size: int,
+                    seed: int) -> list[SaturationProbe]:
+    """The bursts (module docstring): the first one unmeasured."""
+    rng = random.Random(seed)
+    shape = ReplicaShape.of_engine(cost.engine)
+    lengths = [(plan.burst_prompt_len, rng.randint(*plan.burst_output))
+               for _ in range(plan.burst_per_seq * shape.scheduler.max_num_seqs)]
+    works = burst_steps(shape, lengths, seed)
+    engine_s = sum(cost.predict(w) for w in works)
+    probes = []
+    async with httpx.AsyncClient(base_url=base_url, timeout=600, limits=httpx.Limits(max_keepalive_connections=0)) \
+            as client:
+        for burst in range(plan.bursts + 1):
+            prompts = [[rng.randrange(5, vocab_size - 10) for _ in range(n)] for n, _ in lengths]
+            sent = time.perf_counter()
+            streams = await asyncio.gather(*[_stream(client, model, prompt, out)
+                                             for prompt, (_, out) in zip(prompts, lengths)])
+            seconds = max(times[-1] for times in streams) - sent
+            if burst:
+                probes.append(SaturationProbe(engine_s, len(works), sum(w.sampled_seqs for w in works), seconds))
+            logger.info("served calibration: burst of %d requests %d/%d: %.2f s", len(lengths), burst, plan.bursts,
+                        seconds)
+    return probes
+
+
 def calibrate_served(base_url: str, cost: CostModel, vocab_size: int,
                      plan: ServedProbePlan = ServedProbePlan(), seed: int = 0) -> ServedCost:
     """Probe the server at ``base_url`` (serving the model ``cost`` was calibrated on, with its engine options)
@@ -133,13 +176,16 @@ def calibrate_served(base_url: str, cost: CostModel, vocab_size: int,
             raise ValueError(f"served: HTTP {models.status_code} from {base_url}/v1/models")
         model = models.json()["data"][0]["id"]
         probes = asyncio.run(_probe(base_url, model, cost, plan, vocab_size, seed))
+        # Without the engine's limits the scheduler cannot replay a burst: the fit goes without one.
+        bursts = asyncio.run(_saturate(base_url, model, cost, plan, vocab_size, seed)) if cost.engine else []
     except httpx.HTTPError as exc:
         raise ValueError(f"served: cannot probe {base_url}: {exc}") from None
-    return ServedCost.fit(probes, load_avg="/".join(f"{x:.2f}" for x in os.getloadavg()))
+    return ServedCost.fit(probes, load_avg="/".join(f"{x:.2f}" for x in os.getloadavg()), saturation=bursts)
 
 
 def served_summary(served: ServedCost) -> str:
     return (f"served: engine steps x{served.engine_scale:.2f}, +{served.per_step_s * 1e3:.2f} ms per step, "
             f"+{served.per_token_s * 1e3:.3f} ms per streamed token, +{served.per_request_s * 1e3:.1f} ms per "
-            f"request ({served.num_probes} probes; |error| mean {100 * served.mean_abs_rel_error:.1f}%; "
-            f"load {served.load_avg})")
+            f"request, step spread {served.step_noise_sigma:.2f} ({served.num_probes} probes; |error| mean "
+            f"{100 * served.mean_abs_rel_error:.1f}%; {served.saturation_probes} bursts, error "
+            f"{100 * served.saturation_rel_error:+.1f}%; load {served.load_avg})")
