@@ -16,10 +16,11 @@ as token ids and ``ignore_eos`` (so its work is known exactly):
 
 - bursts of more requests than the batch holds, sent at once, with outputs of
   mixed lengths (so prompts join the running batch as others finish, as under
-  a load past saturation): the time from the first request sent to the last
-  token is the saturated server's. The scheduler, run on the same burst
-  (``burst_steps``), says which steps the server ran; the fit makes the
-  served terms give that time (octavo/simulate/served.py).
+  a load past saturation): their mean latency, arrival to last token, read
+  from the server's histogram (``octavo:e2e_request_latency_seconds``) as the
+  TPOT above. The scheduler, run on the same burst (``burst_steps``), says
+  which steps the server ran; the fit makes the served terms give that mean
+  (octavo/simulate/served.py).
 
 Each batch size runs once unmeasured first (and a burst too): the engine
 records a decode step the first time it meets a batch size, a one-off cost
@@ -34,6 +35,7 @@ import os
 import random
 import time
 from dataclasses import dataclass
+from typing import Awaitable
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -45,6 +47,7 @@ from octavo.simulate.served import SaturationProbe, ServedCost, ServedProbe
 logger = logging.getLogger(__name__)
 
 TPOT_HISTOGRAM = "octavo:request_time_per_output_token_seconds"
+E2E_HISTOGRAM = "octavo:e2e_request_latency_seconds"
 
 
 @dataclass(frozen=True)
@@ -91,18 +94,26 @@ async def _stream(client: httpx.AsyncClient, model: str, prompt: list[int], max_
     return times
 
 
-async def _tpot_sum_count(client: httpx.AsyncClient) -> tuple[float, float]:
-    """The server's time-per-output-token histogram: its sum and count so far."""
+async def _histogram_sum_count(client: httpx.AsyncClient, name: str = TPOT_HISTOGRAM) -> tuple[float, float]:
+    """One of the server's histograms: its sum and count so far."""
     r = await client.get("/metrics")
     if r.status_code != 200:
-        raise ValueError(f"served: HTTP {r.status_code} from /metrics (the probes read its TPOT histogram)")
+        raise ValueError(f"served: HTTP {r.status_code} from /metrics (the probes read its histograms)")
     values = {}
     for family in text_string_to_metric_families(r.text):
-        if family.name == TPOT_HISTOGRAM:
+        if family.name == name:
             values.update({s.name: s.value for s in family.samples if s.name.endswith(("_sum", "_count"))})
     if not values:
-        raise ValueError(f"served: the server's /metrics has no {TPOT_HISTOGRAM}")
-    return values[f"{TPOT_HISTOGRAM}_sum"], values[f"{TPOT_HISTOGRAM}_count"]
+        raise ValueError(f"served: the server's /metrics has no {name}")
+    return values[f"{name}_sum"], values[f"{name}_count"]
+
+
+async def _histogram_mean(client: httpx.AsyncClient, name: str, run: Awaitable[object]) -> float:
+    """The mean of what the server's histogram ``name`` observed while ``run`` ran."""
+    before = await _histogram_sum_count(client, name)
+    await run
+    after = await _histogram_sum_count(client, name)
+    return (after[0] - before[0]) / max(1.0, after[1] - before[1])
 
 
 async def _probe(base_url: str, model: str, cost: CostModel, plan: ServedProbePlan, vocab_size: int,
@@ -125,10 +136,8 @@ async def _probe(base_url: str, model: str, cost: CostModel, plan: ServedProbePl
                 measured.append(ServedProbe(engine_s, 1, times[0] - sent, first_token=True))
             for b in plan.batches:
                 n, out = plan.batch_prompt_len, plan.decode_tokens
-                before = await _tpot_sum_count(client)
-                await asyncio.gather(*[_stream(client, model, prompt(n), out) for _ in range(b)])
-                after = await _tpot_sum_count(client)
-                tpot = (after[0] - before[0]) / max(1.0, after[1] - before[1])
+                tpot = await _histogram_mean(client, TPOT_HISTOGRAM,
+                                             asyncio.gather(*[_stream(client, model, prompt(n), out) for _ in range(b)]))
                 engine_s = sum(cost.predict(StepWork(decode_seqs=b, decode_context_tokens=b * (n + j),
                                                      sampled_seqs=b)) for j in range(1, out)) / (out - 1)
                 measured.append(ServedProbe(engine_s, b, tpot, first_token=False))
@@ -145,21 +154,22 @@ async def _saturate(base_url: str, model: str, cost: CostModel, plan: ServedProb
     shape = ReplicaShape.of_engine(cost.engine)
     lengths = [(plan.burst_prompt_len, rng.randint(*plan.burst_output))
                for _ in range(plan.burst_per_seq * shape.scheduler.max_num_seqs)]
-    works = burst_steps(shape, lengths, seed)
-    engine_s = sum(cost.predict(w) for w in works)
+    steps = burst_steps(shape, lengths, seed)
+    # Each step weighs as the share of the burst's requests that wait for it (SaturationProbe).
+    weights = [s.unfinished / len(lengths) for s in steps]
+    engine_s = sum(w * cost.predict(s.work) for w, s in zip(weights, steps))
+    sampled = sum(w * s.work.sampled_seqs for w, s in zip(weights, steps))
     probes = []
     async with httpx.AsyncClient(base_url=base_url, timeout=600, limits=httpx.Limits(max_keepalive_connections=0)) \
             as client:
         for burst in range(plan.bursts + 1):
             prompts = [[rng.randrange(5, vocab_size - 10) for _ in range(n)] for n, _ in lengths]
-            sent = time.perf_counter()
-            streams = await asyncio.gather(*[_stream(client, model, prompt, out)
-                                             for prompt, (_, out) in zip(prompts, lengths)])
-            seconds = max(times[-1] for times in streams) - sent
+            streams = asyncio.gather(*[_stream(client, model, prompt, out) for prompt, (_, out) in zip(prompts, lengths)])
+            seconds = await _histogram_mean(client, E2E_HISTOGRAM, streams)
             if burst:
-                probes.append(SaturationProbe(engine_s, len(works), sum(w.sampled_seqs for w in works), seconds))
-            logger.info("served calibration: burst of %d requests %d/%d: %.2f s", len(lengths), burst, plan.bursts,
-                        seconds)
+                probes.append(SaturationProbe(engine_s, sum(weights), sampled, seconds))
+            logger.info("served calibration: burst of %d requests %d/%d: mean latency %.2f s", len(lengths), burst,
+                        plan.bursts, seconds)
     return probes
 
 

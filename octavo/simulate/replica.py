@@ -173,7 +173,16 @@ class SimReplica:
         self.view.kv_usage = self.scheduler.kv_cache_manager.usage
 
 
-def burst_steps(shape: ReplicaShape, requests: Sequence[tuple[int, int]], seed: int = 0) -> list[StepWork]:
+@dataclass(frozen=True)
+class BurstStep:
+    """One step of a burst: its work, and how many of the burst's requests are unfinished as it starts (each of
+    them waits for it)."""
+
+    work: StepWork
+    unfinished: int
+
+
+def burst_steps(shape: ReplicaShape, requests: Sequence[tuple[int, int]], seed: int = 0) -> list[BurstStep]:
     """The steps a replica of ``shape`` runs for ``requests`` ((prompt tokens, output tokens) each) all queued at
     once, in order. No request arrives while they run, so the steps do not depend on how long each takes: they
     are the steps a real engine of that shape runs for the same burst."""
@@ -181,8 +190,8 @@ def burst_steps(shape: ReplicaShape, requests: Sequence[tuple[int, int]], seed: 
     replica = SimReplica("burst", shape, free, 0.0, 0.0, random.Random(seed))
     for i, (prompt, output) in enumerate(requests):
         replica.add(RequestRecord(f"burst-{i}", 0.0, prompt, output), 0.0)
-    works = []
+    steps = []
     while replica.start_step(0.0) is not None:
-        works.append(replica.step_work)
+        steps.append(BurstStep(replica.step_work, replica.num_requests))
         replica.finish_step(0.0)
-    return works
+    return steps

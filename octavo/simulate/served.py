@@ -27,14 +27,17 @@ Those probes put the capacity of a saturated server ~10% high (octavo-mini at
 load 4-6: 3,352 predicted against 3,037 measured output tokens/s): a full
 batch streaming while prompts queue costs the front more than short batches
 show. So a third kind of probe, a burst of more requests than the batch holds
-(a ``SaturationProbe``: its steps are the scheduler's, its time the server's
-from the first request sent to the last token), weighs in the fit as a
-constraint: the fitted terms give the burst's measured duration.
+(a ``SaturationProbe``: its steps are the scheduler's, its time the mean of
+its requests' latencies as the server measured them, arrival to last token),
+weighs in the fit as a constraint: the fitted terms give the burst's measured
+mean latency. The server's clock, not the client's: a client on the same
+loaded cores reading ~100 streams fell seconds behind them.
 
 Steps of equal work still take different times on a shared machine (other
 processes stall the engine, the client and the front). ``step_noise_sigma``
-is the spread of the lone requests' log residuals, each one served prefill:
-the simulator multiplies every step by a lognormal factor of mean 1 with it.
+is the spread of the lone requests' log residuals among repeats of one
+prompt length, each one served prefill: the simulator multiplies every step
+by a lognormal factor of mean 1 with it.
 """
 from __future__ import annotations
 
@@ -70,18 +73,20 @@ class ServedProbe:
 
 @dataclass(frozen=True)
 class SaturationProbe:
-    """A burst of requests sent at once, more than the batch holds: ``steps`` served steps whose bare predictions
-    sum to ``engine_s`` and which stream ``sampled`` tokens, taking ``seconds`` from the first request sent to the
-    last token received (one request's way in and the last one's way out: one per-request cost)."""
+    """A burst of requests sent at once, more than the batch holds, whose mean latency (arrival to last token, one
+    per-request cost included) was ``seconds``. A request waits for every step until its last, so its mean is
+    made of the burst's steps each weighed by the share of requests still unfinished as it starts: ``steps`` is
+    that weighted count, ``engine_s`` and ``sampled`` the weighted sums of the steps' bare predictions and
+    streamed tokens."""
 
     engine_s: float
-    steps: int
-    sampled: int
+    steps: float
+    sampled: float
     seconds: float
 
     def features(self) -> list[float]:
         """The fit's inputs, in the order of SERVED_TERMS."""
-        return [self.engine_s, float(self.steps), float(self.sampled), 1.0]
+        return [self.engine_s, self.steps, self.sampled, 1.0]
 
 
 @dataclass
@@ -129,11 +134,9 @@ class ServedCost:
         coef = nonnegative_relative_lstsq(x, y, lower=np.array([1.0, 0.0, 0.0, 0.0]), weights=weights)
         rel = x @ coef / y - 1
         ordinary, saturated = rel[: len(probes)], rel[len(probes):]
-        lone = np.array([p.first_token for p in probes])
-        # Each lone request is one served prefill: its log residuals spread as single steps do.
-        sigma = float(np.std(np.log1p(ordinary[lone]))) if lone.sum() > 1 else 0.0
         return cls(*map(float, coef), num_probes=len(probes), mean_abs_rel_error=float(np.mean(np.abs(ordinary))),
-                   load_avg=load_avg, step_noise_sigma=sigma, saturation_probes=len(saturation),
+                   load_avg=load_avg, step_noise_sigma=_lone_spread(probes, ordinary),
+                   saturation_probes=len(saturation),
                    saturation_rel_error=float(np.mean(saturated)) if len(saturation) else 0.0)
 
     def step_factor(self, rng: random.Random) -> float:
@@ -141,3 +144,17 @@ class ServedCost:
         if not self.step_noise_sigma:
             return 1.0
         return rng.lognormvariate(-self.step_noise_sigma ** 2 / 2, self.step_noise_sigma)
+
+
+def _lone_spread(probes: Sequence[ServedProbe], rel: np.ndarray) -> float:
+    """The spread of single served steps: each lone request is one served prefill, and its repeats (same prompt
+    length, same prediction) differ by noise alone. Their log residuals' standard deviation pooled within each
+    prompt length, so a length the linear terms miss does not count as noise (with a burst weighing in at load
+    10, the fit missed the probes by 81% on average)."""
+    groups: dict[float, list[float]] = {}
+    for probe, r in zip(probes, rel):
+        if probe.first_token:
+            groups.setdefault(probe.engine_s, []).append(float(np.log1p(r)))
+    squares = sum(float(np.sum((np.array(g) - np.mean(g)) ** 2)) for g in groups.values())
+    freedom = sum(len(g) - 1 for g in groups.values())
+    return float(np.sqrt(squares / freedom)) if freedom else 0.0

@@ -10,7 +10,7 @@ import pytest
 
 from octavo.simulate.cost_model import CostModel, StepWork
 from octavo.simulate.replica import burst_steps
-from octavo.simulate.served import SaturationProbe, ServedCost, ServedProbe
+from octavo.simulate.served import SERVED_TERMS, SaturationProbe, ServedCost, ServedProbe
 from octavo.simulate.traces import TraceRequest
 from tests.simulate.sim_helpers import cost_model, shape, simulate
 
@@ -36,44 +36,53 @@ def _served_probes(truth: ServedCost, noise_sigma: float, rng: random.Random, ro
     return probes
 
 
+def _weights() -> list[float]:
+    """Each burst step's share of requests that wait for it."""
+    return [s.unfinished / len(BURST) for s in burst_steps(SHAPE, BURST)]
+
+
 def _burst_probe(truth: ServedCost) -> SaturationProbe:
-    works = burst_steps(SHAPE, BURST)
-    seconds = sum(truth.step_seconds(BARE.predict(w), w.sampled_seqs) for w in works) + truth.per_request_s
-    return SaturationProbe(sum(BARE.predict(w) for w in works), len(works), sum(w.sampled_seqs for w in works),
-                           seconds)
+    """The burst's mean latency on a server with ``truth``'s costs."""
+    works = [s.work for s in burst_steps(SHAPE, BURST)]
+    weights = _weights()
+    seconds = sum(w * truth.step_seconds(BARE.predict(s), s.sampled_seqs) for w, s in zip(weights, works))
+    return SaturationProbe(sum(w * BARE.predict(s) for w, s in zip(weights, works)), sum(weights),
+                           sum(w * s.sampled_seqs for w, s in zip(weights, works)), seconds + truth.per_request_s)
 
 
 def test_a_burst_runs_every_token_within_the_engines_limits():
-    works = burst_steps(SHAPE, BURST)
+    steps = burst_steps(SHAPE, BURST)
+    works = [s.work for s in steps]
     assert sum(w.prefill_tokens for w in works) == sum(p for p, _ in BURST)
     assert sum(w.sampled_seqs for w in works) == sum(o for _, o in BURST)
     assert all(w.prefill_seqs + w.decode_seqs <= 8 and w.prefill_tokens + w.decode_seqs <= 256 for w in works)
     # Outputs of mixed lengths: prompts join a decoding batch as others finish.
     assert sum(w.kind == "mixed" for w in works) >= len(BURST) // 2
-    assert burst_steps(SHAPE, BURST) == works  # no randomness in which steps run
+    unfinished = [s.unfinished for s in steps]
+    assert unfinished[0] == len(BURST) and unfinished[-1] >= 1 and unfinished == sorted(unfinished, reverse=True)
+    assert burst_steps(SHAPE, BURST) == steps  # no randomness in which steps run
 
 
-def test_a_simulated_burst_lasts_its_steps_served_time():
+def test_a_simulated_burst_has_its_steps_mean_latency():
     """The simulator, given the same requests at one instant, runs the burst's steps but for its first (which
     starts on the first arrival alone, as a server's first step starts before the last request is in)."""
     truth = ServedCost(engine_scale=1.5, per_step_s=0.003, per_token_s=0.001, per_request_s=0.0)
     served = CostModel(BARE.coefficients, served=truth)
     records = simulate([TraceRequest(0.0, p, o) for p, o in BURST], served, SHAPE).records
-    expected = sum(served.step_seconds(w) for w in burst_steps(SHAPE, BURST))
-    assert max(r.finish_s for r in records) == pytest.approx(expected, rel=0.01)
+    expected = sum(w * served.step_seconds(s.work) for w, s in zip(_weights(), burst_steps(SHAPE, BURST)))
+    assert statistics.fmean(r.e2e for r in records) == pytest.approx(expected, rel=0.02)
 
 
-def test_the_fit_gives_a_saturated_burst_its_measured_duration():
+def test_the_fit_gives_a_saturated_burst_its_measured_latency():
     """Short batches show 0.5 ms per streamed token; a saturated server pays 1 ms. The ordinary probes alone put
-    the burst short (capacity high); with the burst the fit meets its duration."""
+    the burst's latency short (capacity high); with the burst the fit meets it."""
     light = ServedCost(engine_scale=1.5, per_step_s=0.003, per_token_s=0.0005, per_request_s=0.02)
     heavy = ServedCost(engine_scale=1.5, per_step_s=0.003, per_token_s=0.001, per_request_s=0.02)
     probes = _served_probes(light, 0.0, random.Random(0))
     burst = _burst_probe(heavy)
 
     def burst_error(fitted: ServedCost) -> float:
-        predicted = (fitted.engine_scale * burst.engine_s + fitted.per_step_s * burst.steps
-                     + fitted.per_token_s * burst.sampled + fitted.per_request_s)
+        predicted = sum(getattr(fitted, t) * x for t, x in zip(SERVED_TERMS, burst.features()))
         return predicted / burst.seconds - 1
 
     without = ServedCost.fit(probes)
@@ -92,6 +101,15 @@ def test_the_step_spread_is_the_lone_requests_log_residuals():
     assert ServedCost.fit(_served_probes(truth, 0.0, random.Random(1))).step_noise_sigma < 1e-6
     with pytest.raises(ValueError, match="served.step_noise_sigma"):
         ServedCost(step_noise_sigma=-0.1)
+
+
+def test_a_prompt_length_the_terms_miss_is_no_noise():
+    """Lone requests of 32 tokens take 1.6x what the terms can give them, every time: repeats agree, no spread."""
+    truth = ServedCost(engine_scale=1.5, per_step_s=0.003, per_token_s=0.001, per_request_s=0.0)
+    probes = [ServedProbe(p.engine_s, p.sampled, p.seconds * (1.6 if p.first_token and i % 8 == 0 else 1.0),
+                          p.first_token) for i, p in enumerate(_served_probes(truth, 0.0, random.Random(3), 3))]
+    fitted = ServedCost.fit(probes)
+    assert fitted.mean_abs_rel_error > 0.02 and fitted.step_noise_sigma < 1e-6
 
 
 def test_a_step_factor_has_mean_one_and_draws_nothing_without_a_spread():
