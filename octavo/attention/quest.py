@@ -46,16 +46,17 @@ def record_key_bounds(cache: LayerKVCache, slot_mapping: torch.Tensor) -> None:
     high.scatter_reduce_(0, index, keys, "amax")
 
 
-def page_score_bounds(q: torch.Tensor, low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
-    """q [rows, heads, D], a page's key bounds ``low``/``high`` [rows, pages, kv_heads, D] (query head h
-    reads KV head h // (heads / kv_heads)) -> [rows, pages, heads]: the most q.k can be over the page's
+def page_score_bounds(q: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
+    """q [rows, heads, D], the key bounds of pages: minimum then maximum, [2, rows, pages, kv_heads, D] (query
+    head h reads KV head h // (heads / kv_heads)) -> [rows, pages, heads]: the most q.k can be over a page's
     keys, for each query head."""
     rows, heads, dim = q.shape
-    kv_heads = low.shape[2]
+    kv_heads = bounds.shape[3]
     grouped = q.reshape(rows, kv_heads, heads // kv_heads, dim)
-    bound = (torch.einsum("rhgd,rphd->rphg", grouped.clamp(min=0), high)
-             + torch.einsum("rhgd,rphd->rphg", grouped.clamp(max=0), low))
-    return bound.reshape(rows, low.shape[1], heads)
+    # One product over both halves: [q-, q+] . [min, max].
+    signed = torch.stack((grouped.clamp(max=0), grouped.clamp(min=0)))
+    bound = torch.einsum("srhgd,srphd->rphg", signed, bounds)
+    return bound.reshape(rows, bounds.shape[2], heads)
 
 
 @dataclass
@@ -74,9 +75,8 @@ class PageChoice:
         """The positions in ``table``'s rows [rows, width] of the pages to read, in order: [rows, keep]."""
         rows = table[: self.rows]
         width = rows.shape[1]
-        pages = bounds.index_select(1, rows.reshape(-1)).float()
-        pages = pages.view(2, self.rows, width, *bounds.shape[2:])
-        scores = page_score_bounds(q[: self.rows].float(), pages[0], pages[1]).amax(dim=-1) + self.bias
+        pages = bounds.index_select(1, rows.reshape(-1)).float().view(2, self.rows, width, *bounds.shape[2:])
+        scores = page_score_bounds(q[: self.rows].float(), pages).amax(dim=-1) + self.bias
         return scores.topk(self.keep, dim=1).indices.sort(dim=1).values
 
     def narrow(self, q: torch.Tensor, cache: LayerKVCache, dense: PagedDecodeMetadata) -> PagedDecodeMetadata:

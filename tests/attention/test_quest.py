@@ -29,7 +29,8 @@ def test_a_page_bound_is_at_least_every_key_score(seed, pages, block, kv_heads, 
     heads = kv_heads * group
     q = torch.randn(1, heads, DIM, generator=g, dtype=torch.float64) * scale
     keys = torch.randn(pages, block, kv_heads, DIM, generator=g, dtype=torch.float64) * scale
-    bound = page_score_bounds(q, keys.amin(dim=1).unsqueeze(0), keys.amax(dim=1).unsqueeze(0))[0]  # [pages, heads]
+    bounds = torch.stack((keys.amin(dim=1), keys.amax(dim=1))).unsqueeze(1)  # [2, 1 row, pages, kv_heads, D]
+    bound = page_score_bounds(q, bounds)[0]  # [pages, heads]
     per_head = keys.repeat_interleave(group, dim=2)  # query head h reads KV head h // group
     scores = torch.einsum("hd,pbhd->pbh", q[0], per_head)
     assert (bound >= scores.amax(dim=1) - 1e-9 * scale**2).all()
