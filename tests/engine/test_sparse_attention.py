@@ -128,3 +128,14 @@ def test_bad_options_name_the_field(folder, model_dir):
         LLM(model_dir("mistral"), sparse_attention="quest")
     with pytest.raises(ValueError, match="multi-head latent attention"):
         LLM(model_dir("deepseek_v2"), sparse_attention="quest")
+
+
+def test_the_command_line_refuses_bad_sparse_options(capsys, folder):
+    from octavo.entrypoints.cli import build_parser, main
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", str(folder), "--sparse-attention", "dense"])
+    assert "--sparse-attention: invalid choice: 'dense'" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="2"):
+        main(["generate", str(folder), "--prompt", "x", "--sparse-attention", "quest", "--sparse-top-pages", "0"])
+    assert "octavo: error: sparse_top_pages must be an integer >= 1, got 0" in capsys.readouterr().err
