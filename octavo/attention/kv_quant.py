@@ -49,9 +49,11 @@ class LayerKVCache:
     ``[2, num_blocks, kv_heads, block_size]`` float32 and, when the checkpoint
     provides them, ``static_scales`` ``[2, kv_heads]`` float32 (the step of K
     and of V per head, used instead of each row's own). ``key_bounds`` (sparse
-    attention, octavo/attention/quest.py) ``[2, num_blocks, kv_heads, head_dim]``:
-    the elementwise minimum then maximum of each block's keys as stored, in
-    ``bounds_dtype``."""
+    attention, octavo/attention/quest.py) ``[kv_heads, num_blocks, 2, head_dim]``:
+    the elementwise minimum and maximum of each block's keys as stored, in
+    ``bounds_dtype``; heads first (blocks on dim 1, as every cache tensor keeps
+    them), so the blocks of a table gathered are each head's [pages, 2 x
+    head_dim] matrix for one product, with no copy."""
 
     data: torch.Tensor
     scales: Optional[torch.Tensor] = None
@@ -94,7 +96,7 @@ def allocate_layer_cache(
     huge pages where the OS gives them: the decode kernels read blocks at
     scattered places (octavo/kernels/huge_pages.py)."""
     data = huge_pages.zeros((parts, num_blocks, block_size, kv_heads, head_dim), dtype, torch.device(device))
-    bounds = (torch.zeros(2, num_blocks, kv_heads, head_dim, dtype=bounds_dtype(dtype), device=device)
+    bounds = (torch.zeros(kv_heads, num_blocks, 2, head_dim, dtype=bounds_dtype(dtype), device=device)
               if key_bounds else None)
     if not is_quantized(dtype):
         return LayerKVCache(data, key_bounds=bounds)

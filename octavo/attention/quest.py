@@ -35,28 +35,29 @@ def record_key_bounds(cache: LayerKVCache, slot_mapping: torch.Tensor) -> None:
     """Fold the keys just written to ``slot_mapping`` [T] into their blocks' bounds. A block's first
     slot starts it afresh: a block from the pool still holds the bounds of its previous owner, and
     its tokens are always written from slot 0 on (a prefix hit reuses whole blocks, bounds and all)."""
-    keys = read_slots(cache, 0, slot_mapping).to(cache.key_bounds.dtype).flatten(1)  # [T, kv_heads * D]
+    keys = read_slots(cache, 0, slot_mapping).to(cache.key_bounds.dtype).transpose(0, 1)  # [kv_heads, T, D]
     block = slot_mapping // cache.block_size
     fresh = block[slot_mapping % cache.block_size == 0]
-    low, high = cache.key_bounds.flatten(2)  # views: [num_blocks, kv_heads * D] each
-    low.index_fill_(0, fresh, float("inf"))
-    high.index_fill_(0, fresh, float("-inf"))
-    index = block.unsqueeze(1).expand_as(keys)
-    low.scatter_reduce_(0, index, keys, "amin")
-    high.scatter_reduce_(0, index, keys, "amax")
+    low, high = cache.key_bounds.unbind(2)  # views: [kv_heads, num_blocks, D] each
+    low.index_fill_(1, fresh, float("inf"))
+    high.index_fill_(1, fresh, float("-inf"))
+    index = block.view(1, -1, 1).expand_as(keys)
+    low.scatter_reduce_(1, index, keys, "amin")
+    high.scatter_reduce_(1, index, keys, "amax")
 
 
 def page_score_bounds(q: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
-    """q [rows, heads, D], the key bounds of pages: minimum then maximum, [2, rows, pages, kv_heads, D] (query
-    head h reads KV head h // (heads / kv_heads)) -> [rows, pages, heads]: the most q.k can be over a page's
-    keys, for each query head."""
+    """q [rows, heads, D], the key bounds of each row's pages [kv_heads, rows, pages, 2, D] (minimum, maximum;
+    query head h reads KV head h // (heads / kv_heads)) -> [rows, pages, heads]: the most q.k can be over a
+    page's keys, for each query head."""
     rows, heads, dim = q.shape
-    kv_heads = bounds.shape[3]
-    grouped = q.reshape(rows, kv_heads, heads // kv_heads, dim)
-    # One product over both halves: [q-, q+] . [min, max].
-    signed = torch.stack((grouped.clamp(max=0), grouped.clamp(min=0)))
-    bound = torch.einsum("srhgd,srphd->rphg", signed, bounds)
-    return bound.reshape(rows, bounds.shape[2], heads)
+    kv_heads, _, pages = bounds.shape[:3]
+    group = heads // kv_heads
+    grouped = q.reshape(rows, kv_heads, group, dim).permute(1, 0, 3, 2)  # [kv_heads, rows, D, group]
+    # One product over both halves: [min, max] . [q-, q+], a matrix product per KV head and row.
+    signed = torch.cat((grouped.clamp(max=0), grouped.clamp(min=0)), dim=2).reshape(kv_heads * rows, 2 * dim, group)
+    bound = torch.bmm(bounds.reshape(kv_heads * rows, pages, 2 * dim), signed)
+    return bound.view(kv_heads, rows, pages, group).permute(1, 2, 0, 3).reshape(rows, pages, heads)
 
 
 @dataclass
@@ -74,8 +75,8 @@ class PageChoice:
     def choose(self, q: torch.Tensor, bounds: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         """The positions in ``table``'s rows [rows, width] of the pages to read, in order: [rows, keep]."""
         rows = table[: self.rows]
-        width = rows.shape[1]
-        pages = bounds.index_select(1, rows.reshape(-1)).float().view(2, self.rows, width, *bounds.shape[2:])
+        # [kv_heads, rows, width, 2, D]: gathered by block, each head's pages are one matrix already.
+        pages = bounds.index_select(1, rows.reshape(-1)).float().view(bounds.shape[0], *rows.shape, 2, -1)
         scores = page_score_bounds(q[: self.rows].float(), pages).amax(dim=-1) + self.bias
         return scores.topk(self.keep, dim=1).indices.sort(dim=1).values
 

@@ -29,7 +29,7 @@ def test_a_page_bound_is_at_least_every_key_score(seed, pages, block, kv_heads, 
     heads = kv_heads * group
     q = torch.randn(1, heads, DIM, generator=g, dtype=torch.float64) * scale
     keys = torch.randn(pages, block, kv_heads, DIM, generator=g, dtype=torch.float64) * scale
-    bounds = torch.stack((keys.amin(dim=1), keys.amax(dim=1))).unsqueeze(1)  # [2, 1 row, pages, kv_heads, D]
+    bounds = torch.stack((keys.amin(dim=1), keys.amax(dim=1)), dim=2).transpose(0, 1).unsqueeze(1)  # [H, 1, P, 2, D]
     bound = page_score_bounds(q, bounds)[0]  # [pages, heads]
     per_head = keys.repeat_interleave(group, dim=2)  # query head h reads KV head h // group
     scores = torch.einsum("hd,pbhd->pbh", q[0], per_head)
@@ -51,8 +51,8 @@ def test_bounds_follow_the_keys_as_stored(dtype):
         record_key_bounds(cache, step)
     stored = gather_blocks(cache, 0, torch.tensor([2, 3, 4]), torch.float32).view(3, BLOCK, KV_HEADS, DIM)
     for i, (block, used) in enumerate(((2, 4), (3, 4), (4, 1))):
-        assert torch.equal(cache.key_bounds[0, block].float(), stored[i, :used].amin(dim=0))
-        assert torch.equal(cache.key_bounds[1, block].float(), stored[i, :used].amax(dim=0))
+        assert torch.equal(cache.key_bounds[:, block, 0].float(), stored[i, :used].amin(dim=0))
+        assert torch.equal(cache.key_bounds[:, block, 1].float(), stored[i, :used].amax(dim=0))
     # Copy-on-write copies a block's bounds with its keys.
     copy_blocks(cache, torch.tensor([4]), torch.tensor([5]))
     assert torch.equal(cache.key_bounds[:, 5], cache.key_bounds[:, 4])

@@ -57,8 +57,8 @@ def choices(monkeypatch) -> list[tuple[list[int], list[int]]]:
             starts = range(0, length, BLOCK)
             low = torch.stack([keys[s : s + BLOCK].amin(dim=0) for s in starts])
             high = torch.stack([keys[s : s + BLOCK].amax(dim=0) for s in starts])
-            assert torch.equal(cache.key_bounds[0, ids].float(), low)
-            assert torch.equal(cache.key_bounds[1, ids].float(), high)
+            assert torch.equal(cache.key_bounds[:, ids, 0].transpose(0, 1).float(), low)
+            assert torch.equal(cache.key_bounds[:, ids, 1].transpose(0, 1).float(), high)
             group = q.shape[1] // low.shape[1]
             lo, hi = low.repeat_interleave(group, dim=1), high.repeat_interleave(group, dim=1)
             qf = q[row].float()
