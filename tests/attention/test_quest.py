@@ -16,6 +16,7 @@ from octavo.attention.kv_quant import allocate_layer_cache, copy_blocks, gather_
 from octavo.attention.native_cpu import NativeCpuBackend
 from octavo.attention.quest import QuestBackend, page_score_bounds, record_key_bounds
 from octavo.attention.torch_sdpa import TorchSdpaBackend
+from octavo.attention.triton_cuda import TritonBackend
 
 CPU = torch.device("cpu")
 BLOCK, HEADS, KV_HEADS, DIM = 4, 4, 2, 8
@@ -77,12 +78,22 @@ def _reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> tor
     return torch.einsum("hn,nhd->hd", probs, v)
 
 
+def _inner(name: str):
+    """The decode backend Quest wraps: the native kernel, or the Triton one (Triton's interpreter on CPU
+    tensors without a GPU, as tests/conftest.py sets up)."""
+    if name == "native":
+        return NativeCpuBackend.create({None}, required=True)
+    pytest.importorskip("triton", reason="the triton package (installed with the test extra)")
+    return TritonBackend({None})
+
+
+@pytest.mark.parametrize("inner", ["native", "triton"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.int8])
-def test_decode_reads_the_pages_the_bound_chooses(dtype):
+def test_decode_reads_the_pages_the_bound_chooses(dtype, inner):
     """Three rows over noise keys; in each of the two long rows one page in the middle holds the only key
     pointing along the query. With one page to choose besides the first and two recent ones, that page is
     read and the others between are not; the row of four pages stays dense. Every output equals plain
-    attention over the pages read."""
+    attention over the pages read, through either decode kernel (Triton's takes int32 context lengths)."""
     g = torch.Generator().manual_seed(11)
     contexts = [38, 30, 15]  # 10, 8 and 4 pages (the last ones partial)
     needles = [5, 3]  # the page of each long row holding its one high-scoring key
@@ -101,7 +112,7 @@ def test_decode_reads_the_pages_the_bound_chooses(dtype):
         write_kv(cache, keys, values, slots)
         record_key_bounds(cache, slots)
     layout = _layout(contexts, tables)
-    backend = QuestBackend(NativeCpuBackend.create({None}, required=True), top_pages=2, recent_pages=2)
+    backend = QuestBackend(_inner(inner), top_pages=2, recent_pages=2)
     meta = backend.build_metadata(layout)
     chosen = meta.pages.choose(q, cache.key_bounds, meta.dense.decode_block_table)
     assert chosen[0].tolist() == [0, 5, 8, 9] and chosen[1].tolist() == [0, 3, 6, 7]
