@@ -162,8 +162,9 @@ def main() -> None:
     parser.add_argument("--recent-pages", type=int, default=2)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads of each engine")
-    parser.add_argument("--attention-context", type=int, default=8192,
-                        help="context of the attention-alone measure (0: skip it)")
+    parser.add_argument("--attention-contexts", default="8192,32768",
+                        help="comma-separated contexts of the attention-alone measure (empty: skip it)")
+    parser.add_argument("--attention-steps", type=int, default=100, help="timed steps of the attention-alone measure")
     parser.add_argument("--attention-batch", type=int, default=1)
     parser.add_argument("--shape", default="9,3,64,30",
                         help="heads, KV heads, head_dim, layers of the attention-alone measure (the default model's)")
@@ -184,16 +185,16 @@ def main() -> None:
                 title=f"needle at depth {args.depth} of {len(needle.prompt)} tokens, {Path(model).name} {args.dtype}, "
                       f"{args.new_tokens} tokens greedy, {args.threads} thread(s), decode steps in turns")
     attention = []
-    if args.attention_context:
-        heads, kv_heads, head_dim, layers = (int(x) for x in args.shape.split(","))
-        seconds = attention_times(args.attention_context, args.attention_batch, heads, kv_heads, head_dim, 16, modes,
-                                  steps=20)
-        dense_s = seconds["dense"]
-        attention = [{"mode": name, "layer_us": s * 1e6, "step_ms": s * layers * 1e3, "speedup": dense_s / s}
-                     for name, s in seconds.items()]
-        print_table(attention, ["mode", "layer_us", "step_ms", "speedup"],
-                    title=f"decode attention alone, batch {args.attention_batch} at context {args.attention_context}, "
-                          f"{heads}/{kv_heads} heads of {head_dim} x {layers} layers, bf16, block 16, median of 20")
+    heads, kv_heads, head_dim, layers = (int(x) for x in args.shape.split(","))
+    for context in (int(c) for c in args.attention_contexts.split(",") if c):
+        seconds = attention_times(context, args.attention_batch, heads, kv_heads, head_dim, 16, modes,
+                                  args.attention_steps)
+        attention += [{"context": context, "mode": name, "layer_us": t * 1e6, "step_ms": t * layers * 1e3,
+                       "speedup": seconds["dense"] / t} for name, t in seconds.items()]
+    if attention:
+        print_table(attention, ["context", "mode", "layer_us", "step_ms", "speedup"],
+                    title=f"decode attention alone, batch {args.attention_batch}, {heads}/{kv_heads} heads of "
+                          f"{head_dim} x {layers} layers, bf16, block 16, median of {args.attention_steps} in turns")
     print(f"load {load_start} -> {load_avg()}")
     write_json(args.json, {"benchmark": "sparse_attention", "args": vars(args), "results": rows,
                            "attention": attention})
