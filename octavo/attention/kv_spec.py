@@ -6,23 +6,25 @@ and asks the attention backend to allocate each one from its spec, in the backen
 keeps only its window) is a new spec; a new layout is a new backend."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar, Optional
 
 import torch
 
-from octavo.attention.kv_quant import SCALE_BYTES, is_quantized
+from octavo.attention.kv_quant import SCALE_BYTES, bounds_dtype, is_quantized
 
 
 @dataclass(frozen=True)
 class KVCacheSpec:
     """K and V for every position: ``num_kv_heads`` x ``head_dim`` each, of ``dtype`` (a float
-    dtype, or int8 / float8_e4m3fn with a float32 scale per token and head)."""
+    dtype, or int8 / float8_e4m3fn with a float32 scale per token and head); with ``key_bounds``
+    also each block's elementwise key minimum and maximum per head (sparse attention)."""
 
     block_size: int
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
+    key_bounds: bool = field(default=False, kw_only=True)  # keyword-only: subclasses' fields stay positional
     # Vectors kept per token and head: K and V (a latent cache keeps one).
     parts: ClassVar[int] = 2
 
@@ -37,12 +39,20 @@ class KVCacheSpec:
         return self.parts * self.num_kv_heads * (self.head_dim * element + scale)
 
     @property
+    def bound_bytes_per_block(self) -> int:
+        """The key bounds of one block: a minimum and a maximum per head and channel."""
+        if not self.key_bounds:
+            return 0
+        return 2 * self.num_kv_heads * self.head_dim * torch.empty((), dtype=bounds_dtype(self.dtype)).element_size()
+
+    @property
     def bytes_per_block(self) -> int:
-        return self.block_size * self.bytes_per_token
+        return self.block_size * self.bytes_per_token + self.bound_bytes_per_block
 
     def describe(self) -> str:
         scales = " + float32 scales per token and KV head" if is_quantized(self.dtype) else ""
-        return f"{self.kind}: {self.num_kv_heads} KV heads x {self.head_dim}, {self.dtype}{scales}"
+        bounds = f" + key min/max per block ({bounds_dtype(self.dtype)})" if self.key_bounds else ""
+        return f"{self.kind}: {self.num_kv_heads} KV heads x {self.head_dim}, {self.dtype}{scales}{bounds}"
 
 
 @dataclass(frozen=True)
