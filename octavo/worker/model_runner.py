@@ -10,6 +10,7 @@ import torch
 
 from octavo.attention.kv_groups import group_layers
 from octavo.attention.kv_quant import KV_QUANT_DTYPES
+from octavo.attention.quest import with_key_bounds
 from octavo.checkpoint.paths import model_path
 from octavo.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from octavo.core.outputs import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
@@ -115,6 +116,8 @@ class ModelRunner:
         self.block_size = cache_config.block_size
         # Each rank caches its own layers (pipeline) and KV heads (tensor) only.
         self.kv_cache_specs = self.model.kv_cache_specs(self.block_size, cache_dtype)
+        if model_config.sparse_attention is not None:
+            self.kv_cache_specs = with_key_bounds(self.kv_cache_specs, arch.layer_windows)
         # Grouped from the whole model, so every rank agrees; this rank's layers share tensors by slot.
         groups = group_layers(arch.layer_windows)
         local = self.model.model.layer_range
@@ -147,8 +150,8 @@ class ModelRunner:
         # The tiers below the pool hold every tensor indexed by block id: the draft's caches too.
         state = get_parallel_state()
         drafts = [m.kv_caches for m in self._draft_host.models]
-        tensors = [t for caches in [self.kv_caches, *drafts] for c in caches for t in (c.data, c.scales)
-                   if t is not None]
+        tensors = [t for caches in [self.kv_caches, *drafts] for c in caches
+                   for t in (c.data, c.scales, c.key_bounds) if t is not None]
         models = [folder, *(model_path(d) for d in (spec.speculative_model,) if d is not None)]
         rank = state.pp_rank * state.tp_size + state.tp_rank
         self.kv_tiers = local_tiers(cache_config, tensors, models, rank, state.tp_size * state.pp_size)
