@@ -17,6 +17,7 @@ catch at the next start, and the block is computed again.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import struct
@@ -43,14 +44,22 @@ def file_name(fingerprint: bytes, block_hash: bytes) -> str:
 
 
 def write_block(folder: Path, fingerprint: bytes, block_hash: bytes, payload: memoryview | bytes) -> None:
-    """Write the block's file atomically (temporary file, then rename)."""
+    """Write the block's file atomically (temporary file, then rename); an
+    ``OSError`` (a full disk, a folder gone read-only) leaves no file behind."""
     final = folder / file_name(fingerprint, block_hash)
     tmp = folder / f".{final.name}.{os.getpid()}.tmp"
     header = _HEADER.pack(MAGIC, fingerprint, block_hash, len(payload), zlib.crc32(payload))
-    with open(tmp, "wb") as f:
-        f.write(header)
-        f.write(payload)
-    os.replace(tmp, final)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(header)
+            f.write(payload)
+        os.replace(tmp, final)
+    except OSError:
+        # Half a file would hold disk space the tier's bound does not count; the
+        # folder may refuse this too (permission lost), and then the next start's scan deletes it.
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise
 
 
 def read_block(path: Path, fingerprint: bytes, block_hash: bytes, size: int) -> bytes:

@@ -18,19 +18,28 @@ from __future__ import annotations
 
 import logging
 import os
+from concurrent import futures
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
 from octavo.config import CacheConfig
-from octavo.kv_offload.block_file import HEADER_BYTES, file_name, read_block, scan_folder, write_block
+from octavo.kv_offload.block_file import HEADER_BYTES, BadBlockFile, file_name, read_block, scan_folder, write_block
 from octavo.kv_offload.connector import KVTierConnector
 from octavo.kv_offload.fingerprint import cache_fingerprint, model_identity
 from octavo.kv_offload.transfers import (DELETE_FILE, FROM_DISK, FROM_HOST, HOST_TO_DISK, TO_DISK, TO_HOST,
-                                         KVTransfer, TierLayout)
+                                         KVTransfer, TierLayout, TierReport)
 
 logger = logging.getLogger(__name__)
+
+# How long a step with nothing to compute waits for a read to finish before it
+# returns: short, so that the engine takes new requests meanwhile, long enough
+# that waiting for a load does not spin.
+IDLE_WAIT_S = 0.05
+_PENDING, _FAILED, _DONE = 0, 1, 2  # a block's load, as the ranks agree on it (each position's smallest)
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -40,13 +49,34 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8)
 
 
+@dataclass
+class _Read:
+    """One step's loads from disk, read by the reader thread: the pool blocks
+    to fill and their files' hashes; the future holds each payload, or why
+    there is none."""
+
+    blocks: list[int]
+    hashes: list[bytes]
+    future: Future
+
+
 class LocalTiers(KVTierConnector):
     """``tensors``: the rank's cache tensors, blocks on dim 1, dim 0 K/V.
     ``host_bytes`` and ``disk_bytes`` are this rank's budgets; ``folder``
-    None: no disk tier."""
+    None: no disk tier. ``agree``: each position's smallest value over every
+    rank (None: this rank alone), so that all ranks finish a load in the same
+    step and a read failed on one is a miss on all.
+
+    Files are read by one thread while steps run; every other move, and
+    writing what is read into the pool, happens on the caller's thread, so
+    the pool's tensors are only ever touched from there. A file that cannot
+    be written, read or deleted (a full disk, an I/O error, a permission
+    lost, a file deleted by hand) never fails a step: the block is a miss, the
+    first failure of each kind is logged with its path, and ``finish_loads``
+    reports it for the scheduler to count and forget."""
 
     def __init__(self, tensors: Sequence[torch.Tensor], host_bytes: int, folder: Path | None, disk_bytes: int,
-                 fingerprint: bytes) -> None:
+                 fingerprint: bytes, agree: Optional[Callable[[list[int]], list[int]]] = None) -> None:
         self._pool = [_as_bytes(t) for t in tensors]
         # Bytes of one block in each tensor, and where each starts in a block's bytes.
         self._sizes = [t[:, 0].numel() for t in self._pool]
@@ -60,18 +90,23 @@ class LocalTiers(KVTierConnector):
         self._fingerprint = fingerprint
         self._disk_blocks = disk_bytes // (HEADER_BYTES + self.block_bytes) if folder is not None else 0
         self._files = scan_folder(folder, fingerprint, self.block_bytes) if folder is not None else []
+        self._agree = agree
+        self._reader = ThreadPoolExecutor(1, thread_name_prefix="octavo-kv-disk") if folder is not None else None
+        self._reads: list[_Read] = []  # in the order the steps asked, the same on every rank
+        self._failed_writes: list[bytes] = []
+        self._logged: set[tuple[str, str]] = set()
 
     def layout(self) -> TierLayout:
         return TierLayout(self._host.shape[0], self._disk_blocks, self.block_bytes, self._files)
 
     def apply(self, transfers: Sequence[KVTransfer]) -> None:
-        # Runs of host copies go as one gather/scatter per tensor; order
-        # between runs and other moves is kept.
+        # Runs of host copies go as one gather/scatter per tensor, runs of
+        # loads from disk as one read; order between runs and other moves is kept.
         i = 0
         while i < len(transfers):
             op = transfers[i].op
             j = i + 1
-            if op in (TO_HOST, FROM_HOST):
+            if op in (TO_HOST, FROM_HOST, FROM_DISK):
                 while j < len(transfers) and transfers[j].op == op:
                     j += 1
                 run = transfers[i:j]
@@ -79,24 +114,98 @@ class LocalTiers(KVTierConnector):
                 slots = [t.slot for t in run]
                 if op == TO_HOST:
                     self._host[slots] = self._gather(blocks)
-                else:
+                elif op == FROM_HOST:
                     self._scatter(blocks, self._host[slots])
+                else:
+                    hashes = [t.block_hash for t in run]
+                    self._reads.append(_Read(blocks, hashes, self._reader.submit(self._read_files, hashes)))
             else:
                 self._apply_file_move(transfers[i])
             i = j
 
     def _apply_file_move(self, move: KVTransfer) -> None:
-        if move.op == TO_DISK:
-            write_block(self._folder, self._fingerprint, move.block_hash, self._gather([move.block_id])[0].numpy())
-        elif move.op == HOST_TO_DISK:
-            write_block(self._folder, self._fingerprint, move.block_hash, self._host[move.slot].numpy())
-        elif move.op == FROM_DISK:
-            payload = read_block(self._path(move.block_hash), self._fingerprint, move.block_hash, self.block_bytes)
-            self._scatter([move.block_id], torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(1, -1))
-        elif move.op == DELETE_FILE:
-            self._path(move.block_hash).unlink(missing_ok=True)
-        else:
-            raise ValueError(f"unknown KV transfer {move.op!r}")
+        try:
+            if move.op == TO_DISK:
+                write_block(self._folder, self._fingerprint, move.block_hash,
+                            self._gather([move.block_id])[0].numpy())
+            elif move.op == HOST_TO_DISK:
+                write_block(self._folder, self._fingerprint, move.block_hash, self._host[move.slot].numpy())
+            elif move.op == DELETE_FILE:
+                for read in self._reads:
+                    if move.block_hash in read.hashes:
+                        futures.wait([read.future])  # a file being read is deleted once it is read
+                self._path(move.block_hash).unlink(missing_ok=True)
+            else:
+                raise ValueError(f"unknown KV transfer {move.op!r}")
+        except OSError as exc:
+            failing = "delete" if move.op == DELETE_FILE else "write"
+            self._log_failure(failing, self._path(move.block_hash), exc.strerror or str(exc))
+            if failing == "write":
+                self._failed_writes.append(move.block_hash)
+
+    def finish_loads(self, wait: bool) -> TierReport:
+        """Fill the pool blocks whose files every rank has read; what came of
+        the loads finished and of the writes failed since the last call.
+        ``wait``: the step has nothing else to do, so wait a little
+        (``IDLE_WAIT_S``) for a read to finish."""
+        report = TierReport(failed_writes=self._failed_writes)
+        self._failed_writes = []
+        if not self._reads:
+            return report
+        if wait:
+            futures.wait([r.future for r in self._reads], timeout=IDLE_WAIT_S, return_when=futures.FIRST_COMPLETED)
+        results = [self._results(read) for read in self._reads]
+        mine: list[int] = []
+        for read, got in zip(self._reads, results):
+            if got is None:
+                mine += [_PENDING] * len(read.blocks)
+            else:
+                mine += [_FAILED if isinstance(x, Exception) else _DONE for x in got]
+        agreed = iter(self._agree(mine) if self._agree is not None else mine)
+        pending: list[_Read] = []
+        for read, got in zip(self._reads, results):
+            status = [next(agreed) for _ in read.blocks]
+            if status[0] == _PENDING:  # a rank has not read them all yet (each read finishes whole)
+                pending.append(read)
+                continue
+            ok = [i for i, s in enumerate(status) if s == _DONE]
+            if ok:
+                data = torch.frombuffer(bytearray(b"".join(got[i] for i in ok)), dtype=torch.uint8)
+                self._scatter([read.blocks[i] for i in ok], data.view(len(ok), -1))
+            report.loaded += [read.blocks[i] for i in ok]
+            for i, s in enumerate(status):
+                if s == _FAILED:
+                    report.failed.append(read.blocks[i])
+                    if isinstance(got[i], Exception):
+                        self._log_failure("read", self._path(read.hashes[i]), str(got[i]))
+        self._reads = pending
+        return report
+
+    def _results(self, read: _Read) -> Optional[list]:
+        """The read's payloads (an exception where one failed); None while it runs."""
+        if not read.future.done():
+            return None
+        exc = read.future.exception()
+        return [exc] * len(read.blocks) if exc is not None else read.future.result()
+
+    def _read_files(self, hashes: list[bytes]) -> list:
+        """On the reader thread: each file's payload, checked, or why it cannot be loaded."""
+        out: list = []
+        for block_hash in hashes:
+            try:
+                out.append(read_block(self._path(block_hash), self._fingerprint, block_hash, self.block_bytes))
+            except BadBlockFile as exc:
+                out.append(exc)
+        return out
+
+    def _log_failure(self, op: str, path: Path, reason: str) -> None:
+        """The first failure of each kind, with its path (failed reads and writes are all
+        counted: octavo:kv_offload_errors_total)."""
+        kind = (op, reason.split(":")[0])
+        if kind not in self._logged:
+            self._logged.add(kind)
+            logger.warning("KV tiers: cannot %s %s: %s (further failures of this kind are not logged)",
+                           op, path, reason)
 
     def _path(self, block_hash: bytes) -> Path:
         return self._folder / file_name(self._fingerprint, block_hash)
@@ -116,11 +225,12 @@ class LocalTiers(KVTierConnector):
 
 
 def local_tiers(config: CacheConfig, tensors: Sequence[torch.Tensor], models: Sequence[str | Path], rank: int,
-                world_size: int) -> LocalTiers | None:
+                world_size: int, agree: Optional[Callable[[list[int]], list[int]]] = None) -> LocalTiers | None:
     """This rank's tiers as ``config`` asks (None: no tier), over its cache
-    ``tensors``; ``models``: the model's path and any draft model's. The
-    byte budgets are the engine's, split evenly between its ranks (they
-    share the machine's memory and the folder)."""
+    ``tensors``; ``models``: the model's path and any draft model's;
+    ``agree``: as ``LocalTiers`` takes it. The byte budgets are the
+    engine's, split evenly between its ranks (they share the machine's
+    memory and the folder)."""
     if not config.kv_offload_enabled:
         return None
     folder = None
@@ -135,7 +245,7 @@ def local_tiers(config: CacheConfig, tensors: Sequence[torch.Tensor], models: Se
     shapes = [f"{(t.shape[0], *t.shape[2:])}:{t.dtype}" for t in tensors]
     fingerprint = cache_fingerprint([model_identity(m) for m in models], shapes, config.block_size, rank, world_size)
     tiers = LocalTiers(tensors, config.kv_offload_host_bytes // world_size, folder,
-                       config.kv_offload_disk_bytes // world_size, fingerprint)
+                       config.kv_offload_disk_bytes // world_size, fingerprint, agree)
     layout = tiers.layout()
     if config.kv_offload_host_bytes and not layout.host_blocks:
         raise ValueError(f"kv_offload_host_bytes: {config.kv_offload_host_bytes} bytes hold no KV block "
