@@ -51,12 +51,13 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class _Read:
-    """One step's loads from disk, read by the reader thread: the pool blocks
-    to fill and their files' hashes; the future holds each payload, or why
-    there is none."""
+    """One step's loads from disk, read by the reader thread into
+    ``staging`` (a row per block): the pool blocks to fill and their files'
+    hashes; the future holds, per block, None or why its file is bad."""
 
     blocks: list[int]
     hashes: list[bytes]
+    staging: torch.Tensor
     future: Future
 
 
@@ -118,7 +119,9 @@ class LocalTiers(KVTierConnector):
                     self._scatter(blocks, self._host[slots])
                 else:
                     hashes = [t.block_hash for t in run]
-                    self._reads.append(_Read(blocks, hashes, self._reader.submit(self._read_files, hashes)))
+                    staging = torch.empty((len(run), self.block_bytes), dtype=torch.uint8)
+                    job = self._reader.submit(self._read_files, hashes, staging)
+                    self._reads.append(_Read(blocks, hashes, staging, job))
             else:
                 self._apply_file_move(transfers[i])
             i = j
@@ -160,7 +163,7 @@ class LocalTiers(KVTierConnector):
             if got is None:
                 mine += [_PENDING] * len(read.blocks)
             else:
-                mine += [_FAILED if isinstance(x, Exception) else _DONE for x in got]
+                mine += [_DONE if x is None else _FAILED for x in got]
         agreed = iter(self._agree(mine) if self._agree is not None else mine)
         pending: list[_Read] = []
         for read, got in zip(self._reads, results):
@@ -170,30 +173,32 @@ class LocalTiers(KVTierConnector):
                 continue
             ok = [i for i, s in enumerate(status) if s == _DONE]
             if ok:
-                data = torch.frombuffer(bytearray(b"".join(got[i] for i in ok)), dtype=torch.uint8)
-                self._scatter([read.blocks[i] for i in ok], data.view(len(ok), -1))
+                rows = read.staging if len(ok) == len(status) else read.staging[ok]
+                self._scatter([read.blocks[i] for i in ok], rows)
             report.loaded += [read.blocks[i] for i in ok]
             for i, s in enumerate(status):
                 if s == _FAILED:
                     report.failed.append(read.blocks[i])
-                    if isinstance(got[i], Exception):
+                    if got[i] is not None:
                         self._log_failure("read", self._path(read.hashes[i]), str(got[i]))
         self._reads = pending
         return report
 
-    def _results(self, read: _Read) -> Optional[list]:
-        """The read's payloads (an exception where one failed); None while it runs."""
+    def _results(self, read: _Read) -> Optional[list[Optional[Exception]]]:
+        """Per block of the read, None (read and checked) or why not; None while it runs."""
         if not read.future.done():
             return None
         exc = read.future.exception()
         return [exc] * len(read.blocks) if exc is not None else read.future.result()
 
-    def _read_files(self, hashes: list[bytes]) -> list:
-        """On the reader thread: each file's payload, checked, or why it cannot be loaded."""
-        out: list = []
-        for block_hash in hashes:
+    def _read_files(self, hashes: list[bytes], staging: torch.Tensor) -> list[Optional[BadBlockFile]]:
+        """On the reader thread: each file's payload into its row of ``staging``, checked, or why it cannot be."""
+        rows = staging.numpy()
+        out: list[Optional[BadBlockFile]] = []
+        for block_hash, row in zip(hashes, rows):
             try:
-                out.append(read_block(self._path(block_hash), self._fingerprint, block_hash, self.block_bytes))
+                read_block(self._path(block_hash), self._fingerprint, block_hash, memoryview(row))
+                out.append(None)
             except BadBlockFile as exc:
                 out.append(exc)
         return out

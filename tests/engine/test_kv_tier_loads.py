@@ -109,14 +109,14 @@ def test_files_that_cannot_be_read_are_misses_never_errors(folder, tmp_path, mon
     broken, vanished = (_first_block_hash(p) for p in PROMPTS[:2])
     assert index.tier_of(broken) == index.tier_of(vanished) == "disk"
     next(tmp_path.glob(f"{vanished.hex()}.*")).unlink()
-    read_bytes = pathlib.Path.read_bytes
+    open_file = pathlib.Path.open
 
-    def io_error_on_one_file(path):
+    def io_error_on_one_file(path, *args, **kwargs):
         if path.name.startswith(broken.hex()):
             raise OSError(errno.EIO, os.strerror(errno.EIO))
-        return read_bytes(path)
+        return open_file(path, *args, **kwargs)
 
-    monkeypatch.setattr(pathlib.Path, "read_bytes", io_error_on_one_file)
+    monkeypatch.setattr(pathlib.Path, "open", io_error_on_one_file)
     with caplog.at_level(logging.WARNING, logger="octavo.kv_offload.local_tiers"):
         again = _one_by_one(llm, PROMPTS[::-1])[::-1]
     want = hf_greedy(folder, PROMPTS, PARAMS.max_tokens)
