@@ -220,8 +220,15 @@ def test_a_file_that_cannot_be_read_is_a_miss_and_is_forgotten():
     hashes: list[bytes] = []
     extend_block_hashes(hashes, prompt, 4, 4)
     runner.unreadable = {hashes[2]}
+    sched.kv_cache_manager.enable_events()
     sched.add_request(make_request("back", prompt, max_tokens=3))
     run.until_done()
+    # A router learns the file is gone, and that the blocks read are in the pool (with their tokens).
+    events = sched.kv_cache_manager.take_events()
+    assert BlockRemoved([hashes[2]], medium="disk") in events
+    stored = [e for e in events if isinstance(e, BlockStored) and e.medium is None and e.block_hashes[0] in hashes]
+    assert [e.block_hashes for e in stored[:3]] == [[hashes[0]], [hashes[1]], [hashes[3]]]
+    assert stored[2].parent_block_hash == hashes[2] and stored[2].token_ids == prompt[12:16]
     assert run.tokens["back"] == reference_tokens(prompt, 3, "back")
     # Blocks 0 and 1 came back, block 2 failed; block 3 loaded too, but a hit is a run from the start.
     assert [o.num_cached_tokens for o in run.outputs if o.request_id == "back"][0] == 8
