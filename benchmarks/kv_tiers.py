@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import random
+import shutil
 import statistics
 import tempfile
 import time
@@ -110,6 +111,8 @@ def main() -> None:
     hits = {name: llm.engine.get_stats() for name, llm in engines.items()}
     for llm in engines.values():
         llm.shutdown()
+    if args.dir is None:
+        shutil.rmtree(folder)  # a temporary folder of hundreds of MB of block files
 
     rows = []
     for name, turns in returning.items():
