@@ -1,6 +1,7 @@
 """ModelRunner: one SchedulerOutput in, sampled tokens (and logprobs) out."""
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -15,9 +16,11 @@ from octavo.checkpoint.paths import model_path
 from octavo.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from octavo.core.outputs import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from octavo.core.step_state import BatchState, CachedRequestState, ScheduledRow
+from octavo.distributed.communication import all_ranks_min
 from octavo.distributed.parallel_state import get_parallel_state
 from octavo.kernels.build import default_kernels, prebuild
 from octavo.kv_offload.local_tiers import local_tiers
+from octavo.kv_offload.transfers import TierReport
 from octavo.model.config import load_arch_config
 from octavo.model.dtypes import resolve_dtype
 from octavo.model.kv_scales import load_static_kv_scales
@@ -154,7 +157,9 @@ class ModelRunner:
                    for t in (c.data, c.scales, c.key_bounds) if t is not None]
         models = [folder, *(model_path(d) for d in (spec.speculative_model,) if d is not None)]
         rank = state.pp_rank * state.tp_size + state.tp_rank
-        self.kv_tiers = local_tiers(cache_config, tensors, models, rank, state.tp_size * state.pp_size)
+        self.kv_tiers = local_tiers(cache_config, tensors, models, rank, state.tp_size * state.pp_size,
+                                    functools.partial(all_ranks_min, device=self.device))
+        self._tier_report = TierReport()  # what the tiers did since the last step's output
 
         self.sampler = Sampler(argmax=self.backends.ops.argmax)
         self.batch = BatchState()  # the requests this rank holds, kept across steps
@@ -175,6 +180,12 @@ class ModelRunner:
         self._speculated = False  # the governor's choice in the previous step
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        out = self._execute(scheduler_output)
+        if self._tier_report:
+            out.kv_tiers, self._tier_report = self._tier_report, TierReport()
+        return out
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         # The governor's clock is the process's CPU time: on a shared machine
         # wall time swings with other processes' load, which would decide for
         # or against speculation at random; CPU time is the work each mode
@@ -287,6 +298,10 @@ class ModelRunner:
         self._grammar = scheduler_output.grammar
         if self.kv_tiers is not None:
             self.kv_tiers.apply(scheduler_output.kv_transfers)  # before anything of the step writes the pool
+            done = self.kv_tiers.finish_loads(wait=not scheduler_output.scheduled)
+            self._tier_report.loaded += done.loaded
+            self._tier_report.failed += done.failed
+            self._tier_report.failed_writes += done.failed_writes
         copy_blocks(self.kv_caches, scheduler_output.block_copies)
         self._draft_host.copy_blocks(scheduler_output.block_copies)
         if not rows:
