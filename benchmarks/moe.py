@@ -30,7 +30,8 @@ round, median (min-max)), so a machine drifting in speed hits them alike:
 bf16 and int4): one call per expert against the grouped calls (quant/moe.py), CPU and wall ms per
 forward, in turns.
 
-llama.cpp needs ``benchmarks/setup_peers.sh`` (its source for the GGUF converter, and llama-cpp-python);
+llama.cpp needs ``benchmarks/setup_peers.sh`` (its source for the GGUF converter, and llama-cpp-python)
+and runs the Qwen3 and Mixtral shapes (it loads a DeepSeek-V2-Lite only at 27 layers);
 its Q4_0 file (llama.cpp's quantizer, default: the output layer in Q6_K, as Octavo's int4 keeps its
 own in bf16) runs without repacking (``use_extra_bufts`` off: the repacked layouts crash this build);
 its bytes per token are counted as 4.5 bits per weight.
@@ -72,6 +73,7 @@ class Shape:
     model: BenchModel
     layers: int  # decoder layers kept by default
     shrink: int = 1  # widths and head counts divided by this by default
+    no_llamacpp: str = ""  # why llama.cpp cannot run the trimmed shape ("": it can)
 
 
 SHAPES = {
@@ -94,7 +96,8 @@ SHAPES = {
         "routed_scaling_factor": 1.0, "topk_method": "greedy", "n_group": 1, "topk_group": 1,
         "vocab_size": VOCAB, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
-    }), layers=2),
+    }), layers=2, no_llamacpp="llama.cpp tells V2-Lite from V2 by its 27 layers and otherwise requires the query "
+                              "LoRA rank V2-Lite has not: a trimmed V2-Lite does not load"),
 }
 _WIDTHS = ("hidden_size", "moe_intermediate_size", "intermediate_size", "num_attention_heads")
 Q4_0_BITS = 4.5  # 32 four-bit weights and one fp16 scale per block
@@ -104,6 +107,8 @@ TARGETS = {("batch-1", "llama.cpp"): 1.2, ("offline", "llama.cpp"): 3.0, ("offli
 READ_LIMIT_TARGET = 0.8
 MLA_TARGET = 0.90  # the latent cache at least this much smaller than full K/V
 READ_BUFFER = 2**30  # larger than L3: the experts a token picks are rarely cached
+ROW_COLUMNS = ["shape", "peer", "batch-1 tok/s", "MiB/token", "of read limit", "offline out tok/s"]
+CHECK_COLUMNS = ["shape", "measure", "value", "target", "met"]
 
 
 def trimmed(shape: Shape, layers: Optional[int], shrink: Optional[int]) -> BenchModel:
@@ -163,8 +168,8 @@ def check(shape: str, measure: str, value: float, shown: str, target: Optional[f
             "met": met}
 
 
-def bench_shape(spec: BenchModel, args: argparse.Namespace, root: Path,
-                read_gbs: float) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]:
+def bench_shape(spec: BenchModel, args: argparse.Namespace, root: Path, read_gbs: float,
+                no_llamacpp: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]:
     """Every peer of one shape loaded side by side, timed in turns: (rows per peer, ratio rows, raw rates)."""
     from benchmarks.peers.llamacpp import LlamaCppPeer, quantized_gguf
     from benchmarks.peers.llamacpp_batch import LlamaCppContext
@@ -191,7 +196,9 @@ def bench_shape(spec: BenchModel, args: argparse.Namespace, root: Path,
     decode["transformers bf16"] = lambda p, n: hf._run_batch([p], n)
     batch["transformers bf16"] = lambda: hf._run_batch(offline.prompts, args.output_len)
     contexts = []
-    if args.llamacpp_src is not None:
+    if no_llamacpp and args.llamacpp_src is not None:
+        print(f"{spec.name}: no llama.cpp rows: {no_llamacpp}")
+    if args.llamacpp_src is not None and not no_llamacpp:
         gguf = convert_to_gguf(folder, args.llamacpp_src)
         q4 = quantized_gguf(gguf, "Q4_0", folder, args.threads)
         for name, path, extra_bufts, per_weight in (("llama.cpp bf16", gguf, True, 2.0),
@@ -297,7 +304,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=None, help="decoder layers kept (default: per shape, 1-2)")
     parser.add_argument("--shrink", type=int, default=None,
                         help="divide widths and head counts by this (default: per shape, Mixtral 2)")
-    parser.add_argument("--group-size", type=int, default=128, choices=(32, 64, 128), help="int4 group size")
+    parser.add_argument("--group-size", type=int, default=64, choices=(32, 64, 128),
+                        help="int4 group size (64 divides every shape's in-features; DeepSeek's dense 10944 not 128)")
     parser.add_argument("--decode-tokens", type=int, default=32)
     parser.add_argument("--num-prompts", type=int, default=32, help="offline: requests in flight, 64 tokens in")
     parser.add_argument("--output-len", type=int, default=32, help="offline: tokens generated per request")
@@ -332,16 +340,19 @@ def main() -> None:
     try:
         for name in args.shapes:
             spec = trimmed(SHAPES[name], args.layers, args.shrink)
-            shape_rows, shape_checks, raw[spec.name] = bench_shape(spec, args, root, read_gbs)
+            shape_rows, shape_checks, raw[spec.name] = bench_shape(spec, args, root, read_gbs,
+                                                                   SHAPES[name].no_llamacpp)
             rows += shape_rows
             checks += shape_checks
+            # Each shape's figures as soon as they are measured: a long run on a shared machine may be cut short.
+            print_table(shape_rows, ROW_COLUMNS, f"{spec.name}, load {load_avg()}")
+            print_table(shape_checks, CHECK_COLUMNS)
     finally:
         if args.models_dir is None:
             shutil.rmtree(root, ignore_errors=True)
-    print_table(rows, ["shape", "peer", "batch-1 tok/s", "MiB/token", "of read limit", "offline out tok/s"],
-                f"read bandwidth {read_gbs:.1f} GB/s over {READ_BUFFER // 2**20} MiB; median (min-max) of "
-                f"{args.repeats} rounds")
-    print_table(checks, ["shape", "measure", "value", "target", "met"], "targets (ratios per round, median (min-max))")
+    print_table(rows, ROW_COLUMNS, f"read bandwidth {read_gbs:.1f} GB/s over {READ_BUFFER // 2**20} MiB; "
+                f"median (min-max) of {args.repeats} rounds")
+    print_table(checks, CHECK_COLUMNS, "targets (ratios per round, median (min-max))")
     print(f"load {load_start} -> {load_avg()}")
     write_json(args.json, {"benchmark": "moe", "args": {k: str(v) for k, v in vars(args).items()},
                            "read_gbs": read_gbs, "rows": rows, "targets": checks, "rounds": raw})
