@@ -2,9 +2,10 @@
 source is given, llama.cpp (bf16 and Q4_0), on random checkpoints of three real shapes with their
 layers trimmed (and Mixtral's widths halved) to fit the machine.
 
-    python -m benchmarks.moe                                    # every shape, ~15 min on 2 quiet cores
+    python -m benchmarks.moe                                    # every shape (load 18-22: ~15 min a shape)
     python -m benchmarks.moe --shapes qwen3-30b-a3b --llamacpp-src $LLAMA_CPP_SRC --json out.json
-    python -m benchmarks.moe --shrink 8 --decode-tokens 8 --num-prompts 4 --repeats 1   # a smoke run
+    python -m benchmarks.moe --shapes qwen3-30b-a3b mixtral-8x7b --shrink 8 --group-size 32 \
+        --decode-tokens 8 --num-prompts 4 --output-len 8 --repeats 1                    # a smoke run
 
 Shapes (vocabulary 32000 for all): Qwen3-30B-A3B's layers (hidden 2048, 128 experts of 768, top-8,
 32 query / 4 KV heads; 1 layer of 48), Mixtral-8x7B's (hidden 4096, 8 experts of 14336, top-2, 32 / 8
