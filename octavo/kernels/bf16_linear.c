@@ -260,3 +260,37 @@ int octavo_bf16_linear(const uint16_t *x, const uint16_t *w, const uint16_t *bia
     free(xs);
     return 0;
 }
+
+/* A mixture of experts' products at decode, every chosen expert in one call: out[m] = x[m] @
+ * w[experts[m]]^T, w the experts' weights stacked [E, N, K] (bf16, contiguous). One call instead of
+ * one per expert keeps a call's Python and thread start-up per expert off a step that only reads
+ * weights; the threads split the chosen experts' outputs between them, 16 at a time, so only those
+ * experts' bytes are read. Rows of one expert next to each other (the caller sorts them by expert)
+ * share each weight load, up to 4 at a time. Returns 0, or -1 when the buffers cannot be allocated. */
+int octavo_bf16_linear_experts(const uint16_t *x, const uint16_t *w, const int64_t *experts, int64_t M, int64_t K,
+                               int64_t N, uint16_t *out) {
+    const int64_t width = prepared_width(K);
+    row_t *xs = malloc((size_t)(M * width) * sizeof(row_t));
+    int64_t *starts = malloc((size_t)(M > 0 ? M : 1) * sizeof(int64_t));
+    if (xs == NULL || starts == NULL) {
+        free(xs);
+        free(starts);
+        return -1;
+    }
+    for (int64_t m = 0; m < M; m++) prepare_row(x + m * K, K, width, xs + m * width);
+    /* Runs of up to 4 consecutive rows of one expert; run j is rows starts[j] .. starts[j + 1] - 1. */
+    int64_t runs = 0;
+    for (int64_t m = 0; m < M; m++)
+        if (m == 0 || experts[m] != experts[m - 1] || m - starts[runs - 1] == 4) starts[runs++] = m;
+    const int64_t blocks = (N + LANES_MAX - 1) / LANES_MAX;
+#pragma omp parallel for schedule(static)
+    for (int64_t item = 0; item < runs * blocks; item++) {
+        const int64_t j = item / blocks, r0 = starts[j], rows = (j + 1 < runs ? starts[j + 1] : M) - r0;
+        const int64_t n0 = item % blocks * LANES_MAX, bo = BO_FOR(rows);
+        for (int64_t n = n0; n < n0 + LANES_MAX && n < N; n += bo)
+            output_block(xs + r0 * width, width, w + experts[r0] * N * K, NULL, rows, K, N, n, out + r0 * N);
+    }
+    free(starts);
+    free(xs);
+    return 0;
+}

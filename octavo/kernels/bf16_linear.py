@@ -34,6 +34,10 @@ class Bf16LinearKernel:
         self._fn = getattr(lib, f"octavo_{name}")
         self._fn.argtypes = [_P, _P, _P, _I, _I, _I, _P]
         self._fn.restype = ctypes.c_int
+        self._experts = getattr(lib, "octavo_bf16_linear_experts", None) if name == "bf16_linear" else None
+        if self._experts is not None:
+            self._experts.argtypes = [_P, _P, _P, _I, _I, _I, _P]
+            self._experts.restype = ctypes.c_int
         isa = getattr(lib, f"octavo_{name}_isa")
         isa.restype = ctypes.c_char_p
         self.name = name
@@ -63,6 +67,26 @@ class Bf16LinearKernel:
         ):
             raise MemoryError(f"{self.name} kernel could not allocate its buffers")
         return out.view(*x.shape[:-1], n)
+
+    def experts(self, rows: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """Row m of ``rows`` [M, K] times ``weights[experts[m]]``^T, ``weights`` every expert's bf16 weight
+        stacked [E, N, K] (contiguous), ``experts`` int64 [M] with rows of one expert next to each other
+        -> [M, N] bf16. The few-row kernel only (bf16_linear.c)."""
+        if self._experts is None:
+            raise ValueError(f"{self.name}: no experts entry (the few-row kernel, bf16_linear, has it)")
+        m, k = rows.shape
+        if (rows.dtype != torch.bfloat16 or weights.dtype != torch.bfloat16 or weights.dim() != 3
+                or weights.shape[2] != k or not weights.is_contiguous()):
+            raise ValueError(f"rows must be bfloat16 [M, K] and weights contiguous bfloat16 [E, N, {k}]; got "
+                             f"{rows.dtype} {tuple(rows.shape)} and {weights.dtype} {tuple(weights.shape)}")
+        if tuple(experts.shape) != (m,) or experts.dtype != torch.int64:
+            raise ValueError(f"experts must be int64 [{m}]; got {experts.dtype} {tuple(experts.shape)}")
+        rows, experts = rows.contiguous(), experts.contiguous()
+        out = torch.empty(m, weights.shape[1], dtype=torch.bfloat16)
+        if m and launch(self._experts, rows.data_ptr(), weights.data_ptr(), experts.data_ptr(), m, k,
+                        weights.shape[1], out.data_ptr()):
+            raise MemoryError("bf16 experts kernel could not allocate its buffers")
+        return out
 
 
 @cache

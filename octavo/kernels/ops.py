@@ -1,5 +1,5 @@
 """The native CPU kernels as torch operators (``torch.ops.octavo.*``): the
-linear products (bf16, int8/int4, int8 x int8 rows), the fused elementwise kernels (RMSNorm
+linear products (bf16, int8/int4, both per expert, int8 x int8 rows), the fused elementwise kernels (RMSNorm
 with the residual add, SiLU-and-multiply, rotary with the K/V cache write,
 argmax) and paged decode attention. So ``torch.compile`` (and later CUDA
 graphs) can trace through them: each op has a schema (the tensors a kernel
@@ -33,12 +33,15 @@ from octavo.kernels.w8a8_linear import w8a8_linear_kernel
 
 _LIB = torch.library.Library("octavo", "DEF")
 _LIB.define("bf16_linear(Tensor x, Tensor weight, Tensor? bias, bool widen=False) -> Tensor")
+_LIB.define("bf16_linear_experts(Tensor rows, Tensor weights, Tensor experts) -> Tensor")
 _LIB.define("amx_linear(Tensor x, Tensor blocks, Tensor? bias, int out_features) -> Tensor")
 _LIB.define("bf16_gemm(Tensor x, Tensor weight, Tensor? bias, bool dot) -> Tensor")
 _LIB.define("quant_linear(Tensor rows, int bits, int group_size, Tensor packed, Tensor scales, Tensor? mins, "
             "Tensor? bias, int out_features, bool amx) -> Tensor")
 _LIB.define("qdot_linear(Tensor rows, int bits, int group_size, Tensor packed, Tensor scales, Tensor? mins, "
             "Tensor? bias, int out_features) -> Tensor")
+_LIB.define("qdot_linear_experts(Tensor rows, Tensor experts, int bits, int group_size, Tensor packed, "
+            "Tensor scales, Tensor? mins, int out_features) -> Tensor")
 _LIB.define("w8a8_linear(Tensor rows, Tensor packed, Tensor wsum, Tensor scales, Tensor? bias, "
             "int out_features) -> Tensor")
 _LIB.define("rms_norm(Tensor x, Tensor weight, float eps, Tensor(a!)? residual) -> Tensor")
@@ -60,6 +63,12 @@ def bf16_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
     if kernel is None:
         raise ValueError("widen: this CPU target's few-row kernel has no widening sibling")
     return kernel(x, weight, bias)
+
+
+def bf16_linear_experts(rows: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """Row m times ``weights[experts[m]]`` (every expert's bf16 weight stacked [E, N, K]) by bf16_linear.c: a
+    mixture of experts' products at decode in one call."""
+    return bf16_linear_kernel(required=True).experts(rows, weights, experts)
 
 
 def bf16_gemm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], dot: bool) -> torch.Tensor:
@@ -88,6 +97,15 @@ def qdot_linear(rows: torch.Tensor, bits: int, group_size: int, packed: torch.Te
     """rows [M, K] rounded to int8 per block of 32 (llama.cpp's Q8_0) @ an int8/int4 weight packed by
     octavo/kernels/quant_linear.py, by integer dot products (qdot_linear.c)."""
     return qdot_linear_kernel(required=True)(rows, bits, group_size, packed, scales, mins, bias, out_features)
+
+
+def qdot_linear_experts(rows: torch.Tensor, experts: torch.Tensor, bits: int, group_size: int, packed: torch.Tensor,
+                        scales: torch.Tensor, mins: Optional[torch.Tensor], out_features: int) -> torch.Tensor:
+    """Row m times expert ``experts[m]``'s int8/int4 weight, every expert's weight found through tables of
+    addresses (``packed``, ``scales``, ``mins``), by qdot_linear.c's integer dot products: a mixture of
+    experts' products at decode in one call."""
+    return qdot_linear_kernel(required=True).experts(rows, experts, bits, group_size, packed, scales, mins,
+                                                     out_features)
 
 
 def w8a8_linear(rows: torch.Tensor, packed: torch.Tensor, wsum: torch.Tensor, scales: torch.Tensor,
@@ -134,10 +152,12 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 
 
 _LIB.impl("bf16_linear", bf16_linear, "CPU")
+_LIB.impl("bf16_linear_experts", bf16_linear_experts, "CPU")
 _LIB.impl("amx_linear", amx_linear, "CPU")
 _LIB.impl("bf16_gemm", bf16_gemm, "CPU")
 _LIB.impl("quant_linear", quant_linear, "CPU")
 _LIB.impl("qdot_linear", qdot_linear, "CPU")
+_LIB.impl("qdot_linear_experts", qdot_linear_experts, "CPU")
 _LIB.impl("w8a8_linear", w8a8_linear, "CPU")
 for _name, _fn in (("rms_norm", rms_norm), ("silu_mul", silu_mul), ("rotary_write_kv", rotary_write_kv),
                    ("argmax", argmax), ("paged_decode", paged_decode)):
@@ -148,6 +168,11 @@ for _name, _fn in (("rms_norm", rms_norm), ("silu_mul", silu_mul), ("rotary_writ
 def _bf16_linear_fake(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                       widen: bool = False) -> torch.Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+@torch.library.register_fake("octavo::bf16_linear_experts")
+def _bf16_linear_experts_fake(rows: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    return rows.new_empty((rows.shape[0], weights.shape[1]))
 
 
 @torch.library.register_fake("octavo::bf16_gemm")
@@ -171,6 +196,13 @@ def _quant_linear_fake(rows: torch.Tensor, bits: int, group_size: int, packed: t
 @torch.library.register_fake("octavo::qdot_linear")
 def _qdot_linear_fake(rows: torch.Tensor, bits: int, group_size: int, packed: torch.Tensor, scales: torch.Tensor,
                       mins: Optional[torch.Tensor], bias: Optional[torch.Tensor], out_features: int) -> torch.Tensor:
+    return rows.new_empty((rows.shape[0], out_features))
+
+
+@torch.library.register_fake("octavo::qdot_linear_experts")
+def _qdot_linear_experts_fake(rows: torch.Tensor, experts: torch.Tensor, bits: int, group_size: int,
+                              packed: torch.Tensor, scales: torch.Tensor, mins: Optional[torch.Tensor],
+                              out_features: int) -> torch.Tensor:
     return rows.new_empty((rows.shape[0], out_features))
 
 

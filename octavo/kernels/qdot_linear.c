@@ -344,27 +344,90 @@ ALWAYS_INLINE void rows_block(const int R, const int bits, const rounded_rows rr
             rows_block(R, 8, rr, r0, K, N, group, w, scales, mins, bias, dtype, nb, out);              \
         else                                                                                            \
             rows_block(R, 4, rr, r0, K, N, group, w, scales, mins, bias, dtype, nb, out);              \
-        break;
+        return;
+
+/* rows_block with its row count R (1..MAX_ROWS) and bits made constants, so that its loops unroll into
+ * registers. */
+static void rows_block_of(int R, int bits, const rounded_rows rr, int64_t r0, int64_t K, int64_t N, int64_t group,
+                          const void *w, const float *scales, const float *mins, const void *bias, int dtype,
+                          int64_t nb, void *out) {
+    switch (R) {
+        ROWS_CASE(1)
+        ROWS_CASE(2)
+        ROWS_CASE(3)
+        ROWS_CASE(4)
+    }
+}
+
+/* One allocation for the rounded rows of M rows (and the float row round_rows converts through); NULL
+ * when it cannot be made. The caller frees the returned buffer. */
+static char *rounded_buffers(int64_t M, int64_t K, int64_t group, float **row, rounded_rows *rr) {
+    const int64_t B = K / QK, G = K / group;
+    char *buf = malloc((size_t)(K * sizeof(float) + M * K + M * B * (sizeof(float) + sizeof(int32_t)) +
+                                M * G * sizeof(float)));
+    if (buf == NULL) return NULL;
+    *row = (float *)buf;
+    rr->d = (float *)(buf + K * sizeof(float));
+    rr->xsum = (int32_t *)(buf + K * sizeof(float) + M * B * sizeof(float));
+    rr->gsum = (float *)(buf + K * sizeof(float) + M * B * (sizeof(float) + sizeof(int32_t)));
+    rr->xq = (int8_t *)(buf + K * sizeof(float) + M * B * (sizeof(float) + sizeof(int32_t)) + M * G * sizeof(float));
+    return buf;
+}
 
 /* out[M, N] = round_q8_0(x[M, K]) @ W^T (+ bias[N]); x, bias, out of `dtype`
  * (F32 or BF16). N a multiple of 16, K of 32, group a multiple of 32
  * dividing K. Returns 0, or -1 when the row buffers cannot be allocated. */
 int octavo_qdot_linear(const void *x, int dtype, int64_t M, int64_t K, int64_t N, const void *w, int bits,
                        int64_t group, const float *scales, const float *mins, const void *bias, void *out) {
-    const int64_t B = K / QK, G = K / group;
-    char *buf = malloc((size_t)(K * sizeof(float) + M * K + M * B * (sizeof(float) + sizeof(int32_t)) +
-                                M * G * sizeof(float)));
+    float *row;
+    rounded_rows rr;
+    char *buf = rounded_buffers(M, K, group, &row, &rr);
     if (buf == NULL) return -1;
-    float *row = (float *)buf;
-    const rounded_rows rr = {
-        .d = (float *)(buf + K * sizeof(float)),
-        .xsum = (int32_t *)(buf + K * sizeof(float) + M * B * sizeof(float)),
-        .gsum = (float *)(buf + K * sizeof(float) + M * B * (sizeof(float) + sizeof(int32_t))),
-        .xq = (int8_t *)(buf + K * sizeof(float) + M * B * (sizeof(float) + sizeof(int32_t)) + M * G * sizeof(float)),
-    };
     round_rows(x, dtype, M, K, group, bits, row, rr);
 #pragma omp parallel for schedule(static)
-    for (int64_t nb = 0; nb < N / BLOCK; nb++) FOR_ROW_BLOCKS_OF_4(M, r0, ROWS_CASE)
+    for (int64_t nb = 0; nb < N / BLOCK; nb++)
+        for (int64_t r0 = 0; r0 < M; r0 += MAX_ROWS)
+            rows_block_of(M - r0 < MAX_ROWS ? (int)(M - r0) : MAX_ROWS, bits, rr, r0, K, N, group, w, scales, mins,
+                          bias, dtype, nb, out);
+    free(buf);
+    return 0;
+}
+
+/* A mixture of experts' products at decode, every chosen expert in one call: out[m] = round_q8_0(x[m]) @
+ * W_{experts[m]}^T. One call instead of one per expert keeps the Python and the thread start-up of a
+ * call per expert (8 experts x 2 products a layer at top-8) off a step that only reads weights; the
+ * threads split the chosen experts' output blocks between them, so only those experts' bytes are read.
+ * Each expert's weight is quant_linear.c's layout in its own buffers, found through the tables
+ * packed[e], scales[e] and mins[e] (mins NULL: no expert has them); all share bits, K, N and group.
+ * Rows of one expert next to each other (the caller sorts them by expert) share each weight load, up
+ * to MAX_ROWS at a time: every row's sums are the ones octavo_qdot_linear gives it. Returns 0, or -1
+ * when the buffers cannot be allocated. */
+int octavo_qdot_linear_experts(const void *x, int dtype, int64_t M, int64_t K, int64_t N, const int64_t *experts,
+                               const void *const *packed, int bits, int64_t group, const float *const *scales,
+                               const float *const *mins, void *out) {
+    float *row;
+    rounded_rows rr;
+    char *buf = rounded_buffers(M, K, group, &row, &rr);
+    int64_t *starts = malloc((size_t)(M > 0 ? M : 1) * sizeof(int64_t));
+    if (buf == NULL || starts == NULL) {
+        free(buf);
+        free(starts);
+        return -1;
+    }
+    round_rows(x, dtype, M, K, group, bits, row, rr);
+    /* Runs of up to MAX_ROWS consecutive rows of one expert; run j is rows starts[j] .. starts[j + 1] - 1. */
+    int64_t runs = 0;
+    for (int64_t m = 0; m < M; m++)
+        if (m == 0 || experts[m] != experts[m - 1] || m - starts[runs - 1] == MAX_ROWS) starts[runs++] = m;
+    const int64_t blocks = N / BLOCK;
+#pragma omp parallel for schedule(static)
+    for (int64_t item = 0; item < runs * blocks; item++) {
+        const int64_t j = item / blocks, r0 = starts[j], end = j + 1 < runs ? starts[j + 1] : M;
+        const int64_t e = experts[r0];
+        rows_block_of((int)(end - r0), bits, rr, r0, K, N, group, packed[e], scales[e], mins ? mins[e] : NULL, NULL,
+                      dtype, item % blocks, out);
+    }
+    free(starts);
     free(buf);
     return 0;
 }

@@ -25,6 +25,8 @@ class QdotLinearKernel:
     def __init__(self, lib: ctypes.CDLL) -> None:
         lib.octavo_qdot_linear.argtypes = [_P, _C, _I, _I, _I, _P, _C, _I, _P, _P, _P, _P]
         lib.octavo_qdot_linear.restype = _C
+        lib.octavo_qdot_linear_experts.argtypes = [_P, _C, _I, _I, _I, _P, _P, _C, _I, _P, _P, _P]
+        lib.octavo_qdot_linear_experts.restype = _C
         lib.octavo_qdot_isa.restype = ctypes.c_char_p
         self._lib = lib
         self.isa: str = lib.octavo_qdot_isa().decode()
@@ -46,6 +48,26 @@ class QdotLinearKernel:
                   packed.data_ptr(), bits, group, scales.data_ptr(), None if mins is None else mins.data_ptr(),
                   None if bias is None else bias.data_ptr(), out.data_ptr()):
             raise MemoryError("qdot linear kernel could not allocate its row buffers")
+        return out
+
+    def experts(self, rows: torch.Tensor, experts: torch.Tensor, bits: int, group: int, packed: torch.Tensor,
+                scales: torch.Tensor, mins: Optional[torch.Tensor], out_features: int) -> torch.Tensor:
+        """Row m [M, K] (float32 or bf16, contiguous) rounded as ``__call__`` rounds it, times the weight of
+        expert ``experts[m]`` (int64 [M], rows of one expert next to each other) -> [M, out_features].
+        ``packed``, ``scales``, ``mins``: int64 tables [experts] of the addresses of each expert's
+        quant_linear-packed weight and its factors (``mins`` None: no expert has them); the tensors
+        behind them must outlive the call."""
+        m, k = rows.shape
+        if tuple(experts.shape) != (m,) or experts.dtype != torch.int64:
+            raise ValueError(f"experts must be int64 [{m}]; got {experts.dtype} {tuple(experts.shape)}")
+        out = torch.empty(m, out_features, dtype=rows.dtype)
+        if m == 0:
+            return out
+        experts = experts.contiguous()
+        if launch(self._lib.octavo_qdot_linear_experts, rows.data_ptr(), _DTYPES[rows.dtype], m, k, out_features,
+                  experts.data_ptr(), packed.data_ptr(), bits, group, scales.data_ptr(),
+                  None if mins is None else mins.data_ptr(), out.data_ptr()):
+            raise MemoryError("qdot experts kernel could not allocate its row buffers")
         return out
 
 

@@ -5,55 +5,149 @@ linear kernels (a pre-quantized checkpoint's experts: quant/prequantized.py).
 Both run the same way: the (token, choice) pairs are sorted by expert, so each expert's rows are
 one contiguous slice; one gate/up product, the activation and one down product per expert that has
 rows, then a weighted scatter-add back to the tokens. Experts no token chose cost nothing and their
-weights are never read (at batch 1 only ``top_k`` experts' bytes are)."""
+weights are never read (at batch 1 only ``top_k`` experts' bytes are). The experts given few rows
+(decode) go through one call per product for all of them (``GroupedProducts``: quantized experts
+with int8 rows on qdot_linear.c, bf16 ones on bf16_linear.c) rather than one per expert: on
+Qwen3-30B-A3B's layer at one token that is 1.8x less CPU time in bf16 (``F.linear`` reorders a bf16
+weight for oneDNN on every call) and 1.3x in int4 (benchmarks/moe.py --layer, BENCHMARKS.md)."""
 from __future__ import annotations
 
 from abc import ABC
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
+from octavo.kernels import ops
+from octavo.kernels.bf16_linear import bf16_linear_kernel
+from octavo.kernels.qdot_linear import QdotLinearKernel
 from octavo.quant.base import FusedMoEMethod, PreparedWeight, set_weight_attrs
 from octavo.quant.prequantized_weight import KernelWeight
+from octavo.quant.qweights import QDOT_ROWS, QuantizedWeight
 
 # One expert's product: rows [n, in] -> [n, out].
 ExpertProduct = Callable[[torch.Tensor], torch.Tensor]
 
 
+@dataclass(frozen=True)
+class GroupedProduct:
+    """One product (gate/up or down) of every expert, multiplied for rows of several experts in one call
+    (qdot_linear.c's experts kernel), the experts' weights reached through tables of their addresses."""
+
+    weights: list[QuantizedWeight]  # held here: the tables point into their tensors
+    packed: torch.Tensor  # int64 [experts]: the address of each expert's packed weight
+    scales: torch.Tensor
+    mins: Optional[torch.Tensor]
+
+    @classmethod
+    def of(cls, weights: Sequence[QuantizedExpert]) -> Optional[GroupedProduct]:
+        """None where the kernel cannot take every expert of ``weights``: one not on the integer-dot-product
+        path (float rows asked for, a shape it does not take, act-order, dequantized or W8A8 weights), or
+        experts of different shapes, bits or group sizes."""
+        if not weights or not all(isinstance(w, QuantizedWeight) and w.qdot is not None and w.perm is None
+                                  for w in weights):
+            return None
+        first = weights[0]
+        shape = (first.bits, first.group_size, first.out_features, first.in_features, first.mins is None)
+        if any((w.bits, w.group_size, w.out_features, w.in_features, w.mins is None) != shape for w in weights):
+            return None
+
+        def table(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+            return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64)
+
+        mins = None if first.mins is None else table([w.mins for w in weights])
+        return cls(list(weights), table([w.packed for w in weights]), table([w.scales for w in weights]), mins)
+
+    def __call__(self, rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """Row m [M, in] times expert ``experts[m]`` (rows of one expert together) -> [M, out]."""
+        first = self.weights[0]
+        return ops.call(first.qdot.experts, torch.ops.octavo.qdot_linear_experts, rows.contiguous(), experts,
+                        first.bits, first.group_size, self.packed, self.scales, self.mins, first.out_features)
+
+
+# Rows of several experts, each times its own expert's weight: rows [M, in], experts [M] (rows of one
+# expert next to each other) -> [M, out].
+ExpertsProduct = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class GroupedProducts:
+    """Both products of every expert, each one call for the rows of all the experts given at most
+    ``max_rows`` rows (the kernels' few-row paths)."""
+
+    gate_up: ExpertsProduct
+    down: ExpertsProduct
+    max_rows: int
+
+    def run(self, layer: nn.Module, rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """Each row through its expert's gated MLP: rows sorted by expert, ``experts`` their experts."""
+        gate, up = self.gate_up(rows, experts).chunk(2, dim=-1)
+        return self.down(layer.activation(gate) * up, experts)
+
+
 def run_routed(layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-               gate_up: Callable[[int], ExpertProduct], down: Callable[[int], ExpertProduct]) -> torch.Tensor:
+               gate_up: Callable[[int], ExpertProduct], down: Callable[[int], ExpertProduct],
+               grouped: Optional[GroupedProducts] = None) -> torch.Tensor:
     """sum over k of ``topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t])``, each expert's products
-    given by ``gate_up(e)`` and ``down(e)`` (``e`` counted from the layer's ``expert_start``). The
-    pairs routed to experts the layer does not hold (another rank's, under expert parallelism) are
-    left out: their tokens get nothing from here."""
+    given by ``gate_up(e)`` and ``down(e)`` (``e`` counted from the layer's ``expert_start``), or, for
+    the experts given at most ``grouped.max_rows`` rows, by ``grouped``'s one call per product for all
+    of them. The pairs routed to experts the layer does not hold (another rank's, under expert
+    parallelism) are left out: their tokens get nothing from here."""
     top_k = topk_ids.shape[1]
     local = topk_ids.flatten() - layer.expert_start
+    if grouped is not None and layer.num_experts == layer.total_experts and topk_ids.shape[0] <= grouped.max_rows:
+        # Decode: no expert has more rows than there are tokens, so all of them go through the grouped
+        # calls, with nothing read back to Python (no counts per expert).
+        order = local.argsort(stable=True)
+        rows_of = order // top_k
+        out = grouped.run(layer, x.index_select(0, rows_of), local.index_select(0, order))
+        return _weighted_sum(x, out, topk_weights, order, rows_of)
     pairs = None  # which (token, choice) pairs run here: all of them
     if layer.num_experts < layer.total_experts:
         pairs = ((local >= 0) & (local < layer.num_experts)).nonzero().flatten()
         local = local.index_select(0, pairs)
     order = local.argsort(stable=True)
     counts = torch.bincount(local, minlength=layer.num_experts)
+    experts = local.index_select(0, order)  # the expert of each sorted (token, choice) pair
     if pairs is not None:
         order = pairs.index_select(0, order)  # back to indices of the (token, choice) pairs
     rows_of = order // top_k  # the token of each sorted (token, choice) pair
     routed = x.index_select(0, rows_of)
     out = torch.empty_like(routed)
-    start = 0
-    for expert, count in zip(counts.nonzero().flatten().tolist(), counts[counts > 0].tolist()):
+    looped = counts > 0  # the experts multiplied one call each
+    if grouped is not None:
+        few = looped & (counts <= grouped.max_rows)
+        looped &= ~few
+        rows = few.index_select(0, experts).nonzero().flatten()
+        chosen = experts.index_select(0, rows)
+        out.index_copy_(0, rows, grouped.run(layer, routed.index_select(0, rows), chosen))
+    starts = counts.cumsum(0) - counts
+    for expert, start, count in zip(looped.nonzero().flatten().tolist(), starts[looped].tolist(),
+                                    counts[looped].tolist()):
         rows = slice(start, start + count)
         gate, up = gate_up(expert)(routed[rows]).chunk(2, dim=-1)
         out[rows] = down(expert)(layer.activation(gate) * up)
-        start += count
+    return _weighted_sum(x, out, topk_weights, order, rows_of)
+
+
+def _weighted_sum(x: torch.Tensor, out: torch.Tensor, topk_weights: torch.Tensor, order: torch.Tensor,
+                  rows_of: torch.Tensor) -> torch.Tensor:
+    """Each sorted pair's result ``out`` times its routing weight, summed into its token's row."""
     out.mul_(topk_weights.flatten().index_select(0, order).unsqueeze(1).to(out.dtype))
     return torch.zeros_like(x).index_add_(0, rows_of, out)
 
 
+# Rows of one expert up to which bf16 experts take the few-row kernel: its tiles share a weight load
+# between up to 4 rows.
+BF16_EXPERT_ROWS = 4
+
+
 class UnquantizedMoEMethod(FusedMoEMethod):
-    """Float experts, multiplied by ``F.linear`` on each expert's slice of the weights."""
+    """Float experts, multiplied by ``F.linear`` on each expert's slice of the weights; bf16 ones on a CPU
+    at few rows per expert by the few-row kernel (bf16_linear.c), every expert in one call per product
+    (``F.linear`` on a bf16 weight reorders it for oneDNN on every call)."""
 
     def create_weights(self, layer: nn.Module, num_experts: int, hidden: int, intermediate: int,
                        dtype: torch.dtype) -> None:
@@ -65,9 +159,25 @@ class UnquantizedMoEMethod(FusedMoEMethod):
 
     def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
-        return run_routed(layer, x, topk_weights, topk_ids,
-                          lambda e: lambda rows: F.linear(rows, layer.w13_weight[e]),
-                          lambda e: lambda rows: F.linear(rows, layer.w2_weight[e]))
+        return run_routed(layer, x, topk_weights, topk_ids, *self.products(layer), _bf16_grouped(layer, x))
+
+    def products(self, layer: nn.Module) -> tuple[Callable[[int], ExpertProduct], Callable[[int], ExpertProduct]]:
+        """Each expert's gate/up and down products, one call per expert."""
+        return (lambda e: lambda rows: F.linear(rows, layer.w13_weight[e]),
+                lambda e: lambda rows: F.linear(rows, layer.w2_weight[e]))
+
+
+def _bf16_grouped(layer: nn.Module, x: torch.Tensor) -> Optional[GroupedProducts]:
+    """The few-row kernel on the stacked bf16 weights, where it runs (else None)."""
+    kernel = bf16_linear_kernel()
+    if kernel is None or not x.is_cpu or x.dtype != torch.bfloat16 or layer.w13_weight.dtype != torch.bfloat16:
+        return None
+
+    def product(weights: torch.Tensor) -> ExpertsProduct:
+        return lambda rows, experts: ops.call(kernel.experts, torch.ops.octavo.bf16_linear_experts, rows, weights,
+                                              experts)
+
+    return GroupedProducts(product(layer.w13_weight), product(layer.w2_weight), BF16_EXPERT_ROWS)
 
 
 # One expert's gate/up or down product on the kernels (on the fly: int8, int4 or W8A8; a
@@ -77,10 +187,17 @@ QuantizedExpert = KernelWeight
 
 @dataclass
 class QuantizedExperts:
-    """Every expert's two products as quantized weights, for the linear kernels."""
+    """Every expert's two products as quantized weights, for the linear kernels, and both as grouped
+    products where the experts kernel takes them (None elsewhere)."""
 
     gate_up: list[QuantizedExpert]
     down: list[QuantizedExpert]
+    grouped: Optional[GroupedProducts] = field(init=False)
+
+    def __post_init__(self) -> None:
+        # At most QDOT_ROWS rows a per-expert product takes the same kernel's path: the same sums.
+        gate_up, down = GroupedProduct.of(self.gate_up), GroupedProduct.of(self.down)
+        self.grouped = None if gate_up is None or down is None else GroupedProducts(gate_up, down, QDOT_ROWS)
 
 
 class QuantizedExpertsMethod(FusedMoEMethod, ABC):
@@ -90,7 +207,13 @@ class QuantizedExpertsMethod(FusedMoEMethod, ABC):
     def apply(self, layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor) -> torch.Tensor:
         experts: QuantizedExperts = layer.prepared
-        return run_routed(layer, x, topk_weights, topk_ids, lambda e: experts.gate_up[e], lambda e: experts.down[e])
+        grouped = experts.grouped if x.is_cpu and QdotLinearKernel.supports(x.dtype) else None
+        return run_routed(layer, x, topk_weights, topk_ids, *self.products(layer), grouped)
+
+    def products(self, layer: nn.Module) -> tuple[Callable[[int], ExpertProduct], Callable[[int], ExpertProduct]]:
+        """Each expert's gate/up and down products, one call per expert."""
+        experts: QuantizedExperts = layer.prepared
+        return lambda e: experts.gate_up[e], lambda e: experts.down[e]
 
     def kernel_name(self, layer: nn.Module) -> str:
         return f"{layer.prepared.gate_up[0].kernel_name()} (experts)"

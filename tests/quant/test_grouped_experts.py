@@ -1,0 +1,128 @@
+"""A mixture of experts' products at decode in one call per product (quant/moe.py's GroupedProducts):
+the experts kernels of qdot_linear.c (int8/int4 weights, int8-rounded rows) and bf16_linear.c (bf16
+weights), under every CPU target this machine runs, against torch references; and a layer's output
+through them equal to its output through one product per expert."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from octavo.kernels.bf16_linear import bf16_linear_kernel
+from octavo.kernels.cpu_features import TARGETS
+from octavo.kernels.qdot_linear import qdot_linear_kernel
+from octavo.model.config import ExpertsConfig
+from octavo.model.layers.moe import FusedMoE
+from octavo.model.loader import default_dtype
+from octavo.quant.moe import QuantizedExperts, QuantizedMoEMethod, run_routed
+from octavo.quant.onthefly import quantize_int4, quantize_int8
+from tests.kernels.test_bf16_linear import assert_close_to_float32, runnable
+from tests.quant.test_qdot import RUNNABLE, _check, _rows, _weight, needs_kernel
+
+X86_AND_PORTABLE = [t.name for t in TARGETS if t.arch in ("x86_64", "any")]
+# The expert of each row, sorted: runs of 1, 2 and 5 rows (the kernels share a weight load among up to 4).
+EXPERTS = [0, 2, 2, 3, 3, 3, 3, 3]
+
+
+def _tables(weights: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def table(tensors: list[torch.Tensor]) -> torch.Tensor:
+        return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64)
+
+    mins = None if weights[0].mins is None else table([w.mins for w in weights])
+    return table([w.packed for w in weights]), table([w.scales for w in weights]), mins
+
+
+@needs_kernel
+@pytest.mark.parametrize("target", RUNNABLE, ids=lambda t: t.name)
+@pytest.mark.parametrize("kind", ["int8", "int8_zeros", "int4_g32_sym", "int4_g32"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qdot_experts_kernel_gives_each_row_its_own_experts_product(target, kind, dtype):
+    """Each row equals the torch reference of its own expert's weight, and the bits the one-expert kernel
+    gives that expert's rows."""
+    kernel = qdot_linear_kernel(target, required=True)
+    weights = [_weight(kind) for _ in range(4)]
+    for i, w in enumerate(weights):  # four different experts of one shape
+        w.scales = w.scales * (1 + i)
+    packed, scales, mins = _tables(weights)
+    x = _rows(len(EXPERTS), weights[0].in_features, dtype, seed=7)
+    experts = torch.tensor(EXPERTS)
+    first = weights[0]
+    out = kernel.experts(x, experts, first.bits, first.group_size, packed, scales, mins, first.out_features)
+    assert out.dtype == dtype and out.shape == (len(EXPERTS), first.out_features)
+    for e, w in enumerate(weights):
+        rows = (experts == e).nonzero().flatten()
+        if rows.numel():
+            _check(out[rows], w, x[rows], None)
+            alone = kernel(x[rows].contiguous(), w.bits, w.group_size, w.packed, w.scales, w.mins, None,
+                           w.out_features)
+            assert torch.equal(out[rows], alone), f"expert {e}"
+    assert not torch.equal(out[0], out[1])  # different experts, different results
+    with pytest.raises(ValueError, match=r"^experts must be int64 \[8\]"):
+        kernel.experts(x, experts[:3], first.bits, first.group_size, packed, scales, mins, first.out_features)
+
+
+@pytest.mark.parametrize("target_name", X86_AND_PORTABLE)
+def test_bf16_experts_kernel_gives_each_row_its_own_experts_product(target_name):
+    kernel = bf16_linear_kernel(runnable(target_name), required=True)
+    gen = torch.Generator().manual_seed(1)
+    weights = torch.randn(4, 40, 72, generator=gen).to(torch.bfloat16)  # 40 outputs: not whole blocks of 16
+    x = torch.randn(len(EXPERTS), 72, generator=gen).to(torch.bfloat16)
+    experts = torch.tensor(EXPERTS)
+    out = kernel.experts(x, weights, experts)
+    for e in set(EXPERTS):
+        rows = (experts == e).nonzero().flatten()
+        assert_close_to_float32(out[rows], x[rows], weights[e], None)
+    with pytest.raises(ValueError, match="weights contiguous bfloat16"):
+        kernel.experts(x, weights.transpose(1, 2), experts)
+
+
+def _layer(quantize, dtype: torch.dtype) -> FusedMoE:
+    experts = ExpertsConfig(num_experts=6, top_k=2, intermediate_size=64, renormalize=True)
+    method = None if quantize is None else QuantizedMoEMethod(quantize, lambda n, where: None, "experts")
+    with default_dtype(dtype):
+        layer = FusedMoE(experts, hidden=96, act="silu", names=("gate_proj", "up_proj", "down_proj"), method=method)
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for p in (layer.w13_weight, layer.w2_weight):
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    layer.finish_loading()
+    return layer
+
+
+def _routing(tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(6, generator=gen)[:2] for _ in range(tokens)])
+    weights = torch.rand(tokens, 2, generator=gen)
+    return weights / weights.sum(dim=1, keepdim=True), ids
+
+
+@needs_kernel
+@pytest.mark.parametrize("quantize", [quantize_int8, lambda w: quantize_int4(w, 32)], ids=["int8", "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantized_layer_through_grouped_products_equals_one_product_per_expert(quantize, dtype):
+    """Decode (every expert given few rows) and a larger batch (some experts given more rows than the
+    grouped kernel takes: those run on their own) give the bits of one call per expert."""
+    layer = _layer(quantize, dtype)
+    experts: QuantizedExperts = layer.prepared
+    assert experts.grouped is not None
+    for tokens in (1, 3, 16):
+        x = torch.randn(tokens, 96, generator=torch.Generator().manual_seed(tokens)).to(dtype)
+        weights, ids = _routing(tokens, tokens)
+        each = run_routed(layer, x, weights, ids, *layer.method.products(layer))
+        assert torch.equal(layer(x, weights, ids), each), f"{tokens} tokens"
+
+
+@pytest.mark.skipif(bf16_linear_kernel() is None, reason="no C compiler: the kernel cannot be built")
+def test_bf16_layer_through_grouped_products_stays_within_bf16_rounding_of_float64():
+    layer = _layer(None, torch.bfloat16)
+    for tokens in (1, 3, 16):
+        x = torch.randn(tokens, 96, generator=torch.Generator().manual_seed(tokens)).to(torch.bfloat16)
+        weights, ids = _routing(tokens, tokens)
+        expected = torch.zeros(tokens, 96, dtype=torch.float64)
+        for t in range(tokens):
+            for k in range(2):
+                w13, w2 = layer.w13_weight[ids[t, k]].double(), layer.w2_weight[ids[t, k]].double()
+                gate, up = (x[t].double() @ w13.T).chunk(2)
+                expected[t] += weights[t, k] * ((torch.nn.functional.silu(gate) * up) @ w2.T)
+        got = layer(x, weights, ids).double()
+        # bf16 roundings of the gate/up products, the activation and the result: a few bf16 steps.
+        assert (got - expected).abs().max() <= 2**-6 * expected.abs().max(), f"{tokens} tokens"
