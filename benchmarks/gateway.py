@@ -3,11 +3,19 @@
     python -m benchmarks.gateway --model benchmarks/models/llama-100m --replicas 2
 
 Part 1 (routing): ``--replicas`` `octavo serve` replicas (each publishing KV
-events), restarted cold for each policy; ``--tenants`` system prompts of
-``--system-len`` tokens (uniform in the range), each request one tenant's
-system prompt plus a short unique question, Poisson arrivals at ``--rate``
-requests/s, streamed through the gateway. Reported per policy: TTFT p50/p99
-and the replicas' prefix-cache hit rate (hit / looked-up prompt tokens).
+events) and one `octavo gateway` per policy, all started once; ``--tenants``
+system prompts of ``--system-len`` tokens (uniform in the range), each
+request one tenant's system prompt plus a short unique question, Poisson
+arrivals at ``--rate`` requests/s, streamed through the gateway. The policies
+run in turns, ``--rounds`` rounds (the order reversed every other round), so
+a machine whose load changes hits them alike. Every run has the same shape
+(the round's prompt lengths, tenants and arrival gaps) but tokens of its own,
+so nothing an earlier run left in the replicas' caches hits. Reported per
+policy, as the median and min-max over rounds: TTFT p50/p99, their ratio to
+round-robin's in the same round, and the replicas' prefix-cache hits as a
+share of all prompt tokens looked up and of the shared-prefix tokens a cache
+could hold (a tenant's system prompt, in whole blocks, from its second
+request on).
 
 Part 2 (overhead): a trivial upstream that answers every request with the same
 small completion at once; the same client sends non-streaming /v1/completions
@@ -30,6 +38,7 @@ import statistics
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -38,6 +47,7 @@ import httpx
 from benchmarks.online import running_server
 from benchmarks.report import load_avg, machine_info, print_table, write_json
 from benchmarks.serve import latency_summary, one_request
+from benchmarks.turns import fmt_spread, ratios, spread
 from benchmarks.workload import ordinary_token_ids
 
 POLICIES = ("round-robin", "least-load", "kv-aware")
@@ -53,25 +63,46 @@ def free_port() -> int:
 # ---- part 1: routing ---------------------------------------------------------------------------------------
 
 
-def tenant_requests(args: argparse.Namespace) -> list[list[int]]:
-    rng = random.Random(args.seed)
-    ids = ordinary_token_ids(args.model)
+BLOCK_SIZE = 16  # the replicas' KV cache block, which the kv-aware gateway hashes too
+
+
+@dataclass
+class Workload:
+    """One run's requests: ``gaps[i]`` seconds after request i is sent comes request i + 1; ``reusable[i]``:
+    the tokens of prompt i a cache could hold from earlier requests (its tenant's system prompt in whole blocks,
+    0 for a tenant's first request)."""
+
+    prompts: list[list[int]]
+    gaps: list[float]
+    reusable: list[int]
+
+
+def tenant_workload(args: argparse.Namespace, vocab: list[int], round_: int, tokens_seed: int) -> Workload:
+    """The round's shape (system prompt lengths, each request's tenant and question length, the gaps), with
+    tokens drawn from ``tokens_seed``."""
+    shape = random.Random(f"{args.seed}/{round_}")
+    tokens = random.Random(f"{args.seed}/{round_}/{tokens_seed}")
     low, high = (int(x) for x in args.system_len.split(","))
-    systems = [[rng.choice(ids) for _ in range(rng.randint(low, high))] for _ in range(args.tenants)]
-    return [rng.choice(systems) + [rng.choice(ids) for _ in range(rng.randint(16, 48))]
-            for _ in range(args.num_requests)]
+    systems = [[tokens.choice(vocab) for _ in range(shape.randint(low, high))] for _ in range(args.tenants)]
+    prompts, gaps, reusable, seen = [], [], [], set()
+    for _ in range(args.num_requests):
+        tenant = shape.randrange(args.tenants)
+        prompts.append(systems[tenant] + [tokens.choice(vocab) for _ in range(shape.randint(16, 48))])
+        gaps.append(shape.expovariate(args.rate))
+        reusable.append(len(systems[tenant]) // BLOCK_SIZE * BLOCK_SIZE if tenant in seen else 0)
+        seen.add(tenant)
+    return Workload(prompts, gaps, reusable)
 
 
-async def drive(url: str, prompts: list[list[int]], args: argparse.Namespace) -> list:
-    rng = random.Random(args.seed + 1)
+async def drive(url: str, work: Workload, args: argparse.Namespace) -> list:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=limits) as client:
         tasks = []
-        for prompt in prompts:
+        for prompt, gap in zip(work.prompts, work.gaps):
             body = {"model": args.model.name, "prompt": prompt, "max_tokens": args.output_len, "ignore_eos": True,
                     "temperature": 0, "stream": True}
             tasks.append(asyncio.create_task(one_request(client, "/v1/completions", body)))
-            await asyncio.sleep(rng.expovariate(args.rate))
+            await asyncio.sleep(gap)
         return await asyncio.gather(*tasks)
 
 
@@ -86,33 +117,68 @@ def prefix_counters(urls: list[str]) -> tuple[float, float]:
     return hits, queries
 
 
-def run_policy(args: argparse.Namespace, policy: str, prompts: list[list[int]], logs: Path) -> dict:
-    with contextlib.ExitStack() as stack:
-        urls, events = [], []
-        for i in range(args.replicas):
-            port, ev = free_port(), f"tcp://127.0.0.1:{free_port()}"
-            cmd = [sys.executable, "-m", "octavo.entrypoints.cli", "serve", str(args.model), "--port", str(port),
-                   "--dtype", "bfloat16", "--kv-cache-memory", args.kv_cache_memory, "--kv-events-endpoint", ev,
-                   "--log-level", "warning"]
-            url = f"http://127.0.0.1:{port}"
-            stack.enter_context(running_server(cmd, url, logs / f"{policy}-replica{i}.log", 300, args.threads))
-            urls.append(url)
-            events.append(f"{url}={ev}")
-        gw_port = free_port()
-        cmd = [sys.executable, "-m", "octavo.entrypoints.cli", "gateway", "--port", str(gw_port), "--routing", policy,
-               "--tokenizer", str(args.model), "--no-cache", "--log-level", "warning"]
+def start_fleet(args: argparse.Namespace, policies: list[str], stack: contextlib.ExitStack,
+                logs: Path) -> tuple[list[str], dict[str, str]]:
+    """The replicas' URLs, and each policy's gateway URL."""
+    urls, events = [], []
+    for i in range(args.replicas):
+        port, ev = free_port(), f"tcp://127.0.0.1:{free_port()}"
+        cmd = [sys.executable, "-m", "octavo.entrypoints.cli", "serve", str(args.model), "--port", str(port),
+               "--dtype", "bfloat16", "--kv-cache-memory", args.kv_cache_memory, "--kv-events-endpoint", ev,
+               "--block-size", str(BLOCK_SIZE), "--log-level", "warning"]
+        url = f"http://127.0.0.1:{port}"
+        stack.enter_context(running_server(cmd, url, logs / f"replica{i}.log", 300, args.threads))
+        urls.append(url)
+        events.append(f"{url}={ev}")
+    gateways = {}
+    for policy in policies:
+        port = free_port()
+        cmd = [sys.executable, "-m", "octavo.entrypoints.cli", "gateway", "--port", str(port), "--routing", policy,
+               "--tokenizer", str(args.model), "--block-size", str(BLOCK_SIZE), "--no-cache", "--log-level",
+               "warning"]
         cmd += [a for e in events for a in ("--kv-events", e)]
-        gw_url = f"http://127.0.0.1:{gw_port}"
-        stack.enter_context(running_server(cmd, gw_url, logs / f"{policy}-gateway.log", 120, 1))
-        time.sleep(2)  # ZMQ subscriptions settle
-        before = prefix_counters(urls)
-        results = asyncio.run(drive(gw_url, prompts, args))
-        after = prefix_counters(urls)
+        gateways[policy] = f"http://127.0.0.1:{port}"
+        stack.enter_context(running_server(cmd, gateways[policy], logs / f"{policy}-gateway.log", 120, 1))
+    time.sleep(2)  # ZMQ subscriptions settle
+    return urls, gateways
+
+
+def run_once(args: argparse.Namespace, urls: list[str], gateway: str, work: Workload) -> dict:
+    before = prefix_counters(urls)
+    results = asyncio.run(drive(gateway, work, args))
+    after = prefix_counters(urls)
     ok = [r for r in results if r.ok]
     ttft = latency_summary([r.ttft for r in ok])
     hits, queries = after[0] - before[0], after[1] - before[1]
-    return {"policy": policy, "ok": f"{len(ok)}/{len(results)}", "ttft_p50_ms": ttft["p50"] * 1000,
-            "ttft_p99_ms": ttft["p99"] * 1000, "prefix_hit_rate": hits / queries if queries else 0.0}
+    return {"ok": len(ok), "requests": len(results), "ttft_p50_ms": ttft["p50"] * 1000,
+            "ttft_p99_ms": ttft["p99"] * 1000, "prefix_hit_rate": hits / queries if queries else 0.0,
+            "shared_prefix_hit_rate": hits / max(1, sum(work.reusable))}
+
+
+ROUTING_FIGURES = ("ttft_p50_ms", "ttft_p99_ms", "prefix_hit_rate", "shared_prefix_hit_rate")
+
+
+def routing(args: argparse.Namespace, logs: Path) -> list[dict]:
+    policies = args.policies.split(",")
+    vocab = ordinary_token_ids(args.model)
+    runs: dict[str, dict[str, list[float]]] = {p: {k: [] for k in (*ROUTING_FIGURES, "ok")} for p in policies}
+    with contextlib.ExitStack() as stack:
+        urls, gateways = start_fleet(args, policies, stack, logs)
+        for round_ in range(args.rounds):
+            for i, policy in sorted(enumerate(policies), key=lambda x: x[0] if round_ % 2 == 0 else -x[0]):
+                row = run_once(args, urls, gateways[policy], tenant_workload(args, vocab, round_, i))
+                print(json.dumps({"round": round_, "policy": policy, "load": load_avg(), **row}), flush=True)
+                for k in ROUTING_FIGURES:
+                    runs[policy][k].append(row[k])
+                runs[policy]["ok"].append(row["ok"] / row["requests"])
+    rows = []
+    for policy in policies:
+        row = {"policy": policy, "ok": min(runs[policy]["ok"]), **{k: spread(runs[policy][k]) for k in ROUTING_FIGURES}}
+        if "round-robin" in runs:  # within each round
+            for figure, name in (("ttft_p50_ms", "ttft_p50_vs_rr"), ("ttft_p99_ms", "ttft_p99_vs_rr")):
+                row[name] = ratios(runs, figure, [policy], ["round-robin"])[0]["ratio"]
+        rows.append(row)
+    return rows
 
 
 # ---- part 2: overhead ---------------------------------------------------------------------------------------
@@ -255,6 +321,7 @@ def main() -> None:
     p.add_argument("--kv-cache-memory", default="1GiB")
     p.add_argument("--threads", type=int, default=1, help="torch threads per replica")
     p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--rounds", type=int, default=3, help="rounds of the policies in turns")
     p.add_argument("--latency-requests", type=int, default=500)
     p.add_argument("--rate-requests", type=int, default=3000)
     p.add_argument("--concurrency", type=int, default=32)
@@ -265,13 +332,10 @@ def main() -> None:
     logs = Path(tempfile.mkdtemp(prefix="gw-bench-logs-"))
     out: dict = {"machine": machine_info(), "load_avg_before": load_avg(), "args": {k: str(v) for k, v in vars(args).items()}}
     if args.skip != "routing":
-        prompts = tenant_requests(args)
-        rows = [run_policy(args, policy, prompts, logs) for policy in args.policies.split(",")]
-        rr = next((r for r in rows if r["policy"] == "round-robin"), None)
-        for row in rows:
-            row["ttft_p50_vs_rr"] = row["ttft_p50_ms"] / rr["ttft_p50_ms"] if rr else float("nan")
-        print_table(rows, ["policy", "ok", "ttft_p50_ms", "ttft_p99_ms", "ttft_p50_vs_rr", "prefix_hit_rate"],
-                    "routing")
+        rows = routing(args, logs)
+        columns = ["policy", "ok", *ROUTING_FIGURES, "ttft_p50_vs_rr", "ttft_p99_vs_rr"]
+        print_table([{c: fmt_spread(r[c]) if isinstance(r.get(c), dict) else r.get(c) for c in columns}
+                     for r in rows], columns, f"routing: median (min-max) of {args.rounds} rounds")
         out["routing"] = rows
     if args.skip != "overhead":
         rows = overhead(args, logs)

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from benchmarks.options import int_list
 from benchmarks.report import load_avg, print_table, write_json
-from benchmarks.roofline import in_turns
+from benchmarks.turns import in_turns
 
 V2_LITE = {"architectures": ["DeepseekV2ForCausalLM"], "hidden_size": 2048, "num_attention_heads": 16,
            "num_hidden_layers": 27, "intermediate_size": 10944, "vocab_size": 102400, "kv_lora_rank": 512,
@@ -37,39 +38,14 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
-    from octavo.attention.base import StepLayout
-    from octavo.attention.registry import select_attention_backend
-    from octavo.model.backends import ModelBackends
-    from octavo.model.config import parse_arch_config
-    from octavo.model.layers.latent_attention import LatentAttention
-    from octavo.model.loader import default_dtype
-
-    dtype, cpu = getattr(torch, args.dtype), torch.device("cpu")
-    arch = parse_arch_config(V2_LITE)
-    backend = select_attention_backend(args.backend, cpu, dtype, dtype, {None})
-    with default_dtype(dtype):
-        layer = LatentAttention(arch, 1, ModelBackends(attention=backend), "model.layers.1.self_attn")
-    torch.manual_seed(0)
-    for param in layer.parameters():
-        param.data.normal_(0, 0.02)
-    mla, n = arch.latent_attention, args.rows
-    q_nope = torch.randn(n, layer.num_heads, mla.qk_nope_head_dim).to(dtype)
-    q_rope = torch.randn(n, layer.num_heads, mla.qk_rope_head_dim).to(dtype)
+    dtype = getattr(torch, args.dtype)
+    layer, backend = latent_layer(dtype, args.backend)
+    q_nope, q_rope = latent_queries(layer, args.rows, dtype)
+    n = args.rows
     load_start = load_avg()
     results = []
     for context in args.contexts:
-        blocks = -(-context // args.block_size)
-        cache = backend.allocate_cache(layer.kv_cache_spec(args.block_size, dtype), n * blocks, cpu)
-        cache.data.normal_()
-        table = torch.randperm(n * blocks).view(n, blocks)  # scattered blocks, as a busy pool has them
-        last = context - 1
-        slots = table[:, last // args.block_size] * args.block_size + last % args.block_size
-
-        def layout(decodes: int) -> StepLayout:
-            return StepLayout(args.block_size, decodes, list(range(n)), [1] * n, [context] * n, [blocks] * n,
-                              table, slots, cpu)
-
-        decode_meta, chunks = backend.build_metadata(layout(n)), backend.build_metadata(layout(0)).prefills
+        cache, decode_meta, chunks = cached_contexts(layer, backend, context, n, args.block_size, dtype)
 
         def absorbed() -> torch.Tensor:
             return layer.absorbed_decode(q_nope, q_rope, cache, decode_meta)
@@ -89,6 +65,51 @@ def main() -> None:
                 title=f"latent decode attention, one layer, {n} rows, {args.dtype}, {backend.name} backend "
                       f"({args.threads} threads, median of {args.repeats}, in turns; {load})")
     write_json(args.json, {"benchmark": "latent_decode", "args": vars(args), "results": results})
+
+
+def latent_layer(dtype: torch.dtype, backend_name: str = "auto", seed: int = 0) -> tuple[Any, Any]:
+    """(a LatentAttention layer of DeepSeek-V2-Lite's shape with weights drawn from N(0, 0.02), its backend)."""
+    from octavo.attention.registry import select_attention_backend
+    from octavo.model.backends import ModelBackends
+    from octavo.model.config import parse_arch_config
+    from octavo.model.layers.latent_attention import LatentAttention
+    from octavo.model.loader import default_dtype
+
+    backend = select_attention_backend(backend_name, torch.device("cpu"), dtype, dtype, {None})
+    with default_dtype(dtype):
+        layer = LatentAttention(parse_arch_config(V2_LITE), 1, ModelBackends(attention=backend),
+                                "model.layers.1.self_attn")
+    torch.manual_seed(seed)
+    for param in layer.parameters():
+        param.data.normal_(0, 0.02)
+    return layer, backend
+
+
+def latent_queries(layer: Any, rows: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random (q_nope, q_rope) of ``rows`` decode rows."""
+    return (torch.randn(rows, layer.num_heads, layer.nope_dim).to(dtype),
+            torch.randn(rows, layer.num_heads, layer.rope_dim).to(dtype))
+
+
+def cached_contexts(layer: Any, backend: Any, context: int, rows: int, block_size: int,
+                    dtype: torch.dtype) -> tuple[Any, Any, list[Any]]:
+    """(a cache of random latents holding ``rows`` contexts of ``context`` tokens in scattered blocks, the
+    metadata of a decode step of those rows, the same rows as prefill chunks over their cached contexts)."""
+    from octavo.attention.base import StepLayout
+
+    cpu = torch.device("cpu")
+    blocks = -(-context // block_size)
+    cache = backend.allocate_cache(layer.kv_cache_spec(block_size, dtype), rows * blocks, cpu)
+    cache.data.normal_()
+    table = torch.randperm(rows * blocks).view(rows, blocks)  # scattered blocks, as a busy pool has them
+    last = context - 1
+    slots = table[:, last // block_size] * block_size + last % block_size
+
+    def layout(decodes: int) -> StepLayout:
+        return StepLayout(block_size, decodes, list(range(rows)), [1] * rows, [context] * rows, [blocks] * rows,
+                          table, slots, cpu)
+
+    return cache, backend.build_metadata(layout(rows)), backend.build_metadata(layout(0)).prefills
 
 
 if __name__ == "__main__":

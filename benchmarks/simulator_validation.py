@@ -42,7 +42,6 @@ import httpx
 from benchmarks.online import running_server
 from benchmarks.report import load_avg
 from benchmarks.workload import ordinary_token_ids
-from octavo.config import CacheConfig, SchedulerConfig
 from octavo.simulate.cost_model import CostModel, StepWork
 from octavo.simulate.replica import ReplicaShape
 from octavo.simulate.report import SLO, percentile, summarize
@@ -118,14 +117,8 @@ def measured_summary(results: list[Measured]) -> dict:
 # ---- the simulated replica ---------------------------------------------
 
 
-def replica_shape(cost: CostModel) -> ReplicaShape:
-    e = cost.engine
-    return ReplicaShape(SchedulerConfig(e.max_num_seqs, e.max_num_batched_tokens, e.enable_chunked_prefill),
-                        CacheConfig(block_size=e.block_size), e.num_kv_blocks, e.max_model_len)
-
-
 def simulate(cost: CostModel, trace: list[TraceRequest], seed: int) -> dict:
-    result = Simulator(cost, replica_shape(cost), FleetConfig(), seed=seed).run(trace)
+    result = Simulator(cost, ReplicaShape.of_engine(cost.engine), FleetConfig(), seed=seed).run(trace)
     s = summarize(result, SLO())
     out = {f"{name}_p{q}": s[f"{name}_s"][f"p{q}"] for name in ("ttft", "tpot", "e2e") for q in (50, 99)}
     return {**out, "output_tokens_per_s": s["throughput"]["output_tokens_per_s"], "preemptions": s["preemptions"]}

@@ -19,6 +19,7 @@ _DTYPE_ALIASES = ("float", "half")
 # What --generation-config takes besides a folder: the model's own file, or none (vLLM's "vllm").
 GENERATION_CONFIG_SOURCES = ("auto", "vllm", "none")
 ATTENTION_BACKENDS = ("auto", "native", "triton", "torch")
+SPARSE_ATTENTION = ("quest",)
 # Quantized KV cache element types (fp8 = float8_e4m3fn); "auto" stores the cache_dtype.
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
 LINEAR_BACKENDS = ("auto", "native", "onednn", "torch")
@@ -163,6 +164,20 @@ class ModelConfig:
         "or torch gather + SDPA",
         choices=ATTENTION_BACKENDS,
     )
+    # Quest (octavo/attention/quest.py): each decode reads the pages whose keys could score highest for its
+    # query, bounded from every page's per-channel key minimum and maximum, plus the first and the last ones.
+    sparse_attention: Optional[str] = option(
+        None, "decode attention over chosen KV pages only: quest (pages ranked by an upper bound of q.k from "
+        "each page's per-channel key minimum and maximum); prefill stays dense. Default: dense",
+        choices=SPARSE_ATTENTION,
+    )
+    sparse_top_pages: int = option(
+        64, "sparse_attention: pages a decode reads besides its recent ones, the first page (attention sink) "
+        "always among them; contexts of at most sparse_top_pages + sparse_recent_pages pages stay dense",
+    )
+    sparse_recent_pages: int = option(
+        2, "sparse_attention: the last pages (the partial last one included) every decode reads",
+    )
     # vLLM's name. Graphs need the triton backend, one rank and no speculation; elsewhere steps run eagerly anyway.
     enforce_eager: bool = option(
         False, "run every step eagerly: never replay recorded decode steps (CUDA graphs on a GPU, kernel tapes on CPU)"
@@ -253,6 +268,13 @@ class ModelConfig:
         if self.quantized_activations not in QUANTIZED_ACTIVATIONS:
             raise ValueError(f"quantized_activations must be one of {', '.join(QUANTIZED_ACTIVATIONS)}; "
                              f"got {self.quantized_activations!r}")
+        if self.sparse_attention is not None and self.sparse_attention not in SPARSE_ATTENTION:
+            raise ValueError(f"sparse_attention must be one of {', '.join(SPARSE_ATTENTION)} or unset; "
+                             f"got {self.sparse_attention!r}")
+        for name in ("sparse_top_pages", "sparse_recent_pages"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
         if self.quantization_group_size not in QUANTIZATION_GROUP_SIZES:
             raise ValueError(f"quantization_group_size must be one of {QUANTIZATION_GROUP_SIZES}; "
                              f"got {self.quantization_group_size!r}")
@@ -393,3 +415,11 @@ class EngineConfig:
     scheduler: SchedulerConfig = section(SchedulerConfig)
     parallel: ParallelConfig = section(ParallelConfig)
     speculative: SpeculativeConfig = section(SpeculativeConfig)
+
+    def __post_init__(self) -> None:
+        if self.model.sparse_attention is not None and self.speculative.enabled:
+            # A verification row would attend over other pages than decoding its token does: the
+            # output distribution would no longer be exactly the model's.
+            raise ValueError(f"sparse_attention {self.model.sparse_attention!r} decodes one token per step; "
+                             "speculative decoding would verify over other pages than decoding chooses: "
+                             "leave speculative_method and speculative_model unset")

@@ -158,7 +158,7 @@ class AttentionBackend(ABC):
         token and head: K and V, or a latent cache's one); ``static_scales``:
         the checkpoint's [2, kv_heads] K/V scales (quantized caches)."""
         return allocate_layer_cache(num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim, spec.dtype,
-                                    device, static_scales, spec.parts)
+                                    device, static_scales, spec.parts, spec.key_bounds)
 
     def write_kv(self, kv_cache: LayerKVCache, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> None:
         """k, v [T, kv_heads, D] of this step into the cache (quantized when it is)."""

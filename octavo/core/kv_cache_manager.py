@@ -14,6 +14,7 @@ blocks of the last window before the hit. A model with one kind of layer is
 one group: one table per request, as if groups did not exist."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from octavo.core.block_pool import BlockPool
@@ -21,11 +22,23 @@ from octavo.core.prefix_hash import BlockHash, extend_block_hashes
 from octavo.core.request import Request
 from octavo.kv_events import BlockStored, KVEvent
 from octavo.kv_offload.index import TierIndex
-from octavo.kv_offload.transfers import KVTransfer
+from octavo.kv_offload.transfers import HOST, KVTransfer, TierReport
 
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+@dataclass
+class _Load:
+    """A pool block being filled from disk: the request whose hit it extends
+    (None once that request left), the block's hash, and what the KV event
+    of the block's registration names (its parent's hash, its tokens)."""
+
+    request_id: Optional[str]
+    block_hash: BlockHash
+    parent: Optional[BlockHash]
+    token_ids: list[int]
 
 
 class KVCacheManager:
@@ -60,6 +73,8 @@ class KVCacheManager:
                 raise ValueError("kv_offload_dir / kv_offload_host_bytes: the KV tiers serve models whose layers "
                                  "all attend in full (one KV cache group); this model has sliding-window layers")
             self.pool.on_evict = offload.evicted
+        self._loads: dict[int, _Load] = {}  # pool block -> its load from disk, until the workers report it
+        self._staged: dict[str, list[int]] = {}  # a loading request -> the blocks its hit holds meanwhile
         self._hashes: dict[str, list[BlockHash]] = {}
         self._num_registered: dict[str, int] = {}
         self._copies: list[tuple[int, int]] = []
@@ -92,9 +107,10 @@ class KVCacheManager:
         return self._tables.get(request.request_id) or [[] for _ in self.windows]
 
     def num_held_blocks(self, request: Request) -> int:
-        """Blocks of the pool the request's tables hold (null entries are none)."""
+        """Blocks of the pool the request's tables hold (null entries are none), or its hit while it loads."""
         rid = request.request_id
-        return sum(len(table) - skip for table, skip in zip(self._tables.get(rid, ()), self._released.get(rid, ())))
+        return len(self._staged.get(rid, ())) + sum(
+            len(table) - skip for table, skip in zip(self._tables.get(rid, ()), self._released.get(rid, ())))
 
     def _can_hit(self, request: Request) -> bool:
         # Prompt logprobs need the logits of every prompt position, and every
@@ -145,8 +161,9 @@ class KVCacheManager:
         """Per group, the cached blocks a request can start after (a window group's
         unread leading ones as ``null_block``), and the number of tokens they cover:
         the most full blocks every group has cached what the later queries read. The
-        last token is never a hit: computing it is what yields the logits to sample from."""
-        if not self._can_hit(request):
+        last token is never a hit: computing it is what yields the logits to sample from.
+        Nothing while the request is loading (``is_loading``): its hit is not there yet."""
+        if not self._can_hit(request) or self.is_loading(request):
             return [[] for _ in self.windows], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         hashes = self._block_hashes(request, max_blocks)[:max_blocks]
@@ -163,6 +180,8 @@ class KVCacheManager:
             tables.append([self.null_block] * skip + found[g][skip:num])
         if self.offload is not None and num < len(hashes):  # one group, no window (see __init__)
             loaded = self._load_from_tiers(request, hashes, tables[0])
+            if self.is_loading(request):
+                return [[] for _ in self.windows], 0
             tables[0] += loaded
             num += len(loaded)
         return tables, num * self.block_size
@@ -186,32 +205,85 @@ class KVCacheManager:
 
     def _load_from_tiers(self, request: Request, hashes: list[BlockHash], hits: list[int]) -> list[int]:
         """Extend the pool's ``hits`` through the tiers below it: the blocks
-        found there are loaded into fresh pool blocks (this step's moves) and
-        registered, so they are ordinary cached blocks from here on, even if
-        the request then waits. Blocks are held while later ones are loaded:
-        making room evicts pool blocks, which may push the tiers' own LRU
-        blocks out, and must take neither the pool's hits nor blocks loaded
-        already. One block at a time, as each load precedes the evictions
-        that come after it."""
+        found there are loaded into fresh pool blocks (this step's moves).
+        Blocks are held while later ones are loaded: making room evicts pool
+        blocks, which may push the tiers' own LRU blocks out, and must take
+        neither the pool's hits nor blocks loaded already. One block at a
+        time, as each load precedes the evictions that come after it.
+
+        A block from host memory is filled when the step's moves are applied,
+        so it is registered now: an ordinary cached block from here on, even
+        if the request then waits. A block from disk is filled in a later
+        step (``finish_loads``): until then the request is loading (staged),
+        holding its hits and every block loaded, and is not scheduled."""
         found = self.offload.find(hashes[len(hits):])
         if not found:
             return []
         self.pool.touch(hits)
         loaded: list[int] = []
+        filled: list[int] = []  # positions in the prefix of the blocks from host memory
         for block_hash in found:
             if not self.pool.num_free_blocks:
                 break
             (block_id,) = self.pool.allocate(1)
-            if not self.offload.load(block_hash, block_id):
+            tier = self.offload.load(block_hash, block_id)
+            if tier is None:
                 self.pool.free([block_id])
                 break
-            self.pool.cache_block(block_id, block_hash)
+            i = len(hits) + len(loaded)
+            if tier == HOST:
+                self.pool.cache_block(block_id, block_hash)
+                filled.append(i)
+            else:
+                tokens = list(request.all_token_ids[i * self.block_size : (i + 1) * self.block_size])
+                self._loads[block_id] = _Load(request.request_id, block_hash, hashes[i - 1] if i else None, tokens)
             loaded.append(block_id)
-        self.pool.free(reversed(loaded))
-        self.pool.free(hits)
-        if self.pool.events is not None and loaded:
-            self._record_stored(request, hashes, list(range(len(hits), len(hits) + len(loaded))))
+        if self.pool.events is not None and filled:
+            self._record_stored(request, hashes, filled)
+        if any(b in self._loads for b in loaded):
+            self._staged[request.request_id] = list(hits) + loaded
+        else:
+            self.pool.free(reversed(loaded))
+            self.pool.free(hits)
         return loaded
+
+    def is_loading(self, request: Request) -> bool:
+        """Whether the request waits for blocks of its prefix hit to be read from disk."""
+        return request.request_id in self._staged
+
+    @property
+    def loads_in_flight(self) -> bool:
+        """Loads from disk started and not yet reported done (a request that left may have started them)."""
+        return bool(self._loads)
+
+    def finish_loads(self, report: TierReport) -> None:
+        """Apply what the workers report of the tiers: blocks loaded from disk
+        are registered (ordinary cached blocks from now on), those that failed
+        stay unregistered (the prefix is a miss from there: computed again),
+        files not written are forgotten. A request whose loads have all ended
+        lets its blocks go, as a prefix hit does until its request is admitted,
+        so that no held block can stop the scheduler from making room."""
+        for block_hash in report.failed_writes:
+            self.offload.write_failed(block_hash)
+        owners = set()
+        for block_id, ok in [*((b, True) for b in report.loaded), *((b, False) for b in report.failed)]:
+            load = self._loads.pop(block_id)
+            if not ok:
+                self.offload.load_failed(load.block_hash)
+            else:
+                self.offload.load_done()
+                if self.pool.cache_block(block_id, load.block_hash) and self.pool.events is not None:
+                    self.pool.events.append(BlockStored([load.block_hash], load.parent, load.token_ids,
+                                                        self.block_size))
+            if load.request_id is None:
+                self.pool.free([block_id])  # its request left while it loaded
+            else:
+                owners.add(load.request_id)
+        for rid in owners:
+            held = self._staged[rid]
+            if not any(b in self._loads for b in held):
+                del self._staged[rid]
+                self.pool.free(reversed(held))
 
     def allocate_slots(
         self, request: Request, num_new_tokens: int, computed_blocks: Sequence[Sequence[int]] = (),
@@ -348,6 +420,10 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Release the request's blocks; registered ones stay hittable until evicted."""
         rid = request.request_id
+        for block_id in self._staged.get(rid, ()):
+            if block_id in self._loads:
+                self._loads[block_id].request_id = None  # held until its load ends: the workers write it
+        self.pool.free(reversed([b for b in self._staged.pop(rid, ()) if b not in self._loads]))
         tables = self._tables.pop(rid, None)
         released = self._released.pop(rid, None)
         self._hashes.pop(rid, None)

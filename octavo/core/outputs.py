@@ -5,7 +5,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Optional
 
-from octavo.kv_offload.transfers import KVTransfer
+from octavo.kv_offload.transfers import KVTransfer, TierReport
 from octavo.outputs import TokenLogprobs
 from octavo.sampling_params import SamplingParams
 
@@ -101,6 +101,9 @@ class SchedulerOutput:
     # Moves between the pool and the tiers below it (octavo/kv_offload/),
     # applied in order before the block copies and the forward.
     kv_transfers: list[KVTransfer] = field(default_factory=list)
+    # Loads from disk started in earlier steps and not reported done: the
+    # workers must see a step (even an empty one) to finish them.
+    kv_loads_in_flight: bool = False
 
     @property
     def total_num_tokens(self) -> int:
@@ -112,9 +115,10 @@ class SchedulerOutput:
 
     @property
     def needs_workers(self) -> bool:
-        """Anything for the workers to do: run tokens, copy or move blocks or
-        drop the state of requests that left (else it would stay there)."""
-        return bool(self.scheduled or self.block_copies or self.finished_request_ids or self.kv_transfers)
+        """Anything for the workers to do: run tokens, copy or move blocks, finish
+        loads from disk or drop the state of requests that left (else it would stay there)."""
+        return bool(self.scheduled or self.block_copies or self.finished_request_ids or self.kv_transfers
+                    or self.kv_loads_in_flight)
 
 
 @dataclass
@@ -140,6 +144,8 @@ class ModelRunnerOutput:
     # Embedding models: a request's pooled hidden state, once its prompt's
     # last chunk is computed (octavo/worker/pooler.py).
     pooled: dict[str, list[float]] = field(default_factory=dict)
+    # The KV tiers: loads from disk finished (or failed) and files not written since the last output.
+    kv_tiers: TierReport = field(default_factory=TierReport)
 
 
 @dataclass

@@ -14,7 +14,9 @@ pool allow. Choices worth knowing:
   priority value is strictly lower; equal priorities queue first-come
   first-served, so requests never evict each other back and forth.
 - Admission is in order: when the queue head cannot be admitted, nothing behind
-  it is (no starvation of long prompts).
+  it is (no starvation of long prompts). A request whose prefix hit is being
+  read from disk (the KV tiers) is passed over until the read is done, while
+  other requests run and are admitted.
 - ``max_tokens=0`` (prompt scoring): the prompt is computed with ``sample``
   off and the request finishes with "length" once it is.
 - Lengths stop at ``min(max_model_len, whole pool)`` (shared by the KV cache
@@ -164,7 +166,8 @@ class Scheduler:
         return self._requests.get(request_id)
 
     def has_unfinished_requests(self) -> bool:
-        return bool(self._requests)
+        # Loads from disk outlive an aborted request: steps must go on until they end and free their blocks.
+        return bool(self._requests) or self.kv_cache_manager.loads_in_flight
 
     def has_finished_to_send(self) -> bool:
         """Requests that ended since the last step, which the workers still hold
@@ -202,6 +205,7 @@ class Scheduler:
             finished_request_ids=finished,
             preempted_request_ids=step.preempted,
             kv_transfers=self.kv_cache_manager.take_kv_transfers(),
+            kv_loads_in_flight=self.kv_cache_manager.loads_in_flight,
         )
 
     def _schedule_running(self, step: _Step) -> None:
@@ -263,6 +267,8 @@ class Scheduler:
             if request.request_id in step.preempted:
                 return  # it just left; the runner must see it gone for a step
             computed, num_hit = self.kv_cache_manager.get_computed_blocks(request)
+            if self.kv_cache_manager.is_loading(request):
+                continue  # its prefix hit is being read from disk meanwhile: the requests behind it go ahead
             n = request.num_tokens - num_hit
             if n > step.left:
                 if self.config.enable_chunked_prefill:
@@ -336,6 +342,7 @@ class Scheduler:
         A request whose own results cannot be applied (the runner reported it
         failed, or its bookkeeping raised) ends with status FINISHED_ERROR and
         an output carrying the error; the other requests are unaffected."""
+        self.kv_cache_manager.finish_loads(runner_output.kv_tiers)
         outputs = []
         for scheduled in scheduler_output.scheduled:
             request = self._requests.get(scheduled.request_id)

@@ -1,4 +1,4 @@
-"""Collectives over this rank's tensor-parallel group.
+"""Collectives over this rank's tensor-parallel group (and one over every rank).
 
 No-ops at tp_size 1, so the single-process path pays one attribute read per
 call and never touches torch.distributed."""
@@ -76,3 +76,15 @@ def pipeline_recv(count: int, shape: tuple[int, ...], dtype: torch.dtype, device
         dist.recv(t, src=src)
         out.append(t)
     return out
+
+
+def all_ranks_min(values: list[int], device: torch.device) -> list[int]:
+    """Each position's smallest value over every rank of the engine (all
+    stages); ``values`` itself with one rank. Every rank must call it with as
+    many values, at the same point of the same step."""
+    state = get_parallel_state()
+    if state.tp_size * state.pp_size == 1:
+        return values
+    t = torch.tensor(values, dtype=torch.int32, device=device)  # NCCL reduces only device tensors
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return t.tolist()

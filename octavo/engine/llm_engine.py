@@ -408,6 +408,7 @@ class LLMEngine:
             steps=self._steps.copy(),
             kv_offload_hits=dict(kv.offload.hits) if kv.offload is not None else {},
             kv_offload_bytes=kv.offload.bytes_held() if kv.offload is not None else {},
+            kv_offload_errors=dict(kv.offload.errors) if kv.offload is not None else {},
             moe_routed_tokens=self._routing.routed_tokens,  # replaced, never changed in place, by a read
             moe_load_imbalance=dict(self._routing.load_imbalance),
         )

@@ -102,6 +102,8 @@ class EngineStats:
     # prompt tokens loaded from each (cumulative), and bytes each holds now.
     kv_offload_hits: dict[str, int] = field(default_factory=dict)
     kv_offload_bytes: dict[str, int] = field(default_factory=dict)
+    # Block files the disk tier could not read or write ("read", "write"; cumulative): each a miss, not an error.
+    kv_offload_errors: dict[str, int] = field(default_factory=dict)
     # Mixtures of experts (octavo/engine/routing_stats.py), by decoder layer: (token, choice) pairs routed
     # to each expert (cumulative), and the busiest expert's pairs over the mean in the last window read.
     moe_routed_tokens: dict[int, list[int]] = field(default_factory=dict)

@@ -14,9 +14,17 @@ as token ids and ``ignore_eos`` (so its work is known exactly):
   and after), not at the client: a client on the same loaded cores reads 32
   streams in bursts, and its own time would be taken for the server's.
 
-Each batch size runs once unmeasured first: the engine records a decode step
-the first time it meets a batch size, a one-off cost served traffic does not
-pay again.
+- bursts of more requests than the batch holds, sent at once, with outputs of
+  mixed lengths (so prompts join the running batch as others finish, as under
+  a load past saturation): their mean latency, arrival to last token, read
+  from the server's histogram (``octavo:e2e_request_latency_seconds``) as the
+  TPOT above. The scheduler, run on the same burst (``burst_steps``), says
+  which steps the server ran; the fit makes the served terms give that mean
+  (octavo/simulate/served.py).
+
+Each batch size runs once unmeasured first (and a burst too): the engine
+records a decode step the first time it meets a batch size, a one-off cost
+served traffic does not pay again.
 """
 from __future__ import annotations
 
@@ -27,36 +35,49 @@ import os
 import random
 import time
 from dataclasses import dataclass
+from typing import Awaitable
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from octavo.simulate.cost_model import CostModel, StepWork
-from octavo.simulate.served import ServedCost, ServedProbe
+from octavo.simulate.replica import ReplicaShape, burst_steps
+from octavo.simulate.served import SaturationProbe, ServedCost, ServedProbe
 
 logger = logging.getLogger(__name__)
 
 TPOT_HISTOGRAM = "octavo:request_time_per_output_token_seconds"
+E2E_HISTOGRAM = "octavo:e2e_request_latency_seconds"
 
 
 @dataclass(frozen=True)
 class ServedProbePlan:
     """The probe set: lone prompts of ``prompt_lens``; batches of ``batches`` decoding ``decode_tokens`` each
-    after ``batch_prompt_len``-token prompts; all ``repeats`` times."""
+    after ``batch_prompt_len``-token prompts; all ``repeats`` times. Then ``bursts`` bursts (after one unmeasured)
+    of ``burst_per_seq`` requests per sequence the engine batches, ``burst_prompt_len``-token prompts and outputs
+    uniform in ``burst_output``."""
 
     prompt_lens: tuple[int, ...] = (32, 128, 256, 384)
     batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     batch_prompt_len: int = 32
     decode_tokens: int = 48
     repeats: int = 4
+    bursts: int = 2
+    burst_per_seq: int = 3
+    burst_prompt_len: int = 192
+    burst_output: tuple[int, int] = (32, 96)
 
     def fitted_to(self, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int) -> ServedProbePlan:
         """Cut to the engine's context, sequence limit and token budget (a batch's prompts fit one step)."""
         room = max(2, max_model_len - self.decode_tokens - 8)
         batches = tuple(sorted({min(b, max_num_seqs) for b in self.batches}))
         batch_prompt = max(2, min(self.batch_prompt_len, room, max_num_batched_tokens // batches[-1]))
+        longest = max(2, min(self.burst_output[1], max_model_len // 2))
+        burst_output = (min(self.burst_output[0], longest), longest)
+        burst_prompt = max(2, min(self.burst_prompt_len, max_model_len - longest - 8))
         return ServedProbePlan(tuple(sorted({min(n, room) for n in self.prompt_lens})), batches, batch_prompt,
-                               self.decode_tokens, self.repeats)
+                               self.decode_tokens, self.repeats, self.bursts, self.burst_per_seq, burst_prompt,
+                               burst_output)
 
 
 async def _stream(client: httpx.AsyncClient, model: str, prompt: list[int], max_tokens: int) -> list[float]:
@@ -73,18 +94,26 @@ async def _stream(client: httpx.AsyncClient, model: str, prompt: list[int], max_
     return times
 
 
-async def _tpot_sum_count(client: httpx.AsyncClient) -> tuple[float, float]:
-    """The server's time-per-output-token histogram: its sum and count so far."""
+async def _histogram_sum_count(client: httpx.AsyncClient, name: str = TPOT_HISTOGRAM) -> tuple[float, float]:
+    """One of the server's histograms: its sum and count so far."""
     r = await client.get("/metrics")
     if r.status_code != 200:
-        raise ValueError(f"served: HTTP {r.status_code} from /metrics (the probes read its TPOT histogram)")
+        raise ValueError(f"served: HTTP {r.status_code} from /metrics (the probes read its histograms)")
     values = {}
     for family in text_string_to_metric_families(r.text):
-        if family.name == TPOT_HISTOGRAM:
+        if family.name == name:
             values.update({s.name: s.value for s in family.samples if s.name.endswith(("_sum", "_count"))})
     if not values:
-        raise ValueError(f"served: the server's /metrics has no {TPOT_HISTOGRAM}")
-    return values[f"{TPOT_HISTOGRAM}_sum"], values[f"{TPOT_HISTOGRAM}_count"]
+        raise ValueError(f"served: the server's /metrics has no {name}")
+    return values[f"{name}_sum"], values[f"{name}_count"]
+
+
+async def _histogram_mean(client: httpx.AsyncClient, name: str, run: Awaitable[object]) -> float:
+    """The mean of what the server's histogram ``name`` observed while ``run`` ran."""
+    before = await _histogram_sum_count(client, name)
+    await run
+    after = await _histogram_sum_count(client, name)
+    return (after[0] - before[0]) / max(1.0, after[1] - before[1])
 
 
 async def _probe(base_url: str, model: str, cost: CostModel, plan: ServedProbePlan, vocab_size: int,
@@ -107,16 +136,40 @@ async def _probe(base_url: str, model: str, cost: CostModel, plan: ServedProbePl
                 measured.append(ServedProbe(engine_s, 1, times[0] - sent, first_token=True))
             for b in plan.batches:
                 n, out = plan.batch_prompt_len, plan.decode_tokens
-                before = await _tpot_sum_count(client)
-                await asyncio.gather(*[_stream(client, model, prompt(n), out) for _ in range(b)])
-                after = await _tpot_sum_count(client)
-                tpot = (after[0] - before[0]) / max(1.0, after[1] - before[1])
+                tpot = await _histogram_mean(client, TPOT_HISTOGRAM,
+                                             asyncio.gather(*[_stream(client, model, prompt(n), out) for _ in range(b)]))
                 engine_s = sum(cost.predict(StepWork(decode_seqs=b, decode_context_tokens=b * (n + j),
                                                      sampled_seqs=b)) for j in range(1, out)) / (out - 1)
                 measured.append(ServedProbe(engine_s, b, tpot, first_token=False))
             if repeat:  # round 0 warms the front and records the engine's steps
                 probes += measured
             logger.info("served calibration: round %d/%d done", repeat, plan.repeats)
+    return probes
+
+
+async def _saturate(base_url: str, model: str, cost: CostModel, plan: ServedProbePlan, vocab_size: int,
+                    seed: int) -> list[SaturationProbe]:
+    """The bursts (module docstring): the first one unmeasured."""
+    rng = random.Random(seed)
+    shape = ReplicaShape.of_engine(cost.engine)
+    lengths = [(plan.burst_prompt_len, rng.randint(*plan.burst_output))
+               for _ in range(plan.burst_per_seq * shape.scheduler.max_num_seqs)]
+    steps = burst_steps(shape, lengths, seed)
+    # Each step weighs as the share of the burst's requests that wait for it (SaturationProbe).
+    weights = [s.unfinished / len(lengths) for s in steps]
+    engine_s = sum(w * cost.predict(s.work) for w, s in zip(weights, steps))
+    sampled = sum(w * s.work.sampled_seqs for w, s in zip(weights, steps))
+    probes = []
+    async with httpx.AsyncClient(base_url=base_url, timeout=600, limits=httpx.Limits(max_keepalive_connections=0)) \
+            as client:
+        for burst in range(plan.bursts + 1):
+            prompts = [[rng.randrange(5, vocab_size - 10) for _ in range(n)] for n, _ in lengths]
+            streams = asyncio.gather(*[_stream(client, model, prompt, out) for prompt, (_, out) in zip(prompts, lengths)])
+            seconds = await _histogram_mean(client, E2E_HISTOGRAM, streams)
+            if burst:
+                probes.append(SaturationProbe(engine_s, sum(weights), sampled, seconds))
+            logger.info("served calibration: burst of %d requests %d/%d: mean latency %.2f s", len(lengths), burst,
+                        plan.bursts, seconds)
     return probes
 
 
@@ -133,13 +186,16 @@ def calibrate_served(base_url: str, cost: CostModel, vocab_size: int,
             raise ValueError(f"served: HTTP {models.status_code} from {base_url}/v1/models")
         model = models.json()["data"][0]["id"]
         probes = asyncio.run(_probe(base_url, model, cost, plan, vocab_size, seed))
+        # Without the engine's limits the scheduler cannot replay a burst: the fit goes without one.
+        bursts = asyncio.run(_saturate(base_url, model, cost, plan, vocab_size, seed)) if cost.engine else []
     except httpx.HTTPError as exc:
         raise ValueError(f"served: cannot probe {base_url}: {exc}") from None
-    return ServedCost.fit(probes, load_avg="/".join(f"{x:.2f}" for x in os.getloadavg()))
+    return ServedCost.fit(probes, load_avg="/".join(f"{x:.2f}" for x in os.getloadavg()), saturation=bursts)
 
 
 def served_summary(served: ServedCost) -> str:
     return (f"served: engine steps x{served.engine_scale:.2f}, +{served.per_step_s * 1e3:.2f} ms per step, "
             f"+{served.per_token_s * 1e3:.3f} ms per streamed token, +{served.per_request_s * 1e3:.1f} ms per "
-            f"request ({served.num_probes} probes; |error| mean {100 * served.mean_abs_rel_error:.1f}%; "
-            f"load {served.load_avg})")
+            f"request, step spread {served.step_noise_sigma:.2f} ({served.num_probes} probes; |error| mean "
+            f"{100 * served.mean_abs_rel_error:.1f}%; {served.saturation_probes} bursts, error "
+            f"{100 * served.saturation_rel_error:+.1f}%; load {served.load_avg})")

@@ -68,9 +68,12 @@ bytes_per_block = 2 (K and V) * num_layers * block_size * num_kv_heads * (head_d
 with `element_bytes` 2 for bfloat16/float16, 4 for float32, 1 for `--kv-cache-dtype int8|fp8` (which adds
 `scale_bytes` = 4, a float32 scale per token and KV head; 0 otherwise). A draft model (`--speculative-model`)
 shares the block ids and adds its own bytes per block. Layers of multi-head latent attention (DeepSeek-V2/V3) keep
-one vector per token instead of K and V per head:
-`num_layers * block_size * (kv_lora_rank + qk_rope_head_dim) * element_bytes` (DeepSeek-V3 in bfloat16:
-61 x 576 x 2 = 70272 bytes per token). The start-up log line `KV cache: ...` gives the bytes per token.
+one vector per token instead of K and V per head, and with `--kv-cache-dtype int8|fp8` one scale per token:
+`num_layers * block_size * ((kv_lora_rank + qk_rope_head_dim) * element_bytes + scale_bytes)` (DeepSeek-V3 in
+bfloat16: 61 x 576 x 2 = 70272 bytes per token; int8: 61 x (576 + 4) = 35380). `--sparse-attention quest` adds each
+block's key minimum and maximum: `2 * num_layers * num_kv_heads * head_dim * bound_bytes` per block (`bound_bytes` the
+cache's element size, 4 for int8/fp8 caches), 1/16 of a float cache's bytes at block_size 16. The start-up log line
+`KV cache: ...` gives the bytes per token.
 
 *Available memory* is, on CPU, the smaller of the kernel's `MemAvailable` and the headroom (limit minus usage) of
 every memory cgroup around the process (inside a container `MemAvailable` describes the host); on CUDA, the free

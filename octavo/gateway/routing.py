@@ -144,13 +144,18 @@ class KVAware:
     """Cached prefix against queue, in prompt tokens: each replica's cost is the
     prompt tokens it would prefill (those past its cached prefix) plus the
     prefills queued before it, each waiting request (and each sent since the
-    last scrape) counted as the mean prompt routed so far. Running requests
-    only slow each step a little under continuous batching; they weigh in
-    through ``max_imbalance`` and the tie-break. A
-    replica whose cached prefix is worth less than the extra queue it carries
-    loses the request, so a hot replica sheds new tenants before its tail
-    grows, and a returning tenant stays where its prefix is while the queues
-    are close.
+    last scrape) counted as the mean prefill routed so far: the mean of the
+    routed prompts' tokens past the chosen replica's cached prefix, as the
+    queue's requests are mostly cache hits too. (Counted as whole prompts, one
+    request waiting out a prefill step outweighed a tenant's whole cached
+    prefix and sent the tenant to a replica without it: on the gateway
+    benchmark's 8 tenants over two replicas, 0.75 of the shared-prefix tokens
+    hit and TTFT p50 was 0.77x round-robin's; counted as prefills, 0.96 and
+    0.42x.) Running requests only slow each step a little under continuous
+    batching; they weigh in through ``max_imbalance`` and the tie-break. A replica whose
+    cached prefix is worth less than the extra queue it carries loses the
+    request, so a hot replica sheds new tenants before its tail grows, and a
+    returning tenant stays where its prefix is while the queues are close.
 
     The index learns of blocks from the replicas' events, which come only after
     a prefill: a tenant's second request arriving before then would miss. So the
@@ -166,7 +171,7 @@ class KVAware:
         self._clock = clock
         self._in_flight = _Remembered()  # block hash -> (replica URL, routed at)
         self._turns = itertools.count()
-        self._mean_prompt = 0.0
+        self._mean_prefill = 0.0
         self._routed = 0
 
     def _matched(self, replica: Replica, hashes: list[BlockHash], now: float) -> int:
@@ -184,18 +189,21 @@ class KVAware:
         # The engine never hits the prompt's last token (it must compute its logits).
         hashes: list[BlockHash] = []
         extend_block_hashes(hashes, tokens, self._block_size, max(0, len(tokens) - 1) // self._block_size)
-        self._routed += 1
-        self._mean_prompt += (len(tokens) - self._mean_prompt) / min(self._routed, 100)
         matched = {r.url: self._matched(r, hashes, now) for r in candidates}
         fewest = min(r.load for r in candidates)
 
+        def prefill(replica: Replica) -> int:
+            return len(tokens) - matched[replica.url] * self._block_size
+
         def cost(replica: Replica) -> float:
             queued = replica.load - replica.running
-            return len(tokens) - matched[replica.url] * self._block_size + queued * self._mean_prompt
+            return prefill(replica) + queued * self._mean_prefill
 
         eligible = [r for r in candidates if r.load - fewest <= self._max_imbalance]
         best = min(cost(r) for r in eligible)
         chosen = least_loaded([r for r in eligible if cost(r) == best], next(self._turns))
+        self._routed += 1
+        self._mean_prefill += (prefill(chosen) - self._mean_prefill) / min(self._routed, 100)
         if matched[chosen.url]:
             reason = "kv_hit"
         elif any(matched.values()):

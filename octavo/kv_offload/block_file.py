@@ -17,6 +17,7 @@ catch at the next start, and the block is computed again.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import struct
@@ -43,45 +44,60 @@ def file_name(fingerprint: bytes, block_hash: bytes) -> str:
 
 
 def write_block(folder: Path, fingerprint: bytes, block_hash: bytes, payload: memoryview | bytes) -> None:
-    """Write the block's file atomically (temporary file, then rename)."""
+    """Write the block's file atomically (temporary file, then rename); an
+    ``OSError`` (a full disk, a folder gone read-only) leaves no file behind."""
     final = folder / file_name(fingerprint, block_hash)
     tmp = folder / f".{final.name}.{os.getpid()}.tmp"
     header = _HEADER.pack(MAGIC, fingerprint, block_hash, len(payload), zlib.crc32(payload))
-    with open(tmp, "wb") as f:
-        f.write(header)
-        f.write(payload)
-    os.replace(tmp, final)
-
-
-def read_block(path: Path, fingerprint: bytes, block_hash: bytes, size: int) -> bytes:
-    """The payload of a valid file; ``BadBlockFile`` saying what is wrong with any other."""
     try:
-        data = path.read_bytes()
+        with open(tmp, "wb") as f:
+            f.write(header)
+            f.write(payload)
+        os.replace(tmp, final)
+    except OSError:
+        # Half a file would hold disk space the tier's bound does not count; the
+        # folder may refuse this too (permission lost), and then the next start's scan deletes it.
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        raise
+
+
+def read_block(path: Path, fingerprint: bytes, block_hash: bytes, out: memoryview) -> None:
+    """Read the payload of a valid file into ``out`` (as many bytes as a
+    payload has here); ``BadBlockFile`` saying what is wrong with any other
+    file (``out`` then holds anything). Read straight into the caller's
+    buffer: a block of a 135M-parameter model is ~360 KiB, and each copy of
+    a prompt's blocks costs more than reading them from the page cache."""
+    size = out.nbytes
+    try:
+        with path.open("rb") as f:
+            header = f.read(HEADER_BYTES)
+            if len(header) < HEADER_BYTES:
+                raise BadBlockFile(f"truncated: {len(header)} bytes, shorter than the {HEADER_BYTES}-byte header")
+            magic, file_fp, file_hash, file_size, crc = _HEADER.unpack(header)
+            if magic != MAGIC:
+                raise BadBlockFile(f"not a KV block file (magic {magic!r}, expected {MAGIC!r})")
+            if file_fp != fingerprint:
+                raise BadBlockFile("written for another model, dtype, KV layout, block size or rank "
+                                   "(fingerprint differs)")
+            if file_hash != block_hash:
+                raise BadBlockFile("its header names another block than its file name")
+            if file_size != size:
+                raise BadBlockFile(f"its header says {file_size} payload bytes, a block here has {size}")
+            got = f.readinto(out)
+            if got != size or f.read(1):
+                raise BadBlockFile(f"truncated: {got} of {size} payload bytes" if got != size
+                                   else f"longer than its header's {size} payload bytes")
     except OSError as exc:
         raise BadBlockFile(f"unreadable: {exc.strerror}") from None
-    if len(data) < HEADER_BYTES:
-        raise BadBlockFile(f"truncated: {len(data)} bytes, shorter than the {HEADER_BYTES}-byte header")
-    magic, file_fp, file_hash, file_size, crc = _HEADER.unpack_from(data)
-    if magic != MAGIC:
-        raise BadBlockFile(f"not a KV block file (magic {magic!r}, expected {MAGIC!r})")
-    if file_fp != fingerprint:
-        raise BadBlockFile("written for another model, dtype, KV layout, block size or rank (fingerprint differs)")
-    if file_hash != block_hash:
-        raise BadBlockFile("its header names another block than its file name")
-    if file_size != size:
-        raise BadBlockFile(f"its header says {file_size} payload bytes, a block here has {size}")
-    payload = memoryview(data)[HEADER_BYTES:]
-    if len(payload) != size:
-        raise BadBlockFile(f"truncated: {len(payload)} of {size} payload bytes")
-    if zlib.crc32(payload) != crc:
+    if zlib.crc32(out) != crc:
         raise BadBlockFile("corrupted: the payload's checksum differs from the header's")
-    return data[HEADER_BYTES:]
 
 
 def scan_folder(folder: Path, fingerprint: bytes, size: int) -> list[bytes]:
     """The hashes of this fingerprint's valid files in ``folder``, oldest
-    first. Every byte is checked now, not at load time: a load the scheduler
-    has planned cannot fail later (a step has no way back to plan it again).
+    first. Every byte is checked now, so that a bad file is never indexed (a
+    load that fails later is a miss, but it delays its request by a read).
     Each bad file is reported in one warning and left where it is, never
     loaded; storing the same block again replaces it. Other fingerprints'
     files belong to other models or ranks and are not looked at. Temporary
@@ -89,6 +105,7 @@ def scan_folder(folder: Path, fingerprint: bytes, size: int) -> list[bytes]:
     deleted."""
     tag = f".{fingerprint.hex()[:16]}{SUFFIX}"
     found: list[tuple[float, bytes]] = []
+    scratch = memoryview(bytearray(size))
     for path in folder.iterdir():
         if path.name.startswith(".") and path.name.endswith(".tmp") and tag in path.name:
             path.unlink(missing_ok=True)  # a write of ours cut short (the engine was killed): never a block
@@ -103,7 +120,7 @@ def scan_folder(folder: Path, fingerprint: bytes, size: int) -> list[bytes]:
             logger.warning("KV block file %s: skipped: its name is not a block hash", path)
             continue
         try:
-            read_block(path, fingerprint, block_hash, size)
+            read_block(path, fingerprint, block_hash, scratch)
             found.append((path.stat().st_mtime, block_hash))
         except (BadBlockFile, OSError) as exc:
             logger.warning("KV block file %s: skipped: %s", path, exc)

@@ -47,6 +47,7 @@ class TierIndex:
         self._transfers: list[KVTransfer] = []
         self.events: Optional[list[KVEvent]] = None
         self.hits = dict.fromkeys(TIERS, 0)  # prompt tokens loaded from each tier into the pool
+        self.errors = dict.fromkeys(("read", "write"), 0)  # files the workers could not read or write
         self._adopt([layout.files for layout in layouts])
 
     def _adopt(self, files: list[list[bytes]]) -> None:
@@ -98,22 +99,43 @@ class TierIndex:
             found.append(h)
         return found
 
-    def load(self, block_hash: bytes, block_id: int) -> bool:
+    def load(self, block_hash: bytes, block_id: int) -> Optional[str]:
         """Fill pool block ``block_id`` with the block's K/V from the fastest
-        tier holding it; False when none does any longer (an eviction since
-        ``find`` dropped it), and then nothing moves."""
+        tier holding it, and name that tier; None when none does any longer
+        (an eviction since ``find`` dropped it), and then nothing moves. A
+        load from host memory is done when the step's moves are applied; one
+        from disk only starts then, and ends in ``load_done`` or
+        ``load_failed`` (the workers' ``TierReport`` of a later step)."""
         tier = self.tier_of(block_hash)
         if tier == HOST:
             slot = self._host.pop(block_hash)
             self._transfers.append(KVTransfer(FROM_HOST, block_id, slot))
             self._free_slots.append(slot)
             self._record(BlockRemoved([block_hash], medium=HOST))
+            self.hits[HOST] += self.block_size
         elif tier == DISK:
             self._transfers.append(KVTransfer(FROM_DISK, block_id, block_hash=block_hash))
-        else:
-            return False
-        self.hits[tier] += self.block_size
-        return True
+        return tier
+
+    def load_done(self) -> None:
+        """A load from disk that filled its block."""
+        self.hits[DISK] += self.block_size
+
+    def load_failed(self, block_hash: bytes) -> None:
+        """A file that some rank could not read: forgotten (and deleted, if it can be), so the block is a miss."""
+        self.errors["read"] += 1
+        self._forget_file(block_hash)
+        self._transfers.append(KVTransfer(DELETE_FILE, block_hash=block_hash))
+
+    def write_failed(self, block_hash: bytes) -> None:
+        """A file that was not written (a full disk, a folder gone read-only): the disk tier does not hold it."""
+        self.errors["write"] += 1
+        self._forget_file(block_hash)
+
+    def _forget_file(self, block_hash: bytes) -> None:
+        if block_hash in self._disk:
+            del self._disk[block_hash]
+            self._record(BlockRemoved([block_hash], medium=DISK))
 
     def evicted(self, block_hash: bytes, block_id: int) -> None:
         """The pool is about to reuse ``block_id``, which holds ``block_hash``: keep its K/V below the pool."""

@@ -7,10 +7,15 @@ contract: a pool block evicted to the host tier and reused for a load in the
 same step is read out (``TO_HOST``) before the load writes it (``FROM_HOST``),
 and a host slot spilled to disk is read (``HOST_TO_DISK``) before a newer
 block overwrites it.
+
+Loads from disk are the one move a step only starts: the files are read
+while later steps run, and each step's ``TierReport`` tells the scheduler
+which pool blocks are filled (or could not be, a read that failed). Until
+then the scheduler holds those blocks and schedules nothing that reads them.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 HOST = "cpu"  # the medium names of KV events (vLLM's events name host memory "cpu" too)
 DISK = "disk"
@@ -20,7 +25,7 @@ TO_HOST = "to_host"  # pool block -> host slot
 TO_DISK = "to_disk"  # pool block -> file (no host tier, or persisting at shutdown)
 HOST_TO_DISK = "host_to_disk"  # host slot -> file (spill)
 FROM_HOST = "from_host"  # host slot -> pool block
-FROM_DISK = "from_disk"  # file -> pool block
+FROM_DISK = "from_disk"  # file -> pool block, finished in a later step (TierReport)
 DELETE_FILE = "delete_file"  # the disk tier's LRU eviction
 
 
@@ -47,3 +52,20 @@ class TierLayout:
     disk_blocks: int
     block_bytes: int
     files: list[bytes]
+
+
+@dataclass
+class TierReport:
+    """What a step's moves came to, as far as the scheduler must know (the
+    driver rank's, which agrees with every rank on the loads): the pool
+    blocks whose loads from disk are done (``loaded``) or failed on some
+    rank (``failed``: the block holds nothing, its prefix is a miss from
+    there on), and the blocks whose files could not be written
+    (``failed_writes``, by hash: the disk tier does not hold them)."""
+
+    loaded: list[int] = field(default_factory=list)
+    failed: list[int] = field(default_factory=list)
+    failed_writes: list[bytes] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.loaded or self.failed or self.failed_writes)

@@ -26,7 +26,8 @@ def load_static_kv_scales(
 ) -> list[Optional[torch.Tensor]]:
     """Per local layer: [2, this rank's kv_heads] float32 quantization steps
     for a ``cache_dtype`` cache (K's, then V's), or None when the checkpoint
-    has no scales for the layer. ValueError naming the tensor when one of the
+    has no scales for the layer or the layer keeps no K and V (latent
+    attention). ValueError naming the tensor when one of the
     pair is missing, has a shape other than [1] / [num_kv_heads] / [], or
     is not a positive finite number."""
     stored = _read_scales(folder)
@@ -35,10 +36,11 @@ def load_static_kv_scales(
     for offset, layer in enumerate(net.local_layers):
         prefix = f"model.layers.{first + offset}.self_attn."
         found = {name: stored.get(prefix + name) for name in SCALE_NAMES}
-        if all(t is None for t in found.values()):
+        qkv = getattr(layer.self_attn, "qkv_proj", None)
+        if all(t is None for t in found.values()) or qkv is None:
+            # A latent cache (DeepSeek) has no K and V to scale: its entries keep a scale per token.
             result.append(None)
             continue
-        qkv = layer.self_attn.qkv_proj
         total_heads = qkv.num_kv_heads * qkv.num_kv_shards
         rows = []
         for name, tensor in found.items():

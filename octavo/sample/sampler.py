@@ -49,7 +49,7 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
         """``logits`` [B, V] in any float dtype."""
-        if meta.all_greedy and meta.max_num_logprobs is None and _nothing_to_process(meta):
+        if plain_greedy(meta):
             # Plain greedy: the argmax of the logits as they come (rounding to
             # the model dtype and back is exact, so the index is the same).
             return SamplerOutput(self._argmax(logits))
@@ -68,8 +68,10 @@ class Sampler:
         return SamplerOutput(token_ids, logprobs)
 
 
-def _nothing_to_process(meta: SamplingMetadata) -> bool:
-    return meta.masks is None and meta.penalties is None and meta.grammars is None
+def plain_greedy(meta: SamplingMetadata) -> bool:
+    """Every row greedy, no logprobs, nothing that changes the logits: the argmax of the raw logits is the answer."""
+    return (meta.all_greedy and meta.max_num_logprobs is None and meta.masks is None and meta.penalties is None
+            and meta.grammars is None)
 
 
 def process_logits(logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:

@@ -92,6 +92,12 @@ class EngineStatsCollector(Collector):
             held.add_metric([*model, medium], float(stats.kv_offload_bytes.get(medium, 0)))
         yield hits
         yield held
+        errors = CounterMetricFamily("octavo:kv_offload_errors", "Block files the disk tier could not read or write "
+                                     "(each block computed again instead), by operation.",
+                                     labels=["model_name", "op"])
+        for op in ("read", "write"):
+            errors.add_metric([*model, op], float(stats.kv_offload_errors.get(op, 0)))
+        yield errors
         yield from self._moe_routing(stats)
         yield _counter("octavo:engine_restarts", "Times the engine process died and was restarted.", model,
                        float(self._src.num_restarts()))

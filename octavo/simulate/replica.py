@@ -16,7 +16,7 @@ from __future__ import annotations
 import enum
 import random
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 from octavo.config import CacheConfig, SchedulerConfig
 from octavo.core.outputs import ModelRunnerOutput, SchedulerOutput
@@ -25,7 +25,7 @@ from octavo.core.scheduler import Scheduler
 from octavo.gateway.config import BreakerConfig
 from octavo.gateway.replicas import Breaker, Replica
 from octavo.sampling_params import SamplingParams
-from octavo.simulate.cost_model import CostModel, step_work
+from octavo.simulate.cost_model import FEATURES, CostModel, EngineShape, StepWork, step_work
 
 # Any id works (outputs are forced to their length); outside the prompts' range.
 _SAMPLED_TOKEN = 0
@@ -79,6 +79,12 @@ class ReplicaShape:
     num_blocks: int
     max_model_len: int
 
+    @classmethod
+    def of_engine(cls, engine: EngineShape) -> ReplicaShape:
+        """The calibrated engine's limits."""
+        return cls(SchedulerConfig(engine.max_num_seqs, engine.max_num_batched_tokens, engine.enable_chunked_prefill),
+                   CacheConfig(block_size=engine.block_size), engine.num_kv_blocks, engine.max_model_len)
+
 
 class SimReplica:
     def __init__(self, name: str, shape: ReplicaShape, cost_model: CostModel, created_s: float, ready_s: float,
@@ -98,6 +104,7 @@ class SimReplica:
         self._rng = rng
         self._records: dict[str, RequestRecord] = {}
         self._step: Optional[SchedulerOutput] = None
+        self.step_work: Optional[StepWork] = None  # what the step in flight computes
         self.step_end_s: Optional[float] = None
 
     # ---- requests -------------------------------------------------------
@@ -128,8 +135,11 @@ class SimReplica:
         out = self.scheduler.schedule()
         if out.is_empty:
             return None
-        duration = self._cost.step_seconds(step_work(out)) + self._step_overhead_s
-        self._step, self.step_end_s = out, now + duration
+        work = step_work(out)
+        duration = self._cost.step_seconds(work) + self._step_overhead_s
+        if self._cost.served is not None:  # steps of equal work differ on a shared machine (served.py)
+            duration *= self._cost.served.step_factor(self._rng)
+        self._step, self.step_work, self.step_end_s = out, work, now + duration
         self.busy_s += duration
         self.num_steps += 1
         return self.step_end_s
@@ -137,7 +147,7 @@ class SimReplica:
     def finish_step(self, now: float) -> tuple[list[RequestRecord], list[RequestRecord]]:
         """Apply the running step's results at ``now``: the requests that got
         their first token, and those that finished."""
-        out, self._step, self.step_end_s = self._step, None, None
+        out, self._step, self.step_work, self.step_end_s = self._step, None, None, None
         if out is None:
             raise RuntimeError(f"replica {self.name}: no step in flight")
         for rid in out.preempted_request_ids:
@@ -161,3 +171,27 @@ class SimReplica:
         self.view.running = self.scheduler.num_running
         self.view.waiting = self.scheduler.num_waiting
         self.view.kv_usage = self.scheduler.kv_cache_manager.usage
+
+
+@dataclass(frozen=True)
+class BurstStep:
+    """One step of a burst: its work, and how many of the burst's requests are unfinished as it starts (each of
+    them waits for it)."""
+
+    work: StepWork
+    unfinished: int
+
+
+def burst_steps(shape: ReplicaShape, requests: Sequence[tuple[int, int]], seed: int = 0) -> list[BurstStep]:
+    """The steps a replica of ``shape`` runs for ``requests`` ((prompt tokens, output tokens) each) all queued at
+    once, in order. No request arrives while they run, so the steps do not depend on how long each takes: they
+    are the steps a real engine of that shape runs for the same burst."""
+    free = CostModel({f: 0.0 for f in FEATURES})
+    replica = SimReplica("burst", shape, free, 0.0, 0.0, random.Random(seed))
+    for i, (prompt, output) in enumerate(requests):
+        replica.add(RequestRecord(f"burst-{i}", 0.0, prompt, output), 0.0)
+    steps = []
+    while replica.start_step(0.0) is not None:
+        steps.append(BurstStep(replica.step_work, replica.num_requests))
+        replica.finish_step(0.0)
+    return steps

@@ -22,9 +22,26 @@ least squares on relative error to two kinds of probe: lone requests (their
 time to first token, at the client: one prefill step plus the per-request
 cost) and batches of requests sent together (their time per output token, as
 the server's front measured it: one decode step of the batch).
+
+Those probes put the capacity of a saturated server ~10% high (octavo-mini at
+load 4-6: 3,352 predicted against 3,037 measured output tokens/s): a full
+batch streaming while prompts queue costs the front more than short batches
+show. So a third kind of probe, a burst of more requests than the batch holds
+(a ``SaturationProbe``: its steps are the scheduler's, its time the mean of
+its requests' latencies as the server measured them, arrival to last token),
+weighs in the fit as a constraint: the fitted terms give the burst's measured
+mean latency. The server's clock, not the client's: a client on the same
+loaded cores reading ~100 streams fell seconds behind them.
+
+Steps of equal work still take different times on a shared machine (other
+processes stall the engine, the client and the front). ``step_noise_sigma``
+is the spread of the lone requests' log residuals among repeats of one
+prompt length, each one served prefill: the simulator multiplies every step
+by a lognormal factor of mean 1 with it.
 """
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -33,6 +50,9 @@ import numpy as np
 from octavo.simulate.fitting import nonnegative_relative_lstsq
 
 SERVED_TERMS = ("engine_scale", "per_step_s", "per_token_s", "per_request_s")
+# How much a saturation probe's row weighs against one ordinary probe's: enough that the fit honours it to ~1%
+# (a penalty in place of an equality constraint, which NNLS lacks) while the others still set the split of terms.
+SATURATION_WEIGHT = 30.0
 
 
 @dataclass(frozen=True)
@@ -51,6 +71,24 @@ class ServedProbe:
         return [self.engine_s, 1.0, float(self.sampled), float(self.first_token)]
 
 
+@dataclass(frozen=True)
+class SaturationProbe:
+    """A burst of requests sent at once, more than the batch holds, whose mean latency (arrival to last token, one
+    per-request cost included) was ``seconds``. A request waits for every step until its last, so its mean is
+    made of the burst's steps each weighed by the share of requests still unfinished as it starts: ``steps`` is
+    that weighted count, ``engine_s`` and ``sampled`` the weighted sums of the steps' bare predictions and
+    streamed tokens."""
+
+    engine_s: float
+    steps: float
+    sampled: float
+    seconds: float
+
+    def features(self) -> list[float]:
+        """The fit's inputs, in the order of SERVED_TERMS."""
+        return [self.engine_s, self.steps, self.sampled, 1.0]
+
+
 @dataclass
 class ServedCost:
     """The served-engine terms (module docstring); ``load_avg``: the machine's 1/5/15-minute load when measured,
@@ -63,9 +101,13 @@ class ServedCost:
     num_probes: int = 0
     mean_abs_rel_error: float = 0.0
     load_avg: str = ""
+    step_noise_sigma: float = 0.0
+    # The saturation probes: how many, and the fitted terms' signed error on their durations.
+    saturation_probes: int = 0
+    saturation_rel_error: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in SERVED_TERMS:
+        for name in (*SERVED_TERMS, "step_noise_sigma"):
             value = getattr(self, name)
             if not (value >= 0 and np.isfinite(value)):
                 raise ValueError(f"served.{name} must be finite and >= 0, got {value}")
@@ -74,18 +116,45 @@ class ServedCost:
         return self.engine_scale * engine_s + self.per_step_s + self.per_token_s * sampled
 
     @classmethod
-    def fit(cls, probes: Sequence[ServedProbe], load_avg: str = "") -> ServedCost:
+    def fit(cls, probes: Sequence[ServedProbe], load_avg: str = "",
+            saturation: Sequence[SaturationProbe] = ()) -> ServedCost:
         if len(probes) < len(SERVED_TERMS):
             raise ValueError(f"probes: need at least {len(SERVED_TERMS)} served measurements, got {len(probes)}")
         if {p.first_token for p in probes} != {True, False}:
             raise ValueError("probes: need both lone requests' first tokens and batches' decode steps")
-        x = np.array([p.features() for p in probes], dtype=np.float64)
-        y = np.array([p.seconds for p in probes], dtype=np.float64)
+        rows = [p.features() for p in probes] + [s.features() for s in saturation]
+        x = np.array(rows, dtype=np.float64)
+        y = np.array([p.seconds for p in [*probes, *saturation]], dtype=np.float64)
         if np.any(y <= 0):
             raise ValueError("probes: measured seconds must be > 0")
+        weights = np.array([1.0] * len(probes) + [SATURATION_WEIGHT] * len(saturation))
         # A served step takes at least the engine's own time (one thread: wall >= CPU time): engine_scale >= 1.
         # Left free, the fit traded it for the per-token term, which the decode probes cannot tell apart (both
         # grow with the batch), and put it at 0.1-0.7, making prompt steps under load too short.
-        coef = nonnegative_relative_lstsq(x, y, lower=np.array([1.0, 0.0, 0.0, 0.0]))
-        error = float(np.mean(np.abs(x @ coef - y) / y))
-        return cls(*map(float, coef), num_probes=len(probes), mean_abs_rel_error=error, load_avg=load_avg)
+        coef = nonnegative_relative_lstsq(x, y, lower=np.array([1.0, 0.0, 0.0, 0.0]), weights=weights)
+        rel = x @ coef / y - 1
+        ordinary, saturated = rel[: len(probes)], rel[len(probes):]
+        return cls(*map(float, coef), num_probes=len(probes), mean_abs_rel_error=float(np.mean(np.abs(ordinary))),
+                   load_avg=load_avg, step_noise_sigma=_lone_spread(probes, ordinary),
+                   saturation_probes=len(saturation),
+                   saturation_rel_error=float(np.mean(saturated)) if len(saturation) else 0.0)
+
+    def step_factor(self, rng: random.Random) -> float:
+        """A step's random stretch: lognormal with mean 1 (1 without a fitted spread, drawing nothing)."""
+        if not self.step_noise_sigma:
+            return 1.0
+        return rng.lognormvariate(-self.step_noise_sigma ** 2 / 2, self.step_noise_sigma)
+
+
+def _lone_spread(probes: Sequence[ServedProbe], rel: np.ndarray) -> float:
+    """The spread of single served steps: each lone request is one served prefill, and its repeats (same prompt
+    length, same prediction) differ by noise alone. Their log residuals' standard deviation pooled within each
+    prompt length, so a length the linear terms miss does not count as noise (with a burst weighing in at load
+    10, the fit missed the probes by 81% on average)."""
+    groups: dict[float, list[float]] = {}
+    for probe, r in zip(probes, rel):
+        if probe.first_token:
+            groups.setdefault(probe.engine_s, []).append(float(np.log1p(r)))
+    squares = sum(float(np.sum((np.array(g) - np.mean(g)) ** 2)) for g in groups.values())
+    freedom = sum(len(g) - 1 for g in groups.values())
+    return float(np.sqrt(squares / freedom)) if freedom else 0.0

@@ -6,7 +6,13 @@ proposer (a draft model's k forwards, or almost nothing for n-gram).
 
 So the choice is measured, per batch-size bucket (1, 2-3, 4-7, 8-15, ...):
 the cost per emitted token of steps that verified and proposed, and of
-plain steps, each an exponentially weighted mean. A bucket first measures
+plain steps, each as the median cost of its last ``window`` steps over the
+mean tokens they emitted. Not a mean of each step's cost per token: one-off
+steps decided that (a size's first step runs eagerly, the next records its
+kernel tape at ~10 plain steps' cost, and speculation's first steps at batch
+1 hold several such, so octavo-mini + its draft measured speculation dearer
+and stopped it for good, where it pays 1.05-1.2x); and the first
+``settle_steps`` steps of each mode are not measured at all. A bucket first measures
 speculation, then plain decoding, then takes the cheaper; every
 ``probe_every`` steps it runs the other mode for ``probe_steps`` steps again,
 so a change of text or load is noticed: 1% of the steps, which bounds what
@@ -18,24 +24,57 @@ time of its process, steadier than wall time on a shared machine).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import statistics
+from collections import deque
+from dataclasses import dataclass
 from typing import Optional
 
 
-@dataclass
-class _Mean:
-    value: Optional[float] = None
-    count: int = 0
+class _Recent:
+    """The median of the last ``window`` values added."""
 
-    def add(self, x: float, weight: float) -> None:
-        self.value = x if self.value is None else (1 - weight) * self.value + weight * x
+    def __init__(self, window: int) -> None:
+        self.values: deque[float] = deque(maxlen=window)
+
+    def add(self, x: float) -> None:
+        self.values.append(x)
+
+    @property
+    def value(self) -> Optional[float]:
+        return statistics.median(self.values) if self.values else None
+
+
+class _Mode:
+    """One mode's steps in a bucket: their recent median cost per step over the mean tokens they emitted
+    (tokens per step average out as throughput does; costs take the median, which one-off steps do not
+    move). The first ``settle`` steps are not measured."""
+
+    def __init__(self, window: int, settle: int) -> None:
+        self.seconds = _Recent(window)
+        self.emitted: deque[int] = deque(maxlen=window)
+        self.settle = settle
+        self.count = 0  # steps measured
+
+    def add(self, seconds: float, emitted: int) -> None:
+        if self.settle:
+            self.settle -= 1
+            return
+        self.seconds.add(seconds)
+        self.emitted.append(emitted)
         self.count += 1
+
+    @property
+    def value(self) -> Optional[float]:
+        """Seconds per emitted token (None: nothing measured yet)."""
+        if not self.emitted:
+            return None
+        return self.seconds.value * len(self.emitted) / sum(self.emitted)
 
 
 @dataclass
 class _Bucket:
-    spec: _Mean = field(default_factory=_Mean)  # seconds per emitted token, speculating
-    plain: _Mean = field(default_factory=_Mean)  # ... without proposals
+    spec: _Mode  # steps that verified and proposed
+    plain: _Mode  # ... neither
     steps: int = 0  # decisions taken in this bucket
     probe_left: int = 0  # steps of the other mode still to run
 
@@ -50,16 +89,18 @@ class SpeculationGovernor:
         warmup_steps: int = 8,
         probe_every: int = 400,
         probe_steps: int = 4,
-        weight: float = 0.1,
+        window: int = 16,
+        settle_steps: int = 8,
     ) -> None:
         self.adaptive = adaptive
         self.max_batch_size = max_batch_size
         self.warmup_steps = warmup_steps
         self.probe_every = probe_every
         self.probe_steps = probe_steps
-        self.weight = weight
+        self.window = window
+        self.settle_steps = settle_steps
         self._buckets: dict[int, _Bucket] = {}
-        self._overhead = _Mean()  # seconds per step spent outside the model runner
+        self._overhead = _Recent(window)  # seconds per step spent outside the model runner
 
     def should_propose(self, batch_size: int) -> bool:
         """Whether a step where ``batch_size`` requests decoded should propose."""
@@ -88,12 +129,12 @@ class SpeculationGovernor:
             return
         b = self._bucket(batch_size)
         per_step = seconds + (self._overhead.value or 0.0)
-        (b.spec if verified else b.plain).add(per_step / emitted, self.weight)
+        (b.spec if verified else b.plain).add(per_step, emitted)
 
     def record_overhead(self, seconds: float) -> None:
         """Time between two steps spent outside the runner (scheduling, output
         processing): a cost per step, which speculation spreads over more tokens."""
-        self._overhead.add(seconds, self.weight)
+        self._overhead.add(seconds)
 
     def speculation_pays(self, batch_size: int) -> Optional[bool]:
         """What the measurements say for ``batch_size`` (None: not measured yet)."""
@@ -103,7 +144,10 @@ class SpeculationGovernor:
         return self._cheaper_is_spec(b)
 
     def _bucket(self, batch_size: int) -> _Bucket:
-        return self._buckets.setdefault(batch_size.bit_length(), _Bucket())
+        bucket = batch_size.bit_length()
+        if bucket not in self._buckets:
+            self._buckets[bucket] = _Bucket(*(_Mode(self.window, self.settle_steps) for _ in range(2)))
+        return self._buckets[bucket]
 
     @staticmethod
     def _cheaper_is_spec(b: _Bucket) -> bool:

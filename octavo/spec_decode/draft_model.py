@@ -140,19 +140,24 @@ class _DecodeSteps:
         """Token ids, positions and attention metadata for feeding each active
         row's latest proposal (``active`` in ``order``)."""
         rows = [self.proposing[j] for j in active]
+        size = self.block_size
         positions = [p.end + p.num_proposed - 1 for p in rows]
         context = [pos + 1 for pos in positions]
-        needed = [-(-c // self.block_size) for c in context]
-        index = torch.tensor([self._rows[j] for j in active], dtype=torch.int64, device=self.device)
-        table = self._table.index_select(0, index)[:, : needed[0]]
-        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        slots = table.gather(1, (pos // self.block_size).unsqueeze(1)).squeeze(1) * self.block_size
+        # Slots from the requests' own block lists, and one tensor for the three rows of integers: a step's
+        # layout is a few microseconds of kernels, so each tensor op saved counts.
+        slots = [p.input.state.block_ids[pos // size] * size + pos % size for p, pos in zip(rows, positions)]
+        input_ids, pos, slot_mapping = torch.tensor([[p.tokens[-1] for p in rows], positions, slots],
+                                                    dtype=torch.int64, device=self.device)
+        table = self._table
+        if len(active) < len(self.order):
+            index = torch.tensor([self._rows[j] for j in active], dtype=torch.int64, device=self.device)
+            table = table.index_select(0, index)
+        needed = [-(-c // size) for c in context]
         layout = StepLayout(
-            block_size=self.block_size, num_decodes=len(rows), query_starts=list(range(len(rows))),
-            query_lens=[1] * len(rows), context_lens=context, blocks_needed=needed, block_table=table,
-            slot_mapping=slots + pos % self.block_size, device=self.device,
+            block_size=size, num_decodes=len(rows), query_starts=list(range(len(rows))),
+            query_lens=[1] * len(rows), context_lens=context, blocks_needed=needed, block_table=table[:, : needed[0]],
+            slot_mapping=slot_mapping, device=self.device,
         )
-        input_ids = torch.tensor([p.tokens[-1] for p in rows], dtype=torch.int64, device=self.device)
         return input_ids, pos, self.backend.build_metadata(layout)
 
 

@@ -24,7 +24,8 @@ from octavo.attention.kv_quant import LayerKVCache
 
 logger = logging.getLogger(__name__)
 
-# Model forward: (input_ids, positions, kv_caches, metadata per layer) -> hidden states [tokens, hidden].
+# Model forward: (input_ids, positions, kv_caches, metadata per layer) -> hidden states [tokens, hidden] (or any
+# output with a row per token: a draft model records its logits).
 Forward = Callable[[torch.Tensor, torch.Tensor, Sequence[LayerKVCache], Sequence[AttentionMetadata]], torch.Tensor]
 
 
@@ -174,8 +175,8 @@ class DecodeGraphs:
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, metas: Sequence[AttentionMetadata]
             ) -> torch.Tensor:
-        """Hidden states [n, hidden] of a step of n <= max_batch decodes laid out by the attention backend
-        (``metas``: per KV cache group)."""
+        """The forward's output rows (hidden states) of a step of n <= max_batch decodes laid out by the attention
+        backend (``metas``: per KV cache group)."""
         n = metas[0].num_decodes
         step = self._steps[min(size for size in self._steps if size >= n)]
         step.input_ids[:n].copy_(input_ids)

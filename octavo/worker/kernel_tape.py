@@ -141,7 +141,10 @@ class _Recorder(TorchDispatchMode):
         fresh = [i for i, t in enumerate(produced) if _storage(t) not in shared]
         if fresh:
             self.made.extend(produced[i] for i in fresh)
-            self.entries.append((_recompute_into, (func, args, kwargs, fresh, produced), None))
+            if isinstance(out, torch.Tensor):  # most ops: a lighter entry, without flattening the result
+                self.entries.append((_recompute_one, (func._op, args, kwargs, out), None))
+            else:
+                self.entries.append((_recompute_into, (func, args, kwargs, fresh, produced), None))
         return out
 
 
@@ -152,6 +155,11 @@ def _storage(t: torch.Tensor) -> int:
 
 def _call_kwargs(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     func(*args, **kwargs)
+
+
+def _recompute_one(op: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], output: torch.Tensor
+                   ) -> None:
+    output.copy_(op(*args, **kwargs))
 
 
 def _recompute_into(func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], fresh: list[int],

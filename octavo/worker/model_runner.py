@@ -1,6 +1,7 @@
 """ModelRunner: one SchedulerOutput in, sampled tokens (and logprobs) out."""
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -10,17 +11,20 @@ import torch
 
 from octavo.attention.kv_groups import group_layers
 from octavo.attention.kv_quant import KV_QUANT_DTYPES
+from octavo.attention.quest import with_key_bounds
 from octavo.checkpoint.paths import model_path
 from octavo.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from octavo.core.outputs import GrammarBitmask, ModelRunnerOutput, SchedulerOutput
 from octavo.core.step_state import BatchState, CachedRequestState, ScheduledRow
+from octavo.distributed.communication import all_ranks_min
 from octavo.distributed.parallel_state import get_parallel_state
 from octavo.kernels.build import default_kernels, prebuild
 from octavo.kv_offload.local_tiers import local_tiers
+from octavo.kv_offload.transfers import TierReport
 from octavo.model.config import load_arch_config
 from octavo.model.dtypes import resolve_dtype
 from octavo.model.kv_scales import load_static_kv_scales
-from octavo.model.layers.moe import has_experts, routed_token_counts
+from octavo.model.layers.moe import routed_token_counts
 from octavo.model.loader import load_model
 from octavo.model.pooler_config import resolve_pooler
 from octavo.outputs import TokenLogprobs
@@ -33,11 +37,11 @@ from octavo.spec_decode.adaptive import SpeculationGovernor
 from octavo.spec_decode.proposer import ProposalInput, ProposerContext
 from octavo.spec_decode.registry import create_proposer
 from octavo.worker.backends import model_backends
-from octavo.worker.decode_graphs import CudaGraphRecorder, DecodeGraphs, capture_sizes
+from octavo.worker.decode_graphs import DecodeGraphs
 from octavo.worker.draft_host import DraftHost
 from octavo.worker.input_batch import StepInputs, prepare_inputs
-from octavo.worker.kernel_tape import (TAPE_MAX_BATCH, TAPE_MEMORY_BUDGET, TapeRecorder,
-                                       import_recorder_dependencies)
+from octavo.worker.kernel_tape import import_recorder_dependencies
+from octavo.worker.recorded_decode import can_record, record_decode_steps
 from octavo.worker.kv_cache import (
     allocate_kv_caches,
     copy_blocks,
@@ -115,6 +119,8 @@ class ModelRunner:
         self.block_size = cache_config.block_size
         # Each rank caches its own layers (pipeline) and KV heads (tensor) only.
         self.kv_cache_specs = self.model.kv_cache_specs(self.block_size, cache_dtype)
+        if model_config.sparse_attention is not None:
+            self.kv_cache_specs = with_key_bounds(self.kv_cache_specs, arch.layer_windows)
         # Grouped from the whole model, so every rank agrees; this rank's layers share tensors by slot.
         groups = group_layers(arch.layer_windows)
         local = self.model.model.layer_range
@@ -122,6 +128,8 @@ class ModelRunner:
         slots = [groups.slot_of(layer) for layer in local]
         slot_specs = list(dict(zip(slots, self.kv_cache_specs)).values())
         spec = speculative_config or SpeculativeConfig()
+        # The most rows of a step: a verifying request has 1 + k of them, as has a draft's catch-up after it.
+        max_rows = scheduler_config.max_num_seqs * (1 + spec.num_speculative_tokens if spec.enabled else 1)
         # Built before the pool is sized: a draft model's cache shares the
         # target's block ids, so the pool is sized for both, per block.
         self._draft_host = DraftHost(model_config, cache_config, self.max_model_len)
@@ -135,21 +143,23 @@ class ModelRunner:
         )
         static_scales = (load_static_kv_scales(self.model, folder, cache_dtype)
                          if cache_config.kv_cache_dtype != "auto" else None)
-        use_graphs = self._can_use_graphs(model_config, spec)
+        use_graphs = self._can_use_graphs(model_config)
         # Recorded steps pad batches with rows that write into one extra block the scheduler never hands out;
         # window groups name it (the scheduler's null block) where they released a block.
         padding = int(use_graphs or any(w is not None for w in groups.windows))
         self.kv_caches = allocate_kv_caches(self.kv_cache_specs, self.backends.attention, self.num_blocks,
                                             self.device, static_scales, padding_blocks=padding, slots=slots)
-        self._draft_host.allocate(self.num_blocks)
+        self._draft_host.allocate(self.num_blocks, max_rows, self._longest_sequence())
         # The tiers below the pool hold every tensor indexed by block id: the draft's caches too.
         state = get_parallel_state()
         drafts = [m.kv_caches for m in self._draft_host.models]
-        tensors = [t for caches in [self.kv_caches, *drafts] for c in caches for t in (c.data, c.scales)
-                   if t is not None]
+        tensors = [t for caches in [self.kv_caches, *drafts] for c in caches
+                   for t in (c.data, c.scales, c.key_bounds) if t is not None]
         models = [folder, *(model_path(d) for d in (spec.speculative_model,) if d is not None)]
         rank = state.pp_rank * state.tp_size + state.tp_rank
-        self.kv_tiers = local_tiers(cache_config, tensors, models, rank, state.tp_size * state.pp_size)
+        self.kv_tiers = local_tiers(cache_config, tensors, models, rank, state.tp_size * state.pp_size,
+                                    functools.partial(all_ranks_min, device=self.device))
+        self._tier_report = TierReport()  # what the tiers did since the last step's output
 
         self.sampler = Sampler(argmax=self.backends.ops.argmax)
         self.batch = BatchState()  # the requests this rank holds, kept across steps
@@ -160,12 +170,22 @@ class ModelRunner:
         # A model proposer's q of the proposals sent back, until verified.
         self._draft_probs: dict[str, torch.Tensor] = {}
         self.governor = SpeculationGovernor(spec.speculative_adaptive, spec.speculative_max_batch_size)
-        self._graphs = self._capture_graphs(scheduler_config.max_num_seqs) if use_graphs else None
+        self._graphs: Optional[DecodeGraphs] = None
+        if use_graphs:
+            self._graphs = record_decode_steps(self.model, self.kv_caches, self.num_blocks, self.block_size,
+                                               max_rows, self._longest_sequence(), self.backends.attention,
+                                               self.device, self._layer_groups)
         self._last_end: Optional[float] = None  # CPU time when the previous step left the runner
         self._last_cost = 0.0  # ... and what that step cost in it
         self._speculated = False  # the governor's choice in the previous step
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+        out = self._execute(scheduler_output)
+        if self._tier_report:
+            out.kv_tiers, self._tier_report = self._tier_report, TierReport()
+        return out
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         # The governor's clock is the process's CPU time: on a shared machine
         # wall time swings with other processes' load, which would decide for
         # or against speculation at random; CPU time is the work each mode
@@ -278,6 +298,10 @@ class ModelRunner:
         self._grammar = scheduler_output.grammar
         if self.kv_tiers is not None:
             self.kv_tiers.apply(scheduler_output.kv_transfers)  # before anything of the step writes the pool
+            done = self.kv_tiers.finish_loads(wait=not scheduler_output.scheduled)
+            self._tier_report.loaded += done.loaded
+            self._tier_report.failed += done.failed
+            self._tier_report.failed_writes += done.failed_writes
         copy_blocks(self.kv_caches, scheduler_output.block_copies)
         self._draft_host.copy_blocks(scheduler_output.block_copies)
         if not rows:
@@ -290,34 +314,14 @@ class ModelRunner:
         metas = [inputs.attn[g] for g in self._layer_groups]
         return inputs, self.model(inputs.input_ids, inputs.positions, self.kv_caches, metas)
 
-    def _can_use_graphs(self, model_config: ModelConfig, spec: SpeculativeConfig) -> bool:
+    def _can_use_graphs(self, model_config: ModelConfig) -> bool:
         """Decode steps replay recordings (CUDA graphs with the Triton backend, kernel tapes on CPU with the
-        native one) at one rank (no collectives or stage hand-offs inside a recording), without speculation
-        (its steps are multi-token rows), for generating models (an embedding model never decodes), without
-        experts: routing reads each expert's row count back (quant/moe.py), which no recording can hold, and
-        an attempt would run (and count the routes of) the layers before the first mixture twice."""
+        native one; ``recorded_decode.can_record``) at one rank (no collectives or stage hand-offs inside a
+        recording), for generating models (an embedding model never decodes). Speculative verification steps
+        replay them too: their rows are decode rows (``StepLayout.num_short``)."""
         state = get_parallel_state()
-        recordable = self.device.type in self.backends.attention.recorded_on
-        return (recordable and not model_config.enforce_eager and state.tp_size == 1 and state.pp_size == 1
-                and not spec.enabled and self.pooler is None and not has_experts(self.model))
-
-    def _capture_graphs(self, max_num_seqs: int) -> Optional[DecodeGraphs]:
-        """Recorded decode steps for batches up to max_num_seqs (CUDA: at most 256, captured now; CPU: at most
-        ``TAPE_MAX_BATCH``, where the Python around the kernels is still a noticeable share of a step, each
-        size recorded on its second step within ``TAPE_MEMORY_BUDGET``). A capture that fails leaves the
-        engine eager, with the reason logged, rather than not starting."""
-        on_cuda = self.device.type == "cuda"
-        recorder = CudaGraphRecorder() if on_cuda else TapeRecorder()
-        sizes = capture_sizes(min(max_num_seqs, 256 if on_cuda else TAPE_MAX_BATCH))
-        try:
-            with torch.inference_mode():  # as the steps that replay them run
-                return DecodeGraphs(self.model, self.kv_caches, self.num_blocks, self.block_size, sizes,
-                                    self._longest_sequence(), self.backends.attention, self.device, recorder,
-                                    memory_budget=None if on_cuda else TAPE_MEMORY_BUDGET,
-                                    layer_groups=self._layer_groups)
-        except Exception:
-            logger.exception("recording decode steps (%s) failed; running every step eagerly", recorder.name)
-            return None
+        return (can_record(self.model, self.backends.attention, self.device, model_config.enforce_eager)
+                and state.tp_size == 1 and state.pp_size == 1 and self.pooler is None)
 
     def _longest_sequence(self) -> int:
         """The most tokens one sequence can reach: max_model_len, or fewer where the pool holds fewer
@@ -366,7 +370,7 @@ class ModelRunner:
             rows.states, rows.generators, self.vocab_size, device=self.device, grammar=self._grammar,
             positions=rows.positions,
         )
-        result = verify(logits, meta, self._drafts(scheduled))
+        result = verify(logits, meta, self._drafts(scheduled), self.backends.ops.argmax)
         return _Draw(requests, result.token_ids, rows.row_starts, result.logprobs, meta.max_num_logprobs)
 
     def _drafts(self, scheduled: list[ScheduledRow]) -> Drafts:

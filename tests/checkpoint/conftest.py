@@ -29,17 +29,18 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
-    """files(arch, matrix_type, **kw) -> (gguf path, reference folder), written once each."""
+    """files(arch, matrix_type, types=None, split_kv_b=True, **config_overrides) -> (gguf path, reference
+    folder), written once each (``split_kv_b``: DeepSeek's layout, tests/checkpoint/gguf_writer.py)."""
     root = tmp_path_factory.mktemp("gguf")
     made = {}
 
-    def get(arch: str, matrix_type: str, types=None, **overrides):
-        key = (arch, matrix_type, json.dumps(types, sort_keys=True), json.dumps(overrides, sort_keys=True))
+    def get(arch: str, matrix_type: str, types=None, split_kv_b: bool = True, **overrides):
+        key = (arch, matrix_type, json.dumps(types, sort_keys=True), json.dumps(overrides, sort_keys=True), split_kv_b)
         if key not in made:
             folder = make_tiny_model(root / "hf", arch, **overrides)
             name = f"{len(made)}-{arch}-{matrix_type}"
             path = write_gguf(folder, root / f"{name}.gguf", matrix_type, types=types,
-                              sliding_window=arch == "mistral")
+                              sliding_window=arch == "mistral", split_kv_b=split_kv_b)
             made[key] = path, reference_folder(folder, root / f"{name}-ref", matrix_type, types)
         return made[key]
 

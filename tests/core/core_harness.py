@@ -169,8 +169,10 @@ def check_invariants(sched: Scheduler) -> None:
     held = 0
     for req in sched.waiting:
         assert kv.get_block_ids(req) == [], f"waiting {req.request_id} holds blocks"
+        held += kv.num_held_blocks(req)  # a prefix hit still loading from the KV tiers
     for req in sched.running:
         held += kv.num_held_blocks(req)
+    held += sum(1 for load in kv._loads.values() if load.request_id is None)  # loads whose request left
     assert sum(refs) == held
     assert len(sched.running) <= sched.config.max_num_seqs
 

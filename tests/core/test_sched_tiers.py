@@ -1,31 +1,42 @@
 """The scheduler over a pool with tiers below it (octavo/kv_offload/index.py),
 driven by the fake runner with fake tiers that move its token-id "K/V"
 exactly as the step's moves say: a move applied out of order, a load from
-the wrong slot or file, or a block reused before it was saved all change
-the output, which must equal the reference of a run without any cache."""
+the wrong slot or file, a block reused before it was saved or read before
+its load ended all change the output, which must equal the reference of a
+run without any cache. Loads from disk may end steps later or fail: the
+request waits meanwhile, or computes the blocks a failure left out."""
 from __future__ import annotations
 
 import random
 from typing import Optional
 
+import pytest
 from core_harness import FakeRunner, Run, make_request, reference_tokens
 
 from octavo.config import CacheConfig, SchedulerConfig
 from octavo.core.outputs import ModelRunnerOutput, SchedulerOutput
+from octavo.core.prefix_hash import extend_block_hashes
 from octavo.core.scheduler import Scheduler
 from octavo.kv_events import BlockRemoved, BlockStored, decode_batch, encode_batch
 from octavo.kv_offload.index import TierIndex
 from octavo.kv_offload.transfers import (DELETE_FILE, FROM_DISK, FROM_HOST, HOST_TO_DISK, TO_DISK, TO_HOST,
-                                         KVTransfer, TierLayout)
+                                         KVTransfer, TierLayout, TierReport)
 
 
 class TieredRunner(FakeRunner):
-    """The fake runner plus host slots and files, applying each step's moves first."""
+    """The fake runner plus host slots and files, applying each step's moves
+    first. A load from disk copies the file when its move is applied and
+    fills its block at the end of a step's moves, that step's or, while
+    ``hold`` is set, a later one's (as reads that take a while would);
+    files named in ``unreadable`` fail to load."""
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
         super().__init__(num_blocks, block_size)
         self.host: dict[int, list[Optional[int]]] = {}
         self.disk: dict[bytes, list[Optional[int]]] = {}
+        self.reading: list[tuple[int, bytes, list[Optional[int]]]] = []
+        self.hold = False
+        self.unreadable: set[bytes] = set()
 
     def apply(self, transfers: list[KVTransfer]) -> None:
         for t in transfers:
@@ -38,14 +49,25 @@ class TieredRunner(FakeRunner):
             elif t.op == FROM_HOST:
                 self.slots[t.block_id] = list(self.host[t.slot])
             elif t.op == FROM_DISK:
-                self.slots[t.block_id] = list(self.disk[t.block_hash])
+                self.reading.append((t.block_id, t.block_hash, list(self.disk[t.block_hash])))
             else:
                 assert t.op == DELETE_FILE
                 del self.disk[t.block_hash]
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         self.apply(out.kv_transfers)
-        return super().execute(out)
+        report = TierReport()
+        if not self.hold:
+            for block_id, block_hash, content in self.reading:
+                if block_hash in self.unreadable:
+                    report.failed.append(block_id)
+                else:
+                    self.slots[block_id] = content
+                    report.loaded.append(block_id)
+            self.reading = []
+        result = super().execute(out)
+        result.kv_tiers = report
+        return result
 
 
 def _tiered(num_blocks: int, block_size: int, host_blocks: int, disk_blocks: int,
@@ -156,3 +178,92 @@ def test_persist_leaves_host_and_pool_blocks_on_disk_and_events_name_the_medium(
     assert index.disk_hashes() == [h[2], h[3], h[4]]
     assert KVTransfer(TO_DISK, 8, block_hash=h[4]) in moves
     assert KVTransfer(DELETE_FILE, block_hash=h[0]) in moves
+
+
+def _evict_to_disk(sched: Scheduler, run: Run, prompt: list[int], tag: str) -> None:
+    """Run ``prompt``, then two others that take the whole pool: its blocks go to disk (no host tier)."""
+    sched.add_request(make_request(f"{tag}-first", prompt, max_tokens=1))
+    run.until_done()
+    for i in range(2):
+        sched.add_request(make_request(f"{tag}-filler{i}", 17, max_tokens=1))
+        run.until_done()
+
+
+def test_a_request_loading_from_disk_waits_while_other_requests_run():
+    sched, runner, index = _tiered(num_blocks=8, block_size=4, host_blocks=0, disk_blocks=16)
+    run = Run(sched, runner)
+    prompt = make_request("p", 17).prompt_token_ids
+    _evict_to_disk(sched, run, prompt, "a")
+    runner.hold = True  # the files take a while to read
+    sched.add_request(make_request("back", prompt, max_tokens=2))
+    sched.add_request(make_request("other", 9, max_tokens=6))  # behind it in the queue
+    for _ in range(4):
+        step = run.step()
+        assert [s.request_id for s in step.scheduled] == ["other"] and step.kv_loads_in_flight
+    assert sched.kv_cache_manager.is_loading(sched.get_request("back"))
+    assert len(run.tokens["other"]) == 4 and "back" not in run.tokens
+    runner.hold = False
+    run.until_done()
+    assert run.tokens["back"] == reference_tokens(prompt, 2, "back")
+    other_prompt = make_request("other", 9).prompt_token_ids  # derived from the id alone
+    assert run.tokens["other"] == reference_tokens(other_prompt, 6, "other")
+    assert [o.num_cached_tokens for o in run.outputs if o.request_id == "back"][0] == 16
+    assert index.hits == {"cpu": 0, "disk": 16}
+    _assert_tiers_match(runner, index)
+
+
+def test_a_file_that_cannot_be_read_is_a_miss_and_is_forgotten():
+    sched, runner, index = _tiered(num_blocks=8, block_size=4, host_blocks=0, disk_blocks=16)
+    run = Run(sched, runner)
+    prompt = make_request("p", 17).prompt_token_ids
+    _evict_to_disk(sched, run, prompt, "a")
+    hashes: list[bytes] = []
+    extend_block_hashes(hashes, prompt, 4, 4)
+    runner.unreadable = {hashes[2]}
+    sched.kv_cache_manager.enable_events()
+    sched.add_request(make_request("back", prompt, max_tokens=3))
+    run.until_done()
+    # A router learns the file is gone, and that the blocks read are in the pool (with their tokens).
+    events = sched.kv_cache_manager.take_events()
+    assert BlockRemoved([hashes[2]], medium="disk") in events
+    stored = [e for e in events if isinstance(e, BlockStored) and e.medium is None and e.block_hashes[0] in hashes]
+    assert [e.block_hashes for e in stored[:3]] == [[hashes[0]], [hashes[1]], [hashes[3]]]
+    assert stored[2].parent_block_hash == hashes[2] and stored[2].token_ids == prompt[12:16]
+    assert run.tokens["back"] == reference_tokens(prompt, 3, "back")
+    # Blocks 0 and 1 came back, block 2 failed; block 3 loaded too, but a hit is a run from the start.
+    assert [o.num_cached_tokens for o in run.outputs if o.request_id == "back"][0] == 8
+    assert index.errors == {"read": 1, "write": 0} and index.tier_of(hashes[2]) is None
+    _assert_tiers_match(runner, index)
+
+
+def test_an_aborted_loading_request_leaves_its_blocks_held_until_the_load_ends():
+    """The workers write a block being loaded whenever its read ends: it must
+    not go back to the pool (and to another request) before."""
+    sched, runner, index = _tiered(num_blocks=8, block_size=4, host_blocks=0, disk_blocks=16)
+    run = Run(sched, runner)
+    prompt = make_request("p", 17).prompt_token_ids
+    _evict_to_disk(sched, run, prompt, "a")
+    runner.hold = True
+    sched.add_request(make_request("back", prompt, max_tokens=2))
+    run.step()
+    sched.abort_requests("back")
+    kv = sched.kv_cache_manager
+    assert kv.loads_in_flight and kv.num_free_blocks == 4 and sched.has_unfinished_requests()
+    run.step()  # still reading
+    assert kv.num_free_blocks == 4
+    runner.hold = False
+    run.until_done()
+    assert not kv.loads_in_flight and kv.num_free_blocks == kv.num_total_blocks
+    # What was read is registered all the same: the next request hits it in the pool.
+    sched.add_request(make_request("again", prompt, max_tokens=2))
+    run.until_done()
+    assert run.tokens["again"] == reference_tokens(prompt, 2, "again")
+    assert [o.num_cached_tokens for o in run.outputs if o.request_id == "again"][0] == 16
+    assert index.hits["disk"] == 16
+
+
+def test_models_with_sliding_window_layers_are_refused_with_the_options_named():
+    index = TierIndex([TierLayout(4, 0, 100, [])], 4)
+    with pytest.raises(ValueError, match="kv_offload_dir / kv_offload_host_bytes.*sliding-window"):
+        Scheduler(SchedulerConfig(), CacheConfig(block_size=4), 16, 4096, kv_cache_windows=(None, 8),
+                  kv_offload=index)

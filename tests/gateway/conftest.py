@@ -18,7 +18,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.model_factory import make_tiny_model
-from tests.server.conftest import REPO, ServerProcess, free_port
+from tests.server.conftest import REPO, ServerProcess, free_port, stop_all, wait_all_healthy
 
 ADMIN_KEY = "sk-admin"
 
@@ -196,16 +196,16 @@ def model_path(tmp_path_factory) -> Path:
     return make_tiny_model(tmp_path_factory.mktemp("gateway-model"))
 
 
-def start_replica(model_path: Path, log_dir: Path, name: str, *args: str, port: Optional[int] = None) -> ServerProcess:
+def start_replica(model_path: Path, log_dir: Path, name: str, *args: str, port: Optional[int] = None,
+                  wait: bool = True) -> ServerProcess:
     return ServerProcess(model_path, log_dir / f"{name}.log", "--num-blocks", "256", "--served-model-name", "tiny",
-                         *args, api_key=None, port=port)
+                         *args, api_key=None, port=port, wait=wait)
 
 
 @pytest.fixture(scope="session")
 def replicas(model_path, tmp_path_factory):
     """Three replicas of one model, shared by the tests that leave them running."""
     log_dir = tmp_path_factory.mktemp("replica-logs")
-    procs = [start_replica(model_path, log_dir, f"replica{i}") for i in range(3)]
+    procs = wait_all_healthy([start_replica(model_path, log_dir, f"replica{i}", wait=False) for i in range(3)])
     yield procs
-    for p in procs:
-        p.stop()
+    stop_all(procs)

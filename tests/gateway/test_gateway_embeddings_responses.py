@@ -11,7 +11,7 @@ from octavo.gateway.app import _token_ids
 from octavo.tokenizer import Tokenizer
 from tests.gateway.conftest import GatewayProcess
 from tests.model_factory import make_sentence_transformers_model
-from tests.server.conftest import ServerProcess
+from tests.server.conftest import ServerProcess, stop_all, wait_all_healthy
 
 # Longer than one prefix chunk (256 bytes), so requests sharing it share a routing hash.
 SHARED = "You answer in one short sentence about the weather in the mountains. " * 5
@@ -21,11 +21,11 @@ SHARED = "You answer in one short sentence about the weather in the mountains. "
 def embed_replicas(tmp_path_factory):
     folder = make_sentence_transformers_model(tmp_path_factory.mktemp("emb-model"), "mean", arch="qwen3")
     log_dir = tmp_path_factory.mktemp("emb-logs")
-    procs = [ServerProcess(folder, log_dir / f"emb{i}.log", "--num-blocks", "128", "--served-model-name", "emb",
-                           "--max-model-len", "256", api_key=None) for i in range(2)]
+    procs = wait_all_healthy([ServerProcess(folder, log_dir / f"emb{i}.log", "--num-blocks", "128",
+                                            "--served-model-name", "emb", "--max-model-len", "256", api_key=None,
+                                            wait=False) for i in range(2)])
     yield procs
-    for p in procs:
-        p.stop()
+    stop_all(procs)
 
 
 def _gateway(tmp_path_factory, replicas) -> GatewayProcess:

@@ -8,6 +8,7 @@ import time
 import httpx
 
 from tests.gateway.conftest import GatewayProcess, start_replica
+from tests.server.conftest import stop_all, wait_all_healthy
 
 
 def _wait_for(predicate, timeout_s: float, what: str) -> None:
@@ -19,7 +20,7 @@ def _wait_for(predicate, timeout_s: float, what: str) -> None:
 
 
 def test_kill_one_replica_mid_run(model_path, tmp_path):
-    replicas = [start_replica(model_path, tmp_path, f"r{i}") for i in range(3)]
+    replicas = wait_all_healthy([start_replica(model_path, tmp_path, f"r{i}", wait=False) for i in range(3)])
     config = tmp_path / "gateway.yaml"
     config.write_text("breaker: {failure_threshold: 2, cooldown_s: 1.0}\nprobe_interval_s: 0.5\ncache: {enabled: false}\n")
     gw = GatewayProcess(tmp_path / "gw.log", *(a for r in replicas for a in ("--replica", r.url)),
@@ -61,5 +62,4 @@ def test_kill_one_replica_mid_run(model_path, tmp_path):
     finally:
         stop.set()
         gw.stop()
-        for r in replicas:
-            r.stop()
+        stop_all(replicas)

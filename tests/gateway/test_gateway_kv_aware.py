@@ -11,7 +11,7 @@ import pytest
 
 from octavo.tokenizer import Tokenizer
 from tests.gateway.conftest import GatewayProcess, start_replica
-from tests.server.conftest import free_port
+from tests.server.conftest import free_port, stop_all, wait_all_healthy
 
 BLOCK = 16
 FAMILIES = 10
@@ -67,11 +67,11 @@ def kv_replicas(model_path, tmp_path_factory):
     for i in range(3):
         endpoint = f"tcp://127.0.0.1:{free_port()}"
         procs.append(start_replica(model_path, log_dir, f"kv{i}", "--kv-events-endpoint", endpoint,
-                                   "--block-size", str(BLOCK), "--num-blocks", "512"))
+                                   "--block-size", str(BLOCK), "--num-blocks", "512", wait=False))
         endpoints.append(endpoint)
+    wait_all_healthy(procs)
     yield procs, endpoints
-    for p in procs:
-        p.stop()
+    stop_all(procs)
 
 
 def _wait_subscribed(gw: GatewayProcess, replicas, tokenizer) -> None:

@@ -53,8 +53,15 @@ def test_kv_aware_weighs_the_cached_prefix_against_the_queue():
     # Running requests share steps but queue no prefill ahead: b keeps its 80 cached tokens.
     b.running = 1
     assert policy.choose(RouteInput(token_ids=tokens), [a, b, c]).replica is b
-    # One waiting prompt (the mean routed, 100 tokens) outweighs b's 48 extra cached tokens over a.
+    # A waiting request counts as the mean prefill routed so far: 4 tokens while every request hit b (its 5
+    # blocks from events, the sixth sent to it), so one waiting there leaves b its 64 extra cached tokens over a:
+    # a returning tenant stays with its prefix.
     b.running, b.waiting = 0, 1
+    assert policy.choose(RouteInput(token_ids=tokens), [a, b, c]).replica is b
+    # Prompts nobody holds raise the mean prefill to (3 * 4 + 8 * 100) / 11 = 74 tokens: b's queue now
+    # outweighs its extra prefix.
+    for i in range(1, 9):
+        assert policy.choose(RouteInput(token_ids=list(range(1000 * i, 1000 * i + 100))), [a, c]).reason == "kv_miss"
     assert policy.choose(RouteInput(token_ids=tokens), [a, b, c]).replica is a
     # Beyond max_imbalance a replica is out whatever it holds.
     b.waiting, a.running = 0, 3

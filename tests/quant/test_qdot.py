@@ -102,6 +102,31 @@ def test_halves_round_away_from_zero_as_llama_cpp_does():
 
 
 @needs_kernel
+@pytest.mark.parametrize("target", RUNNABLE, ids=lambda t: t.name)
+@pytest.mark.parametrize("bits", [8, 4])
+def test_the_vector_rounding_is_the_scalar_rule_to_the_bit_under_every_target(target, bits):
+    """Ties, values a float32 step either side of a tie, and blocks whose 1 / d is not exact: an identity
+    weight reads each rounded value back as q * d, which the torch reference must equal exactly."""
+    k = 96
+    x = torch.randn(3, k, generator=_gen(bits)) * 3
+    ties = torch.arange(-15.5, 16.5, 1.0)  # d = 1 where the block's max is 127: each v * (1 / d) a tie
+    x[0, :32] = ties
+    x[0, 0] = 127.0
+    x[1, :32] = torch.nextafter(ties, torch.zeros_like(ties))  # just short of a tie
+    x[1, 32:64] = torch.nextafter(ties, ties * 2)  # just past one
+    x[1, 0], x[1, 32] = -127.0, 127.0
+    x[2, 64:] = 0
+    kernel = qdot_linear_kernel(target, required=True)
+    if bits == 8:
+        w = Int8Weight(torch.eye(k, dtype=torch.int8), torch.ones(k))
+    else:
+        w = Int4Weight(torch.eye(k, dtype=torch.uint8), torch.ones(k, k // 32), torch.zeros(k, k // 32), 32, None)
+    got = kernel(x, w.bits, w.group_size, w.packed, w.scales, w.mins, None, k)
+    q, d = round_q8_0(x)
+    assert torch.equal(got, (q.unflatten(-1, (-1, 32)) * d.unsqueeze(-1)).flatten(-2))
+
+
+@needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_few_rows_round_by_default_and_more_rows_or_float_mode_do_not(dtype):
     w = _weight("int4_g32")

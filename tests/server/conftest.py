@@ -71,6 +71,7 @@ class ServerProcess:
             cmd += ["--api-key", api_key]
         self.log_path = log_path
         self._log = open(log_path, "wb")
+        self._terminated = False
         self.proc = subprocess.Popen(
             cmd, cwd=REPO, env=env, stdout=self._log, stderr=subprocess.STDOUT,
             preexec_fn=None if memory_limit is None else lambda: _limit_address_space(memory_limit),
@@ -143,9 +144,15 @@ class ServerProcess:
                     return int(pid)
         raise AssertionError("no engine child process")
 
+    def terminate(self) -> None:
+        """SIGTERM, once (a second one would cut the drain short); ``stop`` waits for the exit."""
+        if self.proc.poll() is None and not self._terminated:
+            self._terminated = True
+            self.proc.send_signal(signal.SIGTERM)
+
     def stop(self) -> int:
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            self.terminate()
             try:
                 self.proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
@@ -153,6 +160,27 @@ class ServerProcess:
                 self.proc.wait()
         self._log.close()
         return self.proc.returncode
+
+
+def wait_all_healthy(servers: list[ServerProcess]) -> list[ServerProcess]:
+    """Servers started with ``wait=False``, once each answers: they load side by side (a start is
+    mostly one core's imports and model load), so several cost little more than one. One that
+    fails stops them all."""
+    try:
+        for srv in servers:
+            srv.wait_healthy()
+    except BaseException:
+        stop_all(servers)
+        raise
+    return servers
+
+
+def stop_all(servers: list[ServerProcess]) -> None:
+    """Every server told to stop first, then each waited for: they drain and exit side by side."""
+    for srv in servers:
+        srv.terminate()
+    for srv in servers:
+        srv.stop()
 
 
 @pytest.fixture(scope="session")

@@ -16,15 +16,36 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 import octavo
-from tests.server.conftest import ServerProcess
+from tests.server.conftest import ServerProcess, stop_all, wait_all_healthy
 
 
 @pytest.fixture(scope="module")
-def named_server(model_path, tmp_path_factory):
-    srv = ServerProcess(model_path, tmp_path_factory.mktemp("logs") / "named.log", "--num-blocks", "64",
-                        "--served-model-name", "org/main-name", "alias", "--max-logprobs", "30", api_key=None)
-    yield srv
-    srv.stop()
+def servers(model_path, tmp_path_factory) -> dict[str, ServerProcess]:
+    """The module's two servers, started side by side (each start is seconds of imports and loading).
+    named: several served names, --max-logprobs. edge: HTTPS, behind a proxy prefix, one browser origin
+    allowed, an API key, no access log."""
+    folder = tmp_path_factory.mktemp("tls")
+    key, cert = _self_signed(folder)
+    started = wait_all_healthy([
+        ServerProcess(model_path, folder / "named.log", "--num-blocks", "64", "--served-model-name", "org/main-name",
+                      "alias", "--max-logprobs", "30", api_key=None, wait=False),
+        ServerProcess(model_path, folder / "edge.log", "--num-blocks", "64", "--served-model-name", "tiny",
+                      "--ssl-keyfile", str(key), "--ssl-certfile", str(cert), "--root-path", "/api",
+                      "--allowed-origins", '["https://ui.example"]', "--disable-log-requests", "--log-level", "info",
+                      tls=ssl.create_default_context(cafile=str(cert)), wait=False),
+    ])
+    yield dict(zip(("named", "edge"), started))
+    stop_all(started)
+
+
+@pytest.fixture
+def named_server(servers) -> ServerProcess:
+    return servers["named"]
+
+
+@pytest.fixture
+def edge_server(servers) -> ServerProcess:
+    return servers["edge"]
 
 
 def test_retrieve_a_model_and_several_names(named_server):
@@ -75,19 +96,6 @@ def _self_signed(folder: Path) -> tuple[Path, Path]:
                                            serialization.NoEncryption()))
     cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     return key_path, cert_path
-
-
-@pytest.fixture(scope="module")
-def edge_server(model_path, tmp_path_factory):
-    """HTTPS, behind a proxy prefix, one browser origin allowed, an API key, no access log."""
-    folder = tmp_path_factory.mktemp("tls")
-    key, cert = _self_signed(folder)
-    srv = ServerProcess(model_path, folder / "edge.log", "--num-blocks", "64", "--served-model-name", "tiny",
-                        "--ssl-keyfile", str(key), "--ssl-certfile", str(cert), "--root-path", "/api",
-                        "--allowed-origins", '["https://ui.example"]', "--disable-log-requests", "--log-level", "info",
-                        tls=ssl.create_default_context(cafile=str(cert)))
-    yield srv
-    srv.stop()
 
 
 def test_https_root_path_cors(edge_server):

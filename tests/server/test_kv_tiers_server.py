@@ -42,5 +42,7 @@ def test_tiers_serve_evicted_prompts_and_survive_a_restart(model_path, tmp_path)
         after = srv.wait_idle()
         assert after["octavo:kv_offload_hits_total[medium=disk]"] == 64
         assert after["octavo:prefix_cache_hits_total"] == 64
+        assert after["octavo:kv_offload_errors_total[op=read]"] == 0
+        assert after["octavo:kv_offload_errors_total[op=write]"] == 0
     finally:
         srv.stop()

@@ -20,8 +20,11 @@ def test_a_failed_start_is_one_line(model_path, tmp_path):
     broken = tmp_path / "broken"
     shutil.copytree(model_path, broken)
     (broken / "model.safetensors").write_bytes(b"not a safetensors file")
+    # Both started at once: each start is seconds of imports and loading before it fails.
+    starts = {level: ServerProcess(broken, tmp_path / f"{level}.log", "--log-level", level, api_key=None, wait=False)
+              for level in ("warning", "debug")}
     for level, traceback in (("warning", False), ("debug", True)):
-        srv = ServerProcess(broken, tmp_path / f"{level}.log", "--log-level", level, api_key=None, wait=False)
+        srv = starts[level]
         assert srv.proc.wait(timeout=180) != 0
         log = srv.log()
         srv.stop()

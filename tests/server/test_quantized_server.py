@@ -12,16 +12,12 @@ from tests.server.conftest import ServerProcess
 OPTIONS = ("--quantization", "int4", "--quantization-group-size", "32")
 
 
-def _offline_logprobs(model_path, **options) -> list[float]:
-    llm = LLM(model_path, dtype="float32", num_blocks=64, **options)
-    try:
-        out = llm.generate("hello", SamplingParams(max_tokens=5, temperature=0, logprobs=0), use_tqdm=False)[0]
-    finally:
-        llm.shutdown()
+def _offline_logprobs(llm: LLM) -> list[float]:
+    out = llm.generate("hello", SamplingParams(max_tokens=5, temperature=0, logprobs=0), use_tqdm=False)[0]
     return [entry.logprob for entry in out.outputs[0].logprobs]
 
 
-def test_serve_quantizes_at_start_up_and_serves(model_path, tmp_path):
+def test_serve_quantizes_at_start_up_and_serves(model_path, offline_llm, tmp_path):
     srv = ServerProcess(model_path, tmp_path / "server.log", "--num-blocks", "64", *OPTIONS)
     try:
         client = srv.openai()
@@ -31,6 +27,10 @@ def test_serve_quantizes_at_start_up_and_serves(model_path, tmp_path):
         srv.stop()
     served = out.choices[0].logprobs.token_logprobs
     assert len(served) == 5
-    quantized = _offline_logprobs(model_path, quantization="int4", quantization_group_size=32)
+    quantized_llm = LLM(model_path, dtype="float32", num_blocks=64, quantization="int4", quantization_group_size=32)
+    try:
+        quantized = _offline_logprobs(quantized_llm)
+    finally:
+        quantized_llm.shutdown()
     assert served == pytest.approx(quantized, abs=1e-4)
-    assert served != pytest.approx(_offline_logprobs(model_path), abs=1e-3)
+    assert served != pytest.approx(_offline_logprobs(offline_llm), abs=1e-3)

@@ -240,11 +240,11 @@ def test_lines_failed_by_the_engine_make_the_command_fail(model_path, tmp_path):
 
 
 def test_request_timeout_does_not_count_time_queued(model_path, tmp_path):
-    """12 lines of about 1.5 s each, 2 at a time, under a 6 s timeout: the
-    last ones wait far longer than 6 s behind the others, yet none times out."""
-    lines = [_line(f"r{i}", "/v1/completions", {"prompt": f"line {i}", "max_tokens": 10, "ignore_eos": True})
+    """12 lines of 6 steps of at least 0.1 s each, 2 at a time, under a 2.5 s timeout: the last ones finish at
+    least 3.6 s after they were queued, yet none times out (each runs for about 0.6 s)."""
+    lines = [_line(f"r{i}", "/v1/completions", {"prompt": f"line {i}", "max_tokens": 6, "ignore_eos": True})
              for i in range(12)]
-    proc = _batch(model_path, tmp_path, lines, "--max-num-seqs", "2", "--request-timeout", "6", delay="0.15")
+    proc = _batch(model_path, tmp_path, lines, "--max-num-seqs", "2", "--request-timeout", "2.5", delay="0.1")
     try:
         assert proc.wait(300) == 0, proc.stderr.read()
     finally:

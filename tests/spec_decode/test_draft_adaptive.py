@@ -88,3 +88,26 @@ def test_greedy_output_exact_while_proposals_start_and_stop(pair):
     stats = llm.engine.scheduler.spec_stats
     assert stats.num_drafts > 0
     assert_no_leak(llm)
+
+
+def test_one_off_expensive_steps_do_not_decide():
+    """A batch size's first steps run eagerly and the next records its kernel tape (~10 plain steps), and
+    several such fall in speculation's first steps: the choice follows the steady costs all the same."""
+    gov = SpeculationGovernor(warmup_steps=8, probe_every=50, probe_steps=3)
+    costs = [30.0] * 8 + [3.0, 30.0, 3.0, 3.0, 30.0, 3.0, 3.0, 3.0]  # speculation first: 1 s per token when steady
+    for cost in costs:
+        assert gov.should_propose(1)
+        gov.record(1, 3, cost, verified=True, proposed=True)
+    drive(gov, 1, 200, spec_cost=3.0, plain_cost=2.0, accepted=2.0)
+    assert gov.speculation_pays(1) is True
+
+
+def test_cost_per_token_is_the_step_cost_over_the_tokens_a_step_emits():
+    """Tokens per step vary with acceptance (1 to k + 1): what counts is their mean, not each step's own
+    cost per token (a step that emits 1 token would count 4x one that emits 4)."""
+    gov = SpeculationGovernor(warmup_steps=4, settle_steps=0)
+    for emitted in (1, 4, 1, 4):  # 2.5 tokens per 5 s step on average: 2 s per token
+        gov.record(1, emitted, 5.0, verified=True, proposed=True)
+    for _ in range(4):
+        gov.record(1, 1, 2.2, verified=False, proposed=False)
+    assert gov.speculation_pays(1) is True  # averaging 5/1 and 5/4 would say 3.1 s per token

@@ -78,10 +78,29 @@ def test_block_sizes(drafts, block_size):
     assert tokens == plain(target, PROMPTS, block_size=block_size)
 
 
-def test_chunked_prefill_budget_16(drafts):
+# bfloat16 at batch 8 prefills whole prompts: under a shared token budget, speculation changes how prompts are
+# chunked (a step's proposals take part of it), and a bf16 prefill rounds each chunking differently, as plain
+# decoding does when other requests share its steps.
+@pytest.mark.parametrize(("dtype", "max_num_seqs", "budget"),
+                         [("float32", 1, 16), ("float32", 8, 16), ("bfloat16", 1, 16), ("bfloat16", 8, None)])
+def test_prefix_caching_and_chunked_prefill_through_recorded_steps(drafts, dtype, max_num_seqs, budget):
+    """One request at a time and eight at once, prompts that hit the prefix cache and prefill in chunks of
+    ``budget`` tokens: the target verifies and the draft proposes through recorded steps (kernel tapes), and
+    greedy output is plain greedy decoding's, in bfloat16 too (verification rows are decode rows)."""
     target, noisy, _ = drafts("llama")
-    tokens, _ = speculative(target, noisy, PROMPTS, max_num_batched_tokens=16)
-    assert tokens == plain(target, PROMPTS)
+    prompts = shared_prefix_prompts() + PROMPTS
+    engine = dict(dtype=dtype, max_num_seqs=max_num_seqs, **({"max_num_batched_tokens": budget} if budget else {}))
+    want = greedy_tokens(LLM(target, **engine), prompts)
+    llm = LLM(target, speculative_model=str(noisy), num_speculative_tokens=3, speculative_adaptive=False, **engine)
+    # The first request fills the prefix cache; the rest hit it.
+    tokens = greedy_tokens(llm, prompts[:1]) + greedy_tokens(llm, prompts[1:])
+    assert tokens == want
+    assert llm.engine.get_stats().prefix_cache_hits > 0
+    assert_no_leak(llm)
+    runner = llm.engine.executor.worker.runner
+    assert runner._graphs.recorded_sizes and runner.proposer.model.graphs.recorded_sizes
+    stats = acceptance(llm)
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
 
 
 def test_forced_preemption(drafts):
@@ -89,17 +108,6 @@ def test_forced_preemption(drafts):
     prompts = random_prompts([20, 35, 50, 28, 41, 60])
     tokens, llm = speculative(target, noisy, prompts, num_blocks=14)
     assert llm.engine.get_stats().num_preemptions > 0
-    assert tokens == plain(target, prompts)
-
-
-def test_prefix_caching(drafts):
-    target, noisy, _ = drafts("llama")
-    prompts = shared_prefix_prompts()
-    llm = LLM(target, dtype="float32", speculative_model=str(noisy), num_speculative_tokens=3,
-              speculative_adaptive=False)
-    tokens = greedy_tokens(llm, prompts[:1]) + greedy_tokens(llm, prompts[1:])
-    assert llm.engine.get_stats().prefix_cache_hits > 0
-    assert_no_leak(llm)
     assert tokens == plain(target, prompts)
 
 
@@ -121,15 +129,16 @@ def test_seeded_sampling_reproduces(drafts):
     assert alone[0] == first[1]
 
 
-def test_octavo_mini_with_its_draft_on_the_golden_prompt():
-    """The shipped pair: greedy output equals octavo-mini's alone (float32:
-    bf16 rounds multi-token verification rows differently from single-token
-    decode rows, which can flip a near-tie)."""
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_octavo_mini_with_its_draft_on_the_golden_prompt(dtype):
+    """The shipped pair: greedy output equals octavo-mini's alone, in its own
+    bfloat16 too (verification rows are decode rows, so each verified
+    position's logits are plain decoding's)."""
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
-    base = LLM(str(MINI_MODEL_PATH), dtype="float32")
+    base = LLM(str(MINI_MODEL_PATH), dtype=dtype)
     prompt = "def fibonacci(n):"
     expected = base.generate(prompt, params, use_tqdm=False)[0].outputs[0]
-    spec = LLM(str(MINI_MODEL_PATH), dtype="float32", speculative_model="octavo-mini-draft",
+    spec = LLM(str(MINI_MODEL_PATH), dtype=dtype, speculative_model="octavo-mini-draft",
                speculative_adaptive=False)
     out = spec.generate(prompt, params, use_tqdm=False)[0].outputs[0]
     assert out.token_ids == expected.token_ids and out.text == expected.text

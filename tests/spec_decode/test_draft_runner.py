@@ -11,7 +11,7 @@ import torch
 
 from octavo import LLM, SamplingParams
 from octavo.config import CacheConfig, ModelConfig, SpeculativeConfig
-from octavo.core.step_state import CachedRequestState
+from octavo.core.step_state import CachedRequestState, ScheduledRow
 from octavo.model.config import load_arch_config
 from octavo.spec_decode.draft_model import DraftModelProposer
 from octavo.spec_decode.proposer import ProposalInput, ProposerContext
@@ -55,7 +55,7 @@ def build_draft(spec: SpeculativeConfig, config: ModelConfig, cache: CacheConfig
     host = DraftHost(config, cache, 512)
     context = ProposerContext(config, cache, torch.device(config.device), 512, load_arch_config(config.model), host)
     proposer = DraftModelProposer(spec, context)
-    host.allocate(num_blocks)
+    host.allocate(num_blocks, 8 * (K + 1), 512)
     return proposer
 
 
@@ -182,3 +182,36 @@ def test_incompatible_draft_is_refused(tmp_path):
     other = make_tiny_model(tmp_path, "llama", vocab_size=384)
     with pytest.raises(ValueError, match="speculative_model"):
         build_draft(SpeculativeConfig(speculative_model=str(other)), ModelConfig(model=str(target)), CacheConfig())
+
+
+def test_recorded_draft_steps_give_the_eager_steps_logits(models):
+    """The draft's decode-shaped forwards (a catch-up's 1-2 rows per request, single-token proposal steps)
+    replay kernel tapes, each size recorded on its second use; every one gives the logits the same forward
+    gives eagerly (``enforce_eager``), and a prompt chunk stays eager."""
+    target, draft = models
+    hosted = []
+    for eager in (False, True):
+        config = ModelConfig(model=str(target), dtype="float32", enforce_eager=eager)
+        host = DraftHost(config, CacheConfig(block_size=4), 512)
+        hosted.append(host.load_draft_model(str(draft)))
+        host.allocate(64, 8, 512)
+    recorded, eager = hosted
+    assert eager.graphs is None
+    rng = random.Random(0)
+    params = SamplingParams(temperature=0.0)
+    states = [CachedRequestState(f"r{i}", [rng.randrange(5, 512) for _ in range(n)], [], params, None,
+                                 block_tables=[list(range(16 * i, 16 * i + 16))]) for i, n in enumerate((21, 9))]
+    steps = [[(s, 0, s.num_tokens) for s in states]]  # the prompts: prefill rows, eager in both
+    for rows in ((2, 1), (1, 1), (2, 2), (1, 2), (1, 1), (2, 1)):  # catch-ups and proposal steps
+        step = []
+        for s, n in zip(states, rows):
+            start = s.num_tokens
+            s.extend([rng.randrange(5, 512) for _ in range(n)])
+            step.append((s, start, n))
+        steps.append(step)
+    with torch.inference_mode():  # as the proposer runs them
+        for step in steps:
+            rows = [ScheduledRow(s, start, n, s.block_tables, True) for s, start, n in step]
+            torch.testing.assert_close(recorded.run_rows(rows, rows), eager.run_rows(rows, rows), rtol=1e-5,
+                                       atol=1e-5)
+    assert recorded.graphs.recorded_sizes == [2, 4]

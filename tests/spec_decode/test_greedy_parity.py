@@ -57,10 +57,13 @@ def test_bfloat16(model_dir, max_num_seqs):
     check(model_dir("llama"), dtype="bfloat16", max_num_seqs=max_num_seqs)
 
 
-def test_latent_attention(model_dir):
-    """DeepSeek-V3: verifying proposals attends from multi-token rows over cached latents, which the
-    latent attention decompresses (decode rows attend in latent space)."""
-    check(model_dir("deepseek_v3"))
+@pytest.mark.parametrize("options", [{}, {"dtype": "bfloat16"}, {"kv_cache_dtype": "int8"}],
+                         ids=["float32", "bfloat16", "int8-cache"])
+def test_latent_attention(model_dir, options):
+    """DeepSeek-V3: the proposals' rows attend over the cached latents through the absorbed decode, each
+    as the decode of its token would (StepLayout.num_short), so in bfloat16 too, and over a quantized
+    latent cache, speculation gives plain decoding's tokens."""
+    check(model_dir("deepseek_v3"), **options)
 
 
 def test_chunked_prefill_budget_16(model_dir):

@@ -21,8 +21,8 @@ def counted_run(folder, monkeypatch) -> tuple[EngineStats, dict, list[str]]:
     counts = {"drafts": 0, "draft_tokens": 0, "accepted": 0, "per_position": [0, 0, 0]}
     verify = model_runner.verify
 
-    def counting_verify(logits, meta, drafts):
-        result = verify(logits, meta, drafts)
+    def counting_verify(logits, meta, drafts, argmax):
+        result = verify(logits, meta, drafts, argmax)
         for k, a in zip(drafts.num_draft, result.num_accepted):
             if k:
                 counts["drafts"] += 1

@@ -8,7 +8,7 @@ from typing import Optional
 import pytest
 import torch
 
-from octavo.sample.rejection import Drafts, rejection_sample
+from octavo.sample.rejection import Drafts, greedy_accept, rejection_sample
 
 VOCAB = 8
 DRAWS = 200_000
@@ -66,9 +66,22 @@ def test_greedy_accepts_while_equal_to_the_argmax_then_emits_the_argmax():
     # Request 0: 3 proposals, rows 0..3; request 1: none, row 4; request 2: 2 proposals, rows 5..7.
     argmax = torch.tensor([4, 5, 9, 1, 3, 2, 6, 8])
     drafts = Drafts([3, 0, 2], torch.tensor([4, 5, 7, 2, 6]))
-    tokens, accepted = rejection_sample(argmax, None, torch.ones(8, dtype=torch.bool), drafts, [None] * 3)
-    assert tokens == [[4, 5, 9], [3], [2, 6, 8]]
-    assert accepted == [2, 0, 2]
+    tensor_path = rejection_sample(argmax, None, torch.ones(8, dtype=torch.bool), drafts, [None] * 3)
+    # verify's path for plain greedy batches: the same, from the argmax as a list.
+    for tokens, accepted in (tensor_path, greedy_accept(argmax.tolist(), drafts)):
+        assert tokens == [[4, 5, 9], [3], [2, 6, 8]]
+        assert accepted == [2, 0, 2]
+
+
+def test_the_greedy_path_agrees_with_the_rejection_sampler_on_greedy_rows():
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(200):
+        num_draft = torch.randint(0, 5, (6,), generator=gen).tolist()
+        rows = sum(num_draft) + len(num_draft)
+        argmax = torch.randint(0, 3, (rows,), generator=gen)  # 3 tokens: proposals often agree
+        drafts = Drafts(num_draft, torch.randint(0, 3, (sum(num_draft),), generator=gen))
+        want = rejection_sample(argmax, None, torch.ones(rows, dtype=torch.bool), drafts, [None] * len(num_draft))
+        assert greedy_accept(argmax.tolist(), drafts) == want
 
 
 def test_a_token_the_target_forbids_is_never_accepted():

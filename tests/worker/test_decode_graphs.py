@@ -5,6 +5,8 @@ Triton kernel in Triton's interpreter; the CPU's records kernel tapes (each size
 them, keeps a size eager when its recording is refused or would pass the memory budget."""
 from __future__ import annotations
 
+from typing import Optional
+
 import pytest
 import torch
 
@@ -35,14 +37,17 @@ def test_capture_sizes_cover_every_batch_up_to_the_largest():
     assert sizes[-1] == 256 and all(min(s for s in sizes if s >= n) - n < 8 for n in range(1, 257))
 
 
-def _decode_step(contexts: list[int], seed: int):
+def _decode_step(contexts: list[int], seed: int, queries: Optional[list[int]] = None):
+    """Request i computes the last ``queries[i]`` (default 1) of its ``contexts[i]`` positions: more than one
+    is a speculative verification's k + 1 rows, which run as decode rows (``StepLayout.num_short``)."""
     gen = torch.Generator().manual_seed(seed)
     order = torch.randperm(NUM_BLOCKS, generator=gen).tolist()
     rows = []
     for i, context in enumerate(contexts):
         blocks = [order.pop() for _ in range(-(-context // BLOCK))]
         tokens = torch.randint(0, 100, (context,), generator=gen).tolist()
-        rows.append(ScheduledRow(Request(f"r{i}", tokens, SamplingParams()), context - 1, 1, [blocks], True))
+        q = queries[i] if queries else 1
+        rows.append(ScheduledRow(Request(f"r{i}", tokens, SamplingParams()), context - q, q, [blocks], True))
     return rows
 
 
@@ -63,9 +68,11 @@ def _tapes():
 # size-6 step), five (replayed), then one, twice.
 STEPS = (([30, 17, 9, 5, 2, 11], 1), ([21, 3, 8, 14, 6], 2), ([31, 18, 10, 6, 3, 12], 4), ([22, 4, 9, 15, 7], 5),
          ([40], 3), ([41], 6))
+# Verification steps: requests of 2-4 rows; 5 rows (padded to 6), 6, 5 (replayed), then 4 rows twice.
+VERIFY_STEPS = (([30, 17], 1, [3, 2]), ([31, 19], 2, [3, 3]), ([33, 20], 4, [2, 3]), ([40], 3, [4]), ([44], 6, [4]))
 
 
-def _run_steps(tmp_path, make_backend, forward_wrap=lambda f: f, memory_budget=None, before_step=None):
+def _run_steps(tmp_path, make_backend, forward_wrap=lambda f: f, memory_budget=None, before_step=None, steps=STEPS):
     folder = make_tiny_model(tmp_path, "llama", num_hidden_layers=2)
     backend, recorder = make_backend()
     model, arch = load_model(folder, "float32", CPU, MAX_LEN, ModelBackends(
@@ -85,10 +92,11 @@ def _run_steps(tmp_path, make_backend, forward_wrap=lambda f: f, memory_budget=N
     with torch.inference_mode():
         graphs = DecodeGraphs(forward_wrap(model), static_caches, null_block, BLOCK, capture_sizes(6), MAX_LEN,
                               backend, CPU, recorder, memory_budget)
-        for index, (contexts, seed) in enumerate(STEPS):
+        for index, step in enumerate(steps):
             if before_step is not None:
                 before_step(graphs, index)
-            inputs = prepare_inputs(_decode_step(contexts, seed), BLOCK, backend, CPU)
+            inputs = prepare_inputs(_decode_step(*step), BLOCK, backend, CPU)
+            assert not inputs.attn[0].prefills  # every row a decode row, verification rows too
             want = model(inputs.input_ids, inputs.positions, eager_caches, inputs.attn * len(eager_caches))
             got = graphs.run(inputs.input_ids, inputs.positions, inputs.attn)
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -104,6 +112,15 @@ def test_static_step_matches_the_eager_step(tmp_path, make_backend):
     graphs = _run_steps(tmp_path, make_backend)
     if make_backend is _tapes:
         assert graphs.recorded_sizes == [1, 6] and graphs.recorded_bytes > 0
+
+
+@pytest.mark.parametrize("make_backend", [_triton_backend, _tapes], ids=["triton-static-buffers", "cpu-tapes"])
+def test_verification_steps_replay_as_the_eager_step(tmp_path, make_backend):
+    """A speculative step (k + 1 rows per request, over its cached context) runs through the buffers and
+    recordings of a decode step of as many rows, as the target's verification and a draft's catch-up do."""
+    graphs = _run_steps(tmp_path, make_backend, steps=VERIFY_STEPS)
+    if make_backend is _tapes:
+        assert graphs.recorded_sizes == [4, 6]
 
 
 def test_a_size_whose_recording_passes_the_budget_stays_eager(tmp_path):

@@ -64,6 +64,20 @@ def test_allocation_counts_the_scale_bytes_and_says_so(caplog):
     assert "1 layer sliding window 32: 2 KV heads x 64" in caplog.text
 
 
+@pytest.mark.parametrize("dtype, bound_bytes", [(torch.bfloat16, 2), (torch.int8, 4)])
+def test_allocation_counts_the_key_bounds_and_says_so(caplog, dtype, bound_bytes):
+    """Sparse attention's key bounds: a minimum and a maximum per block, KV head and channel, in the cache's
+    float dtype (float32 for a quantized cache), in the pool's bytes per block and the start-up line."""
+    spec = KVCacheSpec(16, 2, 64, dtype, key_bounds=True)
+    assert spec.bytes_per_block == KVCacheSpec(16, 2, 64, dtype).bytes_per_block + 2 * 2 * 64 * bound_bytes
+    with caplog.at_level("INFO", logger="octavo.worker.kv_cache"):
+        (cache,) = allocate_kv_caches([spec], TorchSdpaBackend({None}), 5, CPU)
+    stored = [t for t in (cache.data, cache.scales, cache.key_bounds) if t is not None]
+    assert sum(t.nbytes for t in stored) == 5 * spec.bytes_per_block
+    assert cache.key_bounds.shape == (2, 5, 2, 64) and cache.key_bounds.element_size() == bound_bytes
+    assert f"{5 * spec.bytes_per_block // 80} bytes per token" in caplog.text and "key min/max per block" in caplog.text
+
+
 def _filled(dtype: torch.dtype, seed: int) -> LayerKVCache:
     cache = allocate_layer_cache(6, 4, 2, 8, dtype, CPU)
     gen = torch.Generator().manual_seed(seed)

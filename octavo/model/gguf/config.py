@@ -10,26 +10,23 @@ blocks are Q8_0, Q4_0 or Q4_1 become a ``quantization_config`` of method "gguf"
 """
 from __future__ import annotations
 
-import math
 import re
 from collections import Counter
 from typing import Any
 
-from octavo.checkpoint.bounds import MAX_CONTEXT, MAX_LAYERS, MAX_ROPE_FACTOR, bounded_float, bounded_int
+from octavo.checkpoint.bounds import MAX_CONTEXT, MAX_LAYERS, MAX_ROPE_FACTOR
 from octavo.checkpoint.gguf_file import GgufFile
 from octavo.checkpoint.gguf_vocab import end_token_ids
+from octavo.model.gguf.checks import metadata_float, metadata_int
+from octavo.model.gguf.deepseek2 import deepseek2_config_json
 from octavo.model.gguf.experts import experts_config_json, quantized_experts
-from octavo.model.gguf.names import ARCHITECTURES, FUSED_GROUPS, ROUTERS, hf_name
+from octavo.model.gguf.names import ARCHITECTURES, FLOAT_LINEARS, FUSED_GROUPS, hf_name
 
 # Block types the int8/int4 kernels run as stored (octavo/quant/formats/gguf.py).
 KERNEL_TYPES = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
 FLOAT_TYPES = {"F32": "float32", "F16": "float16", "BF16": "bfloat16"}
 _ROPE_SCALING = ("none", "linear", "yarn")
-_REQUIRED = object()
 _BLOCK_INDEX = re.compile(r"^blk\.(\d+)\.")
-# Widths and head counts: the widest released models are about 2^15 wide; a
-# declared width the tensors do not have is refused by the loader's memory budget.
-_MAX_WIDTH = 1 << 20
 
 
 def gguf_config_json(file: GgufFile) -> dict[str, Any]:
@@ -44,9 +41,9 @@ def gguf_config_json(file: GgufFile) -> dict[str, Any]:
     if "rope_freqs.weight" in tensors:
         raise ValueError(f"{file.path}: per-dimension rope frequency factors (rope_freqs.weight, Llama 3.1 "
                          "rope scaling) are not supported in GGUF files; load the Hugging Face folder instead")
-    heads = _count(file, "attention.head_count")
-    hidden = _count(file, "embedding_length")
-    layers = _count(file, "block_count", high=MAX_LAYERS)
+    heads = metadata_int(file, "attention.head_count")
+    hidden = metadata_int(file, "embedding_length")
+    layers = metadata_int(file, "block_count", high=MAX_LAYERS)
     stored = max((int(m.group(1)) + 1 for name in tensors if (m := _BLOCK_INDEX.match(name))), default=0)
     if stored < layers:
         raise ValueError(f"{file.path}: metadata '{arch}.block_count' is {layers}; the file holds tensors of "
@@ -56,16 +53,16 @@ def gguf_config_json(file: GgufFile) -> dict[str, Any]:
         "hidden_size": hidden,
         "num_hidden_layers": layers,
         "num_attention_heads": heads,
-        "num_key_value_heads": _count(file, "attention.head_count_kv", heads),
-        "head_dim": _count(file, "attention.key_length", hidden // heads),
-        "intermediate_size": _count(file, "feed_forward_length"),
+        "num_key_value_heads": metadata_int(file, "attention.head_count_kv", heads),
+        "head_dim": metadata_int(file, "attention.key_length", hidden // heads),
+        "intermediate_size": metadata_int(file, "feed_forward_length"),
         # GGUF dims are innermost first: token_embd is [hidden, vocab].
         "vocab_size": int(tensors["token_embd.weight"].shape[-1]),
-        "max_position_embeddings": _count(file, "context_length", 2048, high=MAX_CONTEXT),
-        "rms_norm_eps": _number(file, "attention.layer_norm_rms_epsilon", 1e-6),
+        "max_position_embeddings": metadata_int(file, "context_length", 2048, high=MAX_CONTEXT),
+        "rms_norm_eps": metadata_float(file, "attention.layer_norm_rms_epsilon", 1e-6),
         "tie_word_embeddings": "output.weight" not in tensors,
         "hidden_act": "silu",
-        "rope_theta": _number(file, "rope.freq_base", 10000.0),
+        "rope_theta": metadata_float(file, "rope.freq_base", 10000.0),
         "bos_token_id": file.get("tokenizer.ggml.bos_token_id", kind=int),
         "eos_token_id": list(end_token_ids(file)),
         "dtype": _float_dtype(file),
@@ -73,11 +70,14 @@ def gguf_config_json(file: GgufFile) -> dict[str, Any]:
     window = file.arch_key("attention.sliding_window", None, int)
     if window:  # Mistral converted with its window kept; llama.cpp's own converter drops it
         raw["architectures"] = ["MistralForCausalLM"]
-        raw["sliding_window"] = _count(file, "attention.sliding_window", high=MAX_CONTEXT)
+        raw["sliding_window"] = metadata_int(file, "attention.sliding_window", high=MAX_CONTEXT)
     if arch == "llama" and "blk.0.attn_q.bias" in tensors:
         raw["attention_bias"] = True
     raw.update(_rope_scaling(file))
-    raw.update(experts_config_json(file, tensors))
+    if arch == "deepseek2":
+        raw.update(deepseek2_config_json(file, tensors, raw.get("rope_scaling")))
+    else:
+        raw.update(experts_config_json(file, tensors))
     modules = quantized_modules(file)
     if modules:
         raw["quantization_config"] = {"quant_method": "gguf", "modules": modules}
@@ -91,26 +91,14 @@ def _rope_scaling(file: GgufFile) -> dict[str, Any]:
     if kind == "none":
         return {}
     params: dict[str, Any] = {"rope_type": kind,
-                              "factor": _number(file, "rope.scaling.factor", high=MAX_ROPE_FACTOR)}
+                              "factor": metadata_float(file, "rope.scaling.factor", high=MAX_ROPE_FACTOR)}
     if file.arch_key("rope.scaling.original_context_length", None) is not None:
-        params["original_max_position_embeddings"] = _count(file, "rope.scaling.original_context_length",
+        params["original_max_position_embeddings"] = metadata_int(file, "rope.scaling.original_context_length",
                                                             high=MAX_CONTEXT)
     for key, name in (("yarn_beta_fast", "beta_fast"), ("yarn_beta_slow", "beta_slow")):
         if file.arch_key(f"rope.scaling.{key}", None) is not None:
-            params[name] = _number(file, f"rope.scaling.{key}")
+            params[name] = metadata_float(file, f"rope.scaling.{key}")
     return {"rope_scaling": params}
-
-
-def _count(file: GgufFile, suffix: str, default: Any = _REQUIRED, high: int = _MAX_WIDTH) -> int:
-    """The integer metadata ``<arch>.<suffix>``, from 1 to ``high``; ValueError naming the key and its value."""
-    value = file.arch_key(suffix) if default is _REQUIRED else file.arch_key(suffix, default)
-    return bounded_int(value, f"{file.path}: metadata '{file.architecture}.{suffix}'", 1, high)
-
-
-def _number(file: GgufFile, suffix: str, default: Any = _REQUIRED, high: float = math.inf) -> float:
-    """The positive finite number metadata ``<arch>.<suffix>``; ValueError naming the key and its value."""
-    value = file.arch_key(suffix) if default is _REQUIRED else file.arch_key(suffix, default)
-    return bounded_float(value, f"{file.path}: metadata '{file.architecture}.{suffix}'", high)
 
 
 def _float_dtype(file: GgufFile) -> str:
@@ -126,20 +114,25 @@ def quantized_modules(file: GgufFile) -> dict[str, str]:
     """Linear module (Hugging Face name) -> block type, for the layers that
     run quantized: Q8_0/Q4_0/Q4_1 weights whose fused partners (q/k/v,
     gate/up) share the type, and experts as ``quantized_experts`` says. Others
-    are dequantized while loading; lm_head and a mixture's routers always are
-    (they stay float, as with --quantization)."""
+    are dequantized while loading; lm_head, a mixture's routers and latent
+    attention's kv_b_proj always are (they stay float, as with --quantization)."""
     types: dict[str, str] = {}
+    stored: set[str] = set()  # every linear module the file holds, of any type
     for tensor in file.tensors:
         name = hf_name(tensor.name)
-        if name and name.endswith(".weight") and tensor.tensor_type.name in KERNEL_TYPES:
-            types[name.removesuffix(".weight")] = KERNEL_TYPES[tensor.tensor_type.name]
+        if name and name.endswith(".weight"):
+            stored.add(name.removesuffix(".weight"))
+            if tensor.tensor_type.name in KERNEL_TYPES:
+                types[name.removesuffix(".weight")] = KERNEL_TYPES[tensor.tensor_type.name]
     result = {}
     for module, kind in types.items():
-        if not module.startswith("model.layers.") or module.endswith(ROUTERS):
+        if not module.startswith("model.layers.") or module.endswith(FLOAT_LINEARS):
             continue
         layer_prefix = ".".join(module.split(".")[:3])  # model.layers.N
         group = next((g for g in FUSED_GROUPS if module.endswith(tuple("." + p for p in g))), None)
-        if group is None or all(types.get(f"{layer_prefix}.{part}") == kind for part in group):
+        # The partners the file holds (DeepSeek's q_proj has none: its keys and values come from the latent).
+        partners = [] if group is None else [m for m in (f"{layer_prefix}.{p}" for p in group) if m in stored]
+        if all(types.get(m) == kind for m in partners):
             result[module] = kind
     result.update(quantized_experts(file, KERNEL_TYPES))
     return result

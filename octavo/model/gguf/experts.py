@@ -1,5 +1,5 @@
 """A GGUF file's mixture of experts: llama.cpp's ``qwen2moe``, ``qwen3moe``, and ``llama`` with
-``expert_count`` set (Mixtral).
+``expert_count`` set (Mixtral); ``deepseek2`` stacks its experts the same way (its config: deepseek2.py).
 
 The converter stacks each sparse layer's experts into three 3-D tensors, ``blk.N.ffn_gate_exps``
 and ``ffn_up_exps`` [experts, expert_ff, hidden] and ``ffn_down_exps`` [experts, hidden, expert_ff]
@@ -20,12 +20,13 @@ import re
 from typing import Any, Optional
 
 from octavo.checkpoint.gguf_file import GgufFile, GgufTensor
+from octavo.model.gguf.checks import check_tensor
 
 # The stacked tensors of a layer's experts, in the order gate, up, down.
 EXPERT_TENSORS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 # What each family's checkpoint calls an expert's gate, up and down projections.
 PROJECTIONS = {"llama": ("w1", "w3", "w2"), "qwen2moe": ("gate_proj", "up_proj", "down_proj"),
-               "qwen3moe": ("gate_proj", "up_proj", "down_proj")}
+               "qwen3moe": ("gate_proj", "up_proj", "down_proj"), "deepseek2": ("gate_proj", "up_proj", "down_proj")}
 _RENORMALIZE = {"llama": True, "qwen2moe": False, "qwen3moe": True}
 _EXPERT_NAME = re.compile(r"^blk\.(\d+)\.(ffn_(?:gate|up|down)_exps)\.weight$")
 
@@ -45,7 +46,8 @@ def experts_config_json(file: GgufFile, tensors: dict[str, GgufTensor]) -> dict[
     """config.json's expert fields for ``file`` ({} for a file without experts); ValueError naming a
     stacked expert tensor or router that is missing or of the wrong shape."""
     arch = file.architecture
-    if arch not in PROJECTIONS or (arch == "llama" and not file.arch_key("expert_count", 0)):
+    # deepseek2's experts are read with the rest of its config (deepseek2.py).
+    if arch not in _RENORMALIZE or (arch == "llama" and not file.arch_key("expert_count", 0)):
         return {}
     count, used = int(file.arch_key("expert_count")), int(file.arch_key("expert_used_count"))
     hidden, ff = int(file.arch_key("embedding_length")), int(file.arch_key("feed_forward_length"))
@@ -57,11 +59,8 @@ def experts_config_json(file: GgufFile, tensors: dict[str, GgufTensor]) -> dict[
     if arch == "llama" and dense:
         raise ValueError(f"{file.path}: layer {dense[0]} has no router (blk.{dense[0]}.ffn_gate_inp.weight); "
                          "every layer of a llama file with experts must have one")
-    expected = {"ffn_gate_inp": (hidden, count), "ffn_gate_exps": (hidden, expert_ff, count),
-                "ffn_up_exps": (hidden, expert_ff, count), "ffn_down_exps": (expert_ff, hidden, count)}
     for layer in sorted(set(range(layers)) - set(dense)):
-        for kind, shape in expected.items():
-            _check_shape(file, tensors, f"blk.{layer}.{kind}.weight", shape)
+        check_expert_tensors(file, tensors, layer, hidden, expert_ff, count)
     if arch == "llama":
         return {"architectures": ["MixtralForCausalLM"], "num_local_experts": count, "num_experts_per_tok": used,
                 "intermediate_size": expert_ff}
@@ -73,13 +72,15 @@ def experts_config_json(file: GgufFile, tensors: dict[str, GgufTensor]) -> dict[
     return raw
 
 
-def _check_shape(file: GgufFile, tensors: dict[str, GgufTensor], name: str, shape: tuple[int, ...]) -> None:
-    if name not in tensors:
-        raise ValueError(f"{file.path} has no {name} tensor (its layer has a router, so it has experts)")
-    if tuple(tensors[name].shape) != shape:
-        raise ValueError(f"{file.path}: tensor {name} has shape {list(tensors[name].shape)}; expected "
-                         f"{list(shape)} (GGUF order) from embedding_length, expert_feed_forward_length "
-                         "and expert_count")
+def check_expert_tensors(file: GgufFile, tensors: dict[str, GgufTensor], layer: int, hidden: int, expert_ff: int,
+                         count: int) -> None:
+    """ValueError naming layer ``layer``'s router or stacked expert tensor that is missing or of another shape
+    than ``count`` experts of ``expert_ff`` on ``hidden`` give."""
+    expected = {"ffn_gate_inp": (hidden, count), "ffn_gate_exps": (hidden, expert_ff, count),
+                "ffn_up_exps": (hidden, expert_ff, count), "ffn_down_exps": (expert_ff, hidden, count)}
+    for kind, shape in expected.items():
+        check_tensor(file, tensors, f"blk.{layer}.{kind}.weight", shape,
+                     "embedding_length, expert_feed_forward_length and expert_count")
 
 
 def quantized_experts(file: GgufFile, kernel_types: dict[str, str]) -> dict[str, str]:

@@ -15,9 +15,11 @@ from typing import Optional
 import torch
 
 # llama.cpp's architecture name -> the Hugging Face architecture it was converted from.
-# A llama file with experts is Mixtral (experts.py).
+# A llama file with experts is Mixtral (experts.py); a deepseek2 file with sigmoid gating is DeepSeek-V3
+# (deepseek2.py).
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
+                 "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM",
+                 "deepseek2": "DeepseekV2ForCausalLM"}
 # Architectures whose q/k rows the converter interleaved.
 PERMUTED = ("llama",)
 
@@ -44,14 +46,24 @@ _BLOCK = {
     "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
     "ffn_up_shexp": "mlp.shared_expert.up_proj",
     "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    # DeepSeek-V2/V3's latent attention (deepseek2; its split kv_b_proj: deepseek2.py).
+    "attn_q_a": "self_attn.q_a_proj",
+    "attn_q_a_norm": "self_attn.q_a_layernorm",
+    "attn_q_b": "self_attn.q_b_proj",
+    "attn_kv_a_mqa": "self_attn.kv_a_proj_with_mqa",
+    "attn_kv_a_norm": "self_attn.kv_a_layernorm",
+    "attn_kv_b": "self_attn.kv_b_proj",
 }
+# Block tensors whose Hugging Face name is not their module's weight or bias: DeepSeek-V3's router bias.
+_BLOCK_TENSORS = {"exp_probs_b.bias": "mlp.gate.e_score_correction_bias"}
 _BLOCK_NAME = re.compile(r"^blk\.(\d+)\.(\w+)\.(weight|bias)$")
 _GLOBAL_NAME = re.compile(r"^(\w+)\.(weight|bias)$")
 # Linear layers that run fused (one product): their parts must share a storage type to stay quantized.
 FUSED_GROUPS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"),
                 ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"))
-# Linear layers that always run in float (a mixture's routers: they choose which weights run).
-ROUTERS = (".mlp.gate", ".mlp.shared_expert_gate")
+# Linear layers that always run in float: a mixture's routers (they choose which weights run) and latent
+# attention's kv_b_proj (decode multiplies by its halves directly, model/layers/latent_attention.py).
+FLOAT_LINEARS = (".mlp.gate", ".mlp.shared_expert_gate", ".self_attn.kv_b_proj")
 
 
 def hf_name(gguf_name: str) -> Optional[str]:
@@ -59,6 +71,8 @@ def hf_name(gguf_name: str) -> Optional[str]:
     match = _BLOCK_NAME.match(gguf_name)
     if match:
         layer, part, leaf = match.groups()
+        if f"{part}.{leaf}" in _BLOCK_TENSORS:
+            return f"model.layers.{layer}.{_BLOCK_TENSORS[part + '.' + leaf]}"
         module = _BLOCK.get(part)
         return None if module is None else f"model.layers.{layer}.{module}.{leaf}"
     match = _GLOBAL_NAME.match(gguf_name)

@@ -9,7 +9,9 @@ dequantized. Every other type (K-quants, IQ types, and Q8_0/Q4_0/Q4_1 where the
 layer runs in float) is dequantized by the ``gguf`` package to float32 and
 converted to the model's dtype as it loads; a log line says which. A
 layer's stacked expert tensors (experts.py) are read once each and handed
-out one expert's slice at a time, under that expert's Hugging Face names.
+out one expert's slice at a time, under that expert's Hugging Face names;
+deepseek2's split attn_k_b / attn_v_b pair is handed out as one kv_b_proj
+(deepseek2.py).
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import torch
 from octavo.checkpoint.gguf_file import GgufFile, gguf_package, open_gguf
 from octavo.model.checkpoint_tensors import TensorSource
 from octavo.model.gguf.config import FLOAT_TYPES, KERNEL_TYPES, quantized_modules
+from octavo.model.gguf.deepseek2 import joined_kv_b, split_kv_b
 from octavo.model.gguf.experts import expert_template
 from octavo.model.gguf.names import hf_name, rotary_heads, unpermute_rows
 from octavo.quant.formats.gguf import GGUF_BLOCK, WITH_MINS, GgufBlockFormat
@@ -41,16 +44,27 @@ class GgufSource(TensorSource):
         arch = self.file.architecture
         heads = int(self.file.arch_key("attention.head_count"))
         self._heads = (arch, heads, int(self.file.arch_key("attention.head_count_kv", heads)))
-        # Hugging Face name(s) -> the GGUF record they come from, the part of a split block type
-        # ("": the float tensor) and the expert of a stacked tensor (None: the whole tensor).
-        # One record's names are consecutive.
+        # Hugging Face name(s) -> the GGUF record they come from (a pair for deepseek2's split kv_b_proj),
+        # the part of a split block type ("": the float tensor) and the expert of a stacked tensor (None:
+        # the whole tensor). One record's names are consecutive.
         self._records: dict[str, tuple[object, str, Optional[int]]] = {}
+        by_name = {record.name: record for record in self.file.tensors}
+        # attn_k_b's name -> (kv_b_proj's name, its attn_v_b record)
+        halves = {record.name: (pair[0], by_name[pair[1]]) for record in self.file.tensors
+                  if (pair := split_kv_b(record.name)) is not None and pair[1] in by_name}
+        partners = {v_b.name for _, v_b in halves.values()}
         for record in self.file.tensors:
             template = expert_template(record.name, arch)
             if template is not None:
                 for expert in range(int(record.shape[-1])):
                     self._add(template.format(expert), record, expert)
                 continue
+            if record.name in halves:
+                name, v_b = halves[record.name]
+                self._records[name] = ((record, v_b), "", None)
+                continue
+            if record.name in partners:
+                continue  # read with its attn_k_b
             name = hf_name(record.name)
             if name is None:
                 self._records[_UNMAPPED + record.name] = (record, "", None)
@@ -80,9 +94,10 @@ class GgufSource(TensorSource):
             if name not in wanted:
                 continue
             if current[0] is not record:
-                if not part and record.tensor_type.name not in FLOAT_TYPES:
-                    dequantized[record.tensor_type.name] += 1
-                current = (record, _split_blocks(record) if part else {"": self._float(record)})
+                if not part:
+                    dequantized.update(r.tensor_type.name for r in _parts(record)
+                                       if r.tensor_type.name not in FLOAT_TYPES)
+                current = (record, _split_blocks(record) if part else {"": self._whole(record)})
             tensor = current[1][part] if expert is None else current[1][part][expert]
             heads = self._rotary_heads(name)
             if heads is not None:
@@ -95,6 +110,12 @@ class GgufSource(TensorSource):
     def _rotary_heads(self, name: str) -> Optional[int]:
         arch, heads, kv_heads = self._heads
         return rotary_heads(arch, name, heads, kv_heads)
+
+    def _whole(self, record: object) -> torch.Tensor:
+        """A float tensor: one record's, or kv_b_proj's from its two halves."""
+        if isinstance(record, tuple):
+            return joined_kv_b(*(self._float(half) for half in record))
+        return self._float(record)
 
     def _float(self, record: object) -> torch.Tensor:
         kind = record.tensor_type.name
@@ -111,6 +132,11 @@ class GgufSource(TensorSource):
             raise ValueError(f"{self.where}: tensor {record.name} has type {kind}, which the gguf package "
                              "cannot dequantize") from None
         return torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32)).reshape(shape)
+
+
+def _parts(record: object) -> tuple[object, ...]:
+    """The GGUF records a Hugging Face tensor is read from (two for a split kv_b_proj)."""
+    return record if isinstance(record, tuple) else (record,)
 
 
 def _split_blocks(record: object) -> dict[str, torch.Tensor]:

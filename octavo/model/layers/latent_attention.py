@@ -14,7 +14,11 @@ Two ways to attend over it, the same product regrouped:
   whole context every step.
 
 Under tensor parallelism each rank holds its heads' slices of the query, kv_b_proj and o_proj
-(column / row parallel) and the whole latent cache (every head reads it)."""
+(column / row parallel) and the whole latent cache (every head reads it).
+
+An int8 / fp8 cache (``kv_cache_dtype``) holds each entry with one scale per token (kv_spec.py): prefill
+chunks over a cached context decompress its dequantized latents, the decode kernels dequantize as they read;
+a fresh chunk attends over its own entries as computed, as K/V attention does."""
 from __future__ import annotations
 
 from dataclasses import replace
@@ -23,7 +27,7 @@ import torch
 from torch import nn
 
 from octavo.attention.base import AttentionMetadata, PrefillChunk
-from octavo.attention.kv_quant import LayerKVCache, gather_blocks
+from octavo.attention.kv_quant import LayerKVCache, gather_blocks, write_vectors
 from octavo.attention.kv_spec import LatentKVCacheSpec
 from octavo.attention.prefill import attend, attend_tiles
 from octavo.model.backends import ModelBackends
@@ -98,7 +102,7 @@ class LatentAttention(nn.Module):
         # [n, 1, kv_lora_rank + rope]: what the cache keeps, in its slots as one "head".
         entry = torch.cat((self.kv_a_layernorm(latent.contiguous()).unsqueeze(1),
                            self.rotate(k_rope.unsqueeze(1), cos, sin)), dim=-1)
-        kv_cache.slots()[0].index_copy_(0, meta.slot_mapping, entry.to(kv_cache.dtype))
+        write_vectors(kv_cache, (entry,), meta.slot_mapping)
         q_rope = self.rotate(q_rope, cos, sin)
         out = x.new_empty(n, self.num_heads, self.v_dim)
         d = meta.num_decodes
@@ -122,8 +126,9 @@ class LatentAttention(nn.Module):
         w_uk, w_uv = self._up_projections()
         q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [rows, heads, kv_lora_rank]
         query = torch.cat((q_latent, q_rope), dim=-1)
-        # K and V are both the latent (the value's last rope dims come out and are dropped): a view, no copy.
-        shared = LayerKVCache(kv_cache.data.expand(2, -1, -1, -1, -1))
+        # K and V are both the latent (the value's last rope dims come out and are dropped): views, no copy.
+        scales = None if kv_cache.scales is None else kv_cache.scales.expand(2, -1, -1, -1)
+        shared = LayerKVCache(kv_cache.data.expand(2, -1, -1, -1, -1), scales)
         decodes = replace(meta, prefills=[]) if meta.prefills else meta
         o = self.backend.forward(query, query[:, :1], query[:, :1], shared, decodes, None, self.scale)
         return torch.bmm(o[..., : self.kv_lora_rank].transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
