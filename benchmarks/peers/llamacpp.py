@@ -54,11 +54,12 @@ class LlamaCppPeer:
     name = "llamacpp"
 
     def __init__(self, model: Path, n_ctx: int, threads: int, n_batch: int = 512,
-                 gguf: Optional[Path] = None, extra_bufts: bool = True) -> None:
+                 gguf: Optional[Path] = None, extra_bufts: bool = True, flash_attn: bool = False) -> None:
         """``gguf``: the file to run (default: ``model``'s bf16 conversion).
         ``extra_bufts`` False: no repacking of quantized weights into
         llama.cpp's CPU-specific layouts (its use_extra_bufts model
-        parameter, which llama-cpp-python does not expose)."""
+        parameter, which llama-cpp-python does not expose). ``flash_attn``:
+        llama.cpp's fused attention (llama-cpp-python leaves it off)."""
         import llama_cpp.llama as high_level
         from llama_cpp import Llama
 
@@ -74,33 +75,38 @@ class LlamaCppPeer:
         high_level.llama_cpp.llama_model_default_params = model_params
         try:
             self.llm = Llama(model_path=str(gguf or gguf_path(model)), n_ctx=n_ctx, n_batch=n_batch,
-                             n_threads=threads, n_threads_batch=threads, verbose=False)
+                             n_threads=threads, n_threads_batch=threads, flash_attn=flash_attn, verbose=False)
         finally:
             high_level.llama_cpp.llama_model_default_params = defaults
 
-    def _generate(self, prompt: list[int], output_len: int) -> None:
+    def timed_generate(self, prompt: list[int], output_len: int) -> tuple[float, float]:
+        """One greedy request of ``output_len`` tokens: (seconds to its first token, seconds to its last)."""
         # From an empty cache, as Octavo runs in the comparisons (prefix caching off): Llama.generate
         # would otherwise reuse the KV of whatever prefix the last prompt shares with this one.
         self.llm.reset()
-        made = 0
+        start = time.perf_counter()
+        first, made = 0.0, 0
         # top_k=1 with temp=0 is llama.cpp's greedy sampler; EOS is not checked
         # here, so the generator runs for exactly output_len tokens.
         for _ in self.llm.generate(prompt, top_k=1, temp=0.0, repeat_penalty=1.0, reset=True):
             made += 1
+            if made == 1:
+                first = time.perf_counter() - start
             if made == output_len:
                 break
+        return first, time.perf_counter() - start
 
     def warmup(self) -> None:
-        self._generate([1, 2, 3, 4], 2)
+        self.timed_generate([1, 2, 3, 4], 2)
 
     def generate(self, workload: Workload) -> None:
         for prompt, n in zip(workload.prompts, workload.output_lens):
-            self._generate(prompt, n)
+            self.timed_generate(prompt, n)
 
     def generate_each(self, prompts: Sequence[list[int]], output_len: int) -> None:
         """One request after another, ``output_len`` tokens each."""
         for prompt in prompts:
-            self._generate(prompt, output_len)
+            self.timed_generate(prompt, output_len)
 
     def run(self, workload: Workload) -> PeerResult:
         start = time.perf_counter()

@@ -56,6 +56,17 @@ class StepLayout:
 
 
 @dataclass
+class KeyTile:
+    """Cached positions ``first .. first + num_keys - 1`` of a prefill chunk's request, read together:
+    the blocks holding them (the first one starts at ``first``; the last may run past them)."""
+
+    block_ids: torch.Tensor  # [blocks]
+    num_keys: int
+    # [q_len, num_keys], True where a query attends; None: every query of the chunk sees every key.
+    mask: Optional[torch.Tensor]
+
+
+@dataclass
 class PrefillChunk:
     """Rows ``q_start:q_end`` are positions ``context_len - (q_end - q_start)``
     .. ``context_len - 1`` of one request."""
@@ -65,8 +76,11 @@ class PrefillChunk:
     context_len: int
     # No cached prefix: attend over the step's own K/V and skip the cache read.
     fresh: bool
-    block_ids: Optional[torch.Tensor]  # [blocks covering context_len]; None when fresh
-    masks: MaskByWindow  # [q_len, context_len]; None = plain causal (fresh, full attention)
+    # A fresh chunk's masks over itself, [q_len, q_len]; None = plain causal.
+    masks: MaskByWindow
+    # A chunk after a cached prefix reads its context (its own rows included, in the cache by now) tile by
+    # tile, per window: only the keys some query of the chunk sees. Empty when fresh.
+    tiles: dict[Optional[int], list[KeyTile]]
 
 
 @dataclass

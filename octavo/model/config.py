@@ -182,9 +182,21 @@ class ArchConfig:
             return self.local_rope
         return self.rope
 
+    @property
+    def context_limit(self) -> int:
+        """The longest context the checkpoint's positions are meant for: max_position_embeddings, or
+        with YaRN the trained context times the factor where that is longer. YaRN's factor is that
+        ratio by definition, and Qwen2.5 documents its 128k context as the 32k config plus
+        ``rope_scaling`` yarn, factor 4, max_position_embeddings left at 32k."""
+        rope = self.rope
+        if rope.rope_type == "yarn" and rope.original_max_position_embeddings is not None:
+            stretched = int(rope.original_max_position_embeddings * rope.factor)
+            return max(self.max_position_embeddings, min(stretched, MAX_CONTEXT))
+        return self.max_position_embeddings
+
     def max_model_len(self, cap: Optional[int] = None) -> int:
-        """The checkpoint's context length, lowered to ``cap`` when given."""
-        return min(self.max_position_embeddings, cap or self.max_position_embeddings)
+        """The checkpoint's context length (``context_limit``), lowered to ``cap`` when given."""
+        return min(self.context_limit, cap or self.context_limit)
 
 
 def load_arch_config(folder: str | Path) -> ArchConfig:

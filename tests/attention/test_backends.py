@@ -1,7 +1,7 @@
 """Attention backends: the registry's choices and refusals, and both backends
 giving plain causal (and sliding-window, and soft-capped with another softmax
-scale: Gemma 2) attention over a paged cache for a step that mixes decodes, a fresh prefill and a chunk after a cached prefix,
-over float and quantized (int8, fp8) caches."""
+scale: Gemma 2) attention over a paged cache for a step that mixes decodes, a fresh prefill and a chunk after a cached prefix
+(its context read in one tile or in many), over float and quantized (int8, fp8) caches."""
 from __future__ import annotations
 
 import pytest
@@ -101,12 +101,18 @@ def _reference(q, k, v, cache, inputs, window, scale=DIM**-0.5, softcap=None):
     return out
 
 
+@pytest.mark.parametrize("key_tile", [4096, BLOCK])
 @pytest.mark.parametrize("scoring", [None, (0.6, 1.5)])
 @pytest.mark.parametrize("cache_dtype", [F32, torch.int8, torch.float8_e4m3fn])
 @pytest.mark.parametrize("window", [None, 3])
 @pytest.mark.parametrize("name", ["native", "torch"])
-def test_backends_attend_over_the_paged_cache(name, window, cache_dtype, scoring):
-    """``scoring``: (softmax scale, soft cap), large enough that the cap bends the scores."""
+def test_backends_attend_over_the_paged_cache(monkeypatch, name, window, cache_dtype, scoring, key_tile):
+    """``scoring``: (softmax scale, soft cap), large enough that the cap bends the scores. ``key_tile``:
+    the chunk after a cached prefix reads its context in one tile, or a block at a time (tiles that every
+    query sees, that only some rows see, and with the window, tiles some rows see nothing of)."""
+    from octavo.attention import prefill
+
+    monkeypatch.setattr(prefill, "KEY_TILE", key_tile)
     backend = select_attention_backend(name, CPU, F32, cache_dtype, {None, 3})
     inputs = _step(backend)
     gen = torch.Generator().manual_seed(1)

@@ -87,6 +87,20 @@ def test_default_rope_and_shape_fields():
     assert parse_arch_config(BASE).max_model_len(10**6) == 4096
 
 
+def test_yarn_stretches_the_context_limit():
+    """Qwen2.5's documented 128k set-up: its 32k config plus yarn factor 4 over the 32k it was trained on."""
+    qwen = {**BASE, "architectures": ["Qwen2ForCausalLM"], "max_position_embeddings": 32768}
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    arch = parse_arch_config({**qwen, "rope_scaling": yarn})
+    assert arch.context_limit == 131072 and arch.max_model_len() == 131072
+    assert arch.max_model_len(10**7) == 131072 and arch.max_model_len(8192) == 8192
+    assert parse_arch_config(qwen).max_model_len(131072) == 32768  # no scaling: the config's own limit
+    # A config whose max_position_embeddings already names the stretched length (DeepSeek-V3) keeps it.
+    longer = parse_arch_config({**qwen, "max_position_embeddings": 163840,
+                                "rope_scaling": {**yarn, "original_max_position_embeddings": 4096}})
+    assert longer.context_limit == 163840
+
+
 def test_each_family_reads_its_windows_and_biases():
     qwen2 = parse_arch_config({**BASE, "architectures": ["Qwen2ForCausalLM"], "num_hidden_layers": 3,
                                "use_sliding_window": True, "sliding_window": 64, "max_window_layers": 1})

@@ -119,10 +119,12 @@ def test_prepare_inputs_layout():
     assert group.masks[4][0, 0, 0].tolist() == [False] + [True] * 4 + [False] * 11
     (chunk,) = attn.prefills
     assert (chunk.q_start, chunk.q_end, chunk.context_len, chunk.fresh) == (1, 17, 20, False)
-    assert chunk.block_ids.tolist() == [7, 2]
-    full, windowed = chunk.masks[None], chunk.masks[4]
-    assert full.shape == (16, 20) and full[0].tolist() == [True] * 5 + [False] * 15
-    assert windowed[-1].tolist() == [False] * 16 + [True] * 4
+    # One tile of both blocks per window, masked: the chunk's own rows are among its keys.
+    (full,), (windowed,) = chunk.tiles[None], chunk.tiles[4]
+    assert full.block_ids.tolist() == windowed.block_ids.tolist() == [7, 2]
+    assert full.num_keys == windowed.num_keys == 20
+    assert full.mask.shape == (16, 20) and full.mask[0].tolist() == [True] * 5 + [False] * 15
+    assert windowed.mask[-1].tolist() == [False] * 16 + [True] * 4
 
 
 def test_prepare_inputs_rejects_a_short_block_table():

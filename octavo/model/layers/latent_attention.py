@@ -29,7 +29,7 @@ from torch import nn
 from octavo.attention.base import AttentionMetadata, PrefillChunk
 from octavo.attention.kv_quant import LayerKVCache, gather_blocks, write_vectors
 from octavo.attention.kv_spec import LatentKVCacheSpec
-from octavo.attention.prefill import attend
+from octavo.attention.prefill import attend, attend_tiles
 from octavo.model.backends import ModelBackends
 from octavo.model.config import ArchConfig
 from octavo.model.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
@@ -137,16 +137,23 @@ class LatentAttention(nn.Module):
                              kv_cache: LayerKVCache, chunk: PrefillChunk) -> torch.Tensor:
         """One prefill chunk's attention [rows, heads, v] over its context decompressed into every
         head's keys and values: this step's ``entry`` rows when the chunk is the whole context, else
-        the cached latents of its blocks (the chunk's own rows are among them by now)."""
+        the cached latents of its blocks (the chunk's own rows are among them by now), one tile at a
+        time, so only a tile is ever decompressed."""
+        q = torch.cat((q_nope, q_rope), dim=-1).transpose(0, 1)
+
+        def decompress(latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            """[n, kv_lora_rank + rope] -> keys [heads, n, nope + rope], values [heads, n, v]."""
+            latent, k_rope = latents.split((self.kv_lora_rank, self.rope_dim), dim=-1)
+            kv = self.kv_b_proj(latent).view(-1, self.num_heads, self.nope_dim + self.v_dim)
+            k_nope, v = kv.split((self.nope_dim, self.v_dim), dim=-1)
+            k = torch.cat((k_nope, k_rope.unsqueeze(1).expand(-1, self.num_heads, -1)), dim=-1)
+            return k.transpose(0, 1), v.transpose(0, 1)
+
         if chunk.fresh:
-            context = entry[:, 0]
+            k, v = decompress(entry[:, 0])
+            o = attend(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), chunk.masks[None], self.scale, None)[0]
         else:
-            context = gather_blocks(kv_cache, 0, chunk.block_ids, q_nope.dtype)[: chunk.context_len, 0]
-        latent, k_rope = context.split((self.kv_lora_rank, self.rope_dim), dim=-1)
-        kv = self.kv_b_proj(latent).view(-1, self.num_heads, self.nope_dim + self.v_dim)
-        k_nope, v = kv.split((self.nope_dim, self.v_dim), dim=-1)
-        k = torch.cat((k_nope, k_rope.unsqueeze(1).expand(-1, self.num_heads, -1)), dim=-1)
-        q = torch.cat((q_nope, q_rope), dim=-1)
-        o = attend(q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0),
-                   chunk.masks[None], self.scale, None)
-        return o.squeeze(0).transpose(0, 1)
+            o = attend_tiles(q, chunk.tiles[None], lambda tile: decompress(
+                gather_blocks(kv_cache, 0, tile.block_ids, q.dtype)[: tile.num_keys, 0]), self.scale, None)
+            o = o.to(q.dtype)
+        return o.transpose(0, 1)

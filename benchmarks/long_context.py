@@ -1,0 +1,206 @@
+"""Long contexts on Qwen2.5-0.5B's shape (random bf16 weights, its documented 128k set-up: YaRN factor 4
+over the 32k it was trained on): prefill time, batch-1 decode tok/s, KV bytes per token and peak resident
+memory at each prompt length, Octavo against llama.cpp on the same weights.
+
+    python -m benchmarks.long_context                          # 8k, Octavo and llama.cpp
+    python -m benchmarks.long_context --lengths 8192,32768
+    python -m benchmarks.long_context --with-128k              # adds 128k (131072 with the new tokens): hours
+    python -m benchmarks.long_context --layers 2 --lengths 8192,32768 --with-128k   # the per-layer memory, sooner
+
+The checkpoint (``qwen2.5-0.5b-yarn128k``, or ``-<N>l`` with ``--layers``) is written into benchmarks/models by
+tools/make_bench_models.py's code on first use, with its bf16 GGUF when ``--llama-cpp-src`` names llama.cpp's
+source (convert_hf_to_gguf.py; benchmarks/setup_peers.sh fetches it).
+
+Each engine runs each length in a process of its own; its resident memory is read once loaded, and its
+peak (VmHWM) is reset then, so the peak reported is the request's alone (loading's is reported apart). The
+engines take turns at each length (Octavo, llama.cpp, then the next length), and ratios are taken within
+a length. One greedy request of ``--length`` random ordinary tokens and ``--new-tokens`` new ones:
+prefill time = time to the first token; decode tok/s = (new tokens - 1) / the time from the first token to
+the last.
+
+- Octavo: ``LLM(max_model_len=131072, enable_chunked_prefill=True, max_num_batched_tokens=--chunk)``,
+  prefix caching off, its KV cache sized for the request (``--kv-cache-memory`` what the prompt and the new
+  tokens take), stepped by hand to time the first token.
+- llama.cpp: llama-cpp-python on the bf16 GGUF, a context of the request's length, ``n_batch`` = ``--chunk``,
+  flash attention on (its long-context setting: without it a batch's scores over the whole context are
+  materialized), f16 KV cache (the bytes per token of Octavo's bf16 one).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from benchmarks.options import int_list
+from benchmarks.report import load_avg, print_table, write_json
+
+MODELS = Path(__file__).resolve().parent / "models"
+MAX_MODEL_LEN = 131072
+# Qwen2.5's 128k set-up (its model cards' rope_scaling), on the 32k config the shape already has.
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768, "rope_theta": 1_000_000.0}
+RESULT = "long_context result: "
+
+
+def long_context_model(layers: Optional[int], llama_cpp_src: Optional[Path]) -> Path:
+    """The qwen2.5-0.5b shape with YaRN to 128k (``layers`` of them: default 24), made once; its bf16
+    GGUF too where ``llama_cpp_src`` is given."""
+    from tools.make_bench_models import BENCH_MODELS, convert_to_gguf, make_model
+
+    base = BENCH_MODELS["qwen2.5-0.5b"]
+    config = {**base.config, "rope_parameters": YARN}
+    name = "qwen2.5-0.5b-yarn128k"
+    if layers is not None:
+        config["num_hidden_layers"] = layers
+        name += f"-{layers}l"
+    folder = make_model(dataclasses.replace(base, name=name, config=config), MODELS)
+    if llama_cpp_src is not None:
+        convert_to_gguf(folder, llama_cpp_src)
+    return folder
+
+
+def kv_bytes_per_token(folder: Path) -> int:
+    """bf16 K and V of every layer and KV head."""
+    cfg = json.loads((folder / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * head_dim * 2
+
+
+def _rss_mib(field: str) -> float:
+    """This process's resident memory now (``VmRSS``) or at its peak (``VmHWM``, the high-water mark of this
+    process image alone: ru_maxrss would also count the parent's peak, which Linux carries across exec)."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) / 1024
+
+
+def _loaded() -> dict[str, float]:
+    """Resident memory once the engine is loaded, and the peak of loading; then the peak is reset, so the
+    one read at the end is the request's own (loading reads and converts the weights: its transient peak
+    would otherwise hide what the context costs)."""
+    memory = {"rss_loaded_mib": _rss_mib("VmRSS"), "peak_rss_loading_mib": _rss_mib("VmHWM")}
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM to the current RSS (Linux)
+    return memory
+
+
+def _prompt(folder: Path, length: int) -> list[int]:
+    from benchmarks.workload import ordinary_token_ids
+
+    return random.Random(0).choices(ordinary_token_ids(folder), k=length)
+
+
+def run_octavo(folder: Path, length: int, new_tokens: int, chunk: int) -> dict[str, Any]:
+    from octavo import LLM, SamplingParams
+    from octavo.worker.kv_cache import bytes_per_block
+
+    # What the request takes, plus a block for the partly filled last one.
+    kv_bytes = (length + new_tokens + 16) * kv_bytes_per_token(folder)
+    llm = LLM(str(folder), dtype="bfloat16", max_model_len=MAX_MODEL_LEN, enable_chunked_prefill=True,
+              max_num_batched_tokens=chunk, max_num_seqs=1, enable_prefix_caching=False,
+              kv_cache_memory_bytes=kv_bytes)
+    engine = llm.engine
+    runner = engine.executor.worker.runner
+    prompt = _prompt(folder, length)
+    memory = _loaded()
+    engine.add_request("long", prompt, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True))
+    start = time.perf_counter()
+    while not any(r.num_output_tokens for r in engine.scheduler.running):
+        engine.step()
+    first = time.perf_counter()
+    while engine.has_unfinished_requests():
+        engine.step()
+    end = time.perf_counter()
+    return {"prefill_s": first - start, "decode_tok_s": (new_tokens - 1) / (end - first),
+            "kv_bytes_per_token": bytes_per_block(runner.kv_cache_specs) // runner.block_size,
+            **memory, "peak_rss_mib": _rss_mib("VmHWM")}
+
+
+def run_llamacpp(folder: Path, length: int, new_tokens: int, chunk: int, threads: int) -> dict[str, Any]:
+    from benchmarks.peers.llamacpp import LlamaCppPeer
+
+    peer = LlamaCppPeer(folder, n_ctx=length + new_tokens + 16, threads=threads, n_batch=chunk, flash_attn=True)
+    prompt = _prompt(folder, length)
+    memory = _loaded()
+    first, total = peer.timed_generate(prompt, new_tokens)
+    return {"prefill_s": first, "decode_tok_s": (new_tokens - 1) / (total - first),
+            "kv_bytes_per_token": kv_bytes_per_token(folder),  # f16 K and V, as the context allocates them
+            **memory, "peak_rss_mib": _rss_mib("VmHWM")}
+
+
+def _child(args: argparse.Namespace, engine: str, length: int) -> dict[str, Any]:
+    """One engine at one length in a fresh process; its result, or the error it ended with."""
+    command = [sys.executable, "-m", "benchmarks.long_context", "--run", engine, "--length", str(length),
+               "--model", str(args.model), "--new-tokens", str(args.new_tokens), "--chunk", str(args.chunk),
+               "--threads", str(args.threads)]
+    before = load_avg()
+    done = subprocess.run(command, capture_output=True, text=True)
+    lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT)]
+    if done.returncode or not lines:
+        return {"error": f"exit {done.returncode}: {done.stderr.strip()[-400:]}", "load": before}
+    return {**json.loads(lines[-1].removeprefix(RESULT)), "load": f"{before} -> {load_avg()}"}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--lengths", type=int_list, default=[8192], help="comma-separated prompt lengths (tokens)")
+    parser.add_argument("--with-128k", action="store_true",
+                        help="also the longest prompt a 131072-token context holds (hours on 2 cores)")
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--chunk", type=int, default=2048, help="Octavo's max_num_batched_tokens, llama.cpp's n_batch")
+    parser.add_argument("--layers", type=int, help="fewer layers of the same shape (default: all 24)")
+    parser.add_argument("--engines", default="octavo,llamacpp")
+    parser.add_argument("--threads", type=int, default=os.cpu_count())
+    parser.add_argument("--llama-cpp-src", type=Path, default=os.environ.get("LLAMA_CPP_SRC"),
+                        help="llama.cpp's source (convert_hf_to_gguf.py), to write the GGUF once")
+    parser.add_argument("--json", type=Path)
+    # One engine at one length, in the child process the parent starts.
+    parser.add_argument("--run", choices=["octavo", "llamacpp"], help=argparse.SUPPRESS)
+    parser.add_argument("--length", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--model", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.run:
+        import torch
+
+        torch.set_num_threads(args.threads)
+        if args.run == "octavo":
+            result = run_octavo(args.model, args.length, args.new_tokens, args.chunk)
+        else:
+            result = run_llamacpp(args.model, args.length, args.new_tokens, args.chunk, args.threads)
+        print(RESULT + json.dumps(result), flush=True)
+        return
+
+    engines = [e for e in args.engines.split(",") if e]
+    # The longest prompt whose new tokens still fit the context.
+    lengths = args.lengths + [MAX_MODEL_LEN - args.new_tokens] * args.with_128k
+    src = args.llama_cpp_src if "llamacpp" in engines else None
+    args.model = long_context_model(args.layers, src)
+    if "llamacpp" in engines and not (args.model / "model-bf16.gguf").is_file():
+        print(f"no GGUF in {args.model} (give --llama-cpp-src): Octavo alone", flush=True)
+        engines.remove("llamacpp")
+    rows = []
+    for length in lengths:
+        for engine in engines:
+            result = _child(args, engine, length)
+            rows.append({"engine": engine, "tokens": length, **result})
+            print(json.dumps(rows[-1]), flush=True)
+    by_run = {(r["engine"], r["tokens"]): r for r in rows}
+    for length in lengths:
+        ours, peer = by_run.get(("octavo", length)), by_run.get(("llamacpp", length))
+        if ours and peer and "error" not in ours and "error" not in peer:
+            ours["decode_vs_llamacpp"] = ours["decode_tok_s"] / peer["decode_tok_s"]
+            ours["prefill_vs_llamacpp"] = peer["prefill_s"] / ours["prefill_s"]
+    print_table(rows, ["engine", "tokens", "prefill_s", "decode_tok_s", "kv_bytes_per_token", "peak_rss_loading_mib",
+                       "rss_loaded_mib", "peak_rss_mib", "decode_vs_llamacpp", "prefill_vs_llamacpp", "load", "error"],
+                title=f"long context, {args.model.name}, chunk {args.chunk}, {args.new_tokens} new tokens, "
+                      f"{args.threads} threads (ratios: Octavo's speed over llama.cpp's at the same length)")
+    write_json(args.json, {"benchmark": "long_context", "args": vars(args), "results": rows})
+
+
+if __name__ == "__main__":
+    main()
