@@ -1,5 +1,5 @@
 """Mixtures of experts on CPU: Octavo (bf16 and int4 on the fly) against transformers and, when its
-source is given, llama.cpp (bf16 and Q4_0), on random checkpoints of three real shapes with their
+source is given, llama.cpp (bf16 and Q4_0), on random checkpoints of four real shapes with their
 layers trimmed (and Mixtral's widths halved) to fit the machine.
 
     python -m benchmarks.moe                                    # every shape (load 18-22: ~15 min a shape)
@@ -11,7 +11,10 @@ Shapes (vocabulary 32000 for all): Qwen3-30B-A3B's layers (hidden 2048, 128 expe
 32 query / 4 KV heads; 1 layer of 48), Mixtral-8x7B's (hidden 4096, 8 experts of 14336, top-2, 32 / 8
 heads; 1 layer of 32, widths and heads halved) and DeepSeek-V2-Lite's (hidden 2048, 64 experts of
 1408, top-6, two shared experts, multi-head latent attention with a 512 + 64 latent over 16 heads;
-2 layers of 27, the first dense as in the real model). ``--layers`` and ``--shrink N`` (widths and
+2 layers of 27, the first dense as in the real model) and DeepSeek-V3's (256 experts in 8 groups, top-8
+within the best 4 groups by sigmoid scores with a correction bias, one shared expert, latent attention
+with a query LoRA; widths and its 128 heads divided by 4, its first dense layer and one expert layer).
+``--layers`` and ``--shrink N`` (widths and
 head counts divided by N) override them. Every peer of a shape is loaded at once and timed in
 interleaved rounds (benchmarks/turns.py: ``--repeats`` rounds, every peer once per round; ratios per
 round, median (min-max)), so a machine drifting in speed hits them alike:
@@ -32,7 +35,7 @@ bf16 and int4): one call per expert against the grouped calls (quant/moe.py), CP
 forward, in turns.
 
 llama.cpp needs ``benchmarks/setup_peers.sh`` (its source for the GGUF converter, and llama-cpp-python)
-and runs the Qwen3 and Mixtral shapes (it loads a DeepSeek-V2-Lite only at 27 layers);
+and runs the Qwen3, Mixtral and DeepSeek-V3 shapes (it loads a DeepSeek-V2-Lite only at 27 layers);
 its Q4_0 file (llama.cpp's quantizer, default: the output layer in Q6_K, as Octavo's int4 keeps its
 own in bf16) runs without repacking (``use_extra_bufts`` off: the repacked layouts crash this build);
 its bytes per token are counted as 4.5 bits per weight.
@@ -99,6 +102,17 @@ SHAPES = {
         "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
     }), layers=2, no_llamacpp="llama.cpp tells V2-Lite from V2 by its 27 layers and otherwise requires the query "
                               "LoRA rank V2-Lite has not: a trimmed V2-Lite does not load"),
+    # DeepSeek-V3's attention (128 heads, query LoRA) and routing (256 experts in 8 groups, sigmoid scores with a
+    # correction bias), widths and heads divided by 4; its first dense layer and one expert layer.
+    "deepseek-v3": Shape(BenchModel("deepseek-v3", "DeepseekV3", {
+        "hidden_size": 7168, "num_attention_heads": 128, "num_key_value_heads": 128, "kv_lora_rank": 512,
+        "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "head_dim": 64,
+        "n_routed_experts": 256, "num_experts_per_tok": 8, "moe_intermediate_size": 2048, "n_shared_experts": 1,
+        "first_k_dense_replace": 1, "intermediate_size": 18432, "norm_topk_prob": True,
+        "routed_scaling_factor": 2.5, "n_group": 8, "topk_group": 4,
+        "vocab_size": VOCAB, "max_position_embeddings": 4096, "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    }), layers=2, shrink=4),
 }
 _WIDTHS = ("hidden_size", "moe_intermediate_size", "intermediate_size", "num_attention_heads")
 Q4_0_BITS = 4.5  # 32 four-bit weights and one fp16 scale per block
