@@ -16,11 +16,13 @@ as token ids and ``ignore_eos`` (so its work is known exactly):
 
 - bursts of more requests than the batch holds, sent at once, with outputs of
   mixed lengths (so prompts join the running batch as others finish, as under
-  a load past saturation): their mean latency, arrival to last token, read
-  from the server's histogram (``octavo:e2e_request_latency_seconds``) as the
-  TPOT above. The scheduler, run on the same burst (``burst_steps``), says
-  which steps the server ran; the fit makes the served terms give that mean
-  (octavo/simulate/served.py).
+  a load past saturation): their requests' mean time from first token to
+  last, read from the server's histogram
+  (``octavo:request_decode_time_seconds``) as the TPOT above: from each
+  request's own first token, so it does not matter when the client got each
+  request to the server. The scheduler, run on the same burst
+  (``burst_steps``), says which steps each request decoded through; the fit
+  makes the served terms give that mean (octavo/simulate/served.py).
 
 Each batch size runs once unmeasured first (and a burst too): the engine
 records a decode step the first time it meets a batch size, a one-off cost
@@ -35,7 +37,7 @@ import os
 import random
 import time
 from dataclasses import dataclass
-from typing import Awaitable
+from typing import Awaitable, Sequence
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -48,6 +50,7 @@ logger = logging.getLogger(__name__)
 
 TPOT_HISTOGRAM = "octavo:request_time_per_output_token_seconds"
 E2E_HISTOGRAM = "octavo:e2e_request_latency_seconds"
+DECODE_HISTOGRAM = "octavo:request_decode_time_seconds"
 
 
 @dataclass(frozen=True)
@@ -94,26 +97,27 @@ async def _stream(client: httpx.AsyncClient, model: str, prompt: list[int], max_
     return times
 
 
-async def _histogram_sum_count(client: httpx.AsyncClient, name: str = TPOT_HISTOGRAM) -> tuple[float, float]:
-    """One of the server's histograms: its sum and count so far."""
+async def _histogram_sums_counts(client: httpx.AsyncClient, names: Sequence[str]) -> list[tuple[float, float]]:
+    """The server's histograms ``names``: each one's sum and count so far, from one scrape."""
     r = await client.get("/metrics")
     if r.status_code != 200:
         raise ValueError(f"served: HTTP {r.status_code} from /metrics (the probes read its histograms)")
-    values = {}
+    values: dict[str, float] = {}
     for family in text_string_to_metric_families(r.text):
-        if family.name == name:
+        if family.name in names:
             values.update({s.name: s.value for s in family.samples if s.name.endswith(("_sum", "_count"))})
-    if not values:
-        raise ValueError(f"served: the server's /metrics has no {name}")
-    return values[f"{name}_sum"], values[f"{name}_count"]
+    missing = [name for name in names if f"{name}_count" not in values]
+    if missing:
+        raise ValueError(f"served: the server's /metrics has no {', '.join(missing)}")
+    return [(values[f"{name}_sum"], values[f"{name}_count"]) for name in names]
 
 
-async def _histogram_mean(client: httpx.AsyncClient, name: str, run: Awaitable[object]) -> float:
-    """The mean of what the server's histogram ``name`` observed while ``run`` ran."""
-    before = await _histogram_sum_count(client, name)
+async def _histogram_means(client: httpx.AsyncClient, names: Sequence[str], run: Awaitable[object]) -> list[float]:
+    """The mean of what each of the server's histograms ``names`` observed while ``run`` ran."""
+    before = await _histogram_sums_counts(client, names)
     await run
-    after = await _histogram_sum_count(client, name)
-    return (after[0] - before[0]) / max(1.0, after[1] - before[1])
+    after = await _histogram_sums_counts(client, names)
+    return [(a[0] - b[0]) / max(1.0, a[1] - b[1]) for a, b in zip(after, before)]
 
 
 async def _probe(base_url: str, model: str, cost: CostModel, plan: ServedProbePlan, vocab_size: int,
@@ -136,8 +140,8 @@ async def _probe(base_url: str, model: str, cost: CostModel, plan: ServedProbePl
                 measured.append(ServedProbe(engine_s, 1, times[0] - sent, first_token=True))
             for b in plan.batches:
                 n, out = plan.batch_prompt_len, plan.decode_tokens
-                tpot = await _histogram_mean(client, TPOT_HISTOGRAM,
-                                             asyncio.gather(*[_stream(client, model, prompt(n), out) for _ in range(b)]))
+                (tpot,) = await _histogram_means(client, [TPOT_HISTOGRAM], asyncio.gather(
+                    *[_stream(client, model, prompt(n), out) for _ in range(b)]))
                 engine_s = sum(cost.predict(StepWork(decode_seqs=b, decode_context_tokens=b * (n + j),
                                                      sampled_seqs=b)) for j in range(1, out)) / (out - 1)
                 measured.append(ServedProbe(engine_s, b, tpot, first_token=False))
@@ -155,21 +159,17 @@ async def _saturate(base_url: str, model: str, cost: CostModel, plan: ServedProb
     lengths = [(plan.burst_prompt_len, rng.randint(*plan.burst_output))
                for _ in range(plan.burst_per_seq * shape.scheduler.max_num_seqs)]
     steps = burst_steps(shape, lengths, seed)
-    # Each step weighs as the share of the burst's requests that wait for it (SaturationProbe).
-    weights = [s.unfinished / len(lengths) for s in steps]
-    engine_s = sum(w * cost.predict(s.work) for w, s in zip(weights, steps))
-    sampled = sum(w * s.work.sampled_seqs for w, s in zip(weights, steps))
     probes = []
     async with httpx.AsyncClient(base_url=base_url, timeout=600, limits=httpx.Limits(max_keepalive_connections=0)) \
             as client:
         for burst in range(plan.bursts + 1):
             prompts = [[rng.randrange(5, vocab_size - 10) for _ in range(n)] for n, _ in lengths]
             streams = asyncio.gather(*[_stream(client, model, prompt, out) for prompt, (_, out) in zip(prompts, lengths)])
-            seconds = await _histogram_mean(client, E2E_HISTOGRAM, streams)
+            decode, e2e = await _histogram_means(client, [DECODE_HISTOGRAM, E2E_HISTOGRAM], streams)
             if burst:
-                probes.append(SaturationProbe(engine_s, sum(weights), sampled, seconds))
-            logger.info("served calibration: burst of %d requests %d/%d: mean latency %.2f s", len(lengths), burst,
-                        plan.bursts, seconds)
+                probes.append(SaturationProbe.of_burst(steps, cost.predict, decode))
+            logger.info("served calibration: burst of %d requests %d/%d: mean latency %.2f s, first to last token "
+                        "%.2f s", len(lengths), burst, plan.bursts, e2e, decode)
     return probes
 
 
@@ -194,8 +194,9 @@ def calibrate_served(base_url: str, cost: CostModel, vocab_size: int,
 
 
 def served_summary(served: ServedCost) -> str:
-    return (f"served: engine steps x{served.engine_scale:.2f}, +{served.per_step_s * 1e3:.2f} ms per step, "
-            f"+{served.per_token_s * 1e3:.3f} ms per streamed token, +{served.per_request_s * 1e3:.1f} ms per "
-            f"request, step spread {served.step_noise_sigma:.2f} ({served.num_probes} probes; |error| mean "
-            f"{100 * served.mean_abs_rel_error:.1f}%; {served.saturation_probes} bursts, error "
-            f"{100 * served.saturation_rel_error:+.1f}%; load {served.load_avg})")
+    return (f"served: engine steps x{served.engine_scale:.2f}, mixed steps x{served.mixed_scale:.2f}, "
+            f"+{served.per_step_s * 1e3:.2f} ms per step, +{served.per_token_s * 1e3:.3f} ms per streamed token, "
+            f"+{served.per_request_s * 1e3:.1f} ms per request, step spread {served.step_noise_sigma:.2f} "
+            f"({served.num_probes} probes; |error| mean {100 * served.mean_abs_rel_error:.1f}%; "
+            f"{served.saturation_probes} bursts, error {100 * served.saturation_rel_error:+.1f}%; "
+            f"load {served.load_avg})")

@@ -1,5 +1,6 @@
 """What the served calibration learns from a saturated server: the steps of a burst (the scheduler's own), the fit
-that makes the served terms give the burst's measured duration, and the spread of served steps."""
+that makes the served terms give the burst's measured decoding (and so what a saturated mixed step costs), and the
+spread of served steps."""
 from __future__ import annotations
 
 import math
@@ -36,18 +37,18 @@ def _served_probes(truth: ServedCost, noise_sigma: float, rng: random.Random, ro
     return probes
 
 
-def _weights() -> list[float]:
-    """Each burst step's share of requests that wait for it."""
-    return [s.unfinished / len(BURST) for s in burst_steps(SHAPE, BURST)]
-
-
 def _burst_probe(truth: ServedCost) -> SaturationProbe:
-    """The burst's mean latency on a server with ``truth``'s costs."""
-    works = [s.work for s in burst_steps(SHAPE, BURST)]
-    weights = _weights()
-    seconds = sum(w * truth.step_seconds(BARE.predict(s), s.sampled_seqs) for w, s in zip(weights, works))
-    return SaturationProbe(sum(w * BARE.predict(s) for w, s in zip(weights, works)), sum(weights),
-                           sum(w * s.sampled_seqs for w, s in zip(weights, works)), seconds + truth.per_request_s)
+    """The burst's mean time from first token to last on a server with ``truth``'s costs: the simulated
+    replica's, given the burst's requests at one instant."""
+    records = simulate([TraceRequest(0.0, p, o) for p, o in BURST], CostModel(BARE.coefficients, served=truth),
+                       SHAPE).records
+    decode = statistics.fmean(r.finish_s - r.first_token_s for r in records)
+    return SaturationProbe.of_burst(burst_steps(SHAPE, BURST), BARE.predict, decode)
+
+
+def _error(fitted: ServedCost, probe: SaturationProbe) -> float:
+    """How far ``fitted``'s terms put the probe's mean from its measured one (relative)."""
+    return sum(getattr(fitted, t) * x for t, x in zip(SERVED_TERMS, probe.features())) / probe.seconds - 1
 
 
 def test_a_burst_runs_every_token_within_the_engines_limits():
@@ -60,38 +61,49 @@ def test_a_burst_runs_every_token_within_the_engines_limits():
     assert sum(w.kind == "mixed" for w in works) >= len(BURST) // 2
     unfinished = [s.unfinished for s in steps]
     assert unfinished[0] == len(BURST) and unfinished[-1] >= 1 and unfinished == sorted(unfinished, reverse=True)
+    # Every request gets its first token once; the last one joins as a slot frees, long before the burst's end.
+    unstarted = [s.unstarted for s in steps]
+    assert unstarted[0] == len(BURST) and unstarted == sorted(unstarted, reverse=True) and unstarted[-1] == 0
+    assert all(s.unfinished - s.unstarted <= 8 for s in steps)  # those decoding hold the batch's slots
     assert burst_steps(SHAPE, BURST) == steps  # no randomness in which steps run
 
 
-def test_a_simulated_burst_has_its_steps_mean_latency():
+def test_a_simulated_burst_decodes_for_its_steps_weighted_sum():
     """The simulator, given the same requests at one instant, runs the burst's steps but for its first (which
-    starts on the first arrival alone, as a server's first step starts before the last request is in)."""
-    truth = ServedCost(engine_scale=1.5, per_step_s=0.003, per_token_s=0.001, per_request_s=0.0)
-    served = CostModel(BARE.coefficients, served=truth)
-    records = simulate([TraceRequest(0.0, p, o) for p, o in BURST], served, SHAPE).records
-    expected = sum(w * served.step_seconds(s.work) for w, s in zip(_weights(), burst_steps(SHAPE, BURST)))
-    assert statistics.fmean(r.e2e for r in records) == pytest.approx(expected, rel=0.02)
+    starts on the first arrival alone, as a server's first step starts before the last request is in): its mean
+    time from first token to last is the probe's weighted sum of the true terms, with no per-request cost."""
+    truth = ServedCost(engine_scale=1.5, mixed_scale=0.8, per_step_s=0.003, per_token_s=0.001, per_request_s=0.05)
+    assert abs(_error(truth, _burst_probe(truth))) < 0.02
 
 
-def test_the_fit_gives_a_saturated_burst_its_measured_latency():
+def test_the_fit_gives_a_saturated_burst_its_measured_decode_time():
     """Short batches show 0.5 ms per streamed token; a saturated server pays 1 ms. The ordinary probes alone put
-    the burst's latency short (capacity high); with the burst the fit meets it."""
-    light = ServedCost(engine_scale=1.5, per_step_s=0.003, per_token_s=0.0005, per_request_s=0.02)
-    heavy = ServedCost(engine_scale=1.5, per_step_s=0.003, per_token_s=0.001, per_request_s=0.02)
+    the burst's decoding short (capacity high); with the burst the fit meets it."""
+    light = ServedCost(engine_scale=1.5, mixed_scale=1.5, per_step_s=0.003, per_token_s=0.0005, per_request_s=0.02)
+    heavy = ServedCost(engine_scale=1.5, mixed_scale=1.5, per_step_s=0.003, per_token_s=0.001, per_request_s=0.02)
     probes = _served_probes(light, 0.0, random.Random(0))
     burst = _burst_probe(heavy)
-
-    def burst_error(fitted: ServedCost) -> float:
-        predicted = sum(getattr(fitted, t) * x for t, x in zip(SERVED_TERMS, burst.features()))
-        return predicted / burst.seconds - 1
-
     without = ServedCost.fit(probes)
     with_burst = ServedCost.fit(probes, saturation=[burst])
-    assert burst_error(without) < -0.05
-    assert abs(burst_error(with_burst)) < 0.01
-    assert with_burst.saturation_probes == 1 and with_burst.saturation_rel_error == pytest.approx(
-        burst_error(with_burst), abs=1e-9)
+    assert _error(without, burst) < -0.05
+    assert abs(_error(with_burst, burst)) < 0.01
+    assert with_burst.saturation_probes == 1
+    assert with_burst.saturation_rel_error == pytest.approx(_error(with_burst, burst), abs=1e-9)
     assert with_burst.num_probes == len(probes) and without.saturation_probes == 0
+
+
+def test_the_bursts_set_what_a_mixed_step_costs():
+    """Only the bursts run mixed steps (prompts joining a decoding batch). A server whose mixed steps take 0.7 of
+    the bare prediction, while its prompt and decode steps take 1.5 of theirs: the fit finds both, and without a
+    burst mixed steps scale as the others."""
+    truth = ServedCost(engine_scale=1.5, mixed_scale=0.7, per_step_s=0.003, per_token_s=0.001, per_request_s=0.02)
+    probes = _served_probes(truth, 0.0, random.Random(4))
+    fitted = ServedCost.fit(probes, saturation=[_burst_probe(truth)])
+    assert fitted.mixed_scale == pytest.approx(0.7, rel=0.05)
+    assert fitted.engine_scale == pytest.approx(1.5, rel=0.02)
+    assert fitted.per_token_s == pytest.approx(0.001, rel=0.05)
+    without = ServedCost.fit(probes)
+    assert without.mixed_scale == without.engine_scale == pytest.approx(1.5, rel=0.02)
 
 
 def test_the_step_spread_is_the_lone_requests_log_residuals():
