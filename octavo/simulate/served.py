@@ -15,9 +15,7 @@ the bare fit predicted ~14 ms. A served step is modelled as
   from the probes that run that kind (below): the bare calibration's mixed
   steps are one prompt joining a batch per step, and a served engine's mixed
   steps (prompts joining a full batch as others finish, its front streaming
-  every sequence) need not cost what those predict: at load 12 on 2 cores the
-  bursts put mixed steps at 4.1x their bare prediction where prompt and
-  decode steps took 3.2x;
+  every sequence) need not cost what those predict;
 - ``per_step_s``: per step, the output message to the front and its wake-up;
 - ``per_token_s``: per token streamed, the front's detokenizing and SSE
   writing, which competes with the engine for the same cores and so grows
@@ -31,13 +29,18 @@ least squares on relative error to three kinds of probe:
   plus the per-request cost);
 - batches of requests sent together: their time per output token, as the
   server's front measured it (one decode step of the batch);
-- bursts of more requests than the batch holds (``SaturationProbe``): the
-  only probe that runs a saturated engine, whose mixed steps are what
-  capacity is made of. The scheduler replays the burst's steps; the server's
-  histogram gives its requests' mean time from first token to last, which
-  weighs in the fit as a constraint (``SATURATION_WEIGHT``). The server's
-  clock, not the client's: a client on the same loaded cores reading ~100
-  streams fell seconds behind them.
+- the server kept saturated (``SaturationProbe``): twice as many clients as
+  the batch holds, each sending its next request as its last ends. The only
+  probe that runs a saturated engine, whose mixed steps (prompts joining the
+  full batch as others finish) are what capacity is made of. Its requests'
+  mean time per output token is read from the server's histogram, and the
+  scheduler says which steps a saturated engine runs; it weighs in the fit
+  as a constraint (``SATURATION_WEIGHT``). A steady state, not a burst sent
+  at once: a burst's replay is much of it its first steps (ten prompts
+  prefilled at once) and its drain, which a server past saturation hardly
+  runs; fitted to bursts at load 14 on 2 cores, the simulated replica
+  saturated at 8.4 requests/s where the real one still decoded at 2.4 ms a
+  token at 12.6.
 
 Steps of equal work still take different times on a shared machine (other
 processes stall the engine, the client and the front). ``step_noise_sigma``
@@ -83,35 +86,38 @@ class ServedProbe:
 
 @dataclass(frozen=True)
 class SaturationProbe:
-    """A burst of requests sent at once, more than the batch holds, whose requests took ``seconds`` on average
-    from their first token to their last. A request decodes through every step from the one after its first
-    token to the one of its last, so the mean is made of the burst's steps each weighed by the share of requests
-    decoding as it starts: ``steps`` is that weighted count, ``engine_s`` and ``mixed_engine_s`` the weighted sums
-    of the bare predictions of its steps of one kind (prompts or decodes) and of its mixed steps, ``sampled`` of
-    the steps' streamed tokens. Counted from each request's own first token, the mean does not depend on when
-    the requests reached the server: a client takes a while to send a burst, the longer the more load there is."""
+    """A server kept saturated (more requests in flight than the batch holds, each client sending its next one
+    as its last ends), whose requests' mean time per output token was ``seconds``: in that steady state every
+    decoding request gets one token a step, so it is the mean served step of the saturated engine, which sets its
+    capacity. ``engine_s`` and ``mixed_engine_s`` are the weighted means of the bare predictions of the steady
+    steps (``of_steady``) of one kind (prompts or decodes) and of the mixed ones, each over all of them,
+    ``sampled`` of their streamed tokens."""
 
     engine_s: float
     mixed_engine_s: float
-    steps: float
     sampled: float
     seconds: float
 
     @classmethod
-    def of_burst(cls, steps: Sequence[BurstStep], predict: Callable[[StepWork], float],
-                 seconds: float) -> SaturationProbe:
-        """The burst's weighted sums, from its steps (``replica.burst_steps``) and the bare cost model."""
-        total = steps[0].unfinished if steps else 1
-        weights = [(s.unfinished - s.unstarted) / total for s in steps]
-        mixed = [s.work.kind == "mixed" for s in steps]
-        engine = [w * predict(s.work) for w, s in zip(weights, steps)]
+    def of_steady(cls, steps: Sequence[BurstStep], predict: Callable[[StepWork], float],
+                  seconds: float) -> SaturationProbe:
+        """From the steps (``replica.burst_steps``) of more requests than the batch holds, queued at once: those
+        from the first request's end to the last one's start are the steady state (a slot frees, a waiting
+        request takes it). Each weighs as the requests decoding through it, as in their mean time per token."""
+        steady = [s for s in steps if s.unfinished < steps[0].unfinished and s.unstarted]
+        if not steady:
+            raise ValueError("steps: no request waits while others finish: not a saturated engine's steps")
+        total = sum(s.unfinished - s.unstarted for s in steady)
+        weights = [(s.unfinished - s.unstarted) / total for s in steady]
+        mixed = [s.work.kind == "mixed" for s in steady]
+        engine = [w * predict(s.work) for w, s in zip(weights, steady)]
         return cls(sum(e for e, m in zip(engine, mixed) if not m), sum(e for e, m in zip(engine, mixed) if m),
-                   sum(weights), sum(w * s.work.sampled_seqs for w, s in zip(weights, steps)), seconds)
+                   sum(w * s.work.sampled_seqs for w, s in zip(weights, steady)), seconds)
 
     def features(self) -> list[float]:
-        """The fit's inputs, in the order of SERVED_TERMS: no per-request cost, which is paid before the first
-        token."""
-        return [self.engine_s, self.mixed_engine_s, self.steps, self.sampled, 0.0]
+        """The fit's inputs, in the order of SERVED_TERMS: one step, no per-request cost (paid before the first
+        token)."""
+        return [self.engine_s, self.mixed_engine_s, 1.0, self.sampled, 0.0]
 
 
 @dataclass
@@ -128,7 +134,7 @@ class ServedCost:
     mean_abs_rel_error: float = 0.0
     load_avg: str = ""
     step_noise_sigma: float = 0.0
-    # The saturation probes: how many bursts, and the fitted terms' signed error on their mean decode times.
+    # The saturation probes: how many, and the fitted terms' signed error on their time per output token.
     saturation_probes: int = 0
     saturation_rel_error: float = 0.0
 
@@ -158,7 +164,7 @@ class ServedCost:
         # A prompt or decode step takes at least the engine's own time (one thread: wall >= CPU time):
         # engine_scale >= 1. Left free, the fit traded it for the per-token term, which the decode probes cannot
         # tell apart (both grow with the batch), and put it at 0.1-0.7, making prompt steps under load too short.
-        # The mixed scale is free: the bursts measure it, and the bare mixed steps can be too slow (docstring).
+        # The mixed scale is free: the saturated server measures it (docstring).
         coef = nonnegative_relative_lstsq(x, y, lower=np.array([1.0, 0.0, 0.0, 0.0, 0.0]), weights=weights)
         if not np.any(x[:, 1]):  # no probe ran a mixed step: mixed steps scale as the others
             coef[1] = coef[0]
