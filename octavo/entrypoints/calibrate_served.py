@@ -2,7 +2,7 @@
 the calibrated model and fit what serving adds to the bare engine steps
 (octavo/simulate/served.py).
 
-Two kinds of probe, each a streaming /v1/completions request with the prompt
+Three kinds of probe, each a streaming /v1/completions request with the prompt
 as token ids and ``ignore_eos`` (so its work is known exactly):
 - lone requests of several prompt lengths, nothing else in flight: their time
   to first token is one prefill step plus the per-request cost;
@@ -13,18 +13,19 @@ as token ids and ``ignore_eos`` (so its work is known exactly):
   (``octavo:request_time_per_output_token_seconds``, its sum and count before
   and after), not at the client: a client on the same loaded cores reads 32
   streams in bursts, and its own time would be taken for the server's.
-
-- bursts of more requests than the batch holds, sent at once, with outputs of
-  mixed lengths (so prompts join the running batch as others finish, as under
-  a load past saturation): their mean latency, arrival to last token, read
-  from the server's histogram (``octavo:e2e_request_latency_seconds``) as the
-  TPOT above. The scheduler, run on the same burst (``burst_steps``), says
-  which steps the server ran; the fit makes the served terms give that mean
+- the server kept saturated: twice as many clients as the batch holds, each
+  sending its next request (outputs of mixed lengths) as its last ends, so
+  prompts join the full batch as others finish, as under a load past
+  saturation. Their mean time per output token is read from the server's
+  histogram as above, from the end of the first third (the batch full and
+  the engine past its first steps of each shape) to the end. The scheduler,
+  run on more such requests than the batch holds, says which steps a
+  saturated engine runs; the fit makes the served terms give that mean step
   (octavo/simulate/served.py).
 
-Each batch size runs once unmeasured first (and a burst too): the engine
-records a decode step the first time it meets a batch size, a one-off cost
-served traffic does not pay again.
+Each batch size runs once unmeasured first: the engine records a decode step
+the first time it meets a batch size, a one-off cost served traffic does not
+pay again.
 """
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ import logging
 import os
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Awaitable
 
 import httpx
@@ -47,37 +48,36 @@ from octavo.simulate.served import SaturationProbe, ServedCost, ServedProbe
 logger = logging.getLogger(__name__)
 
 TPOT_HISTOGRAM = "octavo:request_time_per_output_token_seconds"
-E2E_HISTOGRAM = "octavo:e2e_request_latency_seconds"
 
 
 @dataclass(frozen=True)
 class ServedProbePlan:
     """The probe set: lone prompts of ``prompt_lens``; batches of ``batches`` decoding ``decode_tokens`` each
-    after ``batch_prompt_len``-token prompts; all ``repeats`` times. Then ``bursts`` bursts (after one unmeasured)
-    of ``burst_per_seq`` requests per sequence the engine batches, ``burst_prompt_len``-token prompts and outputs
-    uniform in ``burst_output``."""
+    after ``batch_prompt_len``-token prompts; all ``repeats`` times. Then the server kept saturated for
+    ``saturation_s`` by ``saturation_clients_per_seq`` clients per sequence the engine batches, each sending
+    ``saturation_prompt_len``-token prompts with outputs uniform in ``saturation_output``, one after another."""
 
     prompt_lens: tuple[int, ...] = (32, 128, 256, 384)
     batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
     batch_prompt_len: int = 32
     decode_tokens: int = 48
     repeats: int = 4
-    bursts: int = 2
-    burst_per_seq: int = 3
-    burst_prompt_len: int = 192
-    burst_output: tuple[int, int] = (32, 96)
+    saturation_s: float = 12.0
+    saturation_clients_per_seq: int = 2
+    saturation_prompt_len: int = 192
+    saturation_output: tuple[int, int] = (32, 96)
 
     def fitted_to(self, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int) -> ServedProbePlan:
         """Cut to the engine's context, sequence limit and token budget (a batch's prompts fit one step)."""
         room = max(2, max_model_len - self.decode_tokens - 8)
         batches = tuple(sorted({min(b, max_num_seqs) for b in self.batches}))
         batch_prompt = max(2, min(self.batch_prompt_len, room, max_num_batched_tokens // batches[-1]))
-        longest = max(2, min(self.burst_output[1], max_model_len // 2))
-        burst_output = (min(self.burst_output[0], longest), longest)
-        burst_prompt = max(2, min(self.burst_prompt_len, max_model_len - longest - 8))
-        return ServedProbePlan(tuple(sorted({min(n, room) for n in self.prompt_lens})), batches, batch_prompt,
-                               self.decode_tokens, self.repeats, self.bursts, self.burst_per_seq, burst_prompt,
-                               burst_output)
+        longest = max(2, min(self.saturation_output[1], max_model_len // 2))
+        saturation_output = (min(self.saturation_output[0], longest), longest)
+        saturation_prompt = max(2, min(self.saturation_prompt_len, max_model_len - longest - 8))
+        return replace(self, prompt_lens=tuple(sorted({min(n, room) for n in self.prompt_lens})), batches=batches,
+                       batch_prompt_len=batch_prompt, saturation_prompt_len=saturation_prompt,
+                       saturation_output=saturation_output)
 
 
 async def _stream(client: httpx.AsyncClient, model: str, prompt: list[int], max_tokens: int) -> list[float]:
@@ -149,28 +149,35 @@ async def _probe(base_url: str, model: str, cost: CostModel, plan: ServedProbePl
 
 async def _saturate(base_url: str, model: str, cost: CostModel, plan: ServedProbePlan, vocab_size: int,
                     seed: int) -> list[SaturationProbe]:
-    """The bursts (module docstring): the first one unmeasured."""
+    """The server kept saturated (module docstring) for ``plan.saturation_s``; measured after the first third (the
+    batch fills and the engine meets the steps' shapes)."""
     rng = random.Random(seed)
     shape = ReplicaShape.of_engine(cost.engine)
-    lengths = [(plan.burst_prompt_len, rng.randint(*plan.burst_output))
-               for _ in range(plan.burst_per_seq * shape.scheduler.max_num_seqs)]
+    clients = plan.saturation_clients_per_seq * shape.scheduler.max_num_seqs
+
+    def request() -> tuple[list[int], int]:
+        return ([rng.randrange(5, vocab_size - 10) for _ in range(plan.saturation_prompt_len)],
+                rng.randint(*plan.saturation_output))
+
+    # The steady steps of such requests, queued at once: 8 per client give a long steady state to average.
+    lengths = [(plan.saturation_prompt_len, rng.randint(*plan.saturation_output)) for _ in range(8 * clients)]
     steps = burst_steps(shape, lengths, seed)
-    # Each step weighs as the share of the burst's requests that wait for it (SaturationProbe).
-    weights = [s.unfinished / len(lengths) for s in steps]
-    engine_s = sum(w * cost.predict(s.work) for w, s in zip(weights, steps))
-    sampled = sum(w * s.work.sampled_seqs for w, s in zip(weights, steps))
-    probes = []
+    deadline = time.perf_counter() + plan.saturation_s
     async with httpx.AsyncClient(base_url=base_url, timeout=600, limits=httpx.Limits(max_keepalive_connections=0)) \
             as client:
-        for burst in range(plan.bursts + 1):
-            prompts = [[rng.randrange(5, vocab_size - 10) for _ in range(n)] for n, _ in lengths]
-            streams = asyncio.gather(*[_stream(client, model, prompt, out) for prompt, (_, out) in zip(prompts, lengths)])
-            seconds = await _histogram_mean(client, E2E_HISTOGRAM, streams)
-            if burst:
-                probes.append(SaturationProbe(engine_s, sum(weights), sampled, seconds))
-            logger.info("served calibration: burst of %d requests %d/%d: mean latency %.2f s", len(lengths), burst,
-                        plan.bursts, seconds)
-    return probes
+
+        async def keep_sending() -> None:
+            while time.perf_counter() < deadline:
+                await _stream(client, model, *request())
+
+        async def measure() -> float:
+            await asyncio.sleep(plan.saturation_s / 3)
+            return await _histogram_mean(client, TPOT_HISTOGRAM, asyncio.sleep(deadline - time.perf_counter()))
+
+        tpot, *_ = await asyncio.gather(measure(), *[keep_sending() for _ in range(clients)])
+    logger.info("served calibration: %d clients for %.0f s: %.2f ms per output token", clients, plan.saturation_s,
+                tpot * 1e3)
+    return [SaturationProbe.of_steady(steps, cost.predict, tpot)]
 
 
 def calibrate_served(base_url: str, cost: CostModel, vocab_size: int,
@@ -186,16 +193,17 @@ def calibrate_served(base_url: str, cost: CostModel, vocab_size: int,
             raise ValueError(f"served: HTTP {models.status_code} from {base_url}/v1/models")
         model = models.json()["data"][0]["id"]
         probes = asyncio.run(_probe(base_url, model, cost, plan, vocab_size, seed))
-        # Without the engine's limits the scheduler cannot replay a burst: the fit goes without one.
-        bursts = asyncio.run(_saturate(base_url, model, cost, plan, vocab_size, seed)) if cost.engine else []
+        # Without the engine's limits the scheduler cannot say what a saturated engine runs: the fit goes without.
+        saturated = asyncio.run(_saturate(base_url, model, cost, plan, vocab_size, seed)) if cost.engine else []
     except httpx.HTTPError as exc:
         raise ValueError(f"served: cannot probe {base_url}: {exc}") from None
-    return ServedCost.fit(probes, load_avg="/".join(f"{x:.2f}" for x in os.getloadavg()), saturation=bursts)
+    return ServedCost.fit(probes, load_avg="/".join(f"{x:.2f}" for x in os.getloadavg()), saturation=saturated)
 
 
 def served_summary(served: ServedCost) -> str:
-    return (f"served: engine steps x{served.engine_scale:.2f}, +{served.per_step_s * 1e3:.2f} ms per step, "
-            f"+{served.per_token_s * 1e3:.3f} ms per streamed token, +{served.per_request_s * 1e3:.1f} ms per "
-            f"request, step spread {served.step_noise_sigma:.2f} ({served.num_probes} probes; |error| mean "
-            f"{100 * served.mean_abs_rel_error:.1f}%; {served.saturation_probes} bursts, error "
-            f"{100 * served.saturation_rel_error:+.1f}%; load {served.load_avg})")
+    return (f"served: engine steps x{served.engine_scale:.2f}, mixed steps x{served.mixed_scale:.2f}, "
+            f"+{served.per_step_s * 1e3:.2f} ms per step, +{served.per_token_s * 1e3:.3f} ms per streamed token, "
+            f"+{served.per_request_s * 1e3:.1f} ms per request, step spread {served.step_noise_sigma:.2f} "
+            f"({served.num_probes} probes; |error| mean {100 * served.mean_abs_rel_error:.1f}%; "
+            f"{served.saturation_probes} saturated, error {100 * served.saturation_rel_error:+.1f}%; "
+            f"load {served.load_avg})")

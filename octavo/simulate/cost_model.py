@@ -57,7 +57,7 @@ FEATURES = (
     "decode_context_ktokens",
     "mixed_step",
 )
-FORMAT_VERSION = 2  # 2: the mixed_step term and the served terms
+FORMAT_VERSION = 3  # 2: the mixed_step term and the served terms; 3: served mixed steps scale on their own
 
 
 @dataclass(frozen=True)
@@ -192,7 +192,7 @@ class CostModel:
         engine_s = self.predict(work)
         if self.served is None or work.is_empty:
             return engine_s
-        return self.served.step_seconds(engine_s, work.sampled_seqs)
+        return self.served.step_seconds(engine_s, work.sampled_seqs, work.kind == "mixed")
 
     @property
     def request_overhead_s(self) -> float:

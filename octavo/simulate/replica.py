@@ -176,10 +176,11 @@ class SimReplica:
 @dataclass(frozen=True)
 class BurstStep:
     """One step of a burst: its work, and how many of the burst's requests are unfinished as it starts (each of
-    them waits for it)."""
+    them waits for it for its last token) and how many have no token yet (each waits for it for its first)."""
 
     work: StepWork
     unfinished: int
+    unstarted: int
 
 
 def burst_steps(shape: ReplicaShape, requests: Sequence[tuple[int, int]], seed: int = 0) -> list[BurstStep]:
@@ -190,8 +191,9 @@ def burst_steps(shape: ReplicaShape, requests: Sequence[tuple[int, int]], seed: 
     replica = SimReplica("burst", shape, free, 0.0, 0.0, random.Random(seed))
     for i, (prompt, output) in enumerate(requests):
         replica.add(RequestRecord(f"burst-{i}", 0.0, prompt, output), 0.0)
-    steps = []
+    steps, unstarted = [], len(requests)
     while replica.start_step(0.0) is not None:
-        steps.append(BurstStep(replica.step_work, replica.num_requests))
-        replica.finish_step(0.0)
+        steps.append(BurstStep(replica.step_work, replica.num_requests, unstarted))
+        started, _finished = replica.finish_step(0.0)
+        unstarted -= len(started)
     return steps

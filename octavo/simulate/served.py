@@ -7,10 +7,15 @@ machine, with other work. Bare engine steps miss all of it: on a 2-core
 machine at load 10, served decode steps of ~30 sequences took ~100 ms where
 the bare fit predicted ~14 ms. A served step is modelled as
 
-    served(step) = engine_scale * engine(step) + per_step_s + per_token_s * sampled
+    served(step) = scale * engine(step) + per_step_s + per_token_s * sampled
 
-- ``engine_scale``: the engine's own work stretched by contention for the
-  cores (the front, other processes); 1 on cores of its own, and never less;
+- ``engine_scale`` (prompt-only and decode-only steps) and ``mixed_scale``
+  (steps holding both): the engine's own work stretched by contention for
+  the cores (the front, other processes). Each step kind's scale is fitted
+  from the probes that run that kind (below): the bare calibration's mixed
+  steps are one prompt joining a batch per step, and a served engine's mixed
+  steps (prompts joining a full batch as others finish, its front streaming
+  every sequence) need not cost what those predict;
 - ``per_step_s``: per step, the output message to the front and its wake-up;
 - ``per_token_s``: per token streamed, the front's detokenizing and SSE
   writing, which competes with the engine for the same cores and so grows
@@ -18,20 +23,24 @@ the bare fit predicted ~14 ms. A served step is modelled as
 
 and each request waits ``per_request_s`` outside steps (HTTP, tokenizing,
 the first chunk's way back). The terms are fitted together by non-negative
-least squares on relative error to two kinds of probe: lone requests (their
-time to first token, at the client: one prefill step plus the per-request
-cost) and batches of requests sent together (their time per output token, as
-the server's front measured it: one decode step of the batch).
+least squares on relative error to three kinds of probe:
 
-Those probes put the capacity of a saturated server ~10% high (octavo-mini at
-load 4-6: 3,352 predicted against 3,037 measured output tokens/s): a full
-batch streaming while prompts queue costs the front more than short batches
-show. So a third kind of probe, a burst of more requests than the batch holds
-(a ``SaturationProbe``: its steps are the scheduler's, its time the mean of
-its requests' latencies as the server measured them, arrival to last token),
-weighs in the fit as a constraint: the fitted terms give the burst's measured
-mean latency. The server's clock, not the client's: a client on the same
-loaded cores reading ~100 streams fell seconds behind them.
+- lone requests: their time to first token, at the client (one prefill step
+  plus the per-request cost);
+- batches of requests sent together: their time per output token, as the
+  server's front measured it (one decode step of the batch);
+- the server kept saturated (``SaturationProbe``): twice as many clients as
+  the batch holds, each sending its next request as its last ends. The only
+  probe that runs a saturated engine, whose mixed steps (prompts joining the
+  full batch as others finish) are what capacity is made of. Its requests'
+  mean time per output token is read from the server's histogram, and the
+  scheduler says which steps a saturated engine runs; it weighs in the fit
+  as a constraint (``SATURATION_WEIGHT``). A steady state, not a burst sent
+  at once: a burst's replay is much of it its first steps (ten prompts
+  prefilled at once) and its drain, which a server past saturation hardly
+  runs; fitted to bursts at load 14 on 2 cores, the simulated replica
+  saturated at 8.4 requests/s where the real one still decoded at 2.4 ms a
+  token at 12.6.
 
 Steps of equal work still take different times on a shared machine (other
 processes stall the engine, the client and the front). ``step_noise_sigma``
@@ -43,13 +52,17 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import numpy as np
 
 from octavo.simulate.fitting import nonnegative_relative_lstsq
 
-SERVED_TERMS = ("engine_scale", "per_step_s", "per_token_s", "per_request_s")
+if TYPE_CHECKING:
+    from octavo.simulate.cost_model import StepWork
+    from octavo.simulate.replica import BurstStep
+
+SERVED_TERMS = ("engine_scale", "mixed_scale", "per_step_s", "per_token_s", "per_request_s")
 # How much a saturation probe's row weighs against one ordinary probe's: enough that the fit honours it to ~1%
 # (a penalty in place of an equality constraint, which NNLS lacks) while the others still set the split of terms.
 SATURATION_WEIGHT = 30.0
@@ -59,7 +72,7 @@ SATURATION_WEIGHT = 30.0
 class ServedProbe:
     """One measurement of one served step, whose bare prediction is ``engine_s`` and which streams ``sampled``
     tokens: ``first_token``, a lone request's time to first token (the per-request cost included); else a
-    batch's mean time per output token (one decode step of the batch)."""
+    batch's mean time per output token (one decode step of the batch). Neither holds a mixed step."""
 
     engine_s: float
     sampled: int
@@ -68,25 +81,43 @@ class ServedProbe:
 
     def features(self) -> list[float]:
         """The fit's inputs, in the order of SERVED_TERMS."""
-        return [self.engine_s, 1.0, float(self.sampled), float(self.first_token)]
+        return [self.engine_s, 0.0, 1.0, float(self.sampled), float(self.first_token)]
 
 
 @dataclass(frozen=True)
 class SaturationProbe:
-    """A burst of requests sent at once, more than the batch holds, whose mean latency (arrival to last token, one
-    per-request cost included) was ``seconds``. A request waits for every step until its last, so its mean is
-    made of the burst's steps each weighed by the share of requests still unfinished as it starts: ``steps`` is
-    that weighted count, ``engine_s`` and ``sampled`` the weighted sums of the steps' bare predictions and
-    streamed tokens."""
+    """A server kept saturated (more requests in flight than the batch holds, each client sending its next one
+    as its last ends), whose requests' mean time per output token was ``seconds``: in that steady state every
+    decoding request gets one token a step, so it is the mean served step of the saturated engine, which sets its
+    capacity. ``engine_s`` and ``mixed_engine_s`` are the weighted means of the bare predictions of the steady
+    steps (``of_steady``) of one kind (prompts or decodes) and of the mixed ones, each over all of them,
+    ``sampled`` of their streamed tokens."""
 
     engine_s: float
-    steps: float
+    mixed_engine_s: float
     sampled: float
     seconds: float
 
+    @classmethod
+    def of_steady(cls, steps: Sequence[BurstStep], predict: Callable[[StepWork], float],
+                  seconds: float) -> SaturationProbe:
+        """From the steps (``replica.burst_steps``) of more requests than the batch holds, queued at once: those
+        from the first request's end to the last one's start are the steady state (a slot frees, a waiting
+        request takes it). Each weighs as the requests decoding through it, as in their mean time per token."""
+        steady = [s for s in steps if s.unfinished < steps[0].unfinished and s.unstarted]
+        if not steady:
+            raise ValueError("steps: no request waits while others finish: not a saturated engine's steps")
+        total = sum(s.unfinished - s.unstarted for s in steady)
+        weights = [(s.unfinished - s.unstarted) / total for s in steady]
+        mixed = [s.work.kind == "mixed" for s in steady]
+        engine = [w * predict(s.work) for w, s in zip(weights, steady)]
+        return cls(sum(e for e, m in zip(engine, mixed) if not m), sum(e for e, m in zip(engine, mixed) if m),
+                   sum(w * s.work.sampled_seqs for w, s in zip(weights, steady)), seconds)
+
     def features(self) -> list[float]:
-        """The fit's inputs, in the order of SERVED_TERMS."""
-        return [self.engine_s, self.steps, self.sampled, 1.0]
+        """The fit's inputs, in the order of SERVED_TERMS: one step, no per-request cost (paid before the first
+        token)."""
+        return [self.engine_s, self.mixed_engine_s, 1.0, self.sampled, 0.0]
 
 
 @dataclass
@@ -95,6 +126,7 @@ class ServedCost:
     as the scale holds for a similar load only."""
 
     engine_scale: float = 1.0
+    mixed_scale: float = 1.0
     per_step_s: float = 0.0
     per_token_s: float = 0.0
     per_request_s: float = 0.0
@@ -102,7 +134,7 @@ class ServedCost:
     mean_abs_rel_error: float = 0.0
     load_avg: str = ""
     step_noise_sigma: float = 0.0
-    # The saturation probes: how many, and the fitted terms' signed error on their durations.
+    # The saturation probes: how many, and the fitted terms' signed error on their time per output token.
     saturation_probes: int = 0
     saturation_rel_error: float = 0.0
 
@@ -112,8 +144,9 @@ class ServedCost:
             if not (value >= 0 and np.isfinite(value)):
                 raise ValueError(f"served.{name} must be finite and >= 0, got {value}")
 
-    def step_seconds(self, engine_s: float, sampled: int) -> float:
-        return self.engine_scale * engine_s + self.per_step_s + self.per_token_s * sampled
+    def step_seconds(self, engine_s: float, sampled: int, mixed: bool = False) -> float:
+        scale = self.mixed_scale if mixed else self.engine_scale
+        return scale * engine_s + self.per_step_s + self.per_token_s * sampled
 
     @classmethod
     def fit(cls, probes: Sequence[ServedProbe], load_avg: str = "",
@@ -128,10 +161,13 @@ class ServedCost:
         if np.any(y <= 0):
             raise ValueError("probes: measured seconds must be > 0")
         weights = np.array([1.0] * len(probes) + [SATURATION_WEIGHT] * len(saturation))
-        # A served step takes at least the engine's own time (one thread: wall >= CPU time): engine_scale >= 1.
-        # Left free, the fit traded it for the per-token term, which the decode probes cannot tell apart (both
-        # grow with the batch), and put it at 0.1-0.7, making prompt steps under load too short.
-        coef = nonnegative_relative_lstsq(x, y, lower=np.array([1.0, 0.0, 0.0, 0.0]), weights=weights)
+        # A prompt or decode step takes at least the engine's own time (one thread: wall >= CPU time):
+        # engine_scale >= 1. Left free, the fit traded it for the per-token term, which the decode probes cannot
+        # tell apart (both grow with the batch), and put it at 0.1-0.7, making prompt steps under load too short.
+        # The mixed scale is free: the saturated server measures it (docstring).
+        coef = nonnegative_relative_lstsq(x, y, lower=np.array([1.0, 0.0, 0.0, 0.0, 0.0]), weights=weights)
+        if not np.any(x[:, 1]):  # no probe ran a mixed step: mixed steps scale as the others
+            coef[1] = coef[0]
         rel = x @ coef / y - 1
         ordinary, saturated = rel[: len(probes)], rel[len(probes):]
         return cls(*map(float, coef), num_probes=len(probes), mean_abs_rel_error=float(np.mean(np.abs(ordinary))),

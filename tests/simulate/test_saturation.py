@@ -1,5 +1,6 @@
-"""What the served calibration learns from a saturated server: the steps of a burst (the scheduler's own), the fit
-that makes the served terms give the burst's measured duration, and the spread of served steps."""
+"""What the served calibration learns from a saturated server: the steps of more requests than the batch holds (the
+scheduler's own), the fit that makes the served terms give its measured time per output token (and so what a
+saturated mixed step costs), and the spread of served steps."""
 from __future__ import annotations
 
 import math
@@ -18,6 +19,7 @@ BARE = cost_model(step=0.002, prefill_tokens=1e-4, prefill_seqs=5e-4, decode_seq
                   decode_context_ktokens=1e-4, mixed_step=1e-3)
 SHAPE = shape(max_num_seqs=8, max_num_batched_tokens=256)
 BURST = [(100, 10 + 7 * i % 30) for i in range(24)]  # three requests per batch slot, outputs of mixed lengths
+SATURATED = [(100, 10 + 7 * i % 30) for i in range(96)]  # twelve per slot: a long steady state
 
 
 def _served_probes(truth: ServedCost, noise_sigma: float, rng: random.Random, rounds: int = 2) -> list[ServedProbe]:
@@ -36,18 +38,21 @@ def _served_probes(truth: ServedCost, noise_sigma: float, rng: random.Random, ro
     return probes
 
 
-def _weights() -> list[float]:
-    """Each burst step's share of requests that wait for it."""
-    return [s.unfinished / len(BURST) for s in burst_steps(SHAPE, BURST)]
+def _steady_probe(truth: ServedCost) -> SaturationProbe:
+    """The mean time per output token of a server with ``truth``'s costs kept saturated: the simulated replica's
+    requests that decoded wholly in the steady state (after the first request's end, before the last one's first
+    token), given more requests than it batches at one instant."""
+    records = simulate([TraceRequest(0.0, p, o) for p, o in SATURATED], CostModel(BARE.coefficients, served=truth),
+                       SHAPE).records
+    steady_from, steady_to = min(r.finish_s for r in records), max(r.first_token_s for r in records)
+    tpots = [r.tpot for r in records if r.first_token_s > steady_from and r.finish_s < steady_to]
+    assert len(tpots) > len(SATURATED) // 2
+    return SaturationProbe.of_steady(burst_steps(SHAPE, SATURATED), BARE.predict, statistics.fmean(tpots))
 
 
-def _burst_probe(truth: ServedCost) -> SaturationProbe:
-    """The burst's mean latency on a server with ``truth``'s costs."""
-    works = [s.work for s in burst_steps(SHAPE, BURST)]
-    weights = _weights()
-    seconds = sum(w * truth.step_seconds(BARE.predict(s), s.sampled_seqs) for w, s in zip(weights, works))
-    return SaturationProbe(sum(w * BARE.predict(s) for w, s in zip(weights, works)), sum(weights),
-                           sum(w * s.sampled_seqs for w, s in zip(weights, works)), seconds + truth.per_request_s)
+def _error(fitted: ServedCost, probe: SaturationProbe) -> float:
+    """How far ``fitted``'s terms put the probe's mean step from its measured one (relative)."""
+    return sum(getattr(fitted, t) * x for t, x in zip(SERVED_TERMS, probe.features())) / probe.seconds - 1
 
 
 def test_a_burst_runs_every_token_within_the_engines_limits():
@@ -60,38 +65,52 @@ def test_a_burst_runs_every_token_within_the_engines_limits():
     assert sum(w.kind == "mixed" for w in works) >= len(BURST) // 2
     unfinished = [s.unfinished for s in steps]
     assert unfinished[0] == len(BURST) and unfinished[-1] >= 1 and unfinished == sorted(unfinished, reverse=True)
+    # Every request gets its first token once; the last one joins as a slot frees, long before the burst's end.
+    unstarted = [s.unstarted for s in steps]
+    assert unstarted[0] == len(BURST) and unstarted == sorted(unstarted, reverse=True) and unstarted[-1] == 0
+    assert all(s.unfinished - s.unstarted <= 8 for s in steps)  # those decoding hold the batch's slots
     assert burst_steps(SHAPE, BURST) == steps  # no randomness in which steps run
 
 
-def test_a_simulated_burst_has_its_steps_mean_latency():
-    """The simulator, given the same requests at one instant, runs the burst's steps but for its first (which
-    starts on the first arrival alone, as a server's first step starts before the last request is in)."""
-    truth = ServedCost(engine_scale=1.5, per_step_s=0.003, per_token_s=0.001, per_request_s=0.0)
-    served = CostModel(BARE.coefficients, served=truth)
-    records = simulate([TraceRequest(0.0, p, o) for p, o in BURST], served, SHAPE).records
-    expected = sum(w * served.step_seconds(s.work) for w, s in zip(_weights(), burst_steps(SHAPE, BURST)))
-    assert statistics.fmean(r.e2e for r in records) == pytest.approx(expected, rel=0.02)
+def test_a_saturated_replica_steps_at_the_probes_mean_step():
+    """The simulated replica, kept saturated, decodes at the mean of the steady steps the probe takes from the
+    scheduler: its terms' weighted sum is the requests' time per output token."""
+    truth = ServedCost(engine_scale=1.5, mixed_scale=0.8, per_step_s=0.003, per_token_s=0.001, per_request_s=0.05)
+    probe = _steady_probe(truth)
+    assert abs(_error(truth, probe)) < 0.03
+    assert probe.mixed_engine_s > 0 and probe.sampled == pytest.approx(8, rel=0.1)  # a full batch, prompts joining
+    with pytest.raises(ValueError, match="steps"):  # no more requests than slots: nothing waits, no steady state
+        SaturationProbe.of_steady(burst_steps(SHAPE, BURST[:8]), BARE.predict, 0.01)
 
 
-def test_the_fit_gives_a_saturated_burst_its_measured_latency():
+def test_the_fit_gives_a_saturated_server_its_measured_step():
     """Short batches show 0.5 ms per streamed token; a saturated server pays 1 ms. The ordinary probes alone put
-    the burst's latency short (capacity high); with the burst the fit meets it."""
-    light = ServedCost(engine_scale=1.5, per_step_s=0.003, per_token_s=0.0005, per_request_s=0.02)
-    heavy = ServedCost(engine_scale=1.5, per_step_s=0.003, per_token_s=0.001, per_request_s=0.02)
+    its steps short (capacity high); with the saturated probe the fit meets it."""
+    light = ServedCost(engine_scale=1.5, mixed_scale=1.5, per_step_s=0.003, per_token_s=0.0005, per_request_s=0.02)
+    heavy = ServedCost(engine_scale=1.5, mixed_scale=1.5, per_step_s=0.003, per_token_s=0.001, per_request_s=0.02)
     probes = _served_probes(light, 0.0, random.Random(0))
-    burst = _burst_probe(heavy)
-
-    def burst_error(fitted: ServedCost) -> float:
-        predicted = sum(getattr(fitted, t) * x for t, x in zip(SERVED_TERMS, burst.features()))
-        return predicted / burst.seconds - 1
-
+    saturated = _steady_probe(heavy)
     without = ServedCost.fit(probes)
-    with_burst = ServedCost.fit(probes, saturation=[burst])
-    assert burst_error(without) < -0.05
-    assert abs(burst_error(with_burst)) < 0.01
-    assert with_burst.saturation_probes == 1 and with_burst.saturation_rel_error == pytest.approx(
-        burst_error(with_burst), abs=1e-9)
-    assert with_burst.num_probes == len(probes) and without.saturation_probes == 0
+    fitted = ServedCost.fit(probes, saturation=[saturated])
+    assert _error(without, saturated) < -0.05
+    assert abs(_error(fitted, saturated)) < 0.01
+    assert fitted.saturation_probes == 1
+    assert fitted.saturation_rel_error == pytest.approx(_error(fitted, saturated), abs=1e-9)
+    assert fitted.num_probes == len(probes) and without.saturation_probes == 0
+
+
+def test_the_saturated_server_sets_what_a_mixed_step_costs():
+    """Only the saturated probe runs mixed steps (prompts joining a decoding batch). A server whose mixed steps
+    take 0.7 of the bare prediction, while its prompt and decode steps take 1.5 of theirs: the fit finds both,
+    and without it mixed steps scale as the others."""
+    truth = ServedCost(engine_scale=1.5, mixed_scale=0.7, per_step_s=0.003, per_token_s=0.001, per_request_s=0.02)
+    probes = _served_probes(truth, 0.0, random.Random(4))
+    fitted = ServedCost.fit(probes, saturation=[_steady_probe(truth)])
+    assert fitted.mixed_scale == pytest.approx(0.7, rel=0.05)
+    assert fitted.engine_scale == pytest.approx(1.5, rel=0.02)
+    assert fitted.per_token_s == pytest.approx(0.001, rel=0.05)
+    without = ServedCost.fit(probes)
+    assert without.mixed_scale == without.engine_scale == pytest.approx(1.5, rel=0.02)
 
 
 def test_the_step_spread_is_the_lone_requests_log_residuals():

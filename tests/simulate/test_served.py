@@ -14,7 +14,8 @@ from tests.simulate.sim_helpers import cost_model, simulate
 
 BARE = cost_model(step=0.002, prefill_tokens=1e-4, prefill_seqs=5e-4, decode_seqs=3e-4,
                   decode_context_ktokens=1e-4)
-TRUE = ServedCost(engine_scale=2.5, per_step_s=0.004, per_token_s=0.0015, per_request_s=0.02)
+# Without bursts (no probe runs a mixed step) the fit gives mixed steps the scale of the others.
+TRUE = ServedCost(engine_scale=2.5, mixed_scale=2.5, per_step_s=0.004, per_token_s=0.0015, per_request_s=0.02)
 
 
 def _probes(truth: ServedCost, noise: float, rng: random.Random) -> list[ServedProbe]:
