@@ -40,6 +40,7 @@ from octavo.model.config import ArchConfig, load_arch_config
 from octavo.sample.generators import request_generator
 from octavo.sample.metadata import SamplingMetadata
 from octavo.sample.sampler import sample_from_probs, warp_logits
+from octavo.spec_decode.draft_vocab import head_tokens
 from octavo.spec_decode.proposer import Proposal, ProposalInput, Proposer, ProposerContext
 
 
@@ -166,7 +167,8 @@ class _Draw:
     take the draft's argmax; the others draw from the draft's distribution
     after temperature, top-k, top-p and min-p (the target's penalties, bans
     and grammar need not apply: rejection sampling corrects any q), whose
-    rows are kept as q."""
+    rows are kept as q. With a cut head (``head``: the token of each logit)
+    both choose among its tokens, and q is zero elsewhere."""
 
     def __init__(
         self,
@@ -175,22 +177,25 @@ class _Draw:
         vocab_size: int,
         device: torch.device,
         argmax: Callable[[torch.Tensor], torch.Tensor],
+        head: Optional[list[int]] = None,
     ) -> None:
         """``argmax``: the model's (``ElementwiseOps.argmax``: native for contiguous CPU logits,
         where torch's is several times slower on bf16 rows)."""
         self._argmax = argmax
+        self._head, self._vocab_size = head, vocab_size
         self.request_ids = [r.request_id for r in requests]
         self.random = [j for j, r in enumerate(requests) if not r.sampling_params.greedy]
         self.meta: Optional[SamplingMetadata] = None
         if self.random:
             meta = SamplingMetadata.from_requests(
-                [requests[j] for j in self.random], [generators[j] for j in self.random], vocab_size, device
+                [requests[j] for j in self.random], [generators[j] for j in self.random],
+                vocab_size if head is None else len(head), device,
             )
             self.meta = dataclasses.replace(meta, penalties=None, masks=None, grammars=None)
         self._q: dict[int, list[torch.Tensor]] = {j: [] for j in self.random}
 
     def __call__(self, logits: torch.Tensor, rows: list[int]) -> list[int]:
-        """Tokens for ``logits`` [len(rows), V], row i being request ``rows[i]``."""
+        """Tokens for ``logits`` [len(rows), head size], row i being request ``rows[i]``."""
         tokens = self._argmax(logits)
         at = {j: i for i, j in enumerate(self.random)}
         mine = [i for i, j in enumerate(rows) if j in at]
@@ -201,11 +206,18 @@ class _Draw:
             tokens = tokens.index_copy(0, index, sample_from_probs(probs, meta.generators))
             for i, q in zip(mine, probs):
                 self._q[rows[i]].append(q)
-        return tokens.tolist()
+        chosen = tokens.tolist()
+        return chosen if self._head is None else [self._head[i] for i in chosen]
 
     def probs(self) -> dict[int, torch.Tensor]:
-        """Request index -> its q, one row per proposal drawn."""
-        return {j: torch.stack(qs) for j, qs in self._q.items()}
+        """Request index -> its q over the whole vocabulary, one row per proposal drawn."""
+        return {j: self._whole(torch.stack(qs)) for j, qs in self._q.items()}
+
+    def _whole(self, q: torch.Tensor) -> torch.Tensor:
+        if self._head is None:
+            return q
+        index = torch.tensor(self._head, dtype=torch.int64, device=q.device)
+        return q.new_zeros(q.shape[0], self._vocab_size).index_copy_(1, index, q)
 
 
 def _select(meta: SamplingMetadata, rows: list[int]) -> SamplingMetadata:
@@ -255,8 +267,11 @@ class DraftModelProposer(Proposer):
         draft = spec_config.speculative_model
         if draft is None:
             raise ValueError("speculative_model must name the draft model folder")
-        check_compatible(load_arch_config(model_path(draft)), context.target_arch, draft, context.model_config.model)
-        self.model = context.host.load_draft_model(draft)
+        arch = load_arch_config(model_path(draft))
+        check_compatible(arch, context.target_arch, draft, context.model_config.model)
+        # The tokens of a cut LM head's logits, in order (None: the whole vocabulary).
+        self._head = head_tokens(draft, spec_config.speculative_draft_vocab, arch.vocab_size)
+        self.model = context.host.load_draft_model(draft, self._head)
         if self.model.arch.max_model_len() < context.max_model_len:
             raise ValueError(
                 f"speculative_model {draft!r} handles {self.model.arch.max_model_len()} positions, fewer than "
@@ -320,7 +335,7 @@ class DraftModelProposer(Proposer):
         single-token forward per further proposal, for the rows that want it."""
         requests = [p.input.state for p in proposing]
         draw = _Draw(requests, [self._generator(r) for r in requests], self.model.arch.vocab_size, self.device,
-                     self.model.argmax)
+                     self.model.argmax, self._head)
         active = list(range(len(proposing)))
         steps = _DecodeSteps(proposing, self.block_size, self.model.attention, self.device)
         while True:
