@@ -242,13 +242,13 @@ class ModelRunner:
             self._propose(inputs, hidden, out, k)
         end = self._last_end = time.process_time()
         self._last_cost = end - start
-        emitted = sum(len(t) for t in out.sampled_token_ids.values())
         # By the governor's choices (not by the proposals made): a step counts
         # when it verified and proposed as many as the choice before it;
         # and only when it was all decodes: a prompt chunk's cost would be
         # charged to whichever choice happened to be on.
         if all(s.num_tokens == 1 + len(s.spec_token_ids) for s in inputs.order):
-            self.governor.record(batch, emitted, end - start, self._speculated, k)
+            emitted = [len(out.sampled_token_ids.get(s.request.request_id, ())) for s in plan.sample]
+            self.governor.record(emitted, end - start, self._speculated, k)
         self._speculated = k
 
     def execute_logits(self, scheduler_output: SchedulerOutput) -> dict[str, torch.Tensor]:
