@@ -3,6 +3,10 @@
     python -m benchmarks.spec_decode                       # octavo-mini (+ its draft), batches 1, 8, 32
     python -m benchmarks.spec_decode --batches 1 --ks 2,3 --repeats 5
     python -m benchmarks.spec_decode --llamacpp-server $LLAMA_SERVER --llamacpp-src $LLAMA_CPP_SRC
+    python -m benchmarks.spec_decode --batches 1 --ks 2 --draft-vocabs 0,1024 --skip-ngram   # whole vs cut draft head
+
+``--draft-vocabs``: the draft configurations run once per LM head size (speculative_draft_vocab; 0, the
+default: the whole vocabulary, not the size octavo-mini-draft's ranking names).
 
 Workloads (greedy, ignore_eos, fixed output length):
 - ``heldout``: the start of each held-out Python file of octavo-mini's
@@ -72,14 +76,21 @@ def workloads(tokenizer, prompt_len: int) -> dict[str, list[list[int]]]:
 def engines(args: argparse.Namespace) -> dict[str, LLM]:
     common = dict(dtype=args.dtype, max_num_seqs=max(args.batches), kv_cache_memory_bytes=256 * 2**20)
     made = {"none": LLM(str(args.model), **common)}
-    for k in args.ks:
-        made[f"draft k={k}"] = LLM(str(args.model), speculative_model=str(args.draft), num_speculative_tokens=k,
-                                   speculative_adaptive=False, **common)
-        made[f"ngram k={k}"] = LLM(str(args.model), speculative_method="ngram", num_speculative_tokens=k,
-                                   speculative_adaptive=False, **common)
     k = args.adaptive_k
-    made[f"draft k={k} adaptive"] = LLM(str(args.model), speculative_model=str(args.draft),
-                                        num_speculative_tokens=k, **common)
+    for size in args.draft_vocabs:
+        # 0: the draft's whole LM head; N: cut to its N most used tokens (speculative_draft_vocab).
+        head, name = {"speculative_draft_vocab": size}, f"draft head {size}" if size else "draft"
+        for k_fixed in args.ks:
+            made[f"{name} k={k_fixed}"] = LLM(str(args.model), speculative_model=str(args.draft),
+                                              num_speculative_tokens=k_fixed, speculative_adaptive=False, **head,
+                                              **common)
+        made[f"{name} k={k} adaptive"] = LLM(str(args.model), speculative_model=str(args.draft),
+                                             num_speculative_tokens=k, **head, **common)
+    if args.skip_ngram:
+        return made
+    for k_fixed in args.ks:
+        made[f"ngram k={k_fixed}"] = LLM(str(args.model), speculative_method="ngram", num_speculative_tokens=k_fixed,
+                                         speculative_adaptive=False, **common)
     made[f"ngram k={k} adaptive"] = LLM(str(args.model), speculative_method="ngram", num_speculative_tokens=k,
                                         **common)
     return made
@@ -191,6 +202,9 @@ def main() -> None:
     parser.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 8, 32])
     parser.add_argument("--ks", type=lambda s: [int(x) for x in s.split(",")], default=[2, 3, 4])
     parser.add_argument("--adaptive-k", type=int, default=3, help="k of the adaptive configurations")
+    parser.add_argument("--draft-vocabs", type=lambda s: [int(x) for x in s.split(",")], default=[0],
+                        help="draft LM head sizes to run (speculative_draft_vocab; 0: the whole vocabulary)")
+    parser.add_argument("--skip-ngram", action="store_true", help="draft-model configurations only")
     parser.add_argument("--prompt-len", type=int, default=96)
     parser.add_argument("--output-len", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)

@@ -359,6 +359,14 @@ class SpeculativeConfig:
     )
     speculative_model: Optional[str] = option(None, "draft model folder (same tokenizer as the model)")
     num_speculative_tokens: int = option(4, "tokens proposed per request per step (k)")
+    # A small draft's LM head is most of its bytes; the target verifies every proposal, so a head cut to the
+    # tokens a corpus uses most changes no output (octavo/spec_decode/draft_vocab.py).
+    speculative_draft_vocab: Optional[int] = option(
+        None, "the draft model's LM head keeps its N most used tokens (ranked in the draft folder's "
+        "token_ranks.json; python -m octavo.spec_decode.draft_vocab writes it): cheaper proposals, never of a "
+        "token outside them; the output is unchanged. 0: the whole vocabulary. Default: the head size that file "
+        "names (octavo-mini-draft: 1024), else the whole vocabulary",
+    )
     ngram_min: int = option(1, "shortest suffix the n-gram proposer matches")
     ngram_max: int = option(4, "longest suffix the n-gram proposer matches (tried first)")
     # Whether speculation pays depends on the acceptance rate, the proposer's
@@ -382,6 +390,8 @@ class SpeculativeConfig:
             raise ValueError("speculative_method draft_model needs speculative_model (the draft model folder)")
         if self.speculative_model is not None and method in ("none", "ngram"):
             raise ValueError(f"speculative_model is set but speculative_method is {method!r}")
+        if self.speculative_draft_vocab is not None and self.speculative_draft_vocab < 0:
+            raise ValueError(f"speculative_draft_vocab must be >= 0, got {self.speculative_draft_vocab}")
         if not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be an integer >= 1, got {self.num_speculative_tokens!r}")
         if not 1 <= self.ngram_min <= self.ngram_max:

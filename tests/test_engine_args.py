@@ -53,6 +53,7 @@ _NON_DEFAULT = {
     "ngram_min": ("2", 2),
     "ngram_max": ("6", 6),
     "speculative_max_batch_size": ("8", 8),
+    "speculative_draft_vocab": ("512", 512),
 }
 
 

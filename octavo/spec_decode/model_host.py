@@ -9,7 +9,7 @@ know: which tokens to feed at which positions, and what to do with the logits.
 """
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from typing import Callable, Optional, Protocol, Sequence
 
 import torch
 
@@ -31,15 +31,18 @@ class DraftModel(Protocol):
 
     def run_rows(self, rows: list[ScheduledRow], sample: list[ScheduledRow]) -> torch.Tensor:
         """Run ``rows`` laid out as the worker lays out a step; the logits
-        [len(sample), vocab] of the last position of each of ``sample``."""
+        [len(sample), head size] of the last position of each of ``sample``."""
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata) -> torch.Tensor:
-        """Run one step laid out by the caller; the logits of every position."""
+        """Run one step laid out by the caller; the logits of every position
+        (over the head's tokens)."""
 
 
 class DraftModelHost(Protocol):
     """The worker's side: it builds the draft model and owns its cache."""
 
-    def load_draft_model(self, folder: str) -> DraftModel:
+    def load_draft_model(self, folder: str, head_tokens: Optional[Sequence[int]] = None) -> DraftModel:
         """Load the model in ``folder`` with the kernels the model config
-        picks for its dtypes, and reserve its share of the KV pool."""
+        picks for its dtypes, and reserve its share of the KV pool.
+        ``head_tokens``: its LM head scores these tokens only (logit i is
+        ``head_tokens[i]``'s); None: the whole vocabulary."""

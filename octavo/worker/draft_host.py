@@ -21,7 +21,8 @@ from octavo.model.backends import ModelBackends
 from octavo.model.config import ArchConfig, load_arch_config
 from octavo.checkpoint.paths import model_path
 from octavo.model.dtypes import resolve_dtype
-from octavo.model.loader import load_model
+from octavo.model.layers.vocab_parallel import ParallelLMHead
+from octavo.model.loader import default_dtype, load_model
 from octavo.model.models.causal_lm import CausalLM
 from octavo.worker.backends import model_backends
 from octavo.worker.decode_graphs import DecodeGraphs
@@ -92,7 +93,7 @@ class DraftHost:
         self._model_config, self._cache_config, self._max_model_len = model_config, cache_config, max_model_len
         self.models: list[HostedDraftModel] = []
 
-    def load_draft_model(self, folder: str) -> HostedDraftModel:
+    def load_draft_model(self, folder: str, head_tokens: Optional[Sequence[int]] = None) -> HostedDraftModel:
         config = self._model_config
         device = torch.device(config.device)
         path = model_path(folder)
@@ -103,6 +104,8 @@ class DraftHost:
         backends = model_backends(config, device, dtype, cache_dtype, arch.layer_windows)
         with parallel_state(ParallelState()):  # whole on this rank: no collective
             model, arch = load_model(path, config.dtype, device, self._max_model_len, backends)
+            if head_tokens is not None:
+                model.lm_head = _cut_head(model.lm_head, head_tokens, backends, dtype, device)
         # Whole on the driver rank, so recordable whatever the target's parallelism.
         record = can_record(model, backends.attention, device, config.enforce_eager)
         self.models.append(HostedDraftModel(model, arch, backends, self._cache_config.block_size, cache_dtype,
@@ -125,3 +128,16 @@ class DraftHost:
         """The target's copy-on-write, applied to the drafts' K/V too."""
         for m in self.models:
             copy_blocks(m.kv_caches, copies)
+
+
+def _cut_head(head: ParallelLMHead, tokens: Sequence[int], backends: ModelBackends, dtype: torch.dtype,
+              device: torch.device) -> ParallelLMHead:
+    """An LM head over ``tokens`` only (row i scores ``tokens[i]``), with the kernel the whole one has. Its rows
+    are read back as the whole head's kernel holds them, by multiplying the identity (one nonzero term per
+    output, so exact): a packed or quantized head keeps no plain weight to take them from."""
+    with torch.no_grad(), default_dtype(dtype), torch.device(device):
+        cut = ParallelLMHead(len(tokens), head.embedding_dim, backends.linear_method("lm_head"), "lm_head")
+        rows = head(torch.eye(head.embedding_dim, dtype=dtype))  # [hidden, vocab]: the weight, transposed
+        cut.weight.copy_(rows[:, torch.tensor(list(tokens), dtype=torch.int64)].t())
+    cut.finish_loading()
+    return cut

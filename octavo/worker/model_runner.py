@@ -5,7 +5,7 @@ import functools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
@@ -169,7 +169,8 @@ class ModelRunner:
         self.num_speculative_tokens = spec.num_speculative_tokens
         # A model proposer's q of the proposals sent back, until verified.
         self._draft_probs: dict[str, torch.Tensor] = {}
-        self.governor = SpeculationGovernor(spec.speculative_adaptive, spec.speculative_max_batch_size)
+        self.governor = SpeculationGovernor(spec.num_speculative_tokens, spec.speculative_adaptive,
+                                            spec.speculative_max_batch_size)
         self._graphs: Optional[DecodeGraphs] = None
         if use_graphs:
             self._graphs = record_decode_steps(self.model, self.kv_caches, self.num_blocks, self.block_size,
@@ -177,7 +178,7 @@ class ModelRunner:
                                                self.device, self._layer_groups)
         self._last_end: Optional[float] = None  # CPU time when the previous step left the runner
         self._last_cost = 0.0  # ... and what that step cost in it
-        self._speculated = False  # the governor's choice in the previous step
+        self._speculated = 0  # the governor's choice in the previous step: proposals per request
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         out = self._execute(scheduler_output)
@@ -229,28 +230,26 @@ class ModelRunner:
     def _speculate(
         self, plan: _LogitRows, inputs: StepInputs, hidden: torch.Tensor, out: ModelRunnerOutput, start: float
     ) -> None:
-        """Propose when the governor says it pays at this batch size, and tell
-        it what this step cost per emitted token.
+        """Propose as many tokens as the governor says pays at this batch size,
+        and tell it what this step cost per emitted token.
 
-        Seeded random requests propose even when the governor says not to:
-        their tokens depend on the proposals they were verified against, and
-        a choice made from timings would make them unreproducible."""
+        Seeded random requests propose ``num_speculative_tokens`` whatever the
+        governor says: their tokens depend on the proposals they were verified
+        against, and a choice made from timings would make them unreproducible."""
         batch = len(plan.sample)
-        speculate = self.governor.should_propose(batch)
-        if speculate:
-            self._propose(inputs, hidden, out)
-        elif any(_needs_steady_proposals(s.request) for s in plan.sample):
-            self._propose(inputs, hidden, out, only=_needs_steady_proposals)
+        k = self.governor.proposals(batch)
+        if k or any(_needs_steady_proposals(s.request) for s in plan.sample):
+            self._propose(inputs, hidden, out, k)
         end = self._last_end = time.process_time()
         self._last_cost = end - start
-        emitted = sum(len(t) for t in out.sampled_token_ids.values())
         # By the governor's choices (not by the proposals made): a step counts
-        # when it verified and proposed, or did neither, as the choice before it;
+        # when it verified and proposed as many as the choice before it;
         # and only when it was all decodes: a prompt chunk's cost would be
-        # charged to whichever mode happened to be on.
+        # charged to whichever choice happened to be on.
         if all(s.num_tokens == 1 + len(s.spec_token_ids) for s in inputs.order):
-            self.governor.record(batch, emitted, end - start, self._speculated, speculate)
-        self._speculated = speculate
+            emitted = [len(out.sampled_token_ids.get(s.request.request_id, ())) for s in plan.sample]
+            self.governor.record(emitted, end - start, self._speculated, k)
+        self._speculated = k
 
     def execute_logits(self, scheduler_output: SchedulerOutput) -> dict[str, torch.Tensor]:
         """Run the step like ``execute`` (the K/V are written) but return the
@@ -410,21 +409,15 @@ class ModelRunner:
                 entry.top = entry.top[: requests[i].sampling_params.logprobs]
             out.logprobs[requests[i].request_id] = mine
 
-    def _propose(
-        self,
-        inputs: StepInputs,
-        hidden: torch.Tensor,
-        out: ModelRunnerOutput,
-        only: Optional[Callable[[CachedRequestState], bool]] = None,
-    ) -> None:
-        """Ask the proposer for each sampled request's next tokens (every
-        scheduled row is shown: a draft model follows prompt chunks too);
-        ``only``: the requests that may get proposals (default: all)."""
+    def _propose(self, inputs: StepInputs, hidden: torch.Tensor, out: ModelRunnerOutput, k: int) -> None:
+        """Ask the proposer for up to ``k`` next tokens of each sampled request
+        (``num_speculative_tokens`` for seeded random ones); every scheduled row
+        is shown: a draft model follows prompt chunks too."""
         rows = []
         for s, first in zip(inputs.order, inputs.q_starts):
             new = out.sampled_token_ids.get(s.request.request_id, [])
-            room = self._max_proposals(s.request, new) if only is None or only(s.request) else 0
-            row = ProposalInput(s.request, s.start_pos, s.num_tokens, new, room)
+            wanted = self.num_speculative_tokens if _needs_steady_proposals(s.request) else k
+            row = ProposalInput(s.request, s.start_pos, s.num_tokens, new, self._max_proposals(s.request, new, wanted))
             if self.proposer.needs_hidden_states and new:
                 last = first + s.num_tokens - 1 - len(s.spec_token_ids)
                 row.hidden_states = hidden[last : last + len(new)]
@@ -435,13 +428,13 @@ class ModelRunner:
                 if proposal.probs is not None:
                     self._draft_probs[row.request_id] = proposal.probs
 
-    def _max_proposals(self, request: CachedRequestState, new: list[int]) -> int:
-        """How many proposals could be verified after ``new``: each verified
+    def _max_proposals(self, request: CachedRequestState, new: list[int], k: int) -> int:
+        """How many of ``k`` proposals could be verified after ``new``: each verified
         one is a context position, and the step emits one token past them."""
         if not new:
             return 0
         num_tokens = request.num_tokens + len(new)
-        room = [self.num_speculative_tokens, self._longest_sequence() - num_tokens]
+        room = [k, self._longest_sequence() - num_tokens]
         max_tokens = request.sampling_params.max_tokens
         if max_tokens is not None:
             room.append(max_tokens - request.num_output_tokens - len(new) - 1)

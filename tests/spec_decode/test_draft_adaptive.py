@@ -2,6 +2,8 @@
 the engine's output staying exact while it switches modes."""
 from __future__ import annotations
 
+from typing import Callable
+
 import pytest
 import torch
 
@@ -12,58 +14,98 @@ from tests.model_factory import make_tiny_model
 from tests.spec_decode.draft_models import noisy_copy
 
 
-def drive(gov: SpeculationGovernor, batch: int, steps: int, spec_cost: float, plain_cost: float,
-          accepted: float) -> list[bool]:
-    """Run ``steps`` steady steps: a speculating step costs ``spec_cost`` and
-    emits 1 + ``accepted`` tokens per request; a plain one ``plain_cost``, 1 token."""
-    choices, previous = [], None
-    for _ in range(steps):
-        propose = gov.should_propose(batch)
-        verified = bool(previous)
-        emitted = batch * (1 + accepted) if verified else batch
-        gov.record(batch, round(emitted), spec_cost if propose else plain_cost, verified, propose)
-        choices.append(propose)
-        previous = propose
+def drive_k(gov: SpeculationGovernor, batch: int, steps: int, cost: Callable[[int], float],
+            agreement: list[int]) -> list[int]:
+    """Run ``steps`` steady steps: a step proposing k tokens per request costs ``cost(k)``; in one verifying
+    k proposals per request, each request accepts as many as it agrees with (``agreement``, cycled over
+    the steps' requests), up to k, and emits one more."""
+    choices, previous = [], 0
+    for step in range(steps):
+        k = gov.proposals(batch)
+        agreed = [agreement[(step * batch + r) % len(agreement)] for r in range(batch)]
+        gov.record([1 + min(previous, a) for a in agreed], cost(k), previous, k)
+        choices.append(k)
+        previous = k
     return choices
 
 
+def drive(gov: SpeculationGovernor, batch: int, steps: int, spec_cost: float, plain_cost: float,
+          agreement: list[int]) -> list[bool]:
+    """Run ``steps`` steady steps of a governor choosing between no proposal and one: a speculating step
+    costs ``spec_cost``, a plain one ``plain_cost``."""
+    choices = drive_k(gov, batch, steps, lambda k: spec_cost if k else plain_cost, agreement)
+    return [k > 0 for k in choices]
+
+
 def test_keeps_speculating_where_it_pays():
-    gov = SpeculationGovernor(warmup_steps=4, probe_every=50, probe_steps=3)
-    choices = drive(gov, 1, 400, spec_cost=3.0, plain_cost=2.0, accepted=2.0)  # 1 s/token vs 2
-    assert gov.speculation_pays(1) is True
+    gov = SpeculationGovernor(1, warmup_steps=4, probe_every=50, probe_steps=3)
+    choices = drive(gov, 1, 400, spec_cost=3.0, plain_cost=2.0, agreement=[1])  # 1.5 s/token vs 2
+    assert gov.best_proposals(1) == 1
     # After the warm-up of both modes, plain steps are only the periodic probes.
     assert choices[100:].count(False) <= 3 * (300 // 50 + 1)
 
 
 def test_stops_where_it_does_not_pay_and_decides_per_batch_size():
-    gov = SpeculationGovernor(warmup_steps=4, probe_every=50, probe_steps=3)
-    drive(gov, 1, 200, spec_cost=3.0, plain_cost=2.0, accepted=2.0)
-    late = drive(gov, 32, 400, spec_cost=9.0, plain_cost=2.5, accepted=0.5)  # 9/48 vs 2.5/32 per token
-    assert gov.speculation_pays(32) is False and gov.speculation_pays(1) is True
+    gov = SpeculationGovernor(1, warmup_steps=4, probe_every=50, probe_steps=3)
+    drive(gov, 1, 200, spec_cost=3.0, plain_cost=2.0, agreement=[1])
+    late = drive(gov, 32, 400, spec_cost=9.0, plain_cost=2.5, agreement=[0, 1])  # 9/48 vs 2.5/32 per token
+    assert gov.best_proposals(32) == 0 and gov.best_proposals(1) == 1
     assert late[100:].count(True) <= 3 * (300 // 50 + 1)
-    assert drive(gov, 1, 20, spec_cost=3.0, plain_cost=2.0, accepted=2.0).count(True) >= 15
+    assert drive(gov, 1, 20, spec_cost=3.0, plain_cost=2.0, agreement=[1]).count(True) >= 15
 
 
 def test_notices_when_acceptance_drops():
-    gov = SpeculationGovernor(warmup_steps=4, probe_every=20, probe_steps=4)
-    drive(gov, 1, 200, spec_cost=3.0, plain_cost=2.0, accepted=2.0)
-    assert gov.speculation_pays(1) is True
-    drive(gov, 1, 400, spec_cost=3.0, plain_cost=2.0, accepted=0.1)  # the text changed
-    assert gov.speculation_pays(1) is False
+    gov = SpeculationGovernor(1, warmup_steps=4, probe_every=20, probe_steps=4)
+    drive(gov, 1, 200, spec_cost=3.0, plain_cost=2.0, agreement=[1])
+    assert gov.best_proposals(1) == 1
+    drive(gov, 1, 400, spec_cost=3.0, plain_cost=2.0, agreement=[0] * 9 + [1])  # the text changed: 3/1.1 vs 2
+    assert gov.best_proposals(1) == 0
+
+
+def test_chooses_how_many_to_propose():
+    """Each further proposal costs a draft forward and a verified row, and is accepted less often than the
+    one before it: the governor settles on the k of the lowest cost per emitted token, here neither none nor
+    the most, and keeps it but for its probes."""
+    gov = SpeculationGovernor(4, warmup_steps=4, probe_every=50, probe_steps=3)
+    agreement = [0, 0, 0, 1, 1, 1, 2, 2, 3, 5]  # how many proposals each request's draft gets right
+
+    def cost(k: int) -> float:
+        return 2.0 if k == 0 else 2.6 + 0.5 * k
+
+    per_token = {k: cost(k) / sum(1 + min(k, a) for a in agreement) for k in range(5)}
+    best = min(per_token, key=per_token.get)
+    assert best not in (0, 4)
+    choices = drive_k(gov, len(agreement), 400, cost, agreement)
+    assert gov.best_proposals(len(agreement)) == best
+    assert choices[200:].count(best) >= 200 - 3 * (200 // 50 + 1)
+
+
+def test_fewer_proposals_are_judged_on_the_current_text():
+    """What k proposals would emit is read from the steps of any larger k too, so the choice follows a
+    change of text: from one where only a first proposal is sometimes right to one where all are."""
+    gov = SpeculationGovernor(3, warmup_steps=4, probe_every=20, probe_steps=4, settle_steps=0)
+
+    def cost(k: int) -> float:
+        return 2.0 + 0.5 * k
+
+    drive_k(gov, 1, 100, cost, [1, 0, 0])  # a first proposal in three right: 1 pays a little (2.5 / 1.33 < 2)
+    assert gov.best_proposals(1) == 1
+    drive_k(gov, 1, 200, cost, [3])  # every proposal right: 3 pays most (3.5 / 4 against 3 / 3 for 2)
+    assert gov.best_proposals(1) == 3
 
 
 def test_limits_without_measuring():
-    assert not SpeculationGovernor(max_batch_size=8).should_propose(9)
-    always = SpeculationGovernor(adaptive=False)
-    drive(always, 4, 50, spec_cost=10.0, plain_cost=1.0, accepted=0.0)
-    assert always.should_propose(4)
+    assert not SpeculationGovernor(1, max_batch_size=8).proposals(9)
+    always = SpeculationGovernor(3, adaptive=False)
+    drive(always, 4, 50, spec_cost=10.0, plain_cost=1.0, agreement=[0])
+    assert always.proposals(4) == 3
 
 
 def test_switching_steps_are_not_measured():
-    gov = SpeculationGovernor(warmup_steps=1)
-    gov.record(1, 1, 100.0, verified=False, proposed=True)  # the first step of speculation
-    gov.record(1, 3, 100.0, verified=True, proposed=False)  # the last
-    assert gov.speculation_pays(1) is None
+    gov = SpeculationGovernor(1, warmup_steps=1)
+    gov.record([1], 100.0, verified=0, proposed=1)  # the first step of speculation
+    gov.record([2], 100.0, verified=1, proposed=0)  # the last
+    assert gov.best_proposals(1) is None
 
 
 @pytest.fixture(scope="module")
@@ -93,21 +135,24 @@ def test_greedy_output_exact_while_proposals_start_and_stop(pair):
 def test_one_off_expensive_steps_do_not_decide():
     """A batch size's first steps run eagerly and the next records its kernel tape (~10 plain steps), and
     several such fall in speculation's first steps: the choice follows the steady costs all the same."""
-    gov = SpeculationGovernor(warmup_steps=8, probe_every=50, probe_steps=3)
-    costs = [30.0] * 8 + [3.0, 30.0, 3.0, 3.0, 30.0, 3.0, 3.0, 3.0]  # speculation first: 1 s per token when steady
+    gov = SpeculationGovernor(1, warmup_steps=8, probe_every=50, probe_steps=3)
+    costs = [30.0] * 8 + [3.0, 30.0, 3.0, 3.0, 30.0, 3.0, 3.0, 3.0]  # speculation first: 1.5 s a token when steady
     for cost in costs:
-        assert gov.should_propose(1)
-        gov.record(1, 3, cost, verified=True, proposed=True)
-    drive(gov, 1, 200, spec_cost=3.0, plain_cost=2.0, accepted=2.0)
-    assert gov.speculation_pays(1) is True
+        assert gov.proposals(1) == 1
+        gov.record([2], cost, verified=1, proposed=1)
+    drive(gov, 1, 200, spec_cost=3.0, plain_cost=2.0, agreement=[1])
+    assert gov.best_proposals(1) == 1
 
 
 def test_cost_per_token_is_the_step_cost_over_the_tokens_a_step_emits():
     """Tokens per step vary with acceptance (1 to k + 1): what counts is their mean, not each step's own
     cost per token (a step that emits 1 token would count 4x one that emits 4)."""
-    gov = SpeculationGovernor(warmup_steps=4, settle_steps=0)
+    gov = SpeculationGovernor(3, warmup_steps=4, settle_steps=0)
     for emitted in (1, 4, 1, 4):  # 2.5 tokens per 5 s step on average: 2 s per token
-        gov.record(1, emitted, 5.0, verified=True, proposed=True)
+        gov.record([emitted], 5.0, verified=3, proposed=3)
+    for k in (2, 1):  # dear: out of the way
+        for _ in range(4):
+            gov.record([1], 50.0, verified=k, proposed=k)
     for _ in range(4):
-        gov.record(1, 1, 2.2, verified=False, proposed=False)
-    assert gov.speculation_pays(1) is True  # averaging 5/1 and 5/4 would say 3.1 s per token
+        gov.record([1], 2.2, verified=0, proposed=0)
+    assert gov.best_proposals(1) == 3  # averaging 5/1 and 5/4 would say 3.1 s per token

@@ -4,11 +4,15 @@ path (block sizes, chunked prefill, preemption, prefix caching, n=2); seeded
 sampling reproduces; no KV block or per-request state is left behind."""
 from __future__ import annotations
 
+import shutil
+from collections import Counter
+
 import pytest
 import torch
 
 from octavo import LLM, SamplingParams
 from octavo.assets import MINI_DRAFT_MODEL_PATH, MINI_MODEL_PATH
+from octavo.spec_decode.draft_vocab import write_ranks
 from tests.engine.conftest import ARCHS, assert_no_leak, random_prompts, shared_prefix_prompts
 from tests.model_factory import make_tiny_model
 from tests.spec_decode.draft_models import noisy_copy, small_draft
@@ -80,18 +84,29 @@ def test_block_sizes(drafts, block_size):
 
 # bfloat16 at batch 8 prefills whole prompts: under a shared token budget, speculation changes how prompts are
 # chunked (a step's proposals take part of it), and a bf16 prefill rounds each chunking differently, as plain
-# decoding does when other requests share its steps.
-@pytest.mark.parametrize(("dtype", "max_num_seqs", "budget"),
-                         [("float32", 1, 16), ("float32", 8, 16), ("bfloat16", 1, 16), ("bfloat16", 8, None)])
-def test_prefix_caching_and_chunked_prefill_through_recorded_steps(drafts, dtype, max_num_seqs, budget):
+# decoding does when other requests share its steps. "cut": the draft's LM head keeps only the tokens plain decoding
+# wrote for half the prompts (speculative_draft_vocab), so some of its whole head's choices are never proposed.
+@pytest.mark.parametrize(("dtype", "max_num_seqs", "budget", "head"),
+                         [("float32", 1, 16, "whole"), ("float32", 8, 16, "whole"), ("bfloat16", 1, 16, "whole"),
+                          ("bfloat16", 8, None, "whole"), ("float32", 8, 16, "cut"), ("bfloat16", 1, 16, "cut")])
+def test_prefix_caching_and_chunked_prefill_through_recorded_steps(drafts, tmp_path, dtype, max_num_seqs, budget,
+                                                                    head):
     """One request at a time and eight at once, prompts that hit the prefix cache and prefill in chunks of
     ``budget`` tokens: the target verifies and the draft proposes through recorded steps (kernel tapes), and
-    greedy output is plain greedy decoding's, in bfloat16 too (verification rows are decode rows)."""
+    greedy output is plain greedy decoding's, in bfloat16 too (verification rows are decode rows), with the
+    draft's whole LM head or one cut to some tokens."""
     target, noisy, _ = drafts("llama")
     prompts = shared_prefix_prompts() + PROMPTS
     engine = dict(dtype=dtype, max_num_seqs=max_num_seqs, **({"max_num_batched_tokens": budget} if budget else {}))
     want = greedy_tokens(LLM(target, **engine), prompts)
-    llm = LLM(target, speculative_model=str(noisy), num_speculative_tokens=3, speculative_adaptive=False, **engine)
+    cut = {}
+    if head == "cut":
+        noisy = shutil.copytree(noisy, tmp_path / "draft")
+        counts = Counter(t for tokens in want[::2] for t in tokens)
+        write_ranks(noisy, [counts[t] for t in range(512)], "half the plain outputs")
+        cut = {"speculative_draft_vocab": len(counts)}
+    llm = LLM(target, speculative_model=str(noisy), num_speculative_tokens=3, speculative_adaptive=False, **cut,
+              **engine)
     # The first request fills the prefix cache; the rest hit it.
     tokens = greedy_tokens(llm, prompts[:1]) + greedy_tokens(llm, prompts[1:])
     assert tokens == want
@@ -130,21 +145,25 @@ def test_seeded_sampling_reproduces(drafts):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_octavo_mini_with_its_draft_on_the_golden_prompt(dtype):
+@pytest.mark.parametrize("head", [None, 0], ids=["shipped-head", "whole-head"])
+def test_octavo_mini_with_its_draft_on_the_golden_prompt(dtype, head):
     """The shipped pair: greedy output equals octavo-mini's alone, in its own
     bfloat16 too (verification rows are decode rows, so each verified
-    position's logits are plain decoding's)."""
+    position's logits are plain decoding's), with the draft's LM head cut to
+    the 1024 tokens its ranking names (the default) or whole."""
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     base = LLM(str(MINI_MODEL_PATH), dtype=dtype)
     prompt = "def fibonacci(n):"
     expected = base.generate(prompt, params, use_tqdm=False)[0].outputs[0]
     spec = LLM(str(MINI_MODEL_PATH), dtype=dtype, speculative_model="octavo-mini-draft",
-               speculative_adaptive=False)
+               speculative_adaptive=False, speculative_draft_vocab=head)
     out = spec.generate(prompt, params, use_tqdm=False)[0].outputs[0]
     assert out.token_ids == expected.token_ids and out.text == expected.text
     assert acceptance(spec).num_accepted_tokens > 0
     assert_no_leak(spec)
     assert str(MINI_DRAFT_MODEL_PATH).endswith("octavo-mini-draft")
+    runner = spec.engine.executor.worker.runner
+    assert runner.proposer.model.model.lm_head.num_embeddings == (1024 if head is None else 8192)
 
 
 @pytest.mark.parametrize("split", [dict(pipeline_parallel_size=2), dict(tensor_parallel_size=2)])

@@ -5,6 +5,7 @@ however little of the context the target's blocks cover."""
 from __future__ import annotations
 
 import random
+import shutil
 
 import pytest
 import torch
@@ -14,6 +15,7 @@ from octavo.config import CacheConfig, ModelConfig, SpeculativeConfig
 from octavo.core.step_state import CachedRequestState, ScheduledRow
 from octavo.model.config import load_arch_config
 from octavo.spec_decode.draft_model import DraftModelProposer
+from octavo.spec_decode.draft_vocab import write_ranks
 from octavo.spec_decode.proposer import ProposalInput, ProposerContext
 from octavo.worker.draft_host import DraftHost
 from tests.model_factory import make_tiny_model
@@ -184,25 +186,15 @@ def test_incompatible_draft_is_refused(tmp_path):
         build_draft(SpeculativeConfig(speculative_model=str(other)), ModelConfig(model=str(target)), CacheConfig())
 
 
-def test_recorded_draft_steps_give_the_eager_steps_logits(models):
-    """The draft's decode-shaped forwards (a catch-up's 1-2 rows per request, single-token proposal steps)
-    replay kernel tapes, each size recorded on its second use; every one gives the logits the same forward
-    gives eagerly (``enforce_eager``), and a prompt chunk stays eager."""
-    target, draft = models
-    hosted = []
-    for eager in (False, True):
-        config = ModelConfig(model=str(target), dtype="float32", enforce_eager=eager)
-        host = DraftHost(config, CacheConfig(block_size=4), 512)
-        hosted.append(host.load_draft_model(str(draft)))
-        host.allocate(64, 8, 512)
-    recorded, eager = hosted
-    assert eager.graphs is None
+def _draft_logits(hosted) -> list[torch.Tensor]:
+    """Every row's logits of two requests' prompts (prefill rows: eager), then of decode-shaped steps: a
+    catch-up's 1-2 rows per request and single-token proposal steps (recorded, each size on its second use)."""
     rng = random.Random(0)
     params = SamplingParams(temperature=0.0)
     states = [CachedRequestState(f"r{i}", [rng.randrange(5, 512) for _ in range(n)], [], params, None,
                                  block_tables=[list(range(16 * i, 16 * i + 16))]) for i, n in enumerate((21, 9))]
-    steps = [[(s, 0, s.num_tokens) for s in states]]  # the prompts: prefill rows, eager in both
-    for rows in ((2, 1), (1, 1), (2, 2), (1, 2), (1, 1), (2, 1)):  # catch-ups and proposal steps
+    steps = [[(s, 0, s.num_tokens) for s in states]]
+    for rows in ((2, 1), (1, 1), (2, 2), (1, 2), (1, 1), (2, 1)):
         step = []
         for s, n in zip(states, rows):
             start = s.num_tokens
@@ -210,8 +202,75 @@ def test_recorded_draft_steps_give_the_eager_steps_logits(models):
             step.append((s, start, n))
         steps.append(step)
     with torch.inference_mode():  # as the proposer runs them
-        for step in steps:
-            rows = [ScheduledRow(s, start, n, s.block_tables, True) for s, start, n in step]
-            torch.testing.assert_close(recorded.run_rows(rows, rows), eager.run_rows(rows, rows), rtol=1e-5,
-                                       atol=1e-5)
+        return [hosted.run_rows(rows, rows)
+                for rows in ([ScheduledRow(s, start, n, s.block_tables, True) for s, start, n in step]
+                             for step in steps)]
+
+
+def _hosted_draft(target, draft, dtype: str = "float32", enforce_eager: bool = False, head=None):
+    host = DraftHost(ModelConfig(model=str(target), dtype=dtype, enforce_eager=enforce_eager),
+                     CacheConfig(block_size=4), 512)
+    hosted = host.load_draft_model(str(draft), head)
+    host.allocate(64, 8, 512)
+    return hosted
+
+
+def test_recorded_draft_steps_give_the_eager_steps_logits(models):
+    """The draft's decode-shaped forwards replay kernel tapes, each size recorded on its second use; every one
+    gives the logits the same forward gives eagerly (``enforce_eager``), and a prompt chunk stays eager."""
+    recorded, eager = (_hosted_draft(*models, enforce_eager=e) for e in (False, True))
+    assert eager.graphs is None
+    for mine, theirs in zip(_draft_logits(recorded), _draft_logits(eager)):
+        torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-5)
     assert recorded.graphs.recorded_sizes == [2, 4]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_cut_head_scores_its_tokens_as_the_whole_head(models, dtype):
+    """A draft LM head cut to some tokens (``speculative_draft_vocab``) gives, through prefill and recorded
+    decode steps alike, the logits the whole head gives those tokens."""
+    tokens = sorted(random.Random(1).sample(range(512), 96))
+    whole, cut = (_hosted_draft(*models, dtype=dtype, head=head) for head in (None, tokens))
+    for all_tokens, mine in zip(_draft_logits(whole), _draft_logits(cut)):
+        assert mine.shape == (all_tokens.shape[0], len(tokens))
+        torch.testing.assert_close(mine, all_tokens[:, tokens])
+    assert cut.graphs.recorded_sizes == [2, 4]
+
+
+def test_cut_head_proposals_come_from_its_tokens(models, reference, tmp_path):
+    """Greedy proposals with a cut head are the whole draft's while its choice is among the kept tokens; random
+    ones draw from the kept tokens, q zero elsewhere."""
+    target, draft = models
+    folder = tmp_path / "draft"
+    shutil.copytree(draft, folder)
+    rng = random.Random(4)
+    counts = [rng.randrange(1000) for _ in range(512)]
+    write_ranks(folder, counts, "random counts")
+    size = 256
+    kept = set(sorted(range(512), key=lambda t: (-counts[t], t))[:size])
+    config = ModelConfig(model=str(target), dtype="float32")
+    spec = SpeculativeConfig(speculative_model=str(folder), num_speculative_tokens=K, speculative_draft_vocab=size)
+    runner = build_draft(spec, config, CacheConfig(block_size=16))
+    greedy = SamplingParams(temperature=0.0, max_tokens=200)
+    cut_short = 0
+    for i in range(8):
+        prompt = [rng.randrange(5, 512) for _ in range(20 + i)]
+        new = [rng.randrange(5, 512)]
+        req = _Target(f"g{i}", prompt, 16, 8 * i, greedy)
+        (out,) = runner.propose([req.sampled(new, len(prompt))])
+        assert set(out.token_ids) <= kept
+        # The whole draft's continuation, as far as its tokens are kept; then the cut head's own choice.
+        for mine, whole in zip(out.token_ids, reference(prompt + new, K)):
+            if whole not in kept:
+                cut_short += 1
+                break
+            assert mine == whole
+    assert cut_short  # some choice of the whole head lay outside the kept tokens
+    params = SamplingParams(temperature=1.0, seed=3, max_tokens=100)
+    req = _Target("r", list(range(20, 45)), 16, 100, params)
+    (out,) = runner.propose([req.sampled([50], 25)])
+    assert set(out.token_ids) <= kept
+    assert out.probs.shape == (K, 512)
+    torch.testing.assert_close(out.probs.sum(dim=-1), torch.ones(K))
+    outside = torch.tensor(sorted(set(range(512)) - kept))
+    assert not out.probs[:, outside].any()
