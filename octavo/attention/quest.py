@@ -14,9 +14,14 @@ carry their rotary already, so no position needs correcting.
 
 The kernels take one block table per row, shared by all its heads, so a row's pages are chosen once,
 by the largest bound over its query heads (Quest chooses per head; per-head tables would need a
-kernel call per KV head). Prefill chunks, the rows of short requests (a prefill's last few tokens)
-and sliding-window layers (already bounded by their window) attend densely. Recorded decode steps
-are off: the choice changes the tables inside every layer of every step."""
+kernel call per KV head). Every decode row chooses, the rows of a short request (a prefill's last few
+tokens) among them, as decoding each of their tokens would; prefill chunks and sliding-window layers
+(already bounded by their window) attend densely.
+
+On CPU the bounds' upkeep and the choice are one native call each per layer (octavo/kernels/quest_pages.c),
+reading the step's tables and context lengths where the dense decode would: a recorded decode step (kernel
+tapes) replays them with the rest. Elsewhere (Triton on CUDA) they are torch ops run eagerly
+(``record_key_bounds``, ``PageChoice``) and steps are not recorded: the choice is made per step from Python."""
 from __future__ import annotations
 
 import dataclasses
@@ -25,10 +30,12 @@ from typing import Iterable, Optional, Sequence
 
 import torch
 
-from octavo.attention.base import AttentionBackend, AttentionMetadata, StepLayout
+from octavo.attention.base import AttentionBackend, StepLayout
 from octavo.attention.kv_quant import LayerKVCache, read_slots
 from octavo.attention.kv_spec import KVCacheSpec, LatentKVCacheSpec
+from octavo.attention.native_cpu import NativeCpuBackend
 from octavo.attention.paged import PagedDecodeBackend, PagedDecodeMetadata
+from octavo.kernels.quest_pages import QuestPagesKernel, quest_pages_kernel
 
 
 def record_key_bounds(cache: LayerKVCache, slot_mapping: torch.Tensor) -> None:
@@ -62,14 +69,14 @@ def page_score_bounds(q: torch.Tensor, bounds: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class PageChoice:
-    """What a step's decode rows ``0 .. rows-1`` need to choose their pages in each layer."""
+    """The torch choice for a step's decode rows ``0 .. rows-1`` (backends without the native kernel)."""
 
     rows: int
     keep: int  # pages each row reads: its top pages (the first among them) and its recent ones
     # [rows, table width] added to the bounds: +inf for the pages always read (the first, the recent
     # ones), -inf past the row's last page, 0 for the pages the bound decides on.
     bias: torch.Tensor
-    # Every decode row's context length once its pages are cut to ``keep`` (the others unchanged).
+    # Every decode row's context length once its pages are cut to ``keep``.
     context_lens: torch.Tensor
 
     def choose(self, q: torch.Tensor, bounds: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
@@ -88,31 +95,51 @@ class PageChoice:
         return dataclasses.replace(dense, decode_block_table=table, decode_context_lens=self.context_lens)
 
 
-def page_choice(layout: StepLayout, dense: PagedDecodeMetadata, top_pages: int, recent_pages: int
-                ) -> Optional[PageChoice]:
-    """The step's choice, or None when no decode row has more than ``top_pages + recent_pages`` pages
-    (every one then attends densely, exactly as without sparse attention)."""
+def page_choice(dense: PagedDecodeMetadata, block_size: int, top_pages: int, recent_pages: int) -> PageChoice:
+    """The torch choice of the step whose dense decode metadata is ``dense``: every decode row of more than
+    ``top_pages + recent_pages`` pages is cut to that many, the others read theirs unchanged."""
     keep = top_pages + recent_pages
-    rows = layout.num_decodes
-    if not rows or layout.blocks_needed[0] <= keep:  # decodes come longest first
-        return None
-    table = dense.decode_block_table
-    device = table.device
-    pages = torch.tensor(layout.blocks_needed[:rows], device=device).unsqueeze(1)
-    index = torch.arange(table.shape[1], device=device)
-    bias = torch.zeros(rows, table.shape[1], device=device)
+    lens = dense.decode_context_lens
+    pages = ((lens + block_size - 1) // block_size).unsqueeze(1)
+    index = torch.arange(dense.decode_block_table.shape[1], device=lens.device)
+    bias = torch.zeros(dense.num_decodes, index.shape[0], device=lens.device)
     bias.masked_fill_((index == 0) | (index >= pages - recent_pages), float("inf"))
     bias.masked_fill_(index >= pages, float("-inf"))
-    lens = dense.decode_context_lens.clone()
-    dropped = (pages.squeeze(1) - keep).clamp(min=0) * layout.block_size
-    lens[:rows] -= dropped.to(lens.dtype)
-    return PageChoice(rows, keep, bias, lens)
+    dropped = (pages.squeeze(1) - keep).clamp(min=0) * block_size
+    return PageChoice(dense.num_decodes, keep, bias, lens - dropped.to(lens.dtype))
 
 
 @dataclass
-class QuestMetadata(AttentionMetadata):
-    dense: PagedDecodeMetadata  # the inner backend's, for prefill chunks and sliding-window layers
-    pages: Optional[PageChoice]  # None: every decode row attends densely this step
+class NativePageChoice:
+    """The native choice (quest_pages.c), made into buffers of the step's decode rows that each layer's
+    choice overwrites before its decode reads them."""
+
+    kernel: QuestPagesKernel
+    top_pages: int
+    recent_pages: int
+    table: torch.Tensor  # [rows, top_pages + recent_pages] int64
+    context_lens: torch.Tensor  # [rows] int64
+
+    @classmethod
+    def empty(cls, kernel: QuestPagesKernel, rows: int, top_pages: int, recent_pages: int,
+              device: torch.device) -> NativePageChoice:
+        return cls(kernel, top_pages, recent_pages,
+                   torch.zeros(rows, top_pages + recent_pages, dtype=torch.int64, device=device),
+                   torch.ones(rows, dtype=torch.int64, device=device))
+
+    def narrow(self, q: torch.Tensor, cache: LayerKVCache, dense: PagedDecodeMetadata) -> PagedDecodeMetadata:
+        rows = self.table.shape[0]
+        self.kernel.select(q[:rows], cache.key_bounds, dense.decode_block_table, dense.decode_context_lens,
+                           cache.block_size, self.top_pages, self.recent_pages, self.table, self.context_lens)
+        return dataclasses.replace(dense, decode_block_table=self.table, decode_context_lens=self.context_lens)
+
+
+@dataclass
+class QuestMetadata(PagedDecodeMetadata):
+    """The inner backend's metadata (dense: what prefill chunks and sliding-window layers read) and the
+    step's page choice; None where every decode row attends densely."""
+
+    pages: Optional[PageChoice | NativePageChoice] = None
 
 
 class QuestBackend(AttentionBackend):
@@ -128,29 +155,54 @@ class QuestBackend(AttentionBackend):
         self.inner = inner
         self.cache_layout = inner.cache_layout
         self.top_pages, self.recent_pages = top_pages, recent_pages
+        # The native backend's steps are recorded (kernel tapes) with the native choice in them.
+        self.kernel = quest_pages_kernel(required=True) if isinstance(inner, NativeCpuBackend) else None
+        self.recorded_on = inner.recorded_on if self.kernel is not None else frozenset()
 
     def build_metadata(self, layout: StepLayout) -> QuestMetadata:
         dense = self.inner.build_metadata(layout)
-        pages = page_choice(layout, dense, self.top_pages, self.recent_pages)
-        return QuestMetadata(dense.slot_mapping, dense.num_decodes, dense.prefills, dense, pages)
+        pages = None
+        # Decode rows come longest first; a step whose rows all fit in top + recent pages stays dense.
+        if dense.num_decodes and -(-dense.max_decode_context // layout.block_size) > self.top_pages + self.recent_pages:
+            pages = (page_choice(dense, layout.block_size, self.top_pages, self.recent_pages) if self.kernel is None
+                     else NativePageChoice.empty(self.kernel, dense.num_decodes, self.top_pages, self.recent_pages,
+                                                 layout.device))
+        return _with_pages(dense, pages)
+
+    def static_decode_metadata(self, size: int, max_blocks: int, null_block: int, null_slot: int,
+                               max_context: int, device: torch.device) -> QuestMetadata:
+        """The inner backend's buffers, and choice buffers every replay fills: a recorded step always chooses
+        (a row of few pages reads its table unchanged)."""
+        if self.kernel is None:
+            raise NotImplementedError("quest steps are recorded with the native page choice only (CPU)")
+        dense = self.inner.static_decode_metadata(size, max_blocks, null_block, null_slot, max_context, device)
+        return _with_pages(dense, NativePageChoice.empty(self.kernel, size, self.top_pages, self.recent_pages, device))
 
     def allocate_cache(self, spec: KVCacheSpec, num_blocks: int, device: torch.device,
                        static_scales: Optional[torch.Tensor] = None) -> LayerKVCache:
         return self.inner.allocate_cache(spec, num_blocks, device, static_scales)
 
     def write_kv(self, kv_cache: LayerKVCache, k: torch.Tensor, v: torch.Tensor, meta: QuestMetadata) -> None:
-        self.inner.write_kv(kv_cache, k, v, meta.dense)
+        self.inner.write_kv(kv_cache, k, v, meta)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: LayerKVCache,
                 meta: QuestMetadata, window: Optional[int], scale: Optional[float] = None,
                 softcap: Optional[float] = None) -> torch.Tensor:
-        dense = meta.dense
+        dense: PagedDecodeMetadata = meta
         if window is None:
             # This step's keys are in the cache by now (written by the layer or a fused kernel).
-            record_key_bounds(kv_cache, meta.slot_mapping)
+            if self.kernel is None:
+                record_key_bounds(kv_cache, meta.slot_mapping)
+            else:
+                self.kernel.fold_bounds(kv_cache.data[0], None if kv_cache.scales is None else kv_cache.scales[0],
+                                        kv_cache.key_bounds, meta.slot_mapping)
             if meta.pages is not None:
-                dense = meta.pages.narrow(q, kv_cache, dense)
+                dense = meta.pages.narrow(q, kv_cache, meta)
         return self.inner.forward(q, k, v, kv_cache, dense, window, scale, softcap)
+
+
+def _with_pages(dense: PagedDecodeMetadata, pages: Optional[PageChoice | NativePageChoice]) -> QuestMetadata:
+    return QuestMetadata(**{f.name: getattr(dense, f.name) for f in dataclasses.fields(dense)}, pages=pages)
 
 
 def with_key_bounds(specs: Sequence[KVCacheSpec], layer_windows: Iterable[Optional[int]]) -> list[KVCacheSpec]:
