@@ -27,6 +27,13 @@ the last.
   ``llamacpp-fa`` with it on (``n_batch`` = ``--chunk``). On this build flash attention makes its prefill
   faster and its decode slower (8k: 3.3x slower), so Octavo's ratios are taken against the faster of the
   two in each phase.
+
+With ``--sparse-top-pages K1,K2`` Octavo's decode is also measured dense against Quest sparse attention
+(``--sparse-attention quest --sparse-top-pages K``, ``--sparse-recent-pages``) at each length, in a process of
+its own: benchmarks/sparse_attention.py's needle prompt of that length and its ``measure`` (one engine per mode,
+each prefilling the prompt once, then the engines' decode steps in turns). Reported: decode tok/s and its
+ratio to dense, and how far the logprobs moved (random weights cannot find the needle: the tokens agreeing
+with dense from the start, and the largest change of a decoded token's logprob among them).
 """
 from __future__ import annotations
 
@@ -145,6 +152,47 @@ def run_llamacpp(folder: Path, length: int, new_tokens: int, chunk: int, threads
             **memory, "peak_rss_mib": _rss_mib("VmHWM")}
 
 
+def run_octavo_sparse(folder: Path, length: int, new_tokens: int, chunk: int, threads: int, top_pages: list[int],
+                      recent_pages: int) -> list[dict[str, Any]]:
+    """Dense and Quest at each of ``top_pages`` on a needle prompt of ``length`` tokens, decode steps in turns."""
+    from benchmarks.sparse_attention import comparison, measure, needle_prompt
+    from octavo.tokenizer import Tokenizer
+
+    needle = needle_prompt(Tokenizer(str(folder)), length, depth=0.3)
+    # The request's K/V and, with Quest, each block's key bounds (1/16 more at block size 16), plus a block.
+    kv_bytes = (length + new_tokens + 16) * kv_bytes_per_token(folder) * 17 // 16
+    modes = [None] + [(k, recent_pages) for k in top_pages]
+    results = measure(str(folder), needle, new_tokens, modes, dtype="bfloat16", enable_chunked_prefill=True,
+                      max_num_batched_tokens=chunk, enable_prefix_caching=False, kv_cache_memory_bytes=kv_bytes,
+                      threads_per_worker=threads)
+    return comparison(results)
+
+
+def sparse_report(args: argparse.Namespace, lengths: list[int]) -> list[dict[str, Any]]:
+    """``run_octavo_sparse`` at each length, each in a fresh process; its rows, or the error it ended with."""
+    rows: list[dict[str, Any]] = []
+    for length in lengths:
+        command = [sys.executable, "-m", "benchmarks.long_context", "--run-sparse", "--length", str(length),
+                   "--model", str(args.model), "--new-tokens", str(args.new_tokens), "--chunk", str(args.chunk),
+                   "--threads", str(args.threads), "--sparse-top-pages", ",".join(map(str, args.sparse_top_pages)),
+                   "--sparse-recent-pages", str(args.sparse_recent_pages)]
+        before = load_avg()
+        done = subprocess.run(command, capture_output=True, text=True)
+        found = [line for line in done.stdout.splitlines() if line.startswith(RESULT)]
+        load = f"{before} -> {load_avg()}"
+        if done.returncode or not found:
+            rows.append({"tokens": length, "error": f"exit {done.returncode}: {done.stderr.strip()[-400:]}",
+                         "load": load})
+            continue
+        rows += [{"tokens": length, **row, "load": load} for row in json.loads(found[-1].removeprefix(RESULT))]
+        print(json.dumps(rows[-1]), flush=True)
+    print_table(rows, ["tokens", "mode", "decode_tok_s", "speedup", "agree", "token_logprob_change", "found",
+                       "logprob_change", "load", "error"],
+                title=f"dense vs Quest decode (R = {args.sparse_recent_pages}), {args.model.name}, {args.new_tokens} "
+                      f"new tokens, {args.threads} threads, one engine per mode, decode steps in turns")
+    return rows
+
+
 def _child(args: argparse.Namespace, engine: str, length: int) -> dict[str, Any]:
     """One engine at one length in a fresh process; its result, or the error it ended with."""
     command = [sys.executable, "-m", "benchmarks.long_context", "--run", engine, "--length", str(length),
@@ -172,12 +220,21 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=os.cpu_count())
     parser.add_argument("--llama-cpp-src", type=Path, default=os.environ.get("LLAMA_CPP_SRC"),
                         help="llama.cpp's source (convert_hf_to_gguf.py), to write the GGUF once")
+    parser.add_argument("--sparse-top-pages", type=int_list, default=[],
+                        help="comma-separated sparse_top_pages: also Octavo's decode dense vs Quest at each")
+    parser.add_argument("--sparse-recent-pages", type=int, default=2)
     parser.add_argument("--json", type=Path)
     # One engine at one length, in the child process the parent starts.
     parser.add_argument("--run", choices=ENGINES, help=argparse.SUPPRESS)
+    parser.add_argument("--run-sparse", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--length", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--model", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.run_sparse:
+        rows = run_octavo_sparse(args.model, args.length, args.new_tokens, args.chunk, args.threads,
+                                 args.sparse_top_pages, args.sparse_recent_pages)
+        print(RESULT + json.dumps(rows), flush=True)
+        return
     if args.run:
         import torch
 
@@ -217,7 +274,8 @@ def main() -> None:
                 title=f"long context, {args.model.name}, chunk {args.chunk}, {args.new_tokens} new tokens, "
                       f"{args.threads} threads (ratios: Octavo's speed over llama.cpp's at the same length, "
                       f"with or without flash attention, whichever is faster in that phase)")
-    write_json(args.json, {"benchmark": "long_context", "args": vars(args), "results": rows})
+    sparse = sparse_report(args, lengths) if args.sparse_top_pages else []
+    write_json(args.json, {"benchmark": "long_context", "args": vars(args), "results": rows, "sparse": sparse})
 
 
 if __name__ == "__main__":

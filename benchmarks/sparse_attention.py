@@ -10,7 +10,10 @@ NNNNN.") at ``--depth`` of it, ending in the question, and decodes ``--new-token
   (the first comes from the prompt's last row, which prefill computes densely in every mode; the others are
   decode steps, where Quest chooses pages) while the answer is followed, and its change from dense;
 - decode tokens/s: the tokens after the first over the time of the engine's decode steps, taken in turns with
-  the other modes' engines.
+  the other modes' engines;
+- for a model that cannot retrieve the needle (random weights: benchmarks/long_context.py), how many of the
+  generated tokens agree with dense from the start, and the largest change of a decoded token's logprob among
+  them.
 
 The functions (``needle_prompt``, ``measure``, ``comparison``) are for other benchmarks to call (a long-context
 report).
@@ -60,6 +63,8 @@ class Measure:
     found: bool  # the greedy answer is the pass key
     answer_logprob: Optional[float]  # of the answer's tokens after its first, None when not followed
     decode_tok_s: float
+    tokens: list[int]  # generated
+    logprobs: list[float]  # of each generated token
 
 
 def mode_name(sparse: Optional[tuple[int, int]]) -> str:
@@ -99,7 +104,8 @@ def measure(model: str, needle: Needle, new_tokens: int, modes: list[Optional[tu
         completion = out.outputs[0]
         found = completion.token_ids[:n] == needle.answer
         logprob = sum(lp.logprob for lp in completion.logprobs[1:n]) if found else None
-        results.append(Measure(mode_name(sparse), found, logprob, (len(completion.token_ids) - 1) / took))
+        results.append(Measure(mode_name(sparse), found, logprob, (len(completion.token_ids) - 1) / took,
+                               list(completion.token_ids), [lp.logprob for lp in completion.logprobs]))
     return results
 
 
@@ -147,7 +153,11 @@ def comparison(results: list[Measure]) -> list[dict[str, Any]]:
     for r in results:
         change = (None if r.answer_logprob is None or dense.answer_logprob is None
                   else r.answer_logprob - dense.answer_logprob)
+        agree = next((i for i, (a, b) in enumerate(zip(r.tokens, dense.tokens)) if a != b), len(r.tokens))
+        # Decoded tokens only (the first comes from the densely computed prompt), while both modes agree.
+        drift = max((abs(a - b) for a, b in zip(r.logprobs[1:agree], dense.logprobs[1:agree])), default=None)
         rows.append({"mode": r.mode, "found": r.found, "answer_logprob": r.answer_logprob, "logprob_change": change,
+                     "agree": f"{agree}/{len(r.tokens)}", "token_logprob_change": drift,
                      "decode_tok_s": r.decode_tok_s, "speedup": r.decode_tok_s / dense.decode_tok_s})
     return rows
 
@@ -181,7 +191,8 @@ def main() -> None:
     modes = [None] + [(int(k), args.recent_pages) for k in args.top_pages.split(",") if k]
     rows = comparison(measure(model, needle, args.new_tokens, modes, dtype=args.dtype,
                               threads_per_worker=args.threads))
-    print_table(rows, ["mode", "found", "answer_logprob", "logprob_change", "decode_tok_s", "speedup"],
+    print_table(rows, ["mode", "found", "answer_logprob", "logprob_change", "agree", "token_logprob_change",
+                       "decode_tok_s", "speedup"],
                 title=f"needle at depth {args.depth} of {len(needle.prompt)} tokens, {Path(model).name} {args.dtype}, "
                       f"{args.new_tokens} tokens greedy, {args.threads} thread(s), decode steps in turns")
     attention = []
