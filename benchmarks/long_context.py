@@ -31,9 +31,10 @@ the last.
 With ``--sparse-top-pages K1,K2`` Octavo's decode is also measured dense against Quest sparse attention
 (``--sparse-attention quest --sparse-top-pages K``, ``--sparse-recent-pages``) at each length, in a process of
 its own: benchmarks/sparse_attention.py's needle prompt of that length and its ``measure`` (one engine per mode,
-each prefilling the prompt once, then the engines' decode steps in turns). Reported: decode tok/s and its
-ratio to dense, and how far the logprobs moved (random weights cannot find the needle: the tokens agreeing
-with dense from the start, and the largest change of a decoded token's logprob among them).
+each prefilling the prompt once, then the engines' decode steps in turns). Reported: decode tok/s over wall and
+over CPU time (read that one on a loaded machine, with ``--threads 1``) and their ratios to dense, and how far
+the logprobs moved (random weights cannot find the needle: the tokens agreeing with dense from the start, and
+the largest change of a decoded token's logprob among them).
 """
 from __future__ import annotations
 
@@ -186,8 +187,8 @@ def sparse_report(args: argparse.Namespace, lengths: list[int]) -> list[dict[str
             continue
         rows += [{"tokens": length, **row, "load": load} for row in json.loads(found[-1].removeprefix(RESULT))]
         print(json.dumps(rows[-1]), flush=True)
-    print_table(rows, ["tokens", "mode", "decode_tok_s", "speedup", "agree", "token_logprob_change", "found",
-                       "logprob_change", "load", "error"],
+    print_table(rows, ["tokens", "mode", "decode_tok_s", "speedup", "decode_cpu_tok_s", "cpu_speedup", "agree",
+                       "token_logprob_change", "found", "logprob_change", "load", "error"],
                 title=f"dense vs Quest decode (R = {args.sparse_recent_pages}), {args.model.name}, {args.new_tokens} "
                       f"new tokens, {args.threads} threads, one engine per mode, decode steps in turns")
     return rows

@@ -9,8 +9,9 @@ NNNNN.") at ``--depth`` of it, ending in the question, and decodes ``--new-token
 - whether the greedy answer is the pass key, and the log-probability of the answer's tokens after its first
   (the first comes from the prompt's last row, which prefill computes densely in every mode; the others are
   decode steps, where Quest chooses pages) while the answer is followed, and its change from dense;
-- decode tokens/s: the tokens after the first over the time of the engine's decode steps, taken in turns with
-  the other modes' engines;
+- decode tokens/s: the tokens after the first ``WARMUP_STEPS`` decoded over the time of the engine's decode steps
+  that made them, taken in turns with the other modes' engines; also over the process's CPU time in those steps (with one thread, the work a step
+  took whatever share of a loaded machine it got);
 - for a model that cannot retrieve the needle (random weights: benchmarks/long_context.py), how many of the
   generated tokens agree with dense from the start, and the largest change of a decoded token's logprob among
   them.
@@ -33,6 +34,9 @@ import torch
 from benchmarks.report import load_avg, print_table, write_json
 
 HAYSTACK = Path(__file__).resolve().parents[1] / "octavo" / "assets" / "heldout_english.txt"
+# Decode steps of each engine left out of its timing: the first runs eagerly and the second records the step's
+# kernel tape (octavo/worker/kernel_tape.py), together ~1 s, which would weigh most on the fastest mode.
+WARMUP_STEPS = 2
 
 
 @dataclass
@@ -63,6 +67,7 @@ class Measure:
     found: bool  # the greedy answer is the pass key
     answer_logprob: Optional[float]  # of the answer's tokens after its first, None when not followed
     decode_tok_s: float
+    decode_cpu_tok_s: float  # over the process's CPU time in the decode steps
     tokens: list[int]  # generated
     logprobs: list[float]  # of each generated token
 
@@ -78,6 +83,9 @@ def measure(model: str, needle: Needle, new_tokens: int, modes: list[Optional[tu
     after another, so that the shared machine's load falls on every mode alike."""
     from octavo import LLM, SamplingParams
 
+    if new_tokens <= WARMUP_STEPS + 1:
+        raise ValueError(f"new_tokens must exceed {WARMUP_STEPS + 1}: the first token and {WARMUP_STEPS} warm-up steps "
+                         f"are not timed; got {new_tokens}")
     params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True, logprobs=1)
     engines = []
     for sparse in modes:
@@ -89,22 +97,28 @@ def measure(model: str, needle: Needle, new_tokens: int, modes: list[Optional[tu
             pass
         engines.append(llm.engine)
     seconds = [0.0] * len(engines)
+    cpu = [0.0] * len(engines)
+    steps = [0] * len(engines)
     final: list[Any] = [None] * len(engines)
     while any(out is None for out in final):
         for i, engine_i in enumerate(engines):
             if final[i] is not None:
                 continue
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             outs = engine_i.step()
-            seconds[i] += time.perf_counter() - start
+            steps[i] += 1
+            if steps[i] > WARMUP_STEPS:
+                seconds[i] += time.perf_counter() - start
+                cpu[i] += time.process_time() - start_cpu
             final[i] = next((o for o in outs if o.finished), None)
     n = len(needle.answer)
     results = []
-    for sparse, out, took in zip(modes, final, seconds):
+    for sparse, out, took, took_cpu in zip(modes, final, seconds, cpu):
         completion = out.outputs[0]
         found = completion.token_ids[:n] == needle.answer
         logprob = sum(lp.logprob for lp in completion.logprobs[1:n]) if found else None
-        results.append(Measure(mode_name(sparse), found, logprob, (len(completion.token_ids) - 1) / took,
+        decoded = len(completion.token_ids) - 1 - WARMUP_STEPS
+        results.append(Measure(mode_name(sparse), found, logprob, decoded / took, decoded / took_cpu,
                                list(completion.token_ids), [lp.logprob for lp in completion.logprobs]))
     return results
 
@@ -158,7 +172,9 @@ def comparison(results: list[Measure]) -> list[dict[str, Any]]:
         drift = max((abs(a - b) for a, b in zip(r.logprobs[1:agree], dense.logprobs[1:agree])), default=None)
         rows.append({"mode": r.mode, "found": r.found, "answer_logprob": r.answer_logprob, "logprob_change": change,
                      "agree": f"{agree}/{len(r.tokens)}", "token_logprob_change": drift,
-                     "decode_tok_s": r.decode_tok_s, "speedup": r.decode_tok_s / dense.decode_tok_s})
+                     "decode_tok_s": r.decode_tok_s, "speedup": r.decode_tok_s / dense.decode_tok_s,
+                     "decode_cpu_tok_s": r.decode_cpu_tok_s,
+                     "cpu_speedup": r.decode_cpu_tok_s / dense.decode_cpu_tok_s})
     return rows
 
 
@@ -167,7 +183,7 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="model folder or GGUF file (default: the default model)")
     parser.add_argument("--context", type=int, default=2048, help="prompt tokens (the default model reads 8192)")
     parser.add_argument("--depth", type=float, default=0.3, help="where the needle sits in the prompt, 0..1")
-    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=32, help=f"more than {WARMUP_STEPS + 1}")
     parser.add_argument("--top-pages", default="16,64", help="comma-separated sparse_top_pages to measure")
     parser.add_argument("--recent-pages", type=int, default=2)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -192,7 +208,7 @@ def main() -> None:
     rows = comparison(measure(model, needle, args.new_tokens, modes, dtype=args.dtype,
                               threads_per_worker=args.threads))
     print_table(rows, ["mode", "found", "answer_logprob", "logprob_change", "agree", "token_logprob_change",
-                       "decode_tok_s", "speedup"],
+                       "decode_tok_s", "speedup", "decode_cpu_tok_s", "cpu_speedup"],
                 title=f"needle at depth {args.depth} of {len(needle.prompt)} tokens, {Path(model).name} {args.dtype}, "
                       f"{args.new_tokens} tokens greedy, {args.threads} thread(s), decode steps in turns")
     attention = []
