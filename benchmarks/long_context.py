@@ -6,21 +6,23 @@ memory at each prompt length, Octavo against llama.cpp on the same weights.
     python -m benchmarks.long_context --lengths 8192,32768
     python -m benchmarks.long_context --with-128k              # adds 128k (131072 with the new tokens): hours
     python -m benchmarks.long_context --layers 2 --lengths 8192,32768 --with-128k   # the per-layer memory, sooner
+    python -m benchmarks.long_context --layers 4 --lengths 32768 --rounds 7        # 32k decode, prefill affordable
 
 The checkpoint (``qwen2.5-0.5b-yarn128k``, or ``-<N>l`` with ``--layers``) is written into benchmarks/models by
 tools/make_bench_models.py's code on first use, with its bf16 GGUF when ``--llama-cpp-src`` names llama.cpp's
 source (convert_hf_to_gguf.py; benchmarks/setup_peers.sh fetches it).
 
-Each engine runs each length in a process of its own; its resident memory is read once loaded, and its
-peak (VmHWM) is reset then, so the peak reported is the request's alone (loading's is reported apart). The
-engines take turns at each length (Octavo, llama.cpp, then the next length), and ratios are taken within
-a length. One greedy request of ``--length`` random ordinary tokens and ``--new-tokens`` new ones:
-prefill time = time to the first token; decode tok/s = (new tokens - 1) / the time from the first token to
-the last.
+Each engine runs each length in a process of its own, which holds its context until the length is done; its
+resident memory is read once loaded, and its peak (VmHWM) is reset then, so the peak reported is the request's alone
+(loading's is reported apart). At each length the engines prefill one greedy request of ``--length`` random
+ordinary tokens one after another (prefill time = time to the first token), then decode it in turns (turns.py):
+a warm-up round and ``--rounds`` rounds of ``--new-tokens`` tokens, every engine once a round, so that a shared
+machine that speeds up or slows down hits them alike; decode tok/s is the median over rounds (and its range), and
+ratios are taken within a round.
 
 - Octavo: ``LLM(max_model_len=131072, enable_chunked_prefill=True, max_num_batched_tokens=--chunk)``,
   prefix caching off, its KV cache sized for the request (``--kv-cache-memory`` what the prompt and the new
-  tokens take), stepped by hand to time the first token.
+  tokens take), stepped by hand to time the first token and each round.
 - llama.cpp: llama-cpp-python on the bf16 GGUF, a context of the request's length, f16 KV cache (the bytes
   per token of Octavo's bf16 one), run twice: ``llamacpp`` with flash attention off (its CPU default;
   ``n_batch`` at most 512, since a batch's scores over the whole context are materialized) and
@@ -43,14 +45,17 @@ import dataclasses
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from benchmarks.options import int_list
 from benchmarks.report import load_avg, print_table, write_json
+from benchmarks.turns import fmt_spread, in_rounds, spread
 
 MODELS = Path(__file__).resolve().parent / "models"
 MAX_MODEL_LEN = 131072
@@ -109,48 +114,79 @@ def _prompt(folder: Path, length: int) -> list[int]:
     return random.Random(0).choices(ordinary_token_ids(folder), k=length)
 
 
-def run_octavo(folder: Path, length: int, new_tokens: int, chunk: int) -> dict[str, Any]:
-    from octavo import LLM, SamplingParams
-    from octavo.worker.kv_cache import bytes_per_block
+class OctavoContext:
+    """Octavo holding one long greedy request of ``budget`` new tokens: prefilled once, then decoded on demand."""
 
-    # What the request takes, plus a block for the partly filled last one.
-    kv_bytes = (length + new_tokens + 16) * kv_bytes_per_token(folder)
-    llm = LLM(str(folder), dtype="bfloat16", max_model_len=MAX_MODEL_LEN, enable_chunked_prefill=True,
-              max_num_batched_tokens=chunk, max_num_seqs=1, enable_prefix_caching=False,
-              kv_cache_memory_bytes=kv_bytes)
-    engine = llm.engine
-    runner = engine.executor.worker.runner
-    prompt = _prompt(folder, length)
-    memory = _loaded()
-    engine.add_request("long", prompt, SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True))
-    start = time.perf_counter()
-    while not any(r.num_output_tokens for r in engine.scheduler.running):
-        engine.step()
-    first = time.perf_counter()
-    while engine.has_unfinished_requests():
-        engine.step()
-    end = time.perf_counter()
-    return {"prefill_s": first - start, "decode_tok_s": (new_tokens - 1) / (end - first),
-            "kv_bytes_per_token": bytes_per_block(runner.kv_cache_specs) // runner.block_size,
-            **memory, "peak_rss_mib": _rss_mib("VmHWM")}
+    def __init__(self, folder: Path, length: int, budget: int, chunk: int) -> None:
+        from octavo import LLM
+
+        # What the request takes, plus a block for the partly filled last one.
+        kv_bytes = (length + budget + 16) * kv_bytes_per_token(folder)
+        self.llm = LLM(str(folder), dtype="bfloat16", max_model_len=MAX_MODEL_LEN, enable_chunked_prefill=True,
+                       max_num_batched_tokens=chunk, max_num_seqs=1, enable_prefix_caching=False,
+                       kv_cache_memory_bytes=kv_bytes)
+        self.prompt = _prompt(folder, length)
+        self.budget = budget
+        self.memory = _loaded()
+
+    def prefill(self) -> float:
+        """Seconds to the first token."""
+        from octavo import SamplingParams
+
+        engine = self.llm.engine
+        engine.add_request("long", self.prompt, SamplingParams(temperature=0, max_tokens=self.budget, ignore_eos=True))
+        start = time.perf_counter()
+        while not any(r.num_output_tokens for r in engine.scheduler.running):
+            engine.step()
+        return time.perf_counter() - start
+
+    def decode(self, tokens: int) -> float:
+        """Seconds to the next ``tokens`` tokens."""
+        engine = self.llm.engine
+        request = engine.scheduler.get_request("long")
+        target = request.num_output_tokens + tokens
+        start = time.perf_counter()
+        while request.num_output_tokens < target:
+            engine.step()
+        return time.perf_counter() - start
+
+    def kv_bytes_per_token(self) -> int:
+        from octavo.worker.kv_cache import bytes_per_block
+
+        runner = self.llm.engine.executor.worker.runner
+        return bytes_per_block(runner.kv_cache_specs) // runner.block_size
 
 
 LLAMACPP_BATCH_WITHOUT_FLASH = 512  # without flash attention a batch's scores over the context are materialized
 
 
-def run_llamacpp(folder: Path, length: int, new_tokens: int, chunk: int, threads: int,
-                 flash_attn: bool) -> dict[str, Any]:
-    from benchmarks.peers.llamacpp import LlamaCppPeer
+class LlamaCppContext:
+    """llama.cpp holding one long greedy request (a context of its length and ``budget`` new tokens)."""
 
-    n_batch = chunk if flash_attn else min(chunk, LLAMACPP_BATCH_WITHOUT_FLASH)
-    peer = LlamaCppPeer(folder, n_ctx=length + new_tokens + 16, threads=threads, n_batch=n_batch,
-                        flash_attn=flash_attn)
-    prompt = _prompt(folder, length)
-    memory = _loaded()
-    first, total = peer.timed_generate(prompt, new_tokens)
-    return {"prefill_s": first, "decode_tok_s": (new_tokens - 1) / (total - first),
-            "kv_bytes_per_token": kv_bytes_per_token(folder),  # f16 K and V, as the context allocates them
-            **memory, "peak_rss_mib": _rss_mib("VmHWM")}
+    def __init__(self, folder: Path, length: int, budget: int, chunk: int, threads: int, flash_attn: bool) -> None:
+        from benchmarks.peers.llamacpp import LlamaCppPeer
+
+        n_batch = chunk if flash_attn else min(chunk, LLAMACPP_BATCH_WITHOUT_FLASH)
+        self.peer = LlamaCppPeer(folder, n_ctx=length + budget + 16, threads=threads, n_batch=n_batch,
+                                 flash_attn=flash_attn)
+        self.folder = folder
+        self.prompt = _prompt(folder, length)
+        self.memory = _loaded()
+
+    def prefill(self) -> float:
+        start = time.perf_counter()
+        self._tokens = self.peer.greedy_tokens(self.prompt)
+        next(self._tokens)
+        return time.perf_counter() - start
+
+    def decode(self, tokens: int) -> float:
+        start = time.perf_counter()
+        for _ in range(tokens):
+            next(self._tokens)
+        return time.perf_counter() - start
+
+    def kv_bytes_per_token(self) -> int:
+        return kv_bytes_per_token(self.folder)  # f16 K and V, as the context allocates them
 
 
 def run_octavo_sparse(folder: Path, length: int, new_tokens: int, chunk: int, threads: int, top_pages: list[int],
@@ -194,17 +230,82 @@ def sparse_report(args: argparse.Namespace, lengths: list[int]) -> list[dict[str
     return rows
 
 
-def _child(args: argparse.Namespace, engine: str, length: int) -> dict[str, Any]:
-    """One engine at one length in a fresh process; its result, or the error it ended with."""
-    command = [sys.executable, "-m", "benchmarks.long_context", "--run", engine, "--length", str(length),
-               "--model", str(args.model), "--new-tokens", str(args.new_tokens), "--chunk", str(args.chunk),
-               "--threads", str(args.threads)]
-    before = load_avg()
-    done = subprocess.run(command, capture_output=True, text=True)
-    lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT)]
-    if done.returncode or not lines:
-        return {"error": f"exit {done.returncode}: {done.stderr.strip()[-400:]}", "load": before}
-    return {**json.loads(lines[-1].removeprefix(RESULT)), "load": f"{before} -> {load_avg()}"}
+def _budget(args: argparse.Namespace) -> int:
+    """New tokens a request may take: the first, a warm-up round and ``--rounds`` rounds."""
+    return 1 + (args.rounds + 1) * args.new_tokens
+
+
+def _serve(context: Union[OctavoContext, LlamaCppContext]) -> None:
+    """The child's side of the turns: a command a line on stdin (``prefill``, ``decode N``, ``close``), a
+    result line on stdout for each."""
+    for line in sys.stdin:
+        command, *arg = line.split()
+        if command == "prefill":
+            result = {"prefill_s": context.prefill()}
+        elif command == "decode":
+            result = {"decode_s": context.decode(int(arg[0]))}
+        else:
+            result = {"kv_bytes_per_token": context.kv_bytes_per_token(), **context.memory,
+                      "peak_rss_mib": _rss_mib("VmHWM")}
+        print(RESULT + json.dumps(result), flush=True)
+        if command == "close":
+            return
+
+
+class _Child:
+    """One engine at one length in a fresh process, holding its context between the parent's commands."""
+
+    def __init__(self, args: argparse.Namespace, engine: str, length: int) -> None:
+        command = [sys.executable, "-m", "benchmarks.long_context", "--run", engine, "--length", str(length),
+                   "--model", str(args.model), "--new-tokens", str(args.new_tokens), "--rounds", str(args.rounds),
+                   "--chunk", str(args.chunk), "--threads", str(args.threads)]
+        self._stderr = tempfile.TemporaryFile("w+")  # read only if the child fails: a pipe could fill and block it
+        self._proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,
+                                      text=True)
+
+    def ask(self, command: str) -> dict[str, Any]:
+        """The child's result line for ``command``; RuntimeError with the end of its stderr if it died."""
+        try:
+            self._proc.stdin.write(command + "\n")
+            self._proc.stdin.flush()
+        except BrokenPipeError:
+            pass
+        for line in self._proc.stdout:
+            if line.startswith(RESULT):
+                return json.loads(line.removeprefix(RESULT))
+        self._proc.wait()
+        self._stderr.seek(0)
+        raise RuntimeError(f"exit {self._proc.returncode}: {self._stderr.read().strip()[-400:]}")
+
+    def close(self) -> dict[str, Any]:
+        """Its memory and KV bytes per token; the child ends."""
+        result = self.ask("close")
+        self._proc.wait()
+        return result
+
+
+def _at_length(args: argparse.Namespace, engines: list[str], length: int) -> list[dict[str, Any]]:
+    """Every engine prefills in turn in a process of its own and keeps its context; then they decode in
+    rounds, one after another. A row per engine, its decode rates per round in ``decode_rounds``."""
+    rows, children = {}, {}
+    for engine in engines:
+        row = rows[engine] = {"engine": engine, "tokens": length, "load": load_avg()}
+        child = _Child(args, engine, length)
+        try:
+            row.update(child.ask("prefill"))
+            children[engine] = child
+        except RuntimeError as exc:
+            row["error"] = str(exc)
+        print(json.dumps(row), flush=True)
+    decode = f"decode {args.new_tokens}"
+    times = in_rounds({e: lambda c=c: c.ask(decode) for e, c in children.items()}, args.rounds)
+    for engine, child in children.items():
+        rates = [args.new_tokens / wall for wall, _ in times[engine]]
+        rows[engine].update(child.close(), decode_tok_s=statistics.median(rates), decode_rounds=rates,
+                            decode_range=f"{min(rates):.3g}-{max(rates):.3g}",
+                            load=f"{rows[engine]['load']} -> {load_avg()}")
+        print(json.dumps(rows[engine]), flush=True)
+    return list(rows.values())
 
 
 def main() -> None:
@@ -212,7 +313,8 @@ def main() -> None:
     parser.add_argument("--lengths", type=int_list, default=[8192], help="comma-separated prompt lengths (tokens)")
     parser.add_argument("--with-128k", action="store_true",
                         help="also the longest prompt a 131072-token context holds (hours on 2 cores)")
-    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--new-tokens", type=int, default=32, help="decode tokens per round")
+    parser.add_argument("--rounds", type=int, default=5, help="decode rounds, the engines in turns")
     parser.add_argument("--chunk", type=int, default=2048, help="Octavo's max_num_batched_tokens, llama.cpp's n_batch")
     parser.add_argument("--layers", type=int, help="fewer layers of the same shape (default: all 24)")
     parser.add_argument("--engines", default=",".join(ENGINES),
@@ -241,40 +343,37 @@ def main() -> None:
 
         torch.set_num_threads(args.threads)
         if args.run == "octavo":
-            result = run_octavo(args.model, args.length, args.new_tokens, args.chunk)
+            _serve(OctavoContext(args.model, args.length, _budget(args), args.chunk))
         else:
-            result = run_llamacpp(args.model, args.length, args.new_tokens, args.chunk, args.threads,
-                                  flash_attn=args.run == "llamacpp-fa")
-        print(RESULT + json.dumps(result), flush=True)
+            _serve(LlamaCppContext(args.model, args.length, _budget(args), args.chunk, args.threads,
+                                   flash_attn=args.run == "llamacpp-fa"))
         return
 
     engines = [e for e in args.engines.split(",") if e]
     # The longest prompt whose new tokens still fit the context.
-    lengths = args.lengths + [MAX_MODEL_LEN - args.new_tokens] * args.with_128k
+    lengths = args.lengths + [MAX_MODEL_LEN - _budget(args)] * args.with_128k
     peers = [e for e in engines if e.startswith("llamacpp")]
     args.model = long_context_model(args.layers, args.llama_cpp_src if peers else None)
     if peers and not (args.model / "model-bf16.gguf").is_file():
         print(f"no GGUF in {args.model} (give --llama-cpp-src): Octavo alone", flush=True)
         engines = [e for e in engines if e not in peers]
-    rows = []
-    for length in lengths:
-        for engine in engines:
-            result = _child(args, engine, length)
-            rows.append({"engine": engine, "tokens": length, **result})
-            print(json.dumps(rows[-1]), flush=True)
+    rows = [row for length in lengths for row in _at_length(args, engines, length)]
     by_run = {(r["engine"], r["tokens"]): r for r in rows}
     for length in lengths:
         # Against llama.cpp's better setting for each phase (flash attention speeds its prefill, slows its decode).
         ours = by_run.get(("octavo", length))
         peer = [r for e in ENGINES[1:] if (r := by_run.get((e, length))) and "error" not in r]
         if ours and peer and "error" not in ours:
-            ours["decode_vs_llamacpp"] = ours["decode_tok_s"] / max(r["decode_tok_s"] for r in peer)
+            per_round = [o / max(r["decode_rounds"][i] for r in peer) for i, o in enumerate(ours["decode_rounds"])]
+            ours["decode_vs_llamacpp"] = fmt_spread(spread(per_round))
             ours["prefill_vs_llamacpp"] = min(r["prefill_s"] for r in peer) / ours["prefill_s"]
-    print_table(rows, ["engine", "tokens", "prefill_s", "decode_tok_s", "kv_bytes_per_token", "peak_rss_loading_mib",
-                       "rss_loaded_mib", "peak_rss_mib", "decode_vs_llamacpp", "prefill_vs_llamacpp", "load", "error"],
-                title=f"long context, {args.model.name}, chunk {args.chunk}, {args.new_tokens} new tokens, "
-                      f"{args.threads} threads (ratios: Octavo's speed over llama.cpp's at the same length, "
-                      f"with or without flash attention, whichever is faster in that phase)")
+    print_table(rows, ["engine", "tokens", "prefill_s", "decode_tok_s", "decode_range", "kv_bytes_per_token",
+                       "peak_rss_loading_mib", "rss_loaded_mib", "peak_rss_mib", "decode_vs_llamacpp",
+                       "prefill_vs_llamacpp", "load", "error"],
+                title=f"long context, {args.model.name}, chunk {args.chunk}, decode in {args.rounds} rounds of "
+                      f"{args.new_tokens} tokens, {args.threads} threads (ratios: Octavo's speed over llama.cpp's "
+                      f"at the same length, with or without flash attention, whichever is faster in that phase; "
+                      f"decode: median (range) of the rounds' ratios)")
     sparse = sparse_report(args, lengths) if args.sparse_top_pages else []
     write_json(args.json, {"benchmark": "long_context", "args": vars(args), "results": rows, "sparse": sparse})
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 from benchmarks.report import PeerResult
 from benchmarks.workload import Workload
@@ -81,20 +81,25 @@ class LlamaCppPeer:
 
     def timed_generate(self, prompt: list[int], output_len: int) -> tuple[float, float]:
         """One greedy request of ``output_len`` tokens: (seconds to its first token, seconds to its last)."""
-        # From an empty cache, as Octavo runs in the comparisons (prefix caching off): Llama.generate
-        # would otherwise reuse the KV of whatever prefix the last prompt shares with this one.
-        self.llm.reset()
         start = time.perf_counter()
         first, made = 0.0, 0
-        # top_k=1 with temp=0 is llama.cpp's greedy sampler; EOS is not checked
-        # here, so the generator runs for exactly output_len tokens.
-        for _ in self.llm.generate(prompt, top_k=1, temp=0.0, repeat_penalty=1.0, reset=True):
+        for _ in self.greedy_tokens(prompt):
             made += 1
             if made == 1:
                 first = time.perf_counter() - start
             if made == output_len:
                 break
         return first, time.perf_counter() - start
+
+    def greedy_tokens(self, prompt: list[int]) -> Iterator[int]:
+        """The greedy continuation of ``prompt``, a token per ``next`` (the first one prefills), from an empty
+        cache: its context stays held between calls, so decoding can be timed a few tokens at a time."""
+        # From an empty cache, as Octavo runs in the comparisons (prefix caching off): Llama.generate
+        # would otherwise reuse the KV of whatever prefix the last prompt shares with this one.
+        self.llm.reset()
+        # top_k=1 with temp=0 is llama.cpp's greedy sampler; EOS is not checked
+        # here, so the generator runs for as long as it is asked.
+        return self.llm.generate(prompt, top_k=1, temp=0.0, repeat_penalty=1.0, reset=True)
 
     def warmup(self) -> None:
         self.timed_generate([1, 2, 3, 4], 2)

@@ -46,9 +46,8 @@ class BlockPool:
         # recorded. They describe group 0's prefix cache only: a router asks whether
         # a prefix is here, and every group caches the same prefixes.
         self.events: Optional[list[KVEvent]] = None
-        # Told (hash, block id) before a cached block is reused: the tiers below the pool keep it
-        # (one group only: the KV cache manager refuses tiers for several).
-        self.on_evict: Optional[Callable[[BlockHash, int], None]] = None
+        # Told ((hash, group), block id) before a cached block is reused: the tiers below the pool keep it.
+        self.on_evict: Optional[Callable[[tuple[BlockHash, int], int], None]] = None
 
     @property
     def num_total_blocks(self) -> int:
@@ -76,11 +75,12 @@ class BlockPool:
         """A copy of one group's prefix cache: hash -> block id."""
         return dict(self._cached[group])
 
-    def cached_by_age(self) -> list[tuple[BlockHash, int]]:
-        """Group 0's prefix cache as (hash, block id), the next evicted first and the blocks in use last."""
-        free = [b for b in self._free if self._blocks[b].block_hash is not None and self._blocks[b].group == 0]
-        used = [b for b in self._cached[0].values() if self._blocks[b].ref_cnt > 0]
-        return [(self._blocks[b].block_hash, b) for b in free + used]
+    def cached_by_age(self) -> list[tuple[tuple[BlockHash, int], int]]:
+        """Every group's prefix cache as ((hash, group), block id), the next evicted first and the blocks
+        in use last."""
+        free = [b for b in self._free if self._blocks[b].block_hash is not None]
+        used = [b for cached in self._cached for b in cached.values() if self._blocks[b].ref_cnt > 0]
+        return [((self._blocks[b].block_hash, self._blocks[b].group), b) for b in free + used]
 
     def lookup(self, block_hash: BlockHash, group: int = 0) -> Optional[int]:
         return self._cached[group].get(block_hash)
@@ -95,7 +95,7 @@ class BlockPool:
             block = self._blocks[self._free.popitem(last=False)[0]]
             if block.block_hash is not None:
                 if self.on_evict is not None:
-                    self.on_evict(block.block_hash, block.block_id)
+                    self.on_evict((block.block_hash, block.group), block.block_id)
                 del self._cached[block.group][block.block_hash]
                 if self.events is not None and block.group == 0:
                     self.events.append(BlockRemoved([block.block_hash]))

@@ -11,7 +11,12 @@ query still to come lies a window or more past its last position; its table
 entry becomes ``null_block``, an id past the pool (the worker's spare block),
 which attention never reads. A prefix hit in a window group needs only the
 blocks of the last window before the hit. A model with one kind of layer is
-one group: one table per request, as if groups did not exist."""
+one group: one table per request, as if groups did not exist.
+
+The KV tiers below the pool (octavo/kv_offload/) keep every group's blocks as
+the pool evicts them, each under its prefix hash and group; a prefix hit runs
+through them by the same rule, and only the blocks each group needs are
+loaded back."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -24,6 +29,8 @@ from octavo.kv_events import BlockStored, KVEvent
 from octavo.kv_offload.index import TierIndex
 from octavo.kv_offload.transfers import HOST, KVTransfer, TierReport
 
+_IN_TIER = -1  # a prefix lookup's entry for a block that is not in the pool but in a tier below it
+
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
@@ -32,11 +39,13 @@ def _cdiv(a: int, b: int) -> int:
 @dataclass
 class _Load:
     """A pool block being filled from disk: the request whose hit it extends
-    (None once that request left), the block's hash, and what the KV event
-    of the block's registration names (its parent's hash, its tokens)."""
+    (None once that request left), the block's hash and KV cache group, and
+    what the KV event of the block's registration names (its parent's hash,
+    its tokens)."""
 
     request_id: Optional[str]
     block_hash: BlockHash
+    group: int
     parent: Optional[BlockHash]
     token_ids: list[int]
 
@@ -67,11 +76,6 @@ class KVCacheManager:
         self._released: dict[str, list[int]] = {}
         self.offload = offload
         if offload is not None:
-            if len(self.windows) > 1 or self._windowed:
-                # A tier keeps one block's bytes of every cache tensor under its prefix hash; with several
-                # groups sharing the tensors, or a window group's partial tables, that is not one group's block.
-                raise ValueError("kv_offload_dir / kv_offload_host_bytes: the KV tiers serve models whose layers "
-                                 "all attend in full (one KV cache group); this model has sliding-window layers")
             self.pool.on_evict = offload.evicted
         self._loads: dict[int, _Load] = {}  # pool block -> its load from disk, until the workers report it
         self._staged: dict[str, list[int]] = {}  # a loading request -> the blocks its hit holds meanwhile
@@ -131,15 +135,16 @@ class KVCacheManager:
             return 0
         return max(0, first_query - window + 1) // self.block_size
 
-    def _lookup(self, group: int, hashes: list[BlockHash]) -> list[Optional[int]]:
-        """The group's cached block per hash, None where there is none; for a group without a
-        window only the run from the start, all that it can resume after."""
-        if self.windows[group] is not None:
-            return [self.pool.lookup(h, group) for h in hashes]
+    def _lookup(self, group: int, hashes: list[BlockHash], below: bool = False) -> list[Optional[int]]:
+        """The group's cached block per hash, None where there is none (``below``: ``_IN_TIER``
+        where a tier below the pool holds it); for a group without a window only the run from
+        the start, all that it can resume after."""
         found = []
         for block_hash in hashes:
             block_id = self.pool.lookup(block_hash, group)
-            if block_id is None:
+            if block_id is None and below and self.offload.tier_of((block_hash, group)) is not None:
+                block_id = _IN_TIER
+            if block_id is None and self.windows[group] is None:
                 break
             found.append(block_id)
         return found
@@ -157,18 +162,12 @@ class KVCacheManager:
                 return k
         return 0
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[list[int]], int]:
-        """Per group, the cached blocks a request can start after (a window group's
-        unread leading ones as ``null_block``), and the number of tokens they cover:
-        the most full blocks every group has cached what the later queries read. The
-        last token is never a hit: computing it is what yields the logits to sample from.
-        Nothing while the request is loading (``is_loading``): its hit is not there yet."""
-        if not self._can_hit(request) or self.is_loading(request):
-            return [[] for _ in self.windows], 0
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        hashes = self._block_hashes(request, max_blocks)[:max_blocks]
-        found = [self._lookup(g, hashes) for g in range(self.num_groups)]
-        num = max_blocks
+    def _hit(self, hashes: list[BlockHash], below: bool = False) -> list[list[int]]:
+        """Per group, the blocks of the longest prefix of ``hashes`` every group can resume
+        after (a window group's unread leading ones as ``null_block``); ``below``: counting
+        the blocks the tiers hold, which appear as ``_IN_TIER``."""
+        found = [self._lookup(g, hashes, below) for g in range(self.num_groups)]
+        num = len(hashes)
         while True:  # a group's best length may be shorter than another's: settle on one every group can use
             fit = min(self._longest_hit(g, found[g], num) for g in range(self.num_groups))
             if fit == num:
@@ -178,13 +177,25 @@ class KVCacheManager:
         for g in range(self.num_groups):
             skip = self._unread_blocks(g, num * self.block_size)
             tables.append([self.null_block] * skip + found[g][skip:num])
-        if self.offload is not None and num < len(hashes):  # one group, no window (see __init__)
-            loaded = self._load_from_tiers(request, hashes, tables[0])
+        return tables
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[list[int]], int]:
+        """Per group, the cached blocks a request can start after (a window group's
+        unread leading ones as ``null_block``), and the number of tokens they cover:
+        the most full blocks every group has cached what the later queries read, in
+        the pool or, loaded back now, in the tiers below it. The last token is never
+        a hit: computing it is what yields the logits to sample from. Nothing while
+        the request is loading (``is_loading``): its hit is not there yet."""
+        if not self._can_hit(request) or self.is_loading(request):
+            return [[] for _ in self.windows], 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hashes = self._block_hashes(request, max_blocks)[:max_blocks]
+        tables = self._hit(hashes)
+        if self.offload is not None and len(tables[0]) < max_blocks and self._load_from_tiers(request, hashes):
             if self.is_loading(request):
                 return [[] for _ in self.windows], 0
-            tables[0] += loaded
-            num += len(loaded)
-        return tables, num * self.block_size
+            tables = self._hit(hashes)  # the blocks loaded from host memory are registered in the pool now
+        return tables, len(tables[0]) * self.block_size
 
     def free_unread_blocks(self, request: Request) -> None:
         """Release the window groups' blocks that none of the request's tokens still to be
@@ -203,49 +214,58 @@ class KVCacheManager:
             table[released[g] : skip] = [self.null_block] * (skip - released[g])
             released[g] = skip
 
-    def _load_from_tiers(self, request: Request, hashes: list[BlockHash], hits: list[int]) -> list[int]:
-        """Extend the pool's ``hits`` through the tiers below it: the blocks
-        found there are loaded into fresh pool blocks (this step's moves).
-        Blocks are held while later ones are loaded: making room evicts pool
-        blocks, which may push the tiers' own LRU blocks out, and must take
-        neither the pool's hits nor blocks loaded already. One block at a
-        time, as each load precedes the evictions that come after it.
+    def _load_from_tiers(self, request: Request, hashes: list[BlockHash]) -> bool:
+        """Load into fresh pool blocks the blocks of the tiers below the pool
+        that extend the request's hit: the longest prefix every group can
+        resume after counting what the tiers hold, each group loading only
+        the blocks it lacks of what it reads there (a window group: the last
+        window's). Returns whether anything was loaded (this step's moves).
+
+        The hit's pool blocks and the blocks loaded are held while later ones
+        are loaded: making room evicts pool blocks, which may push the tiers'
+        own LRU blocks out, and must take neither. One block at a time, a
+        position's blocks of every group before the next position's, as each
+        load precedes the evictions that come after it; a load that cannot
+        be made (the pool is full, the tier dropped the block) ends them,
+        and the hit is what the blocks in hand allow.
 
         A block from host memory is filled when the step's moves are applied,
         so it is registered now: an ordinary cached block from here on, even
         if the request then waits. A block from disk is filled in a later
         step (``finish_loads``): until then the request is loading (staged),
         holding its hits and every block loaded, and is not scheduled."""
-        found = self.offload.find(hashes[len(hits):])
-        if not found:
-            return []
+        plan = self._hit(hashes, below=True)
+        wanted = [(i, g) for i in range(len(plan[0])) for g, table in enumerate(plan) if table[i] == _IN_TIER]
+        if not wanted:
+            return False
+        self.offload.touch((hashes[i], g) for i, g in wanted)
+        hits = [b for table in plan for b in table if b not in (self.null_block, _IN_TIER)]
         self.pool.touch(hits)
         loaded: list[int] = []
-        filled: list[int] = []  # positions in the prefix of the blocks from host memory
-        for block_hash in found:
+        filled: list[int] = []  # positions in the prefix of group 0's blocks from host memory
+        for i, g in wanted:
             if not self.pool.num_free_blocks:
                 break
             (block_id,) = self.pool.allocate(1)
-            tier = self.offload.load(block_hash, block_id)
+            tier = self.offload.load((hashes[i], g), block_id)
             if tier is None:
                 self.pool.free([block_id])
                 break
-            i = len(hits) + len(loaded)
             if tier == HOST:
-                self.pool.cache_block(block_id, block_hash)
-                filled.append(i)
+                self.pool.cache_block(block_id, hashes[i], g)
+                filled += [i] if g == 0 else []
             else:
                 tokens = list(request.all_token_ids[i * self.block_size : (i + 1) * self.block_size])
-                self._loads[block_id] = _Load(request.request_id, block_hash, hashes[i - 1] if i else None, tokens)
+                self._loads[block_id] = _Load(request.request_id, hashes[i], g, hashes[i - 1] if i else None, tokens)
             loaded.append(block_id)
         if self.pool.events is not None and filled:
             self._record_stored(request, hashes, filled)
         if any(b in self._loads for b in loaded):
-            self._staged[request.request_id] = list(hits) + loaded
+            self._staged[request.request_id] = hits + loaded
         else:
             self.pool.free(reversed(loaded))
             self.pool.free(hits)
-        return loaded
+        return bool(loaded)
 
     def is_loading(self, request: Request) -> bool:
         """Whether the request waits for blocks of its prefix hit to be read from disk."""
@@ -263,16 +283,17 @@ class KVCacheManager:
         files not written are forgotten. A request whose loads have all ended
         lets its blocks go, as a prefix hit does until its request is admitted,
         so that no held block can stop the scheduler from making room."""
-        for block_hash in report.failed_writes:
-            self.offload.write_failed(block_hash)
+        for key in report.failed_writes:
+            self.offload.write_failed(key)
         owners = set()
         for block_id, ok in [*((b, True) for b in report.loaded), *((b, False) for b in report.failed)]:
             load = self._loads.pop(block_id)
             if not ok:
-                self.offload.load_failed(load.block_hash)
+                self.offload.load_failed((load.block_hash, load.group))
             else:
                 self.offload.load_done()
-                if self.pool.cache_block(block_id, load.block_hash) and self.pool.events is not None:
+                registered = self.pool.cache_block(block_id, load.block_hash, load.group)
+                if registered and load.group == 0 and self.pool.events is not None:
                     self.pool.events.append(BlockStored([load.block_hash], load.parent, load.token_ids,
                                                         self.block_size))
             if load.request_id is None:

@@ -23,6 +23,7 @@ import os
 import struct
 import zlib
 from pathlib import Path
+from typing import Sequence
 
 logger = logging.getLogger(__name__)
 
@@ -94,23 +95,25 @@ def read_block(path: Path, fingerprint: bytes, block_hash: bytes, out: memoryvie
         raise BadBlockFile("corrupted: the payload's checksum differs from the header's")
 
 
-def scan_folder(folder: Path, fingerprint: bytes, size: int) -> list[bytes]:
-    """The hashes of this fingerprint's valid files in ``folder``, oldest
-    first. Every byte is checked now, so that a bad file is never indexed (a
-    load that fails later is a miss, but it delays its request by a read).
-    Each bad file is reported in one warning and left where it is, never
-    loaded; storing the same block again replaces it. Other fingerprints'
-    files belong to other models or ranks and are not looked at. Temporary
-    files of this fingerprint are writes a killed engine left unfinished:
+def scan_folder(folder: Path, fingerprints: Sequence[bytes], size: int) -> list[tuple[bytes, int]]:
+    """The valid files in ``folder`` of the fingerprints given (one per KV
+    cache group), as (block hash, index of the fingerprint), oldest first.
+    Every byte is checked now, so that a bad file is never indexed (a load
+    that fails later is a miss, but it delays its request by a read). Each
+    bad file is reported in one warning and left where it is, never loaded;
+    storing the same block again replaces it. Other fingerprints' files
+    belong to other models or ranks and are not looked at. Temporary files
+    of these fingerprints are writes a killed engine left unfinished:
     deleted."""
-    tag = f".{fingerprint.hex()[:16]}{SUFFIX}"
-    found: list[tuple[float, bytes]] = []
+    tags = {f".{fingerprint.hex()[:16]}{SUFFIX}": i for i, fingerprint in enumerate(fingerprints)}
+    found: list[tuple[float, tuple[bytes, int]]] = []
     scratch = memoryview(bytearray(size))
     for path in folder.iterdir():
-        if path.name.startswith(".") and path.name.endswith(".tmp") and tag in path.name:
+        if path.name.startswith(".") and path.name.endswith(".tmp") and any(tag in path.name for tag in tags):
             path.unlink(missing_ok=True)  # a write of ours cut short (the engine was killed): never a block
             continue
-        if not path.name.endswith(tag):
+        tag = next((tag for tag in tags if path.name.endswith(tag)), None)
+        if tag is None:
             continue
         try:
             block_hash = bytes.fromhex(path.name[: -len(tag)])
@@ -120,8 +123,8 @@ def scan_folder(folder: Path, fingerprint: bytes, size: int) -> list[bytes]:
             logger.warning("KV block file %s: skipped: its name is not a block hash", path)
             continue
         try:
-            read_block(path, fingerprint, block_hash, scratch)
-            found.append((path.stat().st_mtime, block_hash))
+            read_block(path, fingerprints[tags[tag]], block_hash, scratch)
+            found.append((path.stat().st_mtime, (block_hash, tags[tag])))
         except (BadBlockFile, OSError) as exc:
             logger.warning("KV block file %s: skipped: %s", path, exc)
-    return [h for _, h in sorted(found)]
+    return [key for _, key in sorted(found)]

@@ -42,3 +42,10 @@ def cache_fingerprint(models: Sequence[bytes], tensors: Sequence[str], block_siz
     shard and element types), the block size and the rank's place."""
     text = repr((tuple(m.hex() for m in models), tuple(tensors), block_size, rank, world_size))
     return hashlib.sha256(text.encode()).digest()
+
+
+def group_fingerprint(fingerprint: bytes, group: int) -> bytes:
+    """The fingerprint of one KV cache group's blocks on a rank: the groups of a model with
+    sliding-window layers cache the same prefix in blocks of different layers, so a block file is
+    keyed by its group too. Group 0 (a one-group model's only one) keeps the rank's fingerprint."""
+    return fingerprint if group == 0 else hashlib.sha256(fingerprint + group.to_bytes(4, "little")).digest()

@@ -35,9 +35,9 @@ import torch
 from octavo.config import CacheConfig
 from octavo.kv_offload.block_file import HEADER_BYTES, BadBlockFile, file_name, read_block, scan_folder, write_block
 from octavo.kv_offload.connector import KVTierConnector
-from octavo.kv_offload.fingerprint import cache_fingerprint, model_identity
+from octavo.kv_offload.fingerprint import cache_fingerprint, group_fingerprint, model_identity
 from octavo.kv_offload.transfers import (DELETE_FILE, FROM_DISK, FROM_HOST, HOST_TO_DISK, TO_DISK, TO_HOST,
-                                         KVTransfer, TierLayout, TierReport)
+                                         BlockKey, KVTransfer, TierLayout, TierReport)
 
 logger = logging.getLogger(__name__)
 
@@ -59,11 +59,11 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 class _Read:
     """One step's loads from disk, read by the reader thread into
     ``staging`` (a row per block: no more than the pool blocks being filled):
-    the pool blocks to fill and their files' hashes; the future holds, per
-    block, None or why its file is bad."""
+    the pool blocks to fill and their files' blocks (hash, group); the future
+    holds, per block, None or why its file is bad."""
 
     blocks: list[int]
-    hashes: list[bytes]
+    keys: list[BlockKey]
     staging: torch.Tensor
     future: Future
 
@@ -73,7 +73,10 @@ class LocalTiers(KVTierConnector):
     ``host_bytes`` and ``disk_bytes`` are this rank's budgets; ``folder``
     None: no disk tier. ``agree``: each position's smallest value over every
     rank (None: this rank alone), so that all ranks finish a load in the same
-    step and a read failed on one is a miss on all.
+    step and a read failed on one is a miss on all. ``num_groups``: the
+    model's KV cache groups, whose files are told apart by their fingerprints
+    (``group_fingerprint``). A block's bytes are the same slices whatever its
+    group: the groups share the cache tensors, block by block.
 
     Files are read by one thread while steps run; every other move, and
     writing what is read into the pool, happens on the caller's thread, so
@@ -84,7 +87,8 @@ class LocalTiers(KVTierConnector):
     reports it for the scheduler to count and forget."""
 
     def __init__(self, tensors: Sequence[torch.Tensor], host_bytes: int, folder: Path | None, disk_bytes: int,
-                 fingerprint: bytes, agree: Optional[Callable[[list[int]], list[int]]] = None) -> None:
+                 fingerprint: bytes, agree: Optional[Callable[[list[int]], list[int]]] = None,
+                 num_groups: int = 1) -> None:
         self._pool = [_as_bytes(t) for t in tensors]
         # Bytes of one block in each tensor, and where each starts in a block's bytes.
         self._sizes = [t[:, 0].numel() for t in self._pool]
@@ -96,9 +100,9 @@ class LocalTiers(KVTierConnector):
                                  pin_memory=device.type == "cuda")
         self._row = torch.empty(self.block_bytes, dtype=torch.uint8)  # a block on its way to a file
         self._folder = folder
-        self._fingerprint = fingerprint
+        self._fingerprints = [group_fingerprint(fingerprint, g) for g in range(num_groups)]
         self._disk_blocks = disk_bytes // (HEADER_BYTES + self.block_bytes) if folder is not None else 0
-        self._files = scan_folder(folder, fingerprint, self.block_bytes) if folder is not None else []
+        self._files = scan_folder(folder, self._fingerprints, self.block_bytes) if folder is not None else []
         self._agree = agree
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="octavo-kv-disk") if folder is not None else None
         self._reads: list[_Read] = []  # in the order the steps asked, the same on every rank
@@ -123,32 +127,33 @@ class LocalTiers(KVTierConnector):
                 while i < len(transfers) and transfers[i].op == FROM_DISK:
                     run.append(transfers[i])
                     i += 1
-                blocks, hashes = [t.block_id for t in run], [t.block_hash for t in run]
+                blocks, keys = [t.block_id for t in run], [t.key for t in run]
                 staging = torch.empty((len(run), self.block_bytes), dtype=torch.uint8)
-                job = self._reader.submit(self._read_files, hashes, staging)
-                self._reads.append(_Read(blocks, hashes, staging, job))
+                job = self._reader.submit(self._read_files, keys, staging)
+                self._reads.append(_Read(blocks, keys, staging, job))
             else:
                 self._apply_file_move(move)
 
     def _apply_file_move(self, move: KVTransfer) -> None:
         try:
+            fingerprint = self._fingerprints[move.group]
             if move.op == TO_DISK:
                 self._copy_out(move.block_id, self._row)
-                write_block(self._folder, self._fingerprint, move.block_hash, self._row.numpy())
+                write_block(self._folder, fingerprint, move.block_hash, self._row.numpy())
             elif move.op == HOST_TO_DISK:
-                write_block(self._folder, self._fingerprint, move.block_hash, self._host[move.slot].numpy())
+                write_block(self._folder, fingerprint, move.block_hash, self._host[move.slot].numpy())
             elif move.op == DELETE_FILE:
                 for read in self._reads:
-                    if move.block_hash in read.hashes:
+                    if move.key in read.keys:
                         futures.wait([read.future])  # a file being read is deleted once it is read
-                self._path(move.block_hash).unlink(missing_ok=True)
+                self._path(move.key).unlink(missing_ok=True)
             else:
                 raise ValueError(f"unknown KV transfer {move.op!r}")
         except OSError as exc:
             failing = "delete" if move.op == DELETE_FILE else "write"
-            self._log_failure(failing, self._path(move.block_hash), exc.strerror or str(exc))
+            self._log_failure(failing, self._path(move.key), exc.strerror or str(exc))
             if failing == "write":
-                self._failed_writes.append(move.block_hash)
+                self._failed_writes.append(move.key)
 
     def finish_loads(self, wait: bool) -> TierReport:
         """Fill the pool blocks whose files every rank has read; what came of
@@ -183,7 +188,7 @@ class LocalTiers(KVTierConnector):
                 if s == _FAILED:
                     report.failed.append(read.blocks[i])
                     if got[i] is not None:
-                        self._log_failure("read", self._path(read.hashes[i]), str(got[i]))
+                        self._log_failure("read", self._path(read.keys[i]), str(got[i]))
         self._reads = pending
         return report
 
@@ -194,13 +199,13 @@ class LocalTiers(KVTierConnector):
         exc = read.future.exception()
         return [exc] * len(read.blocks) if exc is not None else read.future.result()
 
-    def _read_files(self, hashes: list[bytes], staging: torch.Tensor) -> list[Optional[BadBlockFile]]:
+    def _read_files(self, keys: list[BlockKey], staging: torch.Tensor) -> list[Optional[BadBlockFile]]:
         """On the reader thread: each file's payload into its row of ``staging``, checked, or why it cannot be."""
         rows = staging.numpy()
         out: list[Optional[BadBlockFile]] = []
-        for block_hash, row in zip(hashes, rows):
+        for (block_hash, group), row in zip(keys, rows):
             try:
-                read_block(self._path(block_hash), self._fingerprint, block_hash, memoryview(row))
+                read_block(self._path((block_hash, group)), self._fingerprints[group], block_hash, memoryview(row))
                 out.append(None)
             except BadBlockFile as exc:
                 out.append(exc)
@@ -215,8 +220,9 @@ class LocalTiers(KVTierConnector):
             logger.warning("KV tiers: cannot %s %s: %s (further failures of this kind are not logged)",
                            op, path, reason)
 
-    def _path(self, block_hash: bytes) -> Path:
-        return self._folder / file_name(self._fingerprint, block_hash)
+    def _path(self, key: BlockKey) -> Path:
+        block_hash, group = key
+        return self._folder / file_name(self._fingerprints[group], block_hash)
 
     def _copy_out(self, block: int, row: torch.Tensor) -> None:
         """Pool block ``block``'s bytes of every tensor into ``row`` (``[block_bytes]``, host memory)."""
@@ -230,10 +236,11 @@ class LocalTiers(KVTierConnector):
 
 
 def local_tiers(config: CacheConfig, tensors: Sequence[torch.Tensor], models: Sequence[str | Path], rank: int,
-                world_size: int, agree: Optional[Callable[[list[int]], list[int]]] = None) -> LocalTiers | None:
+                world_size: int, agree: Optional[Callable[[list[int]], list[int]]] = None,
+                num_groups: int = 1) -> LocalTiers | None:
     """This rank's tiers as ``config`` asks (None: no tier), over its cache
     ``tensors``; ``models``: the model's path and any draft model's;
-    ``agree``: as ``LocalTiers`` takes it. The byte budgets are the
+    ``agree`` and ``num_groups``: as ``LocalTiers`` takes them. The byte budgets are the
     engine's, split evenly between its ranks (they share the machine's
     memory and the folder)."""
     if not config.kv_offload_enabled:
@@ -250,7 +257,7 @@ def local_tiers(config: CacheConfig, tensors: Sequence[torch.Tensor], models: Se
     shapes = [f"{(t.shape[0], *t.shape[2:])}:{t.dtype}" for t in tensors]
     fingerprint = cache_fingerprint([model_identity(m) for m in models], shapes, config.block_size, rank, world_size)
     tiers = LocalTiers(tensors, config.kv_offload_host_bytes // world_size, folder,
-                       config.kv_offload_disk_bytes // world_size, fingerprint, agree)
+                       config.kv_offload_disk_bytes // world_size, fingerprint, agree, num_groups)
     layout = tiers.layout()
     if config.kv_offload_host_bytes and not layout.host_blocks:
         raise ValueError(f"kv_offload_host_bytes: {config.kv_offload_host_bytes} bytes hold no KV block "

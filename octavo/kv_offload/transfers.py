@@ -17,6 +17,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+# A block in the tiers: its chained prefix hash and its KV cache group. The groups of a model with
+# sliding-window layers cache the same prefixes in different blocks (different layers' K/V), so
+# the hash alone names one group's block only.
+BlockKey = tuple[bytes, int]
+
 HOST = "cpu"  # the medium names of KV events (vLLM's events name host memory "cpu" too)
 DISK = "disk"
 TIERS = (HOST, DISK)
@@ -32,26 +37,32 @@ DELETE_FILE = "delete_file"  # the disk tier's LRU eviction
 @dataclass(frozen=True)
 class KVTransfer:
     """One move. ``block_id``: the pool block read or written (-1: none);
-    ``slot``: the host slot (-1: none); ``block_hash``: the chained prefix
-    hash that names the block's file on disk (empty: none)."""
+    ``slot``: the host slot (-1: none); ``block_hash`` and ``group``: the
+    chained prefix hash and the KV cache group that name the block's file on
+    disk (empty hash: none)."""
 
     op: str
     block_id: int = -1
     slot: int = -1
     block_hash: bytes = b""
+    group: int = 0
+
+    @property
+    def key(self) -> BlockKey:
+        return self.block_hash, self.group
 
 
 @dataclass(frozen=True)
 class TierLayout:
     """What one rank's worker half holds, reported once at start: each
     tier's capacity in blocks (0: no such tier), the bytes one block takes on
-    this rank (every cache tensor's share of it), and the block hashes of the
-    valid files found on disk from an earlier run, oldest first."""
+    this rank (every cache tensor's share of it), and the blocks (hash, group)
+    of the valid files found on disk from an earlier run, oldest first."""
 
     host_blocks: int
     disk_blocks: int
     block_bytes: int
-    files: list[bytes]
+    files: list[BlockKey]
 
 
 @dataclass
@@ -61,11 +72,11 @@ class TierReport:
     blocks whose loads from disk are done (``loaded``) or failed on some
     rank (``failed``: the block holds nothing, its prefix is a miss from
     there on), and the blocks whose files could not be written
-    (``failed_writes``, by hash: the disk tier does not hold them)."""
+    (``failed_writes``, by hash and group: the disk tier does not hold them)."""
 
     loaded: list[int] = field(default_factory=list)
     failed: list[int] = field(default_factory=list)
-    failed_writes: list[bytes] = field(default_factory=list)
+    failed_writes: list[BlockKey] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.loaded or self.failed or self.failed_writes)

@@ -150,15 +150,16 @@ class ModelRunner:
         self.kv_caches = allocate_kv_caches(self.kv_cache_specs, self.backends.attention, self.num_blocks,
                                             self.device, static_scales, padding_blocks=padding, slots=slots)
         self._draft_host.allocate(self.num_blocks, max_rows, self._longest_sequence())
-        # The tiers below the pool hold every tensor indexed by block id: the draft's caches too.
+        # The tiers below the pool hold every tensor indexed by block id: the draft's caches too. Each
+        # once: the layers of a slot (one per KV cache group) share theirs.
         state = get_parallel_state()
         drafts = [m.kv_caches for m in self._draft_host.models]
-        tensors = [t for caches in [self.kv_caches, *drafts] for c in caches
-                   for t in (c.data, c.scales, c.key_bounds) if t is not None]
+        tensors = list({id(t): t for caches in [self.kv_caches, *drafts] for c in caches
+                        for t in (c.data, c.scales, c.key_bounds) if t is not None}.values())
         models = [folder, *(model_path(d) for d in (spec.speculative_model,) if d is not None)]
         rank = state.pp_rank * state.tp_size + state.tp_rank
         self.kv_tiers = local_tiers(cache_config, tensors, models, rank, state.tp_size * state.pp_size,
-                                    functools.partial(all_ranks_min, device=self.device))
+                                    functools.partial(all_ranks_min, device=self.device), len(groups.windows))
         self._tier_report = TierReport()  # what the tiers did since the last step's output
 
         self.sampler = Sampler(argmax=self.backends.ops.argmax)

@@ -20,7 +20,7 @@ from octavo.core.scheduler import Scheduler
 from octavo.kv_events import BlockRemoved, BlockStored, decode_batch, encode_batch
 from octavo.kv_offload.index import TierIndex
 from octavo.kv_offload.transfers import (DELETE_FILE, FROM_DISK, FROM_HOST, HOST_TO_DISK, TO_DISK, TO_HOST,
-                                         KVTransfer, TierLayout, TierReport)
+                                         BlockKey, KVTransfer, TierLayout, TierReport)
 
 
 class TieredRunner(FakeRunner):
@@ -30,36 +30,36 @@ class TieredRunner(FakeRunner):
     ``hold`` is set, a later one's (as reads that take a while would);
     files named in ``unreadable`` fail to load."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
-        super().__init__(num_blocks, block_size)
+    def __init__(self, num_blocks: int, block_size: int, windows: tuple[Optional[int], ...] = (None,)) -> None:
+        super().__init__(num_blocks, block_size, windows)
         self.host: dict[int, list[Optional[int]]] = {}
-        self.disk: dict[bytes, list[Optional[int]]] = {}
-        self.reading: list[tuple[int, bytes, list[Optional[int]]]] = []
+        self.disk: dict[BlockKey, list[Optional[int]]] = {}
+        self.reading: list[tuple[int, BlockKey, list[Optional[int]]]] = []
         self.hold = False
-        self.unreadable: set[bytes] = set()
+        self.unreadable: set[BlockKey] = set()
 
     def apply(self, transfers: list[KVTransfer]) -> None:
         for t in transfers:
             if t.op == TO_HOST:
                 self.host[t.slot] = list(self.slots[t.block_id])
             elif t.op == TO_DISK:
-                self.disk[t.block_hash] = list(self.slots[t.block_id])
+                self.disk[t.key] = list(self.slots[t.block_id])
             elif t.op == HOST_TO_DISK:
-                self.disk[t.block_hash] = list(self.host[t.slot])
+                self.disk[t.key] = list(self.host[t.slot])
             elif t.op == FROM_HOST:
                 self.slots[t.block_id] = list(self.host[t.slot])
             elif t.op == FROM_DISK:
-                self.reading.append((t.block_id, t.block_hash, list(self.disk[t.block_hash])))
+                self.reading.append((t.block_id, t.key, list(self.disk[t.key])))
             else:
                 assert t.op == DELETE_FILE
-                del self.disk[t.block_hash]
+                del self.disk[t.key]
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         self.apply(out.kv_transfers)
         report = TierReport()
         if not self.hold:
-            for block_id, block_hash, content in self.reading:
-                if block_hash in self.unreadable:
+            for block_id, key, content in self.reading:
+                if key in self.unreadable:
                     report.failed.append(block_id)
                 else:
                     self.slots[block_id] = content
@@ -71,16 +71,17 @@ class TieredRunner(FakeRunner):
 
 
 def _tiered(num_blocks: int, block_size: int, host_blocks: int, disk_blocks: int,
-            files: tuple[bytes, ...] = ()) -> tuple[Scheduler, TieredRunner, TierIndex]:
-    index = TierIndex([TierLayout(host_blocks, disk_blocks, 100, list(files))], block_size)
-    sched = Scheduler(SchedulerConfig(), CacheConfig(block_size=block_size), num_blocks, 4096, kv_offload=index)
-    return sched, TieredRunner(num_blocks, block_size), index
+            windows: tuple[Optional[int], ...] = (None,)) -> tuple[Scheduler, TieredRunner, TierIndex]:
+    index = TierIndex([TierLayout(host_blocks, disk_blocks, 100, [])], block_size)
+    sched = Scheduler(SchedulerConfig(), CacheConfig(block_size=block_size), num_blocks, 4096,
+                      kv_cache_windows=windows, kv_offload=index)
+    return sched, TieredRunner(num_blocks, block_size, windows), index
 
 
 def _assert_tiers_match(runner: TieredRunner, index: TierIndex) -> None:
     """Nothing held below the pool that the index does not know of, and the reverse."""
     assert sorted(runner.host) == sorted(index.host_slots().values())
-    assert sorted(runner.disk) == sorted(index.disk_hashes())
+    assert sorted(runner.disk) == sorted(index.disk_blocks())
 
 
 def test_evicted_prefixes_come_back_from_host_and_disk():
@@ -100,7 +101,7 @@ def test_evicted_prefixes_come_back_from_host_and_disk():
     assert sched.prefix_cache_hits == 4 * 16
     assert index.hits["cpu"] > 0 and index.hits["disk"] > 0
     assert sum(index.hits.values()) <= sched.prefix_cache_hits
-    assert len(index.disk_hashes()) <= 6 and len(index.host_slots()) <= 3
+    assert len(index.disk_blocks()) <= 6 and len(index.host_slots()) <= 3
 
 
 def test_the_pool_s_own_hits_survive_the_room_made_for_tier_hits():
@@ -127,55 +128,45 @@ def test_the_pool_s_own_hits_survive_the_room_made_for_tier_hits():
     assert index.hits["cpu"] == 8
 
 
-def test_random_traffic_over_a_tiny_pool_and_tiers_gives_the_reference():
-    rng = random.Random(5)
-    sched, runner, index = _tiered(num_blocks=10, block_size=4, host_blocks=5, disk_blocks=7)
-    run = Run(sched, runner)
-    bases = [make_request(f"base{i}", 24).prompt_token_ids for i in range(5)]
-    want = {}
-    for i in range(40):
-        prompt = rng.choice(bases)[: rng.randrange(5, 25)] + [rng.randrange(97) for _ in range(rng.randrange(3))]
-        rid = f"r{i}"
-        sched.add_request(make_request(rid, prompt, max_tokens=rng.randrange(1, 6)))
-        want[rid] = (prompt, sched.get_request(rid).sampling_params.max_tokens)
-        if rng.random() < 0.5:
-            run.until_done()
-    run.until_done()
-    for rid, (prompt, n) in want.items():
-        assert run.tokens[rid] == reference_tokens(prompt, n, rid), rid
-    _assert_tiers_match(runner, index)
-    assert index.hits["cpu"] > 0 and index.hits["disk"] > 0
-
-
 def test_an_earlier_run_s_files_are_adopted_when_every_rank_has_them():
-    a, b, c, d = (bytes([i]) * 32 for i in range(1, 5))
+    """Files are blocks of one KV cache group each: the same hash in another group is another block."""
+    h = bytes([1]) * 32
+    a, b, c, d = (h, 0), (h, 1), (bytes([3]) * 32, 0), (bytes([4]) * 32, 1)
     index = TierIndex([TierLayout(0, 2, 10, [a, b, c]), TierLayout(0, 3, 10, [b, c, d])], 16)
-    assert index.disk_hashes() == [b, c]
+    assert index.disk_blocks() == [b, c]
     assert index.tier_of(b) == "disk" and index.tier_of(a) is None
     # a and d are half blocks (one rank each): deleted in the first step.
-    assert index.take_transfers() == [KVTransfer(DELETE_FILE, block_hash=a), KVTransfer(DELETE_FILE, block_hash=d)]
+    assert index.take_transfers() == [KVTransfer(DELETE_FILE, block_hash=h, group=0),
+                                      KVTransfer(DELETE_FILE, block_hash=d[0], group=1)]
     assert index.bytes_held() == {"cpu": 0, "disk": 2 * 20}
     small = TierIndex([TierLayout(0, 1, 10, [a, b, c])], 16)
-    assert small.disk_hashes() == [c]  # the newest that fit
+    assert small.disk_blocks() == [c]  # the newest that fit
 
 
 def test_persist_leaves_host_and_pool_blocks_on_disk_and_events_name_the_medium():
+    """Events describe group 0's blocks, as the pool's do: a router asks about prefixes, which every group caches."""
     h = [bytes([i]) * 32 for i in range(6)]
     index = TierIndex([TierLayout(2, 3, 10, [])], 16)
     index.enable_events()
-    index.evicted(h[0], 0)
-    index.evicted(h[1], 1)
-    index.evicted(h[2], 2)  # spills h[0]
+    index.evicted((h[0], 0), 0)
+    index.evicted((h[1], 0), 1)
+    index.evicted((h[2], 0), 2)  # spills h[0]
     assert index.take_transfers() == [KVTransfer(TO_HOST, 0, 0), KVTransfer(TO_HOST, 1, 1),
                                       KVTransfer(HOST_TO_DISK, slot=0, block_hash=h[0]), KVTransfer(TO_HOST, 2, 0)]
+    index.load((h[1], 0), 5)
+    index.evicted((h[1], 0), 5)  # back to its slot
+    index.evicted((h[5], 1), 3)  # another group's block: moved (h[2] spills), no event of its own
+    assert index.take_transfers()[-2:] == [KVTransfer(HOST_TO_DISK, slot=0, block_hash=h[2]), KVTransfer(TO_HOST, 3, 0)]
     events = index.take_events()
+    assert not any(h[5] in e.block_hashes for e in events)
     _, batch = decode_batch(encode_batch(events, 0))  # as the engine publishes them
     assert batch.events == events
     assert BlockRemoved([h[0]], medium="cpu") in events
-    assert [e.block_hashes for e in events if isinstance(e, BlockStored) and e.medium == "disk"] == [[h[0]]]
-    moves = index.persist([(h[3], 7), (h[4], 8)])
-    # Three files at most: the newest three of host (h1, h2) then pool (h3, h4).
-    assert index.disk_hashes() == [h[2], h[3], h[4]]
+    assert [e.block_hashes for e in events if isinstance(e, BlockStored) and e.medium == "disk"] == [[h[0]], [h[2]]]
+    moves = index.persist([((h[3], 0), 7), ((h[4], 0), 8)])
+    # Three files at most: the newest three of host (h1, then h5 of group 1) then pool (h3, h4).
+    assert index.disk_blocks() == [(h[5], 1), (h[3], 0), (h[4], 0)]
+    assert KVTransfer(HOST_TO_DISK, slot=0, block_hash=h[5], group=1) in moves
     assert KVTransfer(TO_DISK, 8, block_hash=h[4]) in moves
     assert KVTransfer(DELETE_FILE, block_hash=h[0]) in moves
 
@@ -219,7 +210,7 @@ def test_a_file_that_cannot_be_read_is_a_miss_and_is_forgotten():
     _evict_to_disk(sched, run, prompt, "a")
     hashes: list[bytes] = []
     extend_block_hashes(hashes, prompt, 4, 4)
-    runner.unreadable = {hashes[2]}
+    runner.unreadable = {(hashes[2], 0)}
     sched.kv_cache_manager.enable_events()
     sched.add_request(make_request("back", prompt, max_tokens=3))
     run.until_done()
@@ -232,7 +223,7 @@ def test_a_file_that_cannot_be_read_is_a_miss_and_is_forgotten():
     assert run.tokens["back"] == reference_tokens(prompt, 3, "back")
     # Blocks 0 and 1 came back, block 2 failed; block 3 loaded too, but a hit is a run from the start.
     assert [o.num_cached_tokens for o in run.outputs if o.request_id == "back"][0] == 8
-    assert index.errors == {"read": 1, "write": 0} and index.tier_of(hashes[2]) is None
+    assert index.errors == {"read": 1, "write": 0} and index.tier_of((hashes[2], 0)) is None
     _assert_tiers_match(runner, index)
 
 
@@ -262,8 +253,66 @@ def test_an_aborted_loading_request_leaves_its_blocks_held_until_the_load_ends()
     assert index.hits["disk"] == 16
 
 
-def test_models_with_sliding_window_layers_are_refused_with_the_options_named():
-    index = TierIndex([TierLayout(4, 0, 100, [])], 4)
-    with pytest.raises(ValueError, match="kv_offload_dir / kv_offload_host_bytes.*sliding-window"):
-        Scheduler(SchedulerConfig(), CacheConfig(block_size=4), 16, 4096, kv_cache_windows=(None, 8),
-                  kv_offload=index)
+WINDOWS = (None, 8)  # a full-attention group and a group of window 8 (two blocks of 4)
+
+
+def test_a_window_group_loads_only_the_blocks_of_its_last_window():
+    """A 33-token prompt comes back after the pool evicted all of it: the full
+    group loads its 8 blocks from host memory, the window group only the 2
+    that queries from position 32 on read (positions 25-31)."""
+    sched, runner, index = _tiered(num_blocks=20, block_size=4, host_blocks=64, disk_blocks=0, windows=WINDOWS)
+    run = Run(sched, runner)
+    prompt = make_request("p", 33).prompt_token_ids
+    sched.add_request(make_request("first", prompt, max_tokens=2))
+    run.until_done()
+    for i in range(3):  # each takes most of the pool
+        sched.add_request(make_request(f"filler{i}", 33, max_tokens=2))
+        run.until_done()
+    hashes: list[bytes] = []
+    extend_block_hashes(hashes, prompt, 4, 8)
+    pool = sched.kv_cache_manager.pool
+    assert all(pool.lookup(h, g) is None for h in hashes for g in range(2))
+    before = set(index.host_slots())  # a load from host memory frees its slot; nothing else leaves this tier
+    sched.add_request(make_request("back", prompt, max_tokens=3))
+    run.until_done()
+    assert run.tokens["back"] == reference_tokens(prompt, 3, "back", WINDOWS)
+    assert [o.num_cached_tokens for o in run.outputs if o.request_id == "back"][0] == 32
+    loaded = before - set(index.host_slots())
+    assert loaded == {(h, 0) for h in hashes} | {(hashes[6], 1), (hashes[7], 1)}
+    assert index.hits == {"cpu": 4 * 10, "disk": 0}
+    _assert_tiers_match(runner, index)
+
+
+@pytest.mark.parametrize("windows", [(None,), WINDOWS, (8,), (None, 8, 12)])
+def test_random_traffic_over_a_tiny_pool_and_tiers_gives_the_reference(windows):
+    """Every KV cache group's blocks go down as the pool evicts them and come
+    back as each group's hit rule asks, from host memory and from disk
+    (loads that end steps later included), through tiers too small to keep
+    them all: outputs equal the reference, the tiers hold what the index
+    says, and every block returns to the pool."""
+    rng = random.Random(11)
+    sched, runner, index = _tiered(num_blocks=12 * len(windows), block_size=4, host_blocks=8,
+                                   disk_blocks=12 * len(windows), windows=windows)
+    run = Run(sched, runner)
+    bases = [make_request(f"base{i}", 40).prompt_token_ids for i in range(5)]
+    want = {}
+    for i in range(40):
+        prompt = rng.choice(bases)[: rng.randrange(9, 41)] + [rng.randrange(97) for _ in range(rng.randrange(3))]
+        rid = f"r{i}"
+        sched.add_request(make_request(rid, prompt, max_tokens=rng.randrange(1, 6)))
+        want[rid] = (prompt, sched.get_request(rid).sampling_params.max_tokens)
+        runner.hold = rng.random() < 0.3
+        if rng.random() < 0.5:
+            run.step()
+            runner.hold = False
+            run.until_done()
+    runner.hold = False
+    run.until_done()
+    for rid, (prompt, n) in want.items():
+        assert run.tokens[rid] == reference_tokens(prompt, n, rid, windows), rid
+    _assert_tiers_match(runner, index)
+    assert index.hits["cpu"] > 0 and index.hits["disk"] > 0
+    held = [*index.host_slots(), *index.disk_blocks()]
+    assert {g for _, g in held} == set(range(len(windows)))  # every group's blocks went down
+    kv = sched.kv_cache_manager
+    assert kv.num_free_blocks == kv.num_total_blocks and not kv.loads_in_flight

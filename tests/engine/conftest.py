@@ -2,10 +2,12 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 import torch
 
+from octavo.kv_offload.block_file import SUFFIX
 from tests.model_factory import PAD_ID, load_hf_model, make_tiny_model
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
@@ -90,3 +92,23 @@ def hf_greedy(folder, prompts: list[list[int]], new_tokens: int = NEW_TOKENS) ->
             )
         _REFERENCE[key] = gen[:, width:].tolist()
     return _REFERENCE[key]
+
+
+def one_by_one(llm, prompts: list[list[int]], params) -> list:
+    """Each prompt as a request of its own, after the one before has finished."""
+    return [llm.generate([p], params, use_tqdm=False)[0] for p in prompts]
+
+
+def assert_folder_matches_the_tiers(llm, folder: Path) -> None:
+    """The disk tier's folder holds a block file for every block the index names and no other, nor any
+    write left unfinished. A file's name gives its hash and its fingerprint, which tells its KV cache group
+    apart: the hashes under each fingerprint are those of one group of the index."""
+    by_fingerprint: dict[str, set[str]] = {}
+    for file in folder.glob(f"*{SUFFIX}"):
+        block_hash, fingerprint, _ = file.name.split(".")
+        by_fingerprint.setdefault(fingerprint, set()).add(block_hash)
+    by_group: dict[int, set[str]] = {}
+    for block_hash, group in llm.engine.scheduler.kv_cache_manager.offload.disk_blocks():
+        by_group.setdefault(group, set()).add(block_hash.hex())
+    assert sorted(map(sorted, by_fingerprint.values())) == sorted(map(sorted, by_group.values()))
+    assert not list(folder.glob(".*.tmp"))

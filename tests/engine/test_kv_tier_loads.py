@@ -15,8 +15,8 @@ from pathlib import Path
 from octavo import LLM, SamplingParams
 from octavo.core.prefix_hash import extend_block_hashes
 from octavo.kv_offload import local_tiers as local_tiers_module
-from octavo.kv_offload.block_file import SUFFIX
-from tests.engine.conftest import assert_no_leak, hf_greedy, random_prompts
+from tests.engine.conftest import (assert_folder_matches_the_tiers, assert_no_leak, hf_greedy, one_by_one,
+                                   random_prompts)
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 # 4 full blocks each (16 tokens a block), and the pool holds 10 blocks: two more prompts evict one.
@@ -28,20 +28,9 @@ def _tiers_on_disk(folder: Path, kv: Path) -> LLM:
     return LLM(folder, dtype="float32", num_blocks=10, kv_offload_dir=str(kv), kv_offload_disk_bytes=BOUND)
 
 
-def _one_by_one(llm: LLM, prompts: list[list[int]]) -> list:
-    return [llm.generate([p], PARAMS, use_tqdm=False)[0] for p in prompts]
-
-
-def _assert_folder_matches_the_index(llm: LLM, kv: Path) -> None:
-    index = llm.engine.scheduler.kv_cache_manager.offload
-    names = sorted(bytes.fromhex(f.name.split(".")[0]) for f in kv.glob(f"*{SUFFIX}"))
-    assert names == sorted(index.disk_hashes())
-    assert not list(kv.glob(".*.tmp"))
-
-
 def test_a_load_from_disk_waits_while_another_request_decodes(folder, tmp_path, monkeypatch):
     llm = _tiers_on_disk(folder, tmp_path)
-    _one_by_one(llm, PROMPTS[:3])  # the first prompt's blocks are on disk now
+    one_by_one(llm, PROMPTS[:3], PARAMS)  # the first prompt's blocks are on disk now
     gate = threading.Event()
     read = local_tiers_module.read_block
     monkeypatch.setattr(local_tiers_module, "read_block", lambda *args: gate.wait(30) and read(*args))
@@ -68,7 +57,7 @@ def test_a_load_from_disk_waits_while_another_request_decodes(folder, tmp_path, 
     assert done["back"].num_cached_tokens == 64
     assert engine.get_stats().kv_offload_hits["disk"] == 64
     assert_no_leak(llm)
-    _assert_folder_matches_the_index(llm, tmp_path)
+    assert_folder_matches_the_tiers(llm, tmp_path)
 
 
 def test_a_full_disk_is_a_miss_never_an_error(folder, tmp_path, monkeypatch, caplog):
@@ -86,8 +75,8 @@ def test_a_full_disk_is_a_miss_never_an_error(folder, tmp_path, monkeypatch, cap
 
     monkeypatch.setattr(os, "replace", disk_full_every_other_write)
     with caplog.at_level(logging.WARNING, logger="octavo.kv_offload.local_tiers"):
-        first = _one_by_one(llm, PROMPTS)
-        again = _one_by_one(llm, PROMPTS[::-1])[::-1]
+        first = one_by_one(llm, PROMPTS, PARAMS)
+        again = one_by_one(llm, PROMPTS[::-1], PARAMS)[::-1]
     want = hf_greedy(folder, PROMPTS, PARAMS.max_tokens)
     assert [o.outputs[0].token_ids for o in first] == want
     assert [o.outputs[0].token_ids for o in again] == want
@@ -96,7 +85,7 @@ def test_a_full_disk_is_a_miss_never_an_error(folder, tmp_path, monkeypatch, cap
     logged = [r.getMessage() for r in caplog.records if r.name == local_tiers_module.__name__]
     assert len(logged) == 1 and "cannot write" in logged[0] and str(tmp_path) in logged[0]
     assert_no_leak(llm)
-    _assert_folder_matches_the_index(llm, tmp_path)
+    assert_folder_matches_the_tiers(llm, tmp_path)
 
 
 def test_files_that_cannot_be_read_are_misses_never_errors(folder, tmp_path, monkeypatch, caplog):
@@ -104,10 +93,10 @@ def test_files_that_cannot_be_read_are_misses_never_errors(folder, tmp_path, mon
     vanished after it was indexed: both prompts are computed again, with
     transformers' answers; both files are counted and forgotten."""
     llm = _tiers_on_disk(folder, tmp_path)
-    first = _one_by_one(llm, PROMPTS)  # the first two prompts are on disk only now
+    first = one_by_one(llm, PROMPTS, PARAMS)  # the first two prompts are on disk only now
     index = llm.engine.scheduler.kv_cache_manager.offload
     broken, vanished = (_first_block_hash(p) for p in PROMPTS[:2])
-    assert index.tier_of(broken) == index.tier_of(vanished) == "disk"
+    assert index.tier_of((broken, 0)) == index.tier_of((vanished, 0)) == "disk"
     next(tmp_path.glob(f"{vanished.hex()}.*")).unlink()
     open_file = pathlib.Path.open
 
@@ -118,17 +107,17 @@ def test_files_that_cannot_be_read_are_misses_never_errors(folder, tmp_path, mon
 
     monkeypatch.setattr(pathlib.Path, "open", io_error_on_one_file)
     with caplog.at_level(logging.WARNING, logger="octavo.kv_offload.local_tiers"):
-        again = _one_by_one(llm, PROMPTS[::-1])[::-1]
+        again = one_by_one(llm, PROMPTS[::-1], PARAMS)[::-1]
     want = hf_greedy(folder, PROMPTS, PARAMS.max_tokens)
     assert [o.outputs[0].token_ids for o in first] == want
     assert [o.outputs[0].token_ids for o in again] == want
     assert [o.num_cached_tokens for o in again[:2]] == [0, 0]
     assert llm.engine.get_stats().kv_offload_errors == {"read": 2, "write": 0}
-    assert index.tier_of(broken) is None and index.tier_of(vanished) is None
+    assert index.tier_of((broken, 0)) is None and index.tier_of((vanished, 0)) is None
     logged = [r.getMessage() for r in caplog.records if r.name == local_tiers_module.__name__]
     assert len(logged) == 1 and "cannot read" in logged[0]  # both "unreadable": one kind, logged once
     assert_no_leak(llm)
-    _assert_folder_matches_the_index(llm, tmp_path)
+    assert_folder_matches_the_tiers(llm, tmp_path)
 
 
 def _first_block_hash(prompt: list[int]) -> bytes:

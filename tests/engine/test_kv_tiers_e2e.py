@@ -9,15 +9,11 @@ from pathlib import Path
 
 from octavo import LLM, SamplingParams
 from octavo.kv_offload.block_file import SUFFIX
-from tests.engine.conftest import assert_no_leak, random_prompts
+from tests.engine.conftest import assert_folder_matches_the_tiers, assert_no_leak, one_by_one, random_prompts
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 # 4 prompts of 4 full blocks each (16 tokens a block): 16 blocks of prefix, a pool of 8.
 PROMPTS = random_prompts([70, 75, 66, 80], seed=3)
-
-
-def _one_by_one(llm: LLM, prompts: list[list[int]]) -> list:
-    return [llm.generate([p], PARAMS, use_tqdm=False)[0] for p in prompts]
 
 
 def _files(folder: Path) -> list[Path]:
@@ -25,11 +21,8 @@ def _files(folder: Path) -> list[Path]:
 
 
 def _assert_folder_matches_the_index(llm: LLM, folder: Path, bound: int) -> None:
-    index = llm.engine.scheduler.kv_cache_manager.offload
-    files = _files(folder)
-    assert sorted(bytes.fromhex(f.name.split(".")[0]) for f in files) == sorted(index.disk_hashes())
-    assert sum(f.stat().st_size for f in files) <= bound
-    assert not list(folder.glob(".*.tmp"))
+    assert_folder_matches_the_tiers(llm, folder)
+    assert sum(f.stat().st_size for f in _files(folder)) <= bound
 
 
 def test_evicted_prefixes_come_back_from_the_tiers_with_the_same_output(folder, tmp_path):
@@ -39,10 +32,10 @@ def test_evicted_prefixes_come_back_from_the_tiers_with_the_same_output(folder, 
     host, bound = 6 * 8192, 140_000
     llm = LLM(folder, dtype="float32", num_blocks=8, kv_offload_host_bytes=host,
               kv_offload_dir=str(tmp_path), kv_offload_disk_bytes=bound)
-    first = _one_by_one(llm, PROMPTS)
+    first = one_by_one(llm, PROMPTS, PARAMS)
     assert [o.num_cached_tokens for o in first] == [0, 0, 0, 0]
     # Back, the most recent first: in the pool, then host memory, then disk.
-    again = _one_by_one(llm, PROMPTS[::-1])[::-1]
+    again = one_by_one(llm, PROMPTS[::-1], PARAMS)[::-1]
     assert [o.outputs[0].token_ids for o in first] == want
     assert [o.outputs[0].token_ids for o in again] == want
     stats = llm.engine.get_stats()
@@ -60,13 +53,13 @@ def test_an_engine_restarted_on_the_folder_hits_the_blocks_of_the_one_before(fol
     bound = 200_000
     options = dict(dtype="float32", num_blocks=32, kv_offload_dir=str(tmp_path), kv_offload_disk_bytes=bound)
     before = LLM(folder, **options)
-    want = [o.outputs[0].token_ids for o in _one_by_one(before, PROMPTS)]
+    want = [o.outputs[0].token_ids for o in one_by_one(before, PROMPTS, PARAMS)]
     assert not _files(tmp_path)  # nothing was evicted
     before.shutdown()
     # Every full block computed: a prompt's and its answer's tokens but the last sampled one.
     assert len(_files(tmp_path)) == sum((len(p) + PARAMS.max_tokens - 1) // 16 for p in PROMPTS)
     after = LLM(folder, **options)
-    outs = _one_by_one(after, PROMPTS)
+    outs = one_by_one(after, PROMPTS, PARAMS)
     assert [o.num_cached_tokens for o in outs] == [64] * 4
     assert [o.outputs[0].token_ids for o in outs] == want
     assert after.engine.get_stats().kv_offload_hits == {"cpu": 0, "disk": 4 * 64}

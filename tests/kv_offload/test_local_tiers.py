@@ -87,6 +87,22 @@ def test_a_block_moved_down_and_back_is_bitwise_identical(tmp_path, dtype):
     assert _same_bits(_block(tensors, 3), want[2])
 
 
+def test_one_hash_in_two_kv_cache_groups_is_two_files_each_loaded_into_its_own_block(tmp_path):
+    """The groups of a model with sliding-window layers cache the same prefix in different blocks: a file
+    names its group (by fingerprint), a restart finds each group's, and each loads back bitwise."""
+    tensors = _caches(torch.bfloat16)
+    tiers = LocalTiers(tensors, 0, tmp_path, 2**20, FP, num_groups=2)
+    want = [_block(tensors, b) for b in range(2)]
+    tiers.apply([KVTransfer(TO_DISK, 0, block_hash=H1, group=0), KVTransfer(TO_DISK, 1, block_hash=H1, group=1)])
+    assert len(list(tmp_path.iterdir())) == 2
+    again = LocalTiers(tensors, 0, tmp_path, 2**20, FP, num_groups=2)
+    assert sorted(again.layout().files) == [(H1, 0), (H1, 1)]
+    assert LocalTiers(tensors, 0, tmp_path, 2**20, FP).layout().files == [(H1, 0)]  # a one-group model's view
+    again.apply([KVTransfer(FROM_DISK, 3, block_hash=H1, group=1), KVTransfer(FROM_DISK, 2, block_hash=H1, group=0)])
+    assert _finish(again, 2) == TierReport(loaded=[3, 2])
+    assert _same_bits(_block(tensors, 2), want[0]) and _same_bits(_block(tensors, 3), want[1])
+
+
 def test_a_step_s_moves_apply_in_order(tmp_path):
     """Block 0 leaves for a host slot and a load fills it in the same step:
     the load sees the slot it reads, the pool block keeps the load."""
@@ -125,7 +141,7 @@ def test_bad_files_are_reported_once_each_and_never_loaded(tmp_path, caplog):
     unfinished.write_bytes(b"a write cut short")
     with caplog.at_level(logging.WARNING, logger="octavo.kv_offload.block_file"):
         layout = LocalTiers(tensors, 0, tmp_path, 2**20, FP).layout()
-    assert layout.files == [hashes[0]]
+    assert layout.files == [(hashes[0], 0)]
     assert not unfinished.exists() and (tmp_path / file_name(bytes([9]) * 32, hashes[0])).exists()
     reasons = [r.getMessage() for r in caplog.records]
     assert len(reasons) == 5, reasons
@@ -173,7 +189,7 @@ def test_writes_that_fail_leave_no_file_are_reported_and_logged_once(tmp_path, m
     with caplog.at_level(logging.WARNING, logger="octavo.kv_offload.local_tiers"):
         tiers.apply([KVTransfer(TO_DISK, 0, block_hash=H1), KVTransfer(TO_HOST, 1, 0),
                      KVTransfer(HOST_TO_DISK, slot=0, block_hash=H2)])
-    assert tiers.finish_loads(wait=False) == TierReport(failed_writes=[H1, H2])
+    assert tiers.finish_loads(wait=False) == TierReport(failed_writes=[(H1, 0), (H2, 0)])
     assert list(tmp_path.iterdir()) == []  # not even the temporary files
     logged = [r.getMessage() for r in caplog.records if r.name == local_tiers_module.__name__]
     assert len(logged) == 1 and os.strerror(errno.ENOSPC) in logged[0] and str(tmp_path) in logged[0]
@@ -207,12 +223,12 @@ def test_the_disk_tier_stays_under_its_bound(tmp_path):
     tiers = LocalTiers(tensors, block_bytes, tmp_path, bound, FP)  # one host slot
     index = TierIndex([tiers.layout()], BLOCK_SIZE)
     for i in range(12):
-        index.evicted(bytes([i]) * 32, i % NUM_BLOCKS)
+        index.evicted((bytes([i]) * 32, 0), i % NUM_BLOCKS)
         tiers.apply(index.take_transfers())
         files = list(tmp_path.iterdir())
         assert sum(f.stat().st_size for f in files) <= bound
-        assert {f.name for f in files} == {file_name(FP, h) for h in index.disk_hashes()}
-    assert len(index.disk_hashes()) == 3
+        assert {f.name for f in files} == {file_name(FP, h) for h, _ in index.disk_blocks()}
+    assert len(index.disk_blocks()) == 3
 
 
 def test_config_budgets_that_hold_no_block_are_refused(tmp_path):
