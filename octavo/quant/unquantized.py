@@ -171,6 +171,17 @@ def _table_kernel_name(ways: dict[int, str]) -> str:
     return f"rows {kernel.isa if kernel else '?'} + " + ", ".join(f"<= {b} rows {w}" for b, w in ways.items())
 
 
+class PreparedExpertsMethod(UnquantizedMoEMethod):
+    """Float experts whose prepared weight holds each expert's two products (``gate_up``, ``down``: lists of
+    callables ``rows -> rows @ W^T``), made after loading; the plain products until then."""
+
+    def products(self, layer: nn.Module) -> tuple[Callable[[int], ExpertProduct], Callable[[int], ExpertProduct]]:
+        prepared = layer.prepared
+        if prepared is None:
+            return super().products(layer)
+        return lambda e: prepared.gate_up[e], lambda e: prepared.down[e]
+
+
 @dataclass
 class PlannedExperts:
     """Every expert's two products as the measured table plans them, on views of the stacked weights."""
@@ -179,7 +190,7 @@ class PlannedExperts:
     down: list[PlannedWeight]
 
 
-class TableMoEMethod(UnquantizedMoEMethod):
+class TableMoEMethod(PreparedExpertsMethod):
     """bf16 experts on a CPU without AMX: kept plain (the few-row kernel reads the stacked weights), and an
     expert given more rows multiplied by the way ``table`` measured fastest for its shape, as a dense
     layer's weight is, rather than by ``F.linear``, which reorders a bf16 weight for oneDNN on every call."""
@@ -196,12 +207,6 @@ class TableMoEMethod(UnquantizedMoEMethod):
             return [make_copies(w, ways) for w in stacked.detach()]
 
         return PreparedWeight(PlannedExperts(planned(layer.w13_weight), planned(layer.w2_weight)))
-
-    def products(self, layer: nn.Module) -> tuple[Callable[[int], ExpertProduct], Callable[[int], ExpertProduct]]:
-        planned: Optional[PlannedExperts] = layer.prepared
-        if planned is None:
-            return super().products(layer)
-        return lambda e: planned.gate_up[e], lambda e: planned.down[e]
 
     def kernel_name(self, layer: nn.Module) -> str:
         planned: Optional[PlannedExperts] = layer.prepared
@@ -235,7 +240,7 @@ class PackedExperts:
         self.grouped = GroupedProducts(product(self.gate_up), product(self.down), SMALL_ROWS)
 
 
-class PackedMoEMethod(UnquantizedMoEMethod):
+class PackedMoEMethod(PreparedExpertsMethod):
     """bf16 experts on a CPU, each expert's products prepacked for oneDNN once after loading (the stacked
     plain weights released: no second copy), as the dense layers' are: ``F.linear`` on a plain bf16
     weight reorders it on every call, 58 MB per call for one of Mixtral's (halved) experts. Experts given
@@ -259,12 +264,6 @@ class PackedMoEMethod(UnquantizedMoEMethod):
         if packed is None:
             return super().apply(layer, x, topk_weights, topk_ids)
         return run_routed(layer, x, topk_weights, topk_ids, *self.products(layer), packed.grouped)
-
-    def products(self, layer: nn.Module) -> tuple[Callable[[int], ExpertProduct], Callable[[int], ExpertProduct]]:
-        packed: Optional[PackedExperts] = layer.prepared
-        if packed is None:
-            return super().products(layer)
-        return lambda e: packed.gate_up[e], lambda e: packed.down[e]
 
     def kernel_name(self, layer: nn.Module) -> str:
         packed: Optional[PackedExperts] = layer.prepared
