@@ -12,6 +12,7 @@ import torch
 from octavo.kernels.amx_linear import amx_linear_kernel
 from octavo.kernels.bf16_linear import bf16_linear_kernel
 from octavo.kernels.quant_linear import quant_linear_kernel
+from octavo.kernels import cpu_features
 from octavo.kernels.cpu_features import TARGETS
 from octavo.kernels.qdot_linear import qdot_linear_kernel
 from octavo.model.config import ExpertsConfig
@@ -178,6 +179,24 @@ def test_bf16_experts_give_the_plain_products_at_many_rows(kind, tmp_path):
     """Experts given 0 to 33 rows, within bf16 rounding of per-expert F.linear on the plain weights. Prepacked
     (the plain weights released; the AMX kernel for all the experts in one call where the CPU has it): the
     bits of one packed product per expert. On the table: the plain weights kept."""
+    _check_bf16_experts(kind, tmp_path)
+
+
+@pytest.mark.parametrize("target_name", X86_AND_PORTABLE)
+def test_table_planned_experts_under_each_target(target_name, monkeypatch, tmp_path):
+    """The table's ways and the few-row kernel as each CPU target builds them (forced as OCTAVO_CPU_TARGET
+    would; the table measured afresh)."""
+    runnable(target_name)
+    monkeypatch.setenv("OCTAVO_CPU_TARGET", target_name)
+    cpu_features.cpu_target.cache_clear()
+    try:
+        _check_bf16_experts("table", tmp_path)
+    finally:
+        monkeypatch.delenv("OCTAVO_CPU_TARGET")
+        cpu_features.cpu_target.cache_clear()
+
+
+def _check_bf16_experts(kind: str, tmp_path) -> None:
     layer, w13, w2 = _counted_layer(_bf16_method(kind, tmp_path))
     x, weights, ids = _counted_routes()
     out = layer(x, weights, ids)
