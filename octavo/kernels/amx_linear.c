@@ -66,6 +66,36 @@ int octavo_amx_linear(const uint16_t *a, const uint16_t *w, const uint16_t *bias
     return 0;
 }
 
+/* A mixture of experts' products, every expert in one call: out[m] = a[m] @ W_{experts[m]}^T, expert e's
+ * weight in the blocked layout above at blocks[e] (each expert prepacked on its own, [N, K] with N padded
+ * to a multiple of 32; K a multiple of 32), rows of one expert next to each other (the caller sorts them
+ * by expert). The threads share the (run, output group) pairs, so each weight group is read once for all
+ * its expert's rows, and only the experts given rows are read. Meant for up to a few row tiles per expert
+ * (the rows of a run are re-read from L2 for each group). Returns 0, or -1 when out of memory. */
+int octavo_amx_linear_experts(const uint16_t *a, const uint16_t *const *blocks, const int64_t *experts, int64_t M,
+                              int64_t K, int64_t N, uint16_t *out) {
+    int64_t runs = 0;
+    uint16_t *tails = NULL;
+    expert_run *run = expert_runs(a, experts, M, K, &runs, &tails);
+    if (run == NULL) return -1;
+    const int64_t groups = (N + 31) / 32;
+#pragma omp parallel
+    {
+        configure_tiles(16);
+        float acc[4][256] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < runs * groups; item++) {
+            const expert_run *r = run + item / groups;
+            const int64_t g = item % groups;
+            multiply_run(a, r, blocks[experts[r->start]] + g * 32 * K, K, N, g, out, acc);
+        }
+        _tile_release();
+    }
+    free(tails);
+    free(run);
+    return 0;
+}
+
 #else
 
 int octavo_amx_available(void) { return 0; }
@@ -73,6 +103,13 @@ int octavo_amx_available(void) { return 0; }
 int octavo_amx_linear(const uint16_t *a, const uint16_t *w, const uint16_t *bias, int64_t M, int64_t K, int64_t N,
                       uint16_t *out) {
     (void)a, (void)w, (void)bias, (void)M, (void)K, (void)N, (void)out;
+    abort(); /* unreachable: the Python side checks octavo_amx_available() first */
+}
+
+
+int octavo_amx_linear_experts(const uint16_t *a, const uint16_t *const *blocks, const int64_t *experts, int64_t M,
+                              int64_t K, int64_t N, uint16_t *out) {
+    (void)a, (void)blocks, (void)experts, (void)M, (void)K, (void)N, (void)out;
     abort(); /* unreachable: the Python side checks octavo_amx_available() first */
 }
 

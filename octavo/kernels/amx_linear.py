@@ -42,6 +42,8 @@ class AmxLinearKernel:
     def __init__(self, lib: ctypes.CDLL) -> None:
         lib.octavo_amx_linear.argtypes = [_P, _P, _P, _I, _I, _I, _P]
         lib.octavo_amx_linear.restype = ctypes.c_int
+        lib.octavo_amx_linear_experts.argtypes = [_P, _P, _P, _I, _I, _I, _P]
+        lib.octavo_amx_linear_experts.restype = ctypes.c_int
         self.lib = lib
 
     @staticmethod
@@ -61,6 +63,27 @@ class AmxLinearKernel:
         if found is None or not torch.equal(found.view(torch.int16), expected.view(torch.int16)):
             return None
         return AmxWeight(self.lib, found, *weight.shape, owner=packed)
+
+    def experts(self, rows: torch.Tensor, blocks: torch.Tensor, experts: torch.Tensor,
+                out_features: int) -> torch.Tensor:
+        """Row m of ``rows`` [M, K] (CPU bf16, K a multiple of 32) times the weight [out_features, K] of expert
+        ``experts[m]`` (int64 [M], rows of one expert next to each other) -> [M, out_features] bf16.
+        ``blocks``: an int64 table [experts] of the addresses of each expert's weight in the blocked layout
+        (``AmxWeight.blocks``); the tensors behind it must outlive the call."""
+        m, k = rows.shape
+        if rows.dtype != torch.bfloat16 or not rows.is_cpu or k % K_BLOCK:
+            raise ValueError(f"rows must be a CPU bfloat16 tensor [M, K] with K a multiple of {K_BLOCK}; got "
+                             f"{rows.dtype} {tuple(rows.shape)} on {rows.device}")
+        if tuple(experts.shape) != (m,) or experts.dtype != torch.int64:
+            raise ValueError(f"experts must be int64 [{m}]; got {experts.dtype} {tuple(experts.shape)}")
+        if blocks.dtype != torch.int64 or blocks.dim() != 1:
+            raise ValueError(f"blocks must be an int64 table [experts]; got {blocks.dtype} {tuple(blocks.shape)}")
+        rows, experts = rows.contiguous(), experts.contiguous()
+        out = torch.empty(m, out_features, dtype=torch.bfloat16)
+        if m and launch(self.lib.octavo_amx_linear_experts, rows.data_ptr(), blocks.data_ptr(), experts.data_ptr(),
+                        m, k, out_features, out.data_ptr()):
+            raise MemoryError("AMX experts kernel could not allocate its padded row tiles")
+        return out
 
 
 class AmxWeight:

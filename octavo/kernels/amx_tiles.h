@@ -1,13 +1,15 @@
 /* AMX bf16 tile helpers shared by amx_linear.c and quant_linear.c: the
  * tile set-up and one 32-output weight group (blocked as oneDNN's
  * AB16b32a2b: for each block of 32 k's, [16 k-pairs][32 outputs][2 k's])
- * times one or two 16-row activation tiles. Included only where the compiler
+ * times one or two 16-row activation tiles, and a mixture of experts' rows cut
+ * into runs of one expert each. Included only where the compiler
  * targets AMX (see the guard in each .c file). */
 #ifndef OCTAVO_KERNELS_AMX_TILES_H
 #define OCTAVO_KERNELS_AMX_TILES_H
 
 #include <immintrin.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -114,6 +116,56 @@ static inline void multiply_block(const uint16_t *a, const uint16_t *tail, int64
         store_tile(acc[2 * h], bias0, rows, cols0, out + row * N + n0, N);
         if (cols1) store_tile(acc[2 * h + 1], bias1, rows, cols1, out + row * N + n0 + 16, N);
     }
+}
+
+/* A mixture of experts' rows, sorted by expert (the caller's order): one run per expert, its rows in
+ * tiles of 16. A run's last, partial tile is copied zero-padded (`tail`), so every tile load stays
+ * inside the run's own rows and one tile configuration (16 rows) serves every run. */
+typedef struct {
+    int64_t start, rows; /* rows start .. start + rows - 1 of the call */
+    const uint16_t *tail; /* the zero-padded last tile; NULL when rows is a multiple of 16 */
+} expert_run;
+
+/* The runs of x [M, K] given each row's expert; *tails holds the padded tiles (the caller frees it and
+ * the result). At most M runs and M padded tiles. Returns NULL when out of memory. */
+static expert_run *expert_runs(const uint16_t *x, const int64_t *experts, int64_t M, int64_t K, int64_t *count,
+                               uint16_t **tails) {
+    expert_run *runs = malloc((size_t)(M > 0 ? M : 1) * sizeof *runs);
+    int64_t n = 0, partial = 0;
+    if (runs == NULL) return NULL;
+    for (int64_t m = 0; m < M; m++)
+        if (m == 0 || experts[m] != experts[m - 1]) runs[n++].start = m;
+    for (int64_t j = 0; j < n; j++) {
+        runs[j].rows = (j + 1 < n ? runs[j + 1].start : M) - runs[j].start;
+        partial += runs[j].rows % 16 != 0;
+    }
+    *tails = aligned_alloc(64, (size_t)((partial > 0 ? partial : 1) * 16 * K * 2));
+    if (*tails == NULL) {
+        free(runs);
+        return NULL;
+    }
+    uint16_t *tail = *tails;
+    for (int64_t j = 0; j < n; j++) {
+        const int64_t left = runs[j].rows % 16;
+        runs[j].tail = NULL;
+        if (left == 0) continue;
+        memset(tail, 0, (size_t)(16 * K * 2));
+        memcpy(tail, x + (runs[j].start + runs[j].rows - left) * K, (size_t)(left * K * 2));
+        runs[j].tail = tail;
+        tail += 16 * K;
+    }
+    *count = n;
+    return runs;
+}
+
+/* A run's rows times weight group g (outputs 32g .. 32g + 31, blocked from `wg`) into the run's rows
+ * of out [M, N]; the tiles configured for 16 rows. */
+static void multiply_run(const uint16_t *x, const expert_run *run, const uint16_t *wg, int64_t K, int64_t N,
+                         int64_t g, uint16_t *out, float acc[4][256]) {
+    const int64_t full = run->rows / 16, tiles = full + (run->tail != NULL);
+    for (int64_t t = 0; t < tiles; t += 2)
+        multiply_block(x + run->start * K, run->tail, full, t, t + 1 < tiles, wg, NULL, run->rows, K, N, g,
+                       out + run->start * N, acc);
 }
 
 #endif

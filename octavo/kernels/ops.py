@@ -35,9 +35,12 @@ _LIB = torch.library.Library("octavo", "DEF")
 _LIB.define("bf16_linear(Tensor x, Tensor weight, Tensor? bias, bool widen=False) -> Tensor")
 _LIB.define("bf16_linear_experts(Tensor rows, Tensor weights, Tensor experts) -> Tensor")
 _LIB.define("amx_linear(Tensor x, Tensor blocks, Tensor? bias, int out_features) -> Tensor")
+_LIB.define("amx_linear_experts(Tensor rows, Tensor blocks, Tensor experts, int out_features) -> Tensor")
 _LIB.define("bf16_gemm(Tensor x, Tensor weight, Tensor? bias, bool dot) -> Tensor")
 _LIB.define("quant_linear(Tensor rows, int bits, int group_size, Tensor packed, Tensor scales, Tensor? mins, "
             "Tensor? bias, int out_features, bool amx) -> Tensor")
+_LIB.define("quant_linear_experts(Tensor rows, Tensor experts, int bits, int group_size, Tensor packed, "
+            "Tensor scales, Tensor? mins, int out_features) -> Tensor")
 _LIB.define("qdot_linear(Tensor rows, int bits, int group_size, Tensor packed, Tensor scales, Tensor? mins, "
             "Tensor? bias, int out_features) -> Tensor")
 _LIB.define("qdot_linear_experts(Tensor rows, Tensor experts, int bits, int group_size, Tensor packed, "
@@ -85,11 +88,27 @@ def amx_linear(x: torch.Tensor, blocks: torch.Tensor, bias: Optional[torch.Tenso
     return amx_multiply(amx_linear_kernel(required=True).lib, x, blocks, bias, out_features)
 
 
+def amx_linear_experts(rows: torch.Tensor, blocks: torch.Tensor, experts: torch.Tensor,
+                       out_features: int) -> torch.Tensor:
+    """Row m times expert ``experts[m]``'s weight in the AMX blocked layout, found through the table of addresses
+    ``blocks``, by amx_linear.c: a mixture of experts' products at a few row tiles per expert in one call."""
+    return amx_linear_kernel(required=True).experts(rows, blocks, experts, out_features)
+
+
 def quant_linear(rows: torch.Tensor, bits: int, group_size: int, packed: torch.Tensor, scales: torch.Tensor,
                  mins: Optional[torch.Tensor], bias: Optional[torch.Tensor], out_features: int,
                  amx: bool) -> torch.Tensor:
     """rows [M, K] @ an int8/int4 weight packed by octavo/kernels/quant_linear.py, by quant_linear.c."""
     return quant_linear_kernel(required=True)(rows, bits, group_size, packed, scales, mins, bias, out_features, amx)
+
+
+def quant_linear_experts(rows: torch.Tensor, experts: torch.Tensor, bits: int, group_size: int, packed: torch.Tensor,
+                         scales: torch.Tensor, mins: Optional[torch.Tensor], out_features: int) -> torch.Tensor:
+    """Row m (bf16) times expert ``experts[m]``'s int8/int4 weight, every expert's weight found through tables of
+    addresses, dequantized a group at a time onto AMX tiles by quant_linear.c: a mixture of experts' products
+    at many rows per expert in one call."""
+    return quant_linear_kernel(required=True).amx_experts(rows, experts, bits, group_size, packed, scales, mins,
+                                                          out_features)
 
 
 def qdot_linear(rows: torch.Tensor, bits: int, group_size: int, packed: torch.Tensor, scales: torch.Tensor,
@@ -154,8 +173,10 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 _LIB.impl("bf16_linear", bf16_linear, "CPU")
 _LIB.impl("bf16_linear_experts", bf16_linear_experts, "CPU")
 _LIB.impl("amx_linear", amx_linear, "CPU")
+_LIB.impl("amx_linear_experts", amx_linear_experts, "CPU")
 _LIB.impl("bf16_gemm", bf16_gemm, "CPU")
 _LIB.impl("quant_linear", quant_linear, "CPU")
+_LIB.impl("quant_linear_experts", quant_linear_experts, "CPU")
 _LIB.impl("qdot_linear", qdot_linear, "CPU")
 _LIB.impl("qdot_linear_experts", qdot_linear_experts, "CPU")
 _LIB.impl("w8a8_linear", w8a8_linear, "CPU")
@@ -186,10 +207,23 @@ def _amx_linear_fake(x: torch.Tensor, blocks: torch.Tensor, bias: Optional[torch
     return x.new_empty((*x.shape[:-1], out_features))
 
 
+@torch.library.register_fake("octavo::amx_linear_experts")
+def _amx_linear_experts_fake(rows: torch.Tensor, blocks: torch.Tensor, experts: torch.Tensor,
+                             out_features: int) -> torch.Tensor:
+    return rows.new_empty((rows.shape[0], out_features))
+
+
 @torch.library.register_fake("octavo::quant_linear")
 def _quant_linear_fake(rows: torch.Tensor, bits: int, group_size: int, packed: torch.Tensor, scales: torch.Tensor,
                        mins: Optional[torch.Tensor], bias: Optional[torch.Tensor], out_features: int,
                        amx: bool) -> torch.Tensor:
+    return rows.new_empty((rows.shape[0], out_features))
+
+
+@torch.library.register_fake("octavo::quant_linear_experts")
+def _quant_linear_experts_fake(rows: torch.Tensor, experts: torch.Tensor, bits: int, group_size: int,
+                               packed: torch.Tensor, scales: torch.Tensor, mins: Optional[torch.Tensor],
+                               out_features: int) -> torch.Tensor:
     return rows.new_empty((rows.shape[0], out_features))
 
 

@@ -353,6 +353,47 @@ int octavo_qlinear_amx(const uint16_t *x, int64_t M, int64_t K, int64_t N, const
     return failed ? -1 : 0;
 }
 
+/* A mixture of experts' products on AMX tiles, every expert in one call: out[m] = x[m] @ dequant(W_e)^T for
+ * e = experts[m], expert e's weight at packed[e], scales[e], mins[e] (mins NULL: none has them), all of one
+ * shape, rows of one expert next to each other. The threads share the (run, output group) pairs: each
+ * group is dequantized once for all its expert's rows, as octavo_qlinear_amx does for a layer's.
+ * N and K multiples of 32. Returns 0, or -1 on allocation failure. */
+int octavo_qlinear_amx_experts(const uint16_t *x, int64_t M, int64_t K, int64_t N, const int64_t *experts,
+                               const void *const *packed, int bits, int64_t group, const float *const *scales,
+                               const float *const *mins, uint16_t *out) {
+    int64_t runs = 0;
+    uint16_t *tails = NULL;
+    expert_run *run = expert_runs(x, experts, M, K, &runs, &tails);
+    if (run == NULL) return -1;
+    const int64_t groups = N / 32;
+    int failed = 0;
+#pragma omp parallel
+    {
+        uint16_t *buf = aligned_alloc(64, (size_t)(64 * K));
+        if (buf != NULL) configure_tiles(16);
+        float acc[4][256] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < runs * groups; item++) {
+            if (buf == NULL) {
+#pragma omp atomic write
+                failed = 1;
+                continue;
+            }
+            const expert_run *r = run + item / groups;
+            const int64_t g = item % groups, e = experts[r->start];
+            dequant_group(packed[e], bits, K, group, scales[e], mins ? mins[e] : NULL, g, buf);
+            multiply_run(x, r, buf, K, N, g, out, acc);
+        }
+        if (buf != NULL) {
+            _tile_release();
+            free(buf);
+        }
+    }
+    free(tails);
+    free(run);
+    return failed ? -1 : 0;
+}
+
 #else
 
 int octavo_qlinear_amx_available(void) { return 0; }
@@ -361,6 +402,14 @@ int octavo_qlinear_amx(const uint16_t *x, int64_t M, int64_t K, int64_t N, const
                        const float *scales, const float *mins, const uint16_t *bias, uint16_t *out) {
     (void)x, (void)M, (void)K, (void)N, (void)w, (void)bits, (void)group, (void)scales, (void)mins, (void)bias;
     (void)out;
+    abort(); /* unreachable: the Python side checks octavo_qlinear_amx_available() first */
+}
+
+int octavo_qlinear_amx_experts(const uint16_t *x, int64_t M, int64_t K, int64_t N, const int64_t *experts,
+                               const void *const *packed, int bits, int64_t group, const float *const *scales,
+                               const float *const *mins, uint16_t *out) {
+    (void)x, (void)M, (void)K, (void)N, (void)experts, (void)packed, (void)bits, (void)group, (void)scales;
+    (void)mins, (void)out;
     abort(); /* unreachable: the Python side checks octavo_qlinear_amx_available() first */
 }
 

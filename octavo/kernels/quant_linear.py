@@ -65,6 +65,8 @@ class QuantLinearKernel:
         lib.octavo_qlinear_fma.restype = _C
         lib.octavo_qlinear_amx.argtypes = [_P, _I, _I, _I, _P, _C, _I, _P, _P, _P, _P]
         lib.octavo_qlinear_amx.restype = _C
+        lib.octavo_qlinear_amx_experts.argtypes = [_P, _I, _I, _I, _P, _P, _C, _I, _P, _P, _P]
+        lib.octavo_qlinear_amx_experts.restype = _C
         lib.octavo_qlinear_isa.restype = ctypes.c_char_p
         self._lib = lib
         self.isa: str = lib.octavo_qlinear_isa().decode()
@@ -95,6 +97,28 @@ class QuantLinearKernel:
                                                   bias_ptr, out.data_ptr())
         if failed:
             raise MemoryError("quantized linear kernel could not allocate its row buffers")
+        return out
+
+
+    def amx_experts(self, rows: torch.Tensor, experts: torch.Tensor, bits: int, group: int, packed: torch.Tensor,
+                    scales: torch.Tensor, mins: Optional[torch.Tensor], out_features: int) -> torch.Tensor:
+        """Row m of ``rows`` [M, K] (bf16, K a multiple of 32) times the dequantized weight of expert
+        ``experts[m]`` (int64 [M], rows of one expert next to each other) on AMX tiles -> [M, out_features]
+        (a multiple of 32). ``packed``, ``scales``, ``mins``: int64 tables [experts] of the addresses of
+        each expert's packed weight and its factors (``mins`` None: no expert has them); the tensors behind
+        them must outlive the call. Only where ``has_amx``."""
+        m, k = rows.shape
+        if rows.dtype != torch.bfloat16 or k % 32 or out_features % 32:
+            raise ValueError(f"rows must be bfloat16 [M, K] with K and out_features multiples of 32; got "
+                             f"{rows.dtype} {tuple(rows.shape)}, out_features {out_features}")
+        if tuple(experts.shape) != (m,) or experts.dtype != torch.int64:
+            raise ValueError(f"experts must be int64 [{m}]; got {experts.dtype} {tuple(experts.shape)}")
+        rows, experts = rows.contiguous(), experts.contiguous()
+        out = torch.empty(m, out_features, dtype=rows.dtype)
+        if m and launch(self._lib.octavo_qlinear_amx_experts, rows.data_ptr(), m, k, out_features, experts.data_ptr(),
+                        packed.data_ptr(), bits, group, scales.data_ptr(), None if mins is None else mins.data_ptr(),
+                        out.data_ptr()):
+            raise MemoryError("quantized AMX experts kernel could not allocate its buffers")
         return out
 
 

@@ -4,14 +4,19 @@ linear kernels (a pre-quantized checkpoint's experts: quant/prequantized.py).
 
 Both run the same way: the (token, choice) pairs are sorted by expert, so each expert's rows are
 one contiguous slice; one gate/up product, the activation and one down product per expert that has
-rows, then a weighted scatter-add back to the tokens. Experts no token chose cost nothing and their
+rows, then the weighted results summed per token. Experts no token chose cost nothing and their
 weights are never read (at batch 1 only ``top_k`` experts' bytes are). The experts given few rows
 (decode) go through one call per product for all of them (``GroupedProducts``: quantized experts
 with int8 rows on qdot_linear.c, bf16 ones on bf16_linear.c) rather than one per expert: on
 Qwen3-30B-A3B's layer at one token that is 1.8x less CPU time in bf16 (``F.linear`` reorders a bf16
-weight for oneDNN on every call) and 1.3x in int4 (benchmarks/moe.py --layer, BENCHMARKS.md)."""
+weight for oneDNN on every call) and 1.3x in int4 (benchmarks/moe.py --layer, BENCHMARKS.md). The
+experts given more rows (a batch of many requests over few experts: Mixtral's 8 take ~8 rows each at
+32 requests) go through a second grouped call where there is one (``many``: quantized experts with
+bf16 rows on AMX tiles), and bf16 experts prepacked for oneDNN take the AMX kernel up to 64 rows
+(quant/unquantized.py's ``PackedMoEMethod``)."""
 from __future__ import annotations
 
+import sys
 from abc import ABC
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
@@ -25,7 +30,7 @@ from octavo.kernels.bf16_linear import bf16_linear_kernel
 from octavo.kernels.qdot_linear import QdotLinearKernel
 from octavo.quant.base import FusedMoEMethod, PreparedWeight, set_weight_attrs
 from octavo.quant.prequantized_weight import KernelWeight
-from octavo.quant.qweights import QDOT_ROWS, QuantizedWeight
+from octavo.quant.qweights import FMA_ROWS, QDOT_ROWS, QuantizedWeight
 
 # One expert's product: rows [n, in] -> [n, out].
 ExpertProduct = Callable[[torch.Tensor], torch.Tensor]
@@ -34,20 +39,23 @@ ExpertProduct = Callable[[torch.Tensor], torch.Tensor]
 @dataclass(frozen=True)
 class GroupedProduct:
     """One product (gate/up or down) of every expert, multiplied for rows of several experts in one call
-    (qdot_linear.c's experts kernel), the experts' weights reached through tables of their addresses."""
+    (qdot_linear.c's experts kernel, or with ``amx`` quant_linear.c's on AMX tiles), the experts' weights
+    reached through tables of their addresses."""
 
     weights: list[QuantizedWeight]  # held here: the tables point into their tensors
     packed: torch.Tensor  # int64 [experts]: the address of each expert's packed weight
     scales: torch.Tensor
     mins: Optional[torch.Tensor]
+    amx: bool = False
 
     @classmethod
-    def of(cls, weights: Sequence[QuantizedExpert]) -> Optional[GroupedProduct]:
-        """None where the kernel cannot take every expert of ``weights``: one not on the integer-dot-product
-        path (float rows asked for, a shape it does not take, act-order, dequantized or W8A8 weights), or
-        experts of different shapes, bits or group sizes."""
-        if not weights or not all(isinstance(w, QuantizedWeight) and w.qdot is not None and w.perm is None
-                                  for w in weights):
+    def of(cls, weights: Sequence[QuantizedExpert], amx: bool = False) -> Optional[GroupedProduct]:
+        """None where the kernel cannot take every expert of ``weights``: one not on its path (the integer
+        dot products: float rows asked for, a shape it does not take; AMX: a CPU without it, a shape it does
+        not take), act-order, dequantized or W8A8 weights, or experts of different shapes, bits or group
+        sizes."""
+        if not weights or not all(isinstance(w, QuantizedWeight) and (w.amx if amx else w.qdot is not None)
+                                  and w.perm is None for w in weights):
             return None
         first = weights[0]
         shape = (first.bits, first.group_size, first.out_features, first.in_features, first.mins is None)
@@ -58,11 +66,15 @@ class GroupedProduct:
             return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64)
 
         mins = None if first.mins is None else table([w.mins for w in weights])
-        return cls(list(weights), table([w.packed for w in weights]), table([w.scales for w in weights]), mins)
+        return cls(list(weights), table([w.packed for w in weights]), table([w.scales for w in weights]), mins, amx)
 
     def __call__(self, rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """Row m [M, in] times expert ``experts[m]`` (rows of one expert together) -> [M, out]."""
         first = self.weights[0]
+        if self.amx:
+            return ops.call(ops.quant_linear_experts, torch.ops.octavo.quant_linear_experts, rows.contiguous(),
+                            experts, first.bits, first.group_size, self.packed, self.scales, self.mins,
+                            first.out_features)
         return ops.call(first.qdot.experts, torch.ops.octavo.qdot_linear_experts, rows.contiguous(), experts,
                         first.bits, first.group_size, self.packed, self.scales, self.mins, first.out_features)
 
@@ -74,12 +86,13 @@ ExpertsProduct = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 @dataclass(frozen=True)
 class GroupedProducts:
-    """Both products of every expert, each one call for the rows of all the experts given at most
-    ``max_rows`` rows (the kernels' few-row paths)."""
+    """Both products of every expert, each one call for the rows of all the experts given ``min_rows`` to
+    ``max_rows`` rows (the kernels' few-row paths; the many-row ones from ``min_rows``)."""
 
     gate_up: ExpertsProduct
     down: ExpertsProduct
     max_rows: int
+    min_rows: int = 1
 
     def run(self, layer: nn.Module, rows: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """Each row through its expert's gated MLP: rows sorted by expert, ``experts`` their experts."""
@@ -89,12 +102,13 @@ class GroupedProducts:
 
 def run_routed(layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                gate_up: Callable[[int], ExpertProduct], down: Callable[[int], ExpertProduct],
-               grouped: Optional[GroupedProducts] = None) -> torch.Tensor:
+               grouped: Optional[GroupedProducts] = None, many: Optional[GroupedProducts] = None) -> torch.Tensor:
     """sum over k of ``topk_weights[t, k] * expert_{topk_ids[t, k]}(x[t])``, each expert's products
     given by ``gate_up(e)`` and ``down(e)`` (``e`` counted from the layer's ``expert_start``), or, for
     the experts given at most ``grouped.max_rows`` rows, by ``grouped``'s one call per product for all
-    of them. The pairs routed to experts the layer does not hold (another rank's, under expert
-    parallelism) are left out: their tokens get nothing from here."""
+    of them, and for the others given ``many.min_rows`` to ``many.max_rows`` rows by ``many``'s. The
+    pairs routed to experts the layer does not hold (another rank's, under expert parallelism) are left
+    out: their tokens get nothing from here."""
     top_k = topk_ids.shape[1]
     local = topk_ids.flatten() - layer.expert_start
     if grouped is not None and layer.num_experts == layer.total_experts and topk_ids.shape[0] <= grouped.max_rows:
@@ -103,7 +117,7 @@ def run_routed(layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, to
         order = local.argsort(stable=True)
         rows_of = order // top_k
         out = grouped.run(layer, x.index_select(0, rows_of), local.index_select(0, order))
-        return _weighted_sum(x, out, topk_weights, order, rows_of)
+        return _weighted_sum(out, topk_weights, order)
     pairs = None  # which (token, choice) pairs run here: all of them
     if layer.num_experts < layer.total_experts:
         pairs = ((local >= 0) & (local < layer.num_experts)).nonzero().flatten()
@@ -117,26 +131,31 @@ def run_routed(layer: nn.Module, x: torch.Tensor, topk_weights: torch.Tensor, to
     routed = x.index_select(0, rows_of)
     out = torch.empty_like(routed)
     looped = counts > 0  # the experts multiplied one call each
-    if grouped is not None:
-        few = looped & (counts <= grouped.max_rows)
-        looped &= ~few
-        rows = few.index_select(0, experts).nonzero().flatten()
+    for products in (p for p in (grouped, many) if p is not None):
+        taken = looped & (counts >= products.min_rows) & (counts <= products.max_rows)
+        looped &= ~taken
+        rows = taken.index_select(0, experts).nonzero().flatten()
         chosen = experts.index_select(0, rows)
-        out.index_copy_(0, rows, grouped.run(layer, routed.index_select(0, rows), chosen))
+        out.index_copy_(0, rows, products.run(layer, routed.index_select(0, rows), chosen))
     starts = counts.cumsum(0) - counts
     for expert, start, count in zip(looped.nonzero().flatten().tolist(), starts[looped].tolist(),
                                     counts[looped].tolist()):
         rows = slice(start, start + count)
         gate, up = gate_up(expert)(routed[rows]).chunk(2, dim=-1)
         out[rows] = down(expert)(layer.activation(gate) * up)
-    return _weighted_sum(x, out, topk_weights, order, rows_of)
+    return _weighted_sum(out, topk_weights, order)
 
 
-def _weighted_sum(x: torch.Tensor, out: torch.Tensor, topk_weights: torch.Tensor, order: torch.Tensor,
-                  rows_of: torch.Tensor) -> torch.Tensor:
-    """Each sorted pair's result ``out`` times its routing weight, summed into its token's row."""
+def _weighted_sum(out: torch.Tensor, topk_weights: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """Each sorted pair's result ``out`` (``order``: its (token, choice) index) times its routing weight, summed
+    into its token's row. The pairs are put back in (token, choice) order and summed over the choices, rather
+    than added into the tokens' rows one by one: ``index_add_`` on a bf16 CPU tensor adds a row at a time, which
+    took 2 of the 9 s of Mixtral's offline run at 32 requests (2048 prompt tokens, loaded)."""
     out.mul_(topk_weights.flatten().index_select(0, order).unsqueeze(1).to(out.dtype))
-    return torch.zeros_like(x).index_add_(0, rows_of, out)
+    tokens, top_k = topk_weights.shape
+    # Pairs this rank does not run (another's experts) stay zero.
+    pairs = out.new_zeros(tokens * top_k, out.shape[1]) if out.shape[0] < tokens * top_k else torch.empty_like(out)
+    return pairs.index_copy_(0, order, out).view(tokens, top_k, -1).sum(dim=1)
 
 
 # Rows of one expert up to which bf16 experts take the few-row kernel: its tiles share a weight load
@@ -188,16 +207,23 @@ QuantizedExpert = KernelWeight
 @dataclass
 class QuantizedExperts:
     """Every expert's two products as quantized weights, for the linear kernels, and both as grouped
-    products where the experts kernel takes them (None elsewhere)."""
+    products where the experts kernels take them (None elsewhere): ``grouped`` at few rows, ``many``
+    (bf16 rows) beyond."""
 
     gate_up: list[QuantizedExpert]
     down: list[QuantizedExpert]
     grouped: Optional[GroupedProducts] = field(init=False)
+    many: Optional[GroupedProducts] = field(init=False)
 
     def __post_init__(self) -> None:
         # At most QDOT_ROWS rows a per-expert product takes the same kernel's path: the same sums.
         gate_up, down = GroupedProduct.of(self.gate_up), GroupedProduct.of(self.down)
         self.grouped = None if gate_up is None or down is None else GroupedProducts(gate_up, down, QDOT_ROWS)
+        # Past FMA_ROWS bf16 rows a per-expert product goes to AMX tiles too, at any number of rows (as a
+        # dense layer's): the same sums, one call for every such expert.
+        gate_up, down = GroupedProduct.of(self.gate_up, amx=True), GroupedProduct.of(self.down, amx=True)
+        self.many = None if gate_up is None or down is None else \
+            GroupedProducts(gate_up, down, max_rows=sys.maxsize, min_rows=FMA_ROWS + 1)
 
 
 class QuantizedExpertsMethod(FusedMoEMethod, ABC):
@@ -208,7 +234,8 @@ class QuantizedExpertsMethod(FusedMoEMethod, ABC):
               topk_ids: torch.Tensor) -> torch.Tensor:
         experts: QuantizedExperts = layer.prepared
         grouped = experts.grouped if x.is_cpu and QdotLinearKernel.supports(x.dtype) else None
-        return run_routed(layer, x, topk_weights, topk_ids, *self.products(layer), grouped)
+        many = experts.many if x.is_cpu and x.dtype == torch.bfloat16 else None
+        return run_routed(layer, x, topk_weights, topk_ids, *self.products(layer), grouped, many)
 
     def products(self, layer: nn.Module) -> tuple[Callable[[int], ExpertProduct], Callable[[int], ExpertProduct]]:
         """Each expert's gate/up and down products, one call per expert."""

@@ -1,13 +1,18 @@
-"""A mixture of experts' products at decode in one call per product (quant/moe.py's GroupedProducts):
+"""A mixture of experts' products in one call per product (quant/moe.py's GroupedProducts): at decode
 the experts kernels of qdot_linear.c (int8/int4 weights, int8-rounded rows) and bf16_linear.c (bf16
-weights), under every CPU target this machine runs, against torch references; and a layer's output
-through them equal to its output through one product per expert."""
+weights), under every CPU target this machine runs, against torch references; at many rows an expert
+the AMX ones (bf16 experts prepacked, quantized ones dequantized onto tiles; their kernels:
+tests/kernels/test_amx_experts.py); a layer's output through them equal to its output through one
+product per expert, and bf16 within rounding of the plain products."""
 from __future__ import annotations
 
 import pytest
 import torch
 
+from octavo.kernels.amx_linear import amx_linear_kernel
 from octavo.kernels.bf16_linear import bf16_linear_kernel
+from octavo.kernels.quant_linear import quant_linear_kernel
+from octavo.kernels import cpu_features
 from octavo.kernels.cpu_features import TARGETS
 from octavo.kernels.qdot_linear import qdot_linear_kernel
 from octavo.model.config import ExpertsConfig
@@ -15,12 +20,17 @@ from octavo.model.layers.moe import FusedMoE
 from octavo.model.loader import default_dtype
 from octavo.quant.moe import QuantizedExperts, QuantizedMoEMethod, run_routed
 from octavo.quant.onthefly import quantize_int4, quantize_int8
+from octavo.quant.linear_table import LinearTable
+from octavo.quant.unquantized import PackedMoEMethod, TableMoEMethod, can_pack
 from tests.kernels.test_bf16_linear import assert_close_to_float32, runnable
 from tests.quant.test_qdot import RUNNABLE, _check, _rows, _weight, needs_kernel
 
 X86_AND_PORTABLE = [t.name for t in TARGETS if t.arch in ("x86_64", "any")]
 # The expert of each row, sorted: runs of 1, 2 and 5 rows (the kernels share a weight load among up to 4).
 EXPERTS = [0, 2, 2, 3, 3, 3, 3, 3]
+# Rows given to each expert at many rows: none, one, past the few-row kernels' 4, Mixtral's ~8 at 32
+# requests, and more than two tiles of 16.
+COUNTS = [0, 1, 5, 8, 33]
 
 
 def _tables(weights: list) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -126,3 +136,93 @@ def test_bf16_layer_through_grouped_products_stays_within_bf16_rounding_of_float
         got = layer(x, weights, ids).double()
         # bf16 roundings of the gate/up products, the activation and the result: a few bf16 steps.
         assert (got - expected).abs().max() <= 2**-6 * expected.abs().max(), f"{tokens} tokens"
+
+
+def _counted_layer(method) -> tuple[FusedMoE, torch.Tensor, torch.Tensor]:
+    """A bf16 layer of len(COUNTS) experts, one per token, and its plain stacked weights (cloned before
+    loading finishes: a prepacking method releases them)."""
+    experts = ExpertsConfig(num_experts=len(COUNTS), top_k=1, intermediate_size=64, renormalize=False)
+    with default_dtype(torch.bfloat16):
+        layer = FusedMoE(experts, hidden=96, act="silu", names=("gate_proj", "up_proj", "down_proj"), method=method)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in (layer.w13_weight, layer.w2_weight):
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+    w13, w2 = layer.w13_weight.detach().clone(), layer.w2_weight.detach().clone()
+    layer.finish_loading()
+    return layer, w13, w2
+
+
+def _counted_routes() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x, weights, ids): expert e chosen by COUNTS[e] tokens, in a shuffled order."""
+    gen = torch.Generator().manual_seed(4)
+    ids = torch.tensor([e for e, count in enumerate(COUNTS) for _ in range(count)])
+    ids = ids[torch.randperm(len(ids), generator=gen)].unsqueeze(1)
+    x = torch.randn(len(ids), 96, generator=gen).to(torch.bfloat16)
+    return x, torch.rand(len(ids), 1, generator=gen) + 0.5, ids
+
+
+def _bf16_method(kind: str, tmp_path):
+    """The experts' method a bf16 engine gets: prepacked for oneDNN (with the AMX kernel where the CPU has it), or,
+    as on CPUs without AMX, plain weights multiplied by the ways a measured table picks."""
+    if kind == "packed":
+        if not can_pack(torch.device("cpu"), torch.bfloat16):
+            pytest.skip("needs a CPU with oneDNN bf16 support (AVX-512)")
+        return PackedMoEMethod(amx_linear_kernel())
+    if bf16_linear_kernel() is None:
+        pytest.skip("no C compiler: the kernels cannot be built")
+    return TableMoEMethod(LinearTable(path=tmp_path / "table.json"))
+
+
+@pytest.mark.parametrize("kind", ["packed", "table"])
+def test_bf16_experts_give_the_plain_products_at_many_rows(kind, tmp_path):
+    """Experts given 0 to 33 rows, within bf16 rounding of per-expert F.linear on the plain weights. Prepacked
+    (the plain weights released; the AMX kernel for all the experts in one call where the CPU has it): the
+    bits of one packed product per expert. On the table: the plain weights kept."""
+    _check_bf16_experts(kind, tmp_path)
+
+
+@pytest.mark.parametrize("target_name", X86_AND_PORTABLE)
+def test_table_planned_experts_under_each_target(target_name, monkeypatch, tmp_path):
+    """The table's ways and the few-row kernel as each CPU target builds them (forced as OCTAVO_CPU_TARGET
+    would; the table measured afresh)."""
+    runnable(target_name)
+    monkeypatch.setenv("OCTAVO_CPU_TARGET", target_name)
+    cpu_features.cpu_target.cache_clear()
+    try:
+        _check_bf16_experts("table", tmp_path)
+    finally:
+        monkeypatch.delenv("OCTAVO_CPU_TARGET")
+        cpu_features.cpu_target.cache_clear()
+
+
+def _check_bf16_experts(kind: str, tmp_path) -> None:
+    layer, w13, w2 = _counted_layer(_bf16_method(kind, tmp_path))
+    x, weights, ids = _counted_routes()
+    out = layer(x, weights, ids)
+    if kind == "packed":
+        assert layer.w13_weight.is_meta and layer.w2_weight.is_meta  # replaced, not duplicated
+        assert (layer.prepared.grouped is not None) == (amx_linear_kernel() is not None)
+        assert torch.equal(out, run_routed(layer, x, weights, ids, *layer.method.products(layer)))
+    else:
+        assert not layer.w13_weight.is_meta and "(experts)" in layer.method.kernel_name(layer)
+    plain = torch.zeros(x.shape, dtype=torch.float32)
+    for e in range(len(COUNTS)):
+        rows = (ids[:, 0] == e).nonzero().flatten()
+        gate, up = torch.nn.functional.linear(x[rows], w13[e]).chunk(2, dim=-1)
+        down = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, w2[e])
+        plain[rows] = down.float() * weights[rows]
+    # The kernels sum in another order than F.linear: a few bf16 steps of the result.
+    assert (out.float() - plain).abs().max() <= 2**-6 * plain.abs().max()
+
+
+@needs_kernel
+@pytest.mark.parametrize("quantize", [quantize_int8, lambda w: quantize_int4(w, 32)], ids=["int8", "int4"])
+def test_quantized_experts_at_many_rows_give_one_product_per_experts_bits(quantize):
+    """Experts given more rows than the few-row kernel takes go through one AMX call for all of them where
+    the CPU has AMX (else one product each): the bits of one product per expert either way."""
+    layer, _, _ = _counted_layer(QuantizedMoEMethod(quantize, lambda n, where: None, "experts"))
+    kernel = quant_linear_kernel()
+    assert (layer.prepared.many is not None) == (kernel is not None and kernel.has_amx)
+    x, weights, ids = _counted_routes()
+    assert torch.equal(layer(x, weights, ids), run_routed(layer, x, weights, ids, *layer.method.products(layer)))

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from octavo.kernels.amx_linear import amx_linear_kernel
+from octavo.model.layers.moe import FusedMoE
 from tests.model_factory import VARIANTS
 
 from .runner_utils import Blocks, hf_logits, make_request, make_runner, step
@@ -183,3 +184,44 @@ def test_gemma_and_phi_in_bfloat16(name, backend, variant, hf_model):
     ours = torch.cat(got)
     assert (ours - ref).abs().max().item() < 0.1
     assert (ours.argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.9
+
+
+def _moe_logits(runner, lengths: dict[str, int], tokens: dict[str, list[int]]) -> dict[str, torch.Tensor]:
+    """Every position's logits: the prompts prefilled in one step, then three decode steps of all of them."""
+    blocks = Blocks(runner)
+    requests = {rid: make_request(rid, tokens[rid][:n]) for rid, n in lengths.items()}
+    out = runner.execute_logits(step(*(blocks.chunk(r, 0, r.num_tokens) for r in requests.values())))
+    got = {rid: [out[rid]] for rid in requests}
+    for i in range(3):
+        for rid, r in requests.items():
+            r.append_output_token(tokens[rid][lengths[rid] + i])
+        out = runner.execute_logits(step(*(blocks.chunk(r, r.num_tokens - 1, 1) for r in requests.values())))
+        for rid in requests:
+            got[rid].append(out[rid])
+    return {rid: torch.cat(logits) for rid, logits in got.items()}
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+def test_mixtures_of_experts_in_bfloat16(name, variant, hf_model):
+    """bf16 experts prepacked after loading (the AMX kernel for up to 64 rows an expert, all experts in one
+    call, where the CPU has it; oneDNN beyond): four prompts of 24-150 tokens prefilled in one step
+    (Mixtral's 4 experts then take ~160 rows each, Qwen3-MoE's 8 ~80), then decode steps of all four (8 rows
+    over the experts, past the few-row kernels' 4 an expert). Against ``linear_backend torch`` (``F.linear``
+    per expert on the plain weights), the rest alike: within bf16 rounding everywhere. Against transformers
+    in bf16: its own rounding flips a token's expert at near-ties (the tiny Qwen3-MoE: ~5% of positions,
+    the same on the torch path), so most positions within bf16 rounding and the same argmax."""
+    lengths = {"a": 24, "b": 40, "c": 100, "d": 150}
+    tokens = {rid: _prompt(n + 3, seed=20 + n) for rid, n in lengths.items()}
+    runner = make_runner(variant(name), dtype="bfloat16", **BACKENDS["native"])
+    experts = [m for m in runner.model.modules() if isinstance(m, FusedMoE)]
+    amx_expected = amx_linear_kernel() is not None
+    assert experts and all(m.weight_method.kernel_name(m).startswith("amx") == amx_expected for m in experts)
+    ours = _moe_logits(runner, lengths, tokens)
+    plain_backends = {**BACKENDS["native"], "linear_backend": "torch"}
+    plain = _moe_logits(make_runner(variant(name), dtype="bfloat16", **plain_backends), lengths, tokens)
+    reference = copy.deepcopy(hf_model(name)).to(torch.bfloat16)
+    for rid in lengths:
+        assert (ours[rid] - plain[rid]).abs().max().item() < 0.05, rid
+        ref = hf_logits(reference, tokens[rid])
+        assert ((ours[rid] - ref).abs().amax(-1) < 0.1).float().mean().item() >= 0.9, rid
+        assert (ours[rid].argmax(-1) == ref.argmax(-1)).float().mean().item() >= 0.9, rid
