@@ -15,7 +15,12 @@ oneDNN, see octavo/kernels/cpu_features.py) to see a CPU without AMX.
 ``--gemm-baseline`` also builds another source of bf16_gemm.c for the
 process's target (e.g. ``git show main:octavo/kernels/bf16_gemm.c``, with
 its common.h beside it) as ``gemm_baseline``; the two GEMMs are then timed in
-turns, so that the machine's drifting speed (a shared VM) hits both alike. Reported: ms per pass over all matrices, GB/s of weights read
+turns, so that the machine's drifting speed (a shared VM) hits both alike.
+``--amx-baseline`` does the same for amx_linear.c (its amx_tiles.h and
+common.h beside it): ``native_baseline``, on the same packed weights.
+``--backends`` keeps only the named ones; ``--cpu-time`` (with ``--threads
+1``) times each pass by the thread's CPU time, which other jobs on a loaded
+machine inflate far less than wall time. Reported: ms per pass over all matrices, GB/s of weights read
 (what bounds few rows) and GFLOP/s (what bounds many), next to a plain
 full-buffer sum of the same byte count (the read-bandwidth yardstick that
 benchmarks/roofline.py uses).
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -66,13 +72,22 @@ def main() -> None:
     parser.add_argument("--fastest", action="store_true",
                         help="report the fastest of --repeats runs, not the median (a machine shared with other jobs)")
     parser.add_argument("--gemm-baseline", type=Path, help="another bf16_gemm.c, timed in turns with the current one")
+    parser.add_argument("--amx-baseline", type=Path, help="another amx_linear.c, timed as native_baseline")
+    parser.add_argument("--backends", type=lambda s: [b for b in s.split(",") if b],
+                        help="only these backends (e.g. onednn,native,native_baseline)")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="time by the thread's CPU time (needs --threads 1): a machine shared with other jobs")
     parser.add_argument("--targets", type=lambda s: [t for t in s.split(",") if t], default=[],
                         help="also the few-row kernel (bf16_linear.c) and the GEMM (bf16_gemm.c) built for "
                              "these CPU targets, e.g. avx512_bf16,avx512,avx2")
     args = parser.parse_args()
+    if args.cpu_time and args.threads != 1:
+        parser.error("--cpu-time times one thread: use --threads 1")
     torch.set_num_threads(args.threads)
+    clock = time.thread_time if args.cpu_time else time.perf_counter
 
-    from octavo.kernels.amx_linear import amx_linear_kernel
+    from octavo.kernels.amx_linear import AmxLinearKernel, amx_linear_kernel
+    from octavo.kernels.build import load_other_source
     from octavo.kernels.bf16_linear import bf16_gemm_kernel, bf16_linear_kernel
     from octavo.kernels.cpu_features import BY_NAME, cpu_target
     from octavo.quant.linear_table import fp32_tiles
@@ -90,6 +105,9 @@ def main() -> None:
     shared = [amx.share_onednn(p, w) for p, w in zip(packed, weights)] if amx is not None else []
     if shared and all(shared):
         forms["native"] = shared
+        if args.amx_baseline is not None:
+            baseline_amx = AmxLinearKernel(load_other_source(args.amx_baseline))
+            forms["native_baseline"] = [baseline_amx.share_onednn(p, w) for p, w in zip(packed, weights)]
     # The many-row ways octavo/quant/linear_table.py chooses between without AMX.
     forms["fp32_tiles"] = [lambda x, w=w: fp32_tiles(w, x, None) for w in weights]
     copies = [w.float() for w in weights]
@@ -105,8 +123,10 @@ def main() -> None:
     if args.gemm_baseline is not None:
         baseline = build_gemm_baseline(args.gemm_baseline)
         forms["gemm_baseline"] = [lambda x, w=w: baseline(x, w) for w in weights]
+    if args.backends:
+        forms = {name: fns for name, fns in forms.items() if name in args.backends}
     flat = torch.ones(nbytes // 4)
-    sum_s = median_time(flat.sum, args.repeats, fastest=args.fastest)
+    sum_s = median_time(flat.sum, args.repeats, fastest=args.fastest, clock=clock)
     load_start = load_avg()
     rows_out = []
     for m in args.rows:
@@ -119,13 +139,15 @@ def main() -> None:
         paired = [f"gemm_{current.isa}", "gemm_baseline"] if args.gemm_baseline is not None and current else []
         times = in_turns({name: (lambda fns=forms[name]: run(fns)) for name in paired}, args.repeats, args.fastest)
         for name, fns in forms.items():
-            t = times[name] if name in times else median_time(lambda: run(fns), args.repeats, fastest=args.fastest)
+            t = times[name] if name in times else median_time(lambda: run(fns), args.repeats, fastest=args.fastest,
+                                                                      clock=clock)
             rows_out.append({"rows": m, "backend": name, "ms": t * 1e3, "weight_gbs": nbytes / t / 1e9,
                              "gflops": m * nbytes / t / 1e9, "of_sum_rate": sum_s / t})
     print_table(rows_out, ["rows", "backend", "ms", "weight_gbs", "gflops", "of_sum_rate"],
                 title=f"{len(shapes)} matrices of {args.model.name}, {nbytes / 1e6:.0f} MB bf16; "
                       f"full-buffer sum of as many bytes: {nbytes / sum_s / 1e9:.1f} GB/s "
-                      f"({args.threads} threads, {'fastest' if args.fastest else 'median'} of {args.repeats})")
+                      f"({args.threads} threads, {'fastest' if args.fastest else 'median'} of {args.repeats}"
+                      f"{', CPU time' if args.cpu_time else ''})")
     print(f"load {load_start} -> {load_avg()}")
     write_json(args.json, {"benchmark": "linear_kernels", "args": vars(args), "sum_gbs": nbytes / sum_s / 1e9,
                            "results": rows_out})

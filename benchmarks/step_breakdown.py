@@ -77,7 +77,7 @@ def main() -> None:
 
     from benchmarks.peers.octavo_peer import OctavoPeer
     from octavo import SamplingParams
-    from octavo.attention import native_cpu
+    from octavo.attention import paged
     from octavo.core.scheduler import Scheduler
     from octavo.kernels.fused_ops import FusedOps
     from octavo.kernels.paged_decode import PagedDecodeKernel
@@ -107,7 +107,7 @@ def main() -> None:
                       if "apply" in cls.__dict__]
     parts = [
         (ParallelLMHead, "forward", "lm_head"), *linear_methods,
-        (PagedDecodeKernel, "__call__", "decode attention"), (native_cpu, "attend_prefills", "prefill attention"),
+        (PagedDecodeKernel, "__call__", "decode attention"), (paged, "attend_prefills", "prefill attention"),
         (FusedOps, "rms_norm", "RMSNorm (+ residual)"),
         (FusedOps, "silu_mul", "SiLU x up"), (FusedOps, "rotary_write_kv", "rotary + K/V write"),
         (model_runner.ModelRunner, "_sample", "sampler"), (model_runner, "prepare_inputs", "input preparation"),

@@ -1,4 +1,4 @@
-/* bf16 linear layers for a few rows at a time, on Intel AMX tiles.
+/* bf16 linear layers for decode batches (up to 64 rows), on Intel AMX tiles.
  *
  * Decode at small batch is one read of every weight per step; oneDNN's bf16
  * kernel for one or a few rows reads its prepacked weights at ~3/4 of the
@@ -11,58 +11,135 @@
  * front to back. (The Python side checks the layout byte for byte before
  * using it.)
  *
- * Rows come in tiles of 16 (the last one zero-padded once per call); a weight
- * block is loaded once per 32 rows, so up to 32 rows read the weights once.
- * Many rows are oneDNN's business: its blocking beats this simple loop there.
+ * Rows come in tiles of 16; a weight block is loaded once per 32 rows. One
+ * tile (up to 16 rows) multiplies the rows in place (the last ones
+ * zero-padded once per call); more are first copied into tile order
+ * (amx_linear_tiled). Past 64 rows oneDNN's blocking wins (at 128 rows by
+ * the LM head's wide product): the Python side sends those to oneDNN
+ * (octavo/quant/unquantized.py).
  *
  * Built with -march=native: on a CPU without AMX the functions exist but
  * octavo_amx_available() says 0 and the Python side never calls the rest. */
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
 #include "amx_tiles.h"
+#include "common.h"
 
 /* Rows of activations per pass over the weights: a pass keeps this many rows
  * (at most ~1 MiB of them) in L2 while each thread streams its weight groups. */
 #define L2_ROW_BYTES (1 << 20)
+/* From this many rows (two tiles) a call copies its rows into tile order
+ * first (below): llama-100m's 49 products streamed, 1 thread, CPU time, at
+ * 17-64 rows 1.18-1.24x faster than multiplying them in place; 1-16 rows
+ * within 2% either way (benchmarks/linear_kernels.py --amx-baseline). */
+#define TILED_ROWS_MIN 17
+#if TILED_ROWS_MIN > 17
+#error "the in-place path below multiplies one tile of at most 16 rows"
+#endif
 
 int octavo_amx_available(void) { return amx_request(); }
 
-/* out[M, N] = a[M, K] @ W^T (+ bias[N]); a, out row-major bf16, W in the
- * blocked layout above with N padded to a multiple of 32. K must be a
- * multiple of 32. Returns 0, or -1 when the padded last tile cannot be allocated. */
-int octavo_amx_linear(const uint16_t *a, const uint16_t *w, const uint16_t *bias, int64_t M, int64_t K, int64_t N,
-                      uint16_t *out) {
-    const int64_t groups = (N + 31) / 32; /* of 32 outputs: two 16-wide weight tiles */
-    const int64_t full_tiles = M / 16, tail_rows = M % 16;
-    uint16_t *tail = NULL;
-    if (tail_rows && full_tiles) { /* the last rows, zero-padded to a whole tile so its loads stay in bounds */
-        tail = aligned_alloc(64, (size_t)(16 * K * 2));
-        if (tail == NULL) return -1;
-        memset(tail, 0, (size_t)(16 * K * 2));
-        memcpy(tail, a + full_tiles * 16 * K, (size_t)(tail_rows * K * 2));
+/* Two tiles or more. Each weight group then serves several row tiles, so the products
+ * are bound by the tiles' arithmetic, not by the weights' read, and two
+ * things starve them in the few-row loop: an activation tile's 16 rows lie
+ * K * 2 bytes apart (4 KiB at K = 2048: every row in the same L1 set), and
+ * each new weight group comes cold from L3 or memory. So the rows of a pass
+ * are first copied tile by tile, each tile's block of 32 k's one 1 KiB run
+ * (tiles[t][K/32][16][32], rows past M zero), and while a group multiplies
+ * the pass's tiles the thread prefetches its next group into L2, a few lines
+ * per step. */
+ALWAYS_INLINE void copy_tile(const uint16_t *a, int64_t M, int64_t K, int64_t t, uint16_t *tile) {
+    for (int64_t r = 0; r < 16; r++) {
+        const int64_t row = t * 16 + r;
+        for (int64_t kb = 0; kb < K / 32; kb++) {
+            const __m512i v = row < M ? _mm512_loadu_si512((const void *)(a + row * K + kb * 32))
+                                      : _mm512_setzero_si512();
+            _mm512_store_si512((void *)(tile + (kb * 16 + r) * 32), v);
+        }
     }
-    const int64_t row_tiles = full_tiles + (tail_rows != 0);
-    const int tile_rows = full_tiles ? 16 : (int)M;
+}
+
+/* Copied tiles t0 (and t1 when `pair`) times weight group wg over all of K,
+ * into acc; prefetching `lines` 64-byte lines a step from *next (up to end). */
+ALWAYS_INLINE void multiply_tiles(const uint16_t *t0, const uint16_t *t1, const int pair, const uint16_t *wg, int64_t K,
+                                  const char **next, const char *end, int64_t lines, float acc[4][256]) {
+    zero_accumulators(pair);
+    for (int64_t k = 0; k < K; k += 32) {
+        for (int64_t l = 0; l < lines && *next < end; l++, *next += 64) _mm_prefetch(*next, _MM_HINT_T1);
+        _tile_loadd(4, t0 + k * 16, 64);
+        if (pair) _tile_loadd(5, t1 + k * 16, 64);
+        _tile_loadd(6, wg + k * 32, 128);
+        _tile_loadd(7, wg + k * 32 + 32, 128);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (pair) {
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    store_accumulators(acc, pair);
+}
+
+static int amx_linear_tiled(const uint16_t *a, const uint16_t *w, const uint16_t *bias, int64_t M, int64_t K,
+                            int64_t N, uint16_t *out) {
+    const int64_t groups = (N + 31) / 32, row_tiles = (M + 15) / 16;
     int64_t chunk = (L2_ROW_BYTES / (K * 2)) / 32 * 2; /* row tiles per pass, even */
     if (chunk < 2) chunk = 2;
+    if (chunk > row_tiles) chunk = row_tiles;
+    uint16_t *tiles = aligned_alloc(64, (size_t)(chunk * 16 * K * 2));
+    if (tiles == NULL) return -1;
 #pragma omp parallel
     {
-        configure_tiles(tile_rows);
+        configure_tiles(16);
         float acc[4][256] __attribute__((aligned(64)));
-        for (int64_t t0 = 0; t0 < row_tiles; t0 += chunk) {
-            const int64_t t_end = t0 + chunk < row_tiles ? t0 + chunk : row_tiles;
+        for (int64_t p0 = 0; p0 < row_tiles; p0 += chunk) {
+            const int64_t count = p0 + chunk < row_tiles ? chunk : row_tiles - p0;
 #pragma omp for schedule(static)
-            for (int64_t g = 0; g < groups; g++)
-                for (int64_t t = t0; t < t_end; t += 2)
-                    multiply_block(a, tail, full_tiles, t, t + 1 < t_end, w + g * 32 * K, bias, M, K, N, g, out,
-                                   acc);
+            for (int64_t t = 0; t < count; t++) copy_tile(a, M, K, p0 + t, tiles + t * 16 * K);
+            /* A group's weights are K lines; its steps are (count + 1) / 2 * K / 32. */
+            const int64_t lines = (32 + (count + 1) / 2 - 1) / ((count + 1) / 2);
+#pragma omp for schedule(static)
+            for (int64_t g = 0; g < groups; g++) {
+                const uint16_t *wg = w + g * 32 * K;
+                const char *next = (const char *)(wg + 32 * K);
+                const char *end = g + 1 < groups ? next + K * 64 : next;
+                for (int64_t t = 0; t < count; t += 2) {
+                    const uint16_t *t0 = tiles + t * 16 * K;
+                    if (t + 1 < count) {
+                        multiply_tiles(t0, t0 + 16 * K, 1, wg, K, &next, end, lines, acc);
+                        write_block(acc, p0 + t, 1, bias, M, N, g, out);
+                    } else {
+                        multiply_tiles(t0, NULL, 0, wg, K, &next, end, lines, acc);
+                        write_block(acc, p0 + t, 0, bias, M, N, g, out);
+                    }
+                }
+            }
         }
         _tile_release();
     }
-    free(tail);
+    free(tiles);
+    return 0;
+}
+
+/* out[M, N] = a[M, K] @ W^T (+ bias[N]); a, out row-major bf16, W in the
+ * blocked layout above with N padded to a multiple of 32. K must be a
+ * multiple of 32. Returns 0, or -1 when the copied row tiles cannot be
+ * allocated. */
+int octavo_amx_linear(const uint16_t *a, const uint16_t *w, const uint16_t *bias, int64_t M, int64_t K, int64_t N,
+                      uint16_t *out) {
+    if (M >= TILED_ROWS_MIN) return amx_linear_tiled(a, w, bias, M, K, N, out);
+    /* One tile of M <= 16 rows, in place: its tiles are configured to M rows, so nothing past them is read. */
+    const int64_t groups = (N + 31) / 32; /* of 32 outputs: two 16-wide weight tiles */
+#pragma omp parallel
+    {
+        configure_tiles((int)M);
+        float acc[4][256] __attribute__((aligned(64)));
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < groups; g++) multiply_block(a, NULL, 1, 0, 0, w + g * 32 * K, bias, M, K, N, g, out, acc);
+        _tile_release();
+    }
     return 0;
 }
 

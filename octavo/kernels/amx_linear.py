@@ -1,6 +1,6 @@
 """Python side of the AMX linear kernel (amx_linear.c): ``y = x @ W^T + b`` for
-a few rows of bf16, reading the weight in oneDNN's prepacked layout: the copy
-the model already holds."""
+decode batches of bf16 rows (up to 64 in the layers), reading the weight in
+oneDNN's prepacked layout: the copy the model already holds."""
 from __future__ import annotations
 
 import ctypes
@@ -116,7 +116,7 @@ def amx_multiply(lib: ctypes.CDLL, x: torch.Tensor, blocks: torch.Tensor, bias: 
         lib.octavo_amx_linear, rows.data_ptr(), blocks.data_ptr(), None if bias is None else bias.data_ptr(),
         rows.shape[0], in_features, out_features, out.data_ptr(),
     ):
-        raise MemoryError("AMX linear kernel could not allocate its padded row tile")
+        raise MemoryError("AMX linear kernel could not allocate its copied row tiles")
     return out if rows is x else out.view(*x.shape[:-1], out_features)
 
 

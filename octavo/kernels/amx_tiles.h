@@ -63,6 +63,43 @@ static __m512 load_bias(const uint16_t *bias, int64_t n0, int cols) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
+/* The accumulator tiles of one row tile (0-1) or of a pair (0-3): zeroed, or stored into acc. */
+static inline void zero_accumulators(int pair) {
+    _tile_zero(0);
+    _tile_zero(1);
+    if (pair) {
+        _tile_zero(2);
+        _tile_zero(3);
+    }
+}
+
+static inline void store_accumulators(float acc[4][256], int pair) {
+    _tile_stored(0, acc[0], 64);
+    _tile_stored(1, acc[1], 64);
+    if (pair) {
+        _tile_stored(2, acc[2], 64);
+        _tile_stored(3, acc[3], 64);
+    }
+}
+
+/* Row tile t (and t + 1 when `pair`) times weight group g (outputs 32g ..
+ * 32g + 31), summed in float32 in acc (acc[2h + j]: row tile t + h, outputs
+ * 32g + 16j ..), plus the bias, rounded into out [M, N]. */
+static inline void write_block(float acc[4][256], int64_t t, int pair, const uint16_t *bias, int64_t M, int64_t N,
+                               int64_t g, uint16_t *out) {
+    const int64_t n0 = 32 * g;
+    const int cols0 = N - n0 >= 16 ? 16 : (int)(N - n0);
+    const int cols1 = N - n0 - 16 >= 16 ? 16 : (int)(N - n0 - 16 > 0 ? N - n0 - 16 : 0);
+    const __m512 bias0 = load_bias(bias, n0, cols0);
+    const __m512 bias1 = cols1 ? load_bias(bias, n0 + 16, cols1) : _mm512_setzero_ps();
+    for (int h = 0; h <= pair; h++) {
+        const int64_t row = (t + h) * 16;
+        const int64_t rows = M - row < 16 ? M - row : 16;
+        store_tile(acc[2 * h], bias0, rows, cols0, out + row * N + n0, N);
+        if (cols1) store_tile(acc[2 * h + 1], bias1, rows, cols1, out + row * N + n0 + 16, N);
+    }
+}
+
 /* Rows of tiles t (and t + 1 when `pair`) times weight group g (outputs
  * 32g .. 32g + 31, whose K/32 blocks lie one after another from `wg`): the
  * accumulators stay in tiles over all of K, then are rounded into out.
@@ -73,11 +110,8 @@ static inline void multiply_block(const uint16_t *a, const uint16_t *tail, int64
     const uint16_t *a0 = t < full_tiles || tail == NULL ? a + t * 16 * K : tail;
     const uint16_t *a1 = t + 1 < full_tiles ? a + (t + 1) * 16 * K : tail;
     const int64_t stride = K * 2;
-    _tile_zero(0);
-    _tile_zero(1);
+    zero_accumulators(pair);
     if (pair) {
-        _tile_zero(2);
-        _tile_zero(3);
         for (int64_t k = 0; k < K; k += 32) {
             _tile_loadd(4, a0 + k, stride);
             _tile_loadd(5, a1 + k, stride);
@@ -88,8 +122,6 @@ static inline void multiply_block(const uint16_t *a, const uint16_t *tail, int64
             _tile_dpbf16ps(2, 5, 6);
             _tile_dpbf16ps(3, 5, 7);
         }
-        _tile_stored(2, acc[2], 64);
-        _tile_stored(3, acc[3], 64);
     } else {
         for (int64_t k = 0; k < K; k += 32) {
             /* Few rows: nothing but this stream, so ask for it early (+8-15%
@@ -103,19 +135,8 @@ static inline void multiply_block(const uint16_t *a, const uint16_t *tail, int64
             _tile_dpbf16ps(1, 4, 7);
         }
     }
-    _tile_stored(0, acc[0], 64);
-    _tile_stored(1, acc[1], 64);
-    const int64_t n0 = 32 * g;
-    const int cols0 = N - n0 >= 16 ? 16 : (int)(N - n0);
-    const int cols1 = N - n0 - 16 >= 16 ? 16 : (int)(N - n0 - 16 > 0 ? N - n0 - 16 : 0);
-    const __m512 bias0 = load_bias(bias, n0, cols0);
-    const __m512 bias1 = cols1 ? load_bias(bias, n0 + 16, cols1) : _mm512_setzero_ps();
-    for (int h = 0; h <= pair; h++) {
-        const int64_t row = (t + h) * 16;
-        const int64_t rows = M - row < 16 ? M - row : 16;
-        store_tile(acc[2 * h], bias0, rows, cols0, out + row * N + n0, N);
-        if (cols1) store_tile(acc[2 * h + 1], bias1, rows, cols1, out + row * N + n0 + 16, N);
-    }
+    store_accumulators(acc, pair);
+    write_block(acc, t, pair, bias, M, N, g, out);
 }
 
 /* A mixture of experts' rows, sorted by expert (the caller's order): one run per expert, its rows in

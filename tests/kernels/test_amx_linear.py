@@ -41,10 +41,12 @@ def _assert_rounded_from(out: torch.Tensor, ref: torch.Tensor) -> None:
     assert (err <= ref.abs() * 2**-8 + 1e-3).all(), f"max error {err.max().item()}"
 
 
-# Row counts around the 16-row tiles and the 32-row pairs; outputs not a
+# Row counts around the 16-row tiles (one tile in place, from two copied into
+# tile order), the 32-row pairs and an odd last tile, and past one pass of
+# copied tiles (~1 MiB: 672 rows at K = 768, 256 at K = 2048); outputs not a
 # multiple of 32 (a padded last group, a half one); K of one and several blocks.
-@pytest.mark.parametrize("rows", [1, 2, 15, 16, 17, 31, 32, 33, 64, 100])
-@pytest.mark.parametrize("out_features,in_features", [(200, 96), (48, 32), (1280, 768)])
+@pytest.mark.parametrize("rows", [1, 2, 4, 15, 16, 17, 31, 32, 33, 64, 100, 256, 700])
+@pytest.mark.parametrize("out_features,in_features", [(200, 96), (48, 32), (1280, 768), (96, 2048)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_matches_float32_reference(amx, rows, out_features, in_features, bias):
     weight = _randn(out_features, in_features, seed=rows)
