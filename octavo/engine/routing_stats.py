@@ -2,7 +2,7 @@
 each expert of each layer, and each layer's load imbalance, the busiest expert's pairs over the mean
 (1 = even; top-k of E experts can reach E / k when the same experts take every token).
 
-The ranks count on the device as they route (``SparseMoEBlock.routed_tokens``: one index_add_ per
+The ranks count on the device as they route (``model/layers/route_counts.py``: one index_add_ per
 layer per step); the engine reads the counts every ``READ_EVERY_STEPS`` steps that ran a forward, and
 when it has no request left, each read one collective RPC returning a few integers per expert. A read
 waits for a moment with no step in flight: a rank's reply to the RPC must not interleave with its

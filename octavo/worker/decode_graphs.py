@@ -105,7 +105,9 @@ class DecodeGraphs:
     buffers (whatever a first run builds or measures stays out of the recording), and an engine that never
     decodes at a size never pays for it. With ``memory_budget`` (bytes), a recording that would take the
     recordings past it is dropped and its size stays eager (a kernel tape keeps every tensor its step made).
-    ``layer_groups``: per layer, its KV cache group (default: one group)."""
+    ``layer_groups``: per layer, its KV cache group (default: one group). ``row_mask``: a tensor with a row per
+    batch row (at least ``max(sizes)``) holding 1s that the model's statistics read to tell counted rows
+    (model/layers/route_counts.py); a step writes 0 into its padding rows while it runs."""
 
     def __init__(
         self,
@@ -120,6 +122,7 @@ class DecodeGraphs:
         recorder: Optional[StepRecorder],
         memory_budget: Optional[int] = None,
         layer_groups: Optional[Sequence[int]] = None,
+        row_mask: Optional[torch.Tensor] = None,
     ) -> None:
         self._forward = forward
         self._kv_caches = kv_caches
@@ -129,6 +132,7 @@ class DecodeGraphs:
         self._recorder = recorder
         self._memory_budget = memory_budget
         self._layer_groups = list(layer_groups) if layer_groups is not None else [0] * len(kv_caches)
+        self._row_mask = row_mask
         self.recorded_bytes = 0
         self._steps: dict[int, _StaticStep] = {}
         for size in sizes:
@@ -169,6 +173,19 @@ class DecodeGraphs:
                      recorded.nbytes / 2**20)
         return recorded.output
 
+    def _size_of(self, n: int) -> _StaticStep:
+        return self._steps[min(size for size in self._steps if size >= n)]
+
+    def takes(self, n: int) -> bool:
+        """Whether a step of ``n`` decode rows should run here: ``n`` fits a size that is recorded or still may
+        be. A size whose recording was refused, failed or passed the budget gains nothing from the static
+        buffers but costs its padding rows (a mixture of experts routes them too): its steps run as without
+        recordings."""
+        if n > self.max_batch:
+            return False
+        step = self._size_of(n)
+        return step.replay is not None or not step.settled
+
     def _run_eager(self, step: _StaticStep) -> torch.Tensor:
         metas = [step.metas[g] for g in self._layer_groups]
         return self._forward(step.input_ids, step.positions, self._kv_caches, metas)
@@ -178,7 +195,7 @@ class DecodeGraphs:
         """The forward's output rows (hidden states) of a step of n <= max_batch decodes laid out by the attention
         backend (``metas``: per KV cache group)."""
         n = metas[0].num_decodes
-        step = self._steps[min(size for size in self._steps if size >= n)]
+        step = self._size_of(n)
         step.input_ids[:n].copy_(input_ids)
         step.positions[:n].copy_(positions)
         # Rows n.. still hold the previous replay's values: reset them to padding.
@@ -192,6 +209,16 @@ class DecodeGraphs:
             static.slot_mapping[n:].fill_(self._null_slot)
             static.decode_block_table[n:, 0].fill_(self._null_block)
             static.decode_context_lens[n:].fill_(1)
+        padded = self._row_mask is not None and n < step.size
+        if padded:
+            self._row_mask[n:step.size].zero_()
+        try:
+            return self._run(step, n)
+        finally:
+            if padded:
+                self._row_mask[n:step.size].fill_(1)
+
+    def _run(self, step: _StaticStep, n: int) -> torch.Tensor:
         if step.replay is not None:
             try:
                 step.replay()

@@ -24,7 +24,8 @@ from octavo.kv_offload.transfers import TierReport
 from octavo.model.config import load_arch_config
 from octavo.model.dtypes import resolve_dtype
 from octavo.model.kv_scales import load_static_kv_scales
-from octavo.model.layers.moe import routed_token_counts
+from octavo.model.layers.moe import moe_blocks
+from octavo.model.layers.route_counts import RouteCounts
 from octavo.model.loader import load_model
 from octavo.model.pooler_config import resolve_pooler
 from octavo.outputs import TokenLogprobs
@@ -172,11 +173,14 @@ class ModelRunner:
         self._draft_probs: dict[str, torch.Tensor] = {}
         self.governor = SpeculationGovernor(spec.num_speculative_tokens, spec.speculative_adaptive,
                                             spec.speculative_max_batch_size)
+        # A mixture's routing statistics (None for a dense model), masking out recorded steps' padding rows.
+        self.route_counts = RouteCounts.attach(moe_blocks(self.model), max_rows, self.device)
         self._graphs: Optional[DecodeGraphs] = None
         if use_graphs:
             self._graphs = record_decode_steps(self.model, self.kv_caches, self.num_blocks, self.block_size,
                                                max_rows, self._longest_sequence(), self.backends.attention,
-                                               self.device, self._layer_groups)
+                                               self.device, self._layer_groups,
+                                               None if self.route_counts is None else self.route_counts.rows)
         self._last_end: Optional[float] = None  # CPU time when the previous step left the runner
         self._last_cost = 0.0  # ... and what that step cost in it
         self._speculated = 0  # the governor's choice in the previous step: proposals per request
@@ -278,7 +282,7 @@ class ModelRunner:
 
     def moe_routing_counts(self) -> dict[int, list[int]]:
         """Tokens routed to each expert so far, by layer, of this rank's mixture-of-experts layers."""
-        return routed_token_counts(self.model)
+        return {} if self.route_counts is None else self.route_counts.read()
 
     def _forward(self, scheduler_output: SchedulerOutput) -> Optional[tuple[StepInputs, Optional[torch.Tensor]]]:
         """Apply the step to the batch state (drop finished requests, add new
@@ -309,10 +313,14 @@ class ModelRunner:
         inputs = prepare_inputs(rows, self.block_size, self.backends.attention, self.device)
         graphs = self._graphs
         first = inputs.attn[0]
-        if graphs is not None and not first.prefills and first.num_decodes <= graphs.max_batch:
-            return inputs, graphs.run(inputs.input_ids, inputs.positions, inputs.attn)
-        metas = [inputs.attn[g] for g in self._layer_groups]
-        return inputs, self.model(inputs.input_ids, inputs.positions, self.kv_caches, metas)
+        if graphs is not None and not first.prefills and graphs.takes(first.num_decodes):
+            hidden = graphs.run(inputs.input_ids, inputs.positions, inputs.attn)
+        else:
+            metas = [inputs.attn[g] for g in self._layer_groups]
+            hidden = self.model(inputs.input_ids, inputs.positions, self.kv_caches, metas)
+        if self.route_counts is not None:
+            self.route_counts.commit()  # the forward ran to its end: its routes count, once
+        return inputs, hidden
 
     def _can_use_graphs(self, model_config: ModelConfig) -> bool:
         """Decode steps replay recordings (CUDA graphs with the Triton backend, kernel tapes on CPU with the

@@ -29,21 +29,24 @@ CUDA_GRAPH_MAX_ROWS = 256
 
 def can_record(model: CausalLM, backend: AttentionBackend, device: torch.device, enforce_eager: bool) -> bool:
     """Whether ``model``'s decode steps can be recorded on ``device``: with a backend that records there, unless
-    the config asks for eager steps, and without experts (routing reads each expert's row count back,
-    quant/moe.py, which no recording can hold; an attempt would run, and count the routes of, the layers before
-    the first mixture twice)."""
-    return device.type in backend.recorded_on and not enforce_eager and not has_experts(model)
+    the config asks for eager steps, and on a GPU without experts (their products there read each expert's row
+    count back, quant/moe.py, which no CUDA graph can hold). On a CPU a mixture's steps of few rows record whole,
+    routing included (the grouped experts kernels take the chosen experts as tensor data, quant/moe.py); a size
+    of more rows reads counts back, its recording is refused and it runs eagerly."""
+    return (device.type in backend.recorded_on and not enforce_eager
+            and (device.type == "cpu" or not has_experts(model)))
 
 
 def record_decode_steps(forward: Forward, kv_caches: Sequence[LayerKVCache], null_block: int, block_size: int,
                         max_rows: int, longest_sequence: int, backend: AttentionBackend, device: torch.device,
-                        layer_groups: Optional[Sequence[int]] = None) -> Optional[DecodeGraphs]:
+                        layer_groups: Optional[Sequence[int]] = None, row_mask: Optional[torch.Tensor] = None,
+                        ) -> Optional[DecodeGraphs]:
     """Recorded steps of up to ``max_rows`` decode rows (CUDA: at most ``CUDA_GRAPH_MAX_ROWS``, captured now;
     CPU: at most ``TAPE_MAX_BATCH``, where the Python around the kernels is still a noticeable share of a step,
     each size recorded on its second step within ``TAPE_MEMORY_BUDGET``). ``null_block``: the block past the
     pool the padding rows write to. A capture that fails leaves the model eager, with the reason logged, rather
     than the engine not starting. ``forward``: the model's (hidden states), or a function of the same inputs
-    whose rows are what the caller needs (a draft's logits)."""
+    whose rows are what the caller needs (a draft's logits); ``row_mask``: DecodeGraphs'."""
     on_cuda = device.type == "cuda"
     recorder = CudaGraphRecorder() if on_cuda else TapeRecorder()
     sizes = capture_sizes(min(max_rows, CUDA_GRAPH_MAX_ROWS if on_cuda else TAPE_MAX_BATCH))
@@ -51,7 +54,7 @@ def record_decode_steps(forward: Forward, kv_caches: Sequence[LayerKVCache], nul
         with torch.inference_mode():  # as the steps that replay them run
             return DecodeGraphs(forward, kv_caches, null_block, block_size, sizes, longest_sequence, backend, device,
                                 recorder, memory_budget=None if on_cuda else TAPE_MEMORY_BUDGET,
-                                layer_groups=layer_groups)
+                                layer_groups=layer_groups, row_mask=row_mask)
     except Exception:
         logger.exception("recording decode steps (%s) failed; running every step eagerly", recorder.name)
         return None

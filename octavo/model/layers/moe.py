@@ -28,6 +28,7 @@ from octavo.model.config import ArchConfig, ExpertRouting, ExpertsConfig
 from octavo.model.layers.elementwise import ACTIVATIONS
 from octavo.model.layers.linear import ReplicatedLinear, divide, load_shard, load_unsplit, output_part
 from octavo.model.layers.mlp import GatedMLP
+from octavo.model.layers.route_counts import RouteCounter
 from octavo.quant.base import FusedMoEMethod, LinearWeightHolder
 from octavo.quant.moe import UnquantizedMoEMethod
 from octavo.quant.unquantized import UnquantizedLinearMethod
@@ -190,16 +191,15 @@ class SparseMoEBlock(nn.Module):
             if experts.shared_expert_gate:
                 self.shared_expert_gate = ReplicatedLinear(arch.hidden_size, 1, False, UnquantizedLinearMethod(),
                                                            f"{prefix}.shared_expert_gate")
-        # (token, choice) pairs routed to each expert so far, counted where they are routed and read by
-        # the engine every few steps (routed_token_counts).
-        self.register_buffer("routed_tokens", torch.zeros(experts.num_experts, dtype=torch.int64), persistent=False)
+        # Where this block counts its routes for the routing statistics, set by the model runner
+        # (route_counts.py); a model whose statistics no one reads (a draft) counts nothing.
+        self.route_counter: Optional[RouteCounter] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, ids = select_experts(self.gate(x), self.top_k, self.renormalize, self.routing,
                                       getattr(self.gate, "e_score_correction_bias", None))
-        # index_add_ rather than bincount: bincount reads the largest id back to size its result, a device sync.
-        pairs = ids.flatten()
-        self.routed_tokens.index_add_(0, pairs, torch.ones_like(pairs))
+        if self.route_counter is not None:
+            self.route_counter.count(ids)
         out = self.experts(x, weights, ids)
         if self.experts.tp_size > 1:  # each rank's share of the intermediate features, or of the experts
             out = tensor_model_parallel_all_reduce(out)
@@ -211,16 +211,11 @@ class SparseMoEBlock(nn.Module):
         return out
 
 
-def routed_token_counts(model: nn.Module) -> dict[int, list[int]]:
-    """The (token, choice) pairs routed to each expert so far, by decoder layer index, for the mixture
-    blocks of this rank's layers (empty for a dense model): one read of the device counters."""
+def moe_blocks(model: nn.Module) -> dict[int, SparseMoEBlock]:
+    """The mixture blocks of this rank's layers, by decoder layer index (empty for a dense model)."""
     # Other pipeline stages' layers are empty placeholders: the list index is the layer's.
-    blocks = {index: block for index, layer in enumerate(model.model.layers)
-              for block in layer.modules() if isinstance(block, SparseMoEBlock)}
-    if not blocks:
-        return {}
-    counts = torch.stack([block.routed_tokens for block in blocks.values()]).tolist()
-    return dict(zip(blocks, counts))
+    return {index: block for index, layer in enumerate(model.model.layers)
+            for block in layer.modules() if isinstance(block, SparseMoEBlock)}
 
 
 def has_experts(model: nn.Module) -> bool:
