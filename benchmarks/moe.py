@@ -30,6 +30,10 @@ round, median (min-max)), so a machine drifting in speed hits them alike:
 - for latent attention (DeepSeek), the KV cache bytes per token Octavo keeps against the same model
   with full K and V per head (``num_heads`` x (key + value head dims), every head its own KV head).
 
+``--skip-offline`` times batch-1 decode alone; ``--int4-head`` adds like with like for the output layer:
+Octavo's int4 with the output layer quantized too (``unquantized_modules`` empty) against llama.cpp's
+file of every matrix in Q4_0 (``--pure``); ``--eager`` adds Octavo bf16 without kernel tapes.
+
 ``--layer`` times one expert layer of each shape instead (``--layer-tokens`` tokens, random routes,
 bf16 and int4): one call per expert against the grouped calls (quant/moe.py), CPU and wall ms per
 forward, in turns.
@@ -117,7 +121,10 @@ SHAPES = {
 _WIDTHS = ("hidden_size", "moe_intermediate_size", "intermediate_size", "num_attention_heads")
 Q4_0_BITS = 4.5  # 32 four-bit weights and one fp16 scale per block
 # (ours, peer) pairs whose ratios are reported, and the targets they are held to.
-PAIRS = (("octavo bf16", "llama.cpp bf16"), ("octavo int4", "llama.cpp Q4_0"), ("octavo bf16", "transformers bf16"))
+# int4+head (--int4-head): every matrix int4, the output layer too, against llama.cpp's file of every matrix Q4_0.
+PAIRS = (("octavo bf16", "llama.cpp bf16"), ("octavo int4", "llama.cpp Q4_0"),
+         ("octavo int4+head", "llama.cpp Q4_0 pure"), ("octavo bf16", "transformers bf16"),
+         ("octavo bf16", "octavo bf16 eager"))
 TARGETS = {("batch-1", "llama.cpp"): 1.2, ("offline", "llama.cpp"): 3.0, ("offline", "transformers"): 10.0}
 READ_LIMIT_TARGET = 0.8
 MLA_TARGET = 0.90  # the latent cache at least this much smaller than full K/V
@@ -197,13 +204,17 @@ def bench_shape(spec: BenchModel, args: argparse.Namespace, root: Path, read_gbs
     n_ctx = 512
     engine = dict(dtype="bfloat16", max_model_len=n_ctx, kv_cache_memory_bytes=256 * 2**20,
                   max_num_seqs=max(args.num_prompts, 1))
-    bf16 = LLM(str(folder), **engine)
-    int4 = LLM(str(folder), quantization="int4", quantization_group_size=args.group_size, **engine)
-    bf16_bytes = active_bytes(bf16)
-    per_token = {"octavo bf16": bf16_bytes, "octavo int4": active_bytes(int4), "transformers bf16": bf16_bytes}
+    int4 = dict(quantization="int4", quantization_group_size=args.group_size)
+    llms = {"octavo bf16": LLM(str(folder), **engine), "octavo int4": LLM(str(folder), **int4, **engine)}
+    if args.int4_head:
+        llms["octavo int4+head"] = LLM(str(folder), **int4, unquantized_modules="", **engine)
+    if args.eager:
+        llms["octavo bf16 eager"] = LLM(str(folder), enforce_eager=True, **engine)
+    bf16_bytes = active_bytes(llms["octavo bf16"])
+    per_token = {name: active_bytes(llm) for name, llm in llms.items()} | {"transformers bf16": bf16_bytes}
     decode: dict[str, Callable[[list[int], int], object]] = {}
     batch: dict[str, Callable[[], object]] = {}
-    for name, llm in (("octavo bf16", bf16), ("octavo int4", int4)):
+    for name, llm in llms.items():
         generate = octavo_generate(llm)
         decode[name] = lambda p, n, g=generate: g(Workload("decode", [p], [n], "batch-1 decode"))
         batch[name] = lambda g=generate: g(offline)
@@ -215,24 +226,29 @@ def bench_shape(spec: BenchModel, args: argparse.Namespace, root: Path, read_gbs
         print(f"{spec.name}: no llama.cpp rows: {no_llamacpp}")
     if args.llamacpp_src is not None and not no_llamacpp:
         gguf = convert_to_gguf(folder, args.llamacpp_src)
-        q4 = quantized_gguf(gguf, "Q4_0", folder, args.threads)
-        for name, path, extra_bufts, per_weight in (("llama.cpp bf16", gguf, True, 2.0),
-                                                    ("llama.cpp Q4_0", q4, False, Q4_0_BITS / 8)):
+        files = [("llama.cpp bf16", gguf, True, 2.0),
+                 ("llama.cpp Q4_0", quantized_gguf(gguf, "Q4_0", folder, args.threads), False, Q4_0_BITS / 8)]
+        if args.int4_head:
+            files.append(("llama.cpp Q4_0 pure", quantized_gguf(gguf, "Q4_0", folder, args.threads, pure=True), False,
+                          Q4_0_BITS / 8))
+        for name, path, extra_bufts, per_weight in files:
             peer = LlamaCppPeer(folder, n_ctx, args.threads, gguf=path, extra_bufts=extra_bufts)
             decode[name] = lambda p, n, peer=peer: peer.generate_each([p], n)
-            context = LlamaCppContext(peer.llm, n_ctx=args.num_prompts * n_ctx, n_batch=2048, n_seq=args.num_prompts)
-            contexts.append(context)
-            batch[name] = lambda c=context: c.generate(offline.prompts, args.output_len)
+            if not args.skip_offline:
+                context = LlamaCppContext(peer.llm, n_ctx=args.num_prompts * n_ctx, n_batch=2048,
+                                          n_seq=args.num_prompts)
+                contexts.append(context)
+                batch[name] = lambda c=context: c.generate(offline.prompts, args.output_len)
             per_token[name] = bf16_bytes * per_weight / 2.0
     b1 = batch1_decode(decode, decode_prompt, args.decode_tokens, args.repeats)
-    offline_times = in_rounds(batch, args.repeats)
+    offline_times = {} if args.skip_offline else in_rounds(batch, args.repeats)
     for context in contexts:
         context.close()
-    kv = latent_kv(bf16, spec.config)
-    for llm in (bf16, int4):
+    kv = latent_kv(llms["octavo bf16"], spec.config)
+    for llm in llms.values():
         llm.shutdown()
     rates = {name: {"batch-1": b1[name]["decode_tok_s"],
-                    "offline": [offline.num_output_tokens / wall for wall, _ in offline_times[name]]}
+                    "offline": [offline.num_output_tokens / wall for wall, _ in offline_times.get(name, [])]}
              for name in decode}
     rows = []
     for name in decode:
@@ -240,11 +256,11 @@ def bench_shape(spec: BenchModel, args: argparse.Namespace, root: Path, read_gbs
         rows.append({"shape": spec.name, "peer": name, "batch-1 tok/s": fmt_spread(spread(rates[name]["batch-1"]), 1),
                      "MiB/token": per_token[name] / 2**20,
                      "of read limit": median * per_token[name] / (read_gbs * 1e9),
-                     "offline out tok/s": fmt_spread(spread(rates[name]["offline"]), 1)})
+                     "offline out tok/s": fmt_spread(spread(rates[name]["offline"]), 1) if offline_times else ""})
     checks = []
     for ours, peer in PAIRS:
-        for measure in ("batch-1", "offline"):
-            if peer in rates:
+        for measure in ("batch-1",) if args.skip_offline else ("batch-1", "offline"):
+            if ours in rates and peer in rates:
                 (r,) = ratios(rates, measure, [ours], [peer])
                 checks.append(check(spec.name, f"{measure} {ours} / {peer}", r["ratio"]["median"],
                                     fmt_spread(r["ratio"]), TARGETS.get((measure, peer.split()[0]))))
@@ -325,6 +341,11 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=32, help="offline: requests in flight, 64 tokens in")
     parser.add_argument("--output-len", type=int, default=32, help="offline: tokens generated per request")
     parser.add_argument("--repeats", type=int, default=3, help="rounds of every peer in turns")
+    parser.add_argument("--skip-offline", action="store_true", help="batch-1 decode only (no offline rows)")
+    parser.add_argument("--eager", action="store_true",
+                        help="also Octavo bf16 without recorded decode steps (--enforce-eager): what kernel tapes gain")
+    parser.add_argument("--int4-head", action="store_true",
+                        help="also int4 with the output layer quantized, against llama.cpp's pure Q4_0 file")
     parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch and llama.cpp threads")
     parser.add_argument("--llamacpp-src", type=Path, default=None,
                         help="llama.cpp source (benchmarks/setup_peers.sh's LLAMA_CPP_SRC): adds llama.cpp rows")
