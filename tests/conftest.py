@@ -14,6 +14,11 @@ from octavo.assets.default_model import SMOLLM2, fetch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# `python -m pytest` runs on two worker processes (pyproject's addopts), one per core: a second intra-op thread
+# in each would only contend with the other worker for the same cores (tests that need several threads set them).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
 
 @pytest.fixture(scope="session")
 def smollm2() -> Path:
