@@ -97,20 +97,54 @@ def test_a_large_batch_of_mixed_lengths(kernel, shape):
     assert diff < TOL[torch.bfloat16], f"max abs diff {diff}"
 
 
+def _difference_on_threads(kernel, threads, heads, kv_heads, dtype, lens, seed):
+    """The largest difference from the reference of the kernel run on ``threads`` torch threads (head_dim 64,
+    blocks of 16)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        q, kc, vc, tables, ctx = _case(heads, kv_heads, 64, 16, dtype, lens, seed=seed)
+        out = kernel(q, kc, vc, tables, ctx, None, 0.125)
+    finally:
+        torch.set_num_threads(before)
+    return (out.float() - _reference(q, kc, vc, tables, ctx, None)).abs().max().item()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("lens", [[300], [200, 90], [33, 64, 5]])
 def test_few_sequences_are_split_by_kv_heads(kernel, dtype, lens):
     """Fewer sequences than ~4 per thread: each is split into items of fewer KV
     heads (so the threads share a long context); every head still comes out right."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        q, kc, vc, tables, ctx = _case(12, 4, 64, 16, dtype, lens, seed=5)
-        out = kernel(q, kc, vc, tables, ctx, None, 0.125)
-    finally:
-        torch.set_num_threads(before)
-    diff = (out.float() - _reference(q, kc, vc, tables, ctx, None)).abs().max().item()
+    diff = _difference_on_threads(kernel, 2, 12, 4, dtype, lens, seed=5)
     assert diff < TOL[dtype], f"max abs diff {diff}"
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lens", [[2000], [1999, 517, 33]])
+def test_long_contexts_at_one_thread_and_two(kernel, threads, dtype, lens):
+    """Qwen2.5-0.5B's 14 / 2 heads of 64 over contexts of up to 125 blocks whose last pages are not full, one
+    sequence and several: one thread reads each sequence's rows whole, two split it by KV heads; each way the
+    attention over the gathered blocks."""
+    diff = _difference_on_threads(kernel, threads, 14, 2, dtype, lens, seed=6)
+    assert diff < TOL[dtype], f"max abs diff {diff}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_peaked_softmax_flushes_its_denormals_and_leaves_the_callers_mode(kernel, dtype):
+    """Queries 100x larger than the keys' scale put nearly every weight at the bottom of float32's range, where the
+    kernel flushes the products it makes with values: the output still matches, and the caller's thread gets back
+    its own mode (a denormal result stays one in torch's next op)."""
+    lens = [700, 333]
+    q, kc, vc, tables, ctx = _case(14, 2, 64, 16, dtype, lens, seed=8)
+    q = (q.float() * 100).to(dtype)
+    torch.set_flush_denormal(False)
+    out = kernel(q, kc, vc, tables, ctx, None, 0.125)
+    diff = (out.float() - _reference(q, kc, vc, tables, ctx, None)).abs().max().item()
+    # Scores in the hundreds carry float32's rounding (~1e-5 of them) into the weights, flushed or not.
+    assert diff < max(TOL[dtype], 1e-4), f"max abs diff {diff}"
+    tiny = torch.tensor([1e-39]) * 2
+    assert tiny.item() > 0
 
 
 def _quantized(cache: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
