@@ -32,11 +32,18 @@ ratios are taken within a round.
 
 With ``--sparse-top-pages K1,K2`` Octavo's decode is also measured dense against Quest sparse attention
 (``--sparse-attention quest --sparse-top-pages K``, ``--sparse-recent-pages``) at each length, in a process of
-its own: benchmarks/sparse_attention.py's needle prompt of that length and its ``measure`` (one engine per mode,
-each prefilling the prompt once, then the engines' decode steps in turns). Reported: decode tok/s over wall and
-over CPU time (read that one on a loaded machine, with ``--threads 1``) and their ratios to dense, and how far
-the logprobs moved (random weights cannot find the needle: the tokens agreeing with dense from the start, and
-the largest change of a decoded token's logprob among them).
+its own: benchmarks/sparse_attention.py's needle prompts of that length and its ``measure`` (one engine per mode,
+each prefilling the prompts once, then the engines' decode steps in turns). ``--decode-batch 1,2`` measures one
+request decoding, then two together: a second prompt of the length (another pass key, the text started elsewhere)
+is prefilled beside the first, which goes on decoding, and the steps with both decoding are timed. Quest saves the
+K/V reads only, and a step also reads every weight once: ``--quantization int4`` (the engine's option; the LM head
+stays bf16 unless ``--quantize-head``) and more requests per step raise the K/V's share. Reported per batch: ms per
+step, decode tok/s over wall and over CPU time (read that one on a loaded machine, with ``--threads 1``) and their
+ratios to dense, and how far the logprobs moved (random weights cannot find the needle: per request the tokens
+agreeing with dense from the start, and the largest change of a decoded token's logprob among them).
+
+    python -m benchmarks.long_context --lengths 32768 --engines "" --sparse-top-pages 64 --decode-batch 1,2 \
+        --quantization int4 --quantize-head --new-tokens 16 --threads 2
 """
 from __future__ import annotations
 
@@ -56,6 +63,7 @@ from typing import Any, Optional, Union
 from benchmarks.options import int_list
 from benchmarks.report import load_avg, print_table, write_json
 from benchmarks.turns import fmt_spread, in_rounds, spread
+from octavo.config import QUANTIZATIONS
 
 MODELS = Path(__file__).resolve().parent / "models"
 MAX_MODEL_LEN = 131072
@@ -189,30 +197,66 @@ class LlamaCppContext:
         return kv_bytes_per_token(self.folder)  # f16 K and V, as the context allocates them
 
 
-def run_octavo_sparse(folder: Path, length: int, new_tokens: int, chunk: int, threads: int, top_pages: list[int],
-                      recent_pages: int) -> list[dict[str, Any]]:
-    """Dense and Quest at each of ``top_pages`` on a needle prompt of ``length`` tokens, decode steps in turns."""
-    from benchmarks.sparse_attention import comparison, measure, needle_prompt
+@dataclasses.dataclass
+class SparseRun:
+    """What ``--sparse-top-pages`` measures at each length: dense against Quest at each of ``top_pages``, for each of
+    ``decode_batches`` requests decoding together, with the weights in ``quantization`` (None: bf16)."""
+
+    new_tokens: int
+    chunk: int
+    threads: int
+    top_pages: list[int]
+    recent_pages: int
+    decode_batches: list[int]
+    quantization: Optional[str]
+    quantize_head: bool  # the LM head in the weights' format too (else kept bf16, the engine's default)
+
+    def engine_options(self) -> dict[str, Any]:
+        if self.quantization is None:
+            return {}
+        return {"quantization": self.quantization, **({"unquantized_modules": ""} if self.quantize_head else {})}
+
+    def weights(self) -> str:
+        """How the weights are held, for the report's title."""
+        if self.quantization is None:
+            return "bf16 weights"
+        head = f"{self.quantization} LM head" if self.quantize_head else "bf16 LM head"
+        return f"{self.quantization} weights, {head}"
+
+    def flags(self) -> list[str]:
+        """The child process's flags for this run."""
+        return (["--new-tokens", str(self.new_tokens), "--chunk", str(self.chunk), "--threads", str(self.threads),
+                 "--sparse-top-pages", ",".join(map(str, self.top_pages)), "--sparse-recent-pages",
+                 str(self.recent_pages), "--decode-batch", ",".join(map(str, self.decode_batches))]
+                + (["--quantization", self.quantization] if self.quantization else [])
+                + (["--quantize-head"] if self.quantize_head else []))
+
+
+def run_octavo_sparse(folder: Path, length: int, run: SparseRun) -> list[dict[str, Any]]:
+    """Dense and Quest at each of ``run.top_pages`` on needle prompts of ``length`` tokens (a distinct one per
+    request), decode steps in turns."""
+    from benchmarks.sparse_attention import comparison, decode_budget, measure, needle_prompt
     from octavo.tokenizer import Tokenizer
 
-    needle = needle_prompt(Tokenizer(str(folder)), length, depth=0.3)
-    # The request's K/V and, with Quest, each block's key bounds (1/16 more at block size 16), plus a block.
-    kv_bytes = (length + new_tokens + 16) * kv_bytes_per_token(folder) * 17 // 16
-    modes = [None] + [(k, recent_pages) for k in top_pages]
-    results = measure(str(folder), needle, new_tokens, modes, dtype="bfloat16", enable_chunked_prefill=True,
-                      max_num_batched_tokens=chunk, enable_prefix_caching=False, kv_cache_memory_bytes=kv_bytes,
-                      threads_per_worker=threads)
+    tokenizer = Tokenizer(str(folder))
+    needles = [needle_prompt(tokenizer, length, depth=0.3, seed=i) for i in range(max(run.decode_batches))]
+    # Every request's K/V and, with Quest, each block's key bounds (1/16 more at block size 16), plus a block each.
+    tokens = length + decode_budget(length, run.new_tokens, run.decode_batches, run.chunk) + 16
+    kv_bytes = len(needles) * tokens * kv_bytes_per_token(folder) * 17 // 16
+    modes = [None] + [(k, run.recent_pages) for k in run.top_pages]
+    results = measure(str(folder), needles, run.new_tokens, modes, run.decode_batches, dtype="bfloat16",
+                      enable_chunked_prefill=True, max_num_batched_tokens=run.chunk, enable_prefix_caching=False,
+                      kv_cache_memory_bytes=kv_bytes, threads_per_worker=run.threads, **run.engine_options())
     return comparison(results)
 
 
 def sparse_report(args: argparse.Namespace, lengths: list[int]) -> list[dict[str, Any]]:
     """``run_octavo_sparse`` at each length, each in a fresh process; its rows, or the error it ended with."""
+    run = sparse_run(args)
     rows: list[dict[str, Any]] = []
     for length in lengths:
         command = [sys.executable, "-m", "benchmarks.long_context", "--run-sparse", "--length", str(length),
-                   "--model", str(args.model), "--new-tokens", str(args.new_tokens), "--chunk", str(args.chunk),
-                   "--threads", str(args.threads), "--sparse-top-pages", ",".join(map(str, args.sparse_top_pages)),
-                   "--sparse-recent-pages", str(args.sparse_recent_pages)]
+                   "--model", str(args.model), *run.flags()]
         before = load_avg()
         done = subprocess.run(command, capture_output=True, text=True)
         found = [line for line in done.stdout.splitlines() if line.startswith(RESULT)]
@@ -223,11 +267,17 @@ def sparse_report(args: argparse.Namespace, lengths: list[int]) -> list[dict[str
             continue
         rows += [{"tokens": length, **row, "load": load} for row in json.loads(found[-1].removeprefix(RESULT))]
         print(json.dumps(rows[-1]), flush=True)
-    print_table(rows, ["tokens", "mode", "decode_tok_s", "speedup", "decode_cpu_tok_s", "cpu_speedup", "agree",
-                       "token_logprob_change", "found", "logprob_change", "load", "error"],
-                title=f"dense vs Quest decode (R = {args.sparse_recent_pages}), {args.model.name}, {args.new_tokens} "
-                      f"new tokens, {args.threads} threads, one engine per mode, decode steps in turns")
+    print_table(rows, ["tokens", "batch", "mode", "step_ms", "decode_tok_s", "speedup", "decode_cpu_tok_s",
+                       "cpu_speedup", "agree", "token_logprob_change", "found", "logprob_change", "load", "error"],
+                title=f"dense vs Quest decode (R = {args.sparse_recent_pages}), {args.model.name}, {run.weights()}, "
+                      f"{args.new_tokens} steps per batch, {args.threads} threads, one engine per mode, decode "
+                      f"steps in turns")
     return rows
+
+
+def sparse_run(args: argparse.Namespace) -> SparseRun:
+    return SparseRun(args.new_tokens, args.chunk, args.threads, args.sparse_top_pages, args.sparse_recent_pages,
+                     args.decode_batch, args.quantization, args.quantize_head)
 
 
 def _budget(args: argparse.Namespace) -> int:
@@ -326,6 +376,13 @@ def main() -> None:
     parser.add_argument("--sparse-top-pages", type=int_list, default=[],
                         help="comma-separated sparse_top_pages: also Octavo's decode dense vs Quest at each")
     parser.add_argument("--sparse-recent-pages", type=int, default=2)
+    parser.add_argument("--decode-batch", type=int_list, default=[1],
+                        help="comma-separated counts of long requests decoding together (distinct prompts of the "
+                             "length, each prefilled), measured one after another in the same engines")
+    parser.add_argument("--quantization", choices=QUANTIZATIONS,
+                        help="the sparse measure's weights (the engine's --quantization; default bf16)")
+    parser.add_argument("--quantize-head", action="store_true",
+                        help="with --quantization, the LM head in that format too (else bf16, the engine's default)")
     parser.add_argument("--json", type=Path)
     # One engine at one length, in the child process the parent starts.
     parser.add_argument("--run", choices=ENGINES, help=argparse.SUPPRESS)
@@ -333,15 +390,19 @@ def main() -> None:
     parser.add_argument("--length", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--model", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.quantize_head and args.quantization is None:
+        parser.error("--quantize-head needs --quantization")
+    if args.run_sparse or args.run:
+        import torch
+
+        # The in-process engine runs on this process's torch threads (threads_per_worker sets a worker
+        # process's): without this a sparse run took every core whatever --threads said.
+        torch.set_num_threads(args.threads)
     if args.run_sparse:
-        rows = run_octavo_sparse(args.model, args.length, args.new_tokens, args.chunk, args.threads,
-                                 args.sparse_top_pages, args.sparse_recent_pages)
+        rows = run_octavo_sparse(args.model, args.length, sparse_run(args))
         print(RESULT + json.dumps(rows), flush=True)
         return
     if args.run:
-        import torch
-
-        torch.set_num_threads(args.threads)
         if args.run == "octavo":
             _serve(OctavoContext(args.model, args.length, _budget(args), args.chunk))
         else:
