@@ -135,7 +135,7 @@ class ModelRunner:
         # target's block ids, so the pool is sized for both, per block.
         self._draft_host = DraftHost(model_config, cache_config, self.max_model_len)
         context = ProposerContext(model_config, cache_config, self.device, self.max_model_len, self.arch,
-                                  self._draft_host)
+                                  self._draft_host, scheduler_config.max_num_batched_tokens)
         self.proposer = create_proposer(spec, context)
         self.kv_cache_windows = groups.windows  # for the scheduler's block tables
         self.num_blocks = num_cache_blocks(
