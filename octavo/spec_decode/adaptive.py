@@ -45,7 +45,7 @@ steadier than wall time on a shared machine).
 from __future__ import annotations
 
 import statistics
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -65,12 +65,18 @@ class _Recent:
 
 
 class _Mode:
-    """One k's steps in a bucket: their recent median cost (which one-off steps do not move) and the tokens
-    each request emitted in each of them. The first ``settle`` steps are not measured."""
+    """One k's steps in a bucket: their recent median cost (which one-off steps do not move) and how many
+    requests emitted how many tokens in each of them, with the sum of those counts over the window kept as
+    steps come and go: judging a k reads the counts of every larger k too, which summed request by request
+    took ~0.3 ms at batch 32, an eighth of a plain step, each time it was asked. The first ``settle`` steps
+    are not measured."""
 
     def __init__(self, window: int, settle: int) -> None:
         self.seconds = _Recent(window)
-        self.emitted: deque[list[int]] = deque(maxlen=window)
+        self.emitted: deque[Counter[int]] = deque()  # per step: tokens emitted -> requests
+        self.tokens: Counter[int] = Counter()  # ... summed over the window
+        self.requests = 0  # requests in the window's steps
+        self.window = window
         self.settle = settle
         self.count = 0  # steps measured
 
@@ -79,7 +85,14 @@ class _Mode:
             self.settle -= 1
             return
         self.seconds.add(seconds)
-        self.emitted.append(emitted)
+        step = Counter(emitted)
+        self.emitted.append(step)
+        self.tokens.update(step)
+        self.requests += len(emitted)
+        if len(self.emitted) > self.window:
+            old = self.emitted.popleft()
+            self.tokens.subtract(old)
+            self.requests -= sum(old.values())
         self.count += 1
 
 
@@ -148,7 +161,10 @@ class SpeculationGovernor:
                 # The probe's steps against the chosen k's recent ones: measured side by side.
                 b.choice = self._cheapest(b, [b.choice, b.probe_k])
             return b.probe_k if b.probe_left else b.choice
-        if b.steps - b.last_probe >= self.probe_every and self._probing_cost(b) <= self.probe_budget * b.spent:
+        since = b.steps - b.last_probe
+        # The budget is read every ``window`` steps: reading it costs ~10 us, a step at batch 32 ~2.4 ms.
+        if (since >= self.probe_every and since % self.window == 0
+                and self._probing_cost(b) <= self.probe_budget * b.spent):
             others = [k for k in self.ks if k != b.choice]
             b.probe_k = others[b.probes % len(others)]
             b.probes += 1
@@ -234,6 +250,10 @@ class SpeculationGovernor:
         (acceptance changes from one file to the next several times over: k=2's steps emitted 1.77 tokens
         on one held-out file, 2.2 on average)."""
         mode = b.modes[k]
-        requests = sum(len(e) for e in mode.emitted) / len(mode.emitted)
-        seen = [min(n, k + 1) for m in b.modes if m >= k for e in b.modes[m].emitted for n in e]
-        return mode.seconds.value / (requests * sum(seen) / len(seen))
+        requests = mode.requests / len(mode.emitted)
+        seen: Counter[int] = Counter()
+        for m in b.modes:
+            if m >= k:
+                seen.update(b.modes[m].tokens)
+        tokens = sum(min(n, k + 1) * c for n, c in seen.items()) / sum(seen.values())
+        return mode.seconds.value / (requests * tokens)
