@@ -19,6 +19,10 @@ After each target step the draft catches up on what the target accepted
 (prompt chunks during prefill; the accepted proposals and the new token
 during decode) in one forward for all requests, whose last row per request
 gives the first proposal; then k - 1 single-token forwards give the others.
+While the governor proposes nothing the draft does not run: when proposals
+resume it catches up on every token since (on a request it never saw, from
+position 0), the leading tokens in forwards of at most the target's step
+budget first.
 The K/V the draft wrote for its guesses stay valid as far as the target
 agreed with them (``_Seq``); past that they are overwritten later.
 """
