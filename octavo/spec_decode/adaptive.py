@@ -16,20 +16,37 @@ kernel tape at ~10 plain steps' cost, and speculation's first steps at batch
 1 hold several such, so octavo-mini + its draft measured speculation dearer
 and stopped it for good, where it pays 1.05-1.2x); and the first
 ``settle_steps`` steps of each k are not measured at all. A bucket first measures
-each k in turn, the most proposals first and plain decoding last, then takes the
-cheapest; every ``probe_every`` steps it runs another k (each in turn) for
-``probe_steps`` steps again, so a change of text or load is noticed: 1% of the
-steps, which bounds what probing costs where speculation loses (a draft model at
-batch 32: a step costs ~2.3x per token, so ~1.3%). A step whose k differs from
-the step before it (it verifies proposals of one k and proposes another) is not
-counted: it is part of each. Torch-free; the caller passes the times (the model
-runner: CPU time of its process, steadier than wall time on a shared machine).
+each k in turn, ``probe_steps`` steps at a time (the most proposals first and
+plain decoding last, round after round, until each has ``warmup_steps``), then
+takes the cheapest (speculating must be ``margin`` cheaper than plain decoding)
+and keeps it until a probe beats it: now and then it runs another k
+(each in turn) for ``probe_steps`` steps, measured afresh, and switches when
+that k costs less than the chosen one's own recent steps. The two are measured
+side by side, so neither a change of load nor of context length (the chosen
+k's cost grows as the sequences grow, a k measured long ago does not) moves
+the choice by itself: comparing the chosen k's recent steps with other ks' old
+ones switched a batch of 32 to speculating where it lost (0.71x of plain
+decoding).
+
+A probe costs what its steps cost beyond the chosen k's price for the tokens
+they emitted, and where speculation loses that is more than its steps: a
+draft model that did not run while the choice was 0 first catches up on every
+token decoded since (at batch 32 ~30-60 ms, a dozen plain steps or more). So
+probes are spaced by what they cost: the next one waits ``probe_every`` steps
+and until everything the bucket spent off its choice (the first measurements
+of each k included) is within ``probe_budget`` of all it spent. A probe that
+costs little (batch 1, where speculation pays) comes about every
+``probe_every`` steps; one that costs much comes rarely. A step whose k differs from the step
+before it (it verifies proposals of one k and proposes another) is not
+measured: it is part of each; it counts as spent off the choice. Torch-free;
+the caller passes the times (the model runner: CPU time of its process,
+steadier than wall time on a shared machine).
 """
 from __future__ import annotations
 
 import statistics
-from collections import deque
-from dataclasses import dataclass
+from collections import Counter, deque
+from dataclasses import dataclass, field
 from typing import Optional
 
 
@@ -48,12 +65,18 @@ class _Recent:
 
 
 class _Mode:
-    """One k's steps in a bucket: their recent median cost (which one-off steps do not move) and the tokens
-    each request emitted in each of them. The first ``settle`` steps are not measured."""
+    """One k's steps in a bucket: their recent median cost (which one-off steps do not move) and how many
+    requests emitted how many tokens in each of them, with the sum of those counts over the window kept as
+    steps come and go: judging a k reads the counts of every larger k too, which summed request by request
+    took ~0.3 ms at batch 32, an eighth of a plain step, each time it was asked. The first ``settle`` steps
+    are not measured."""
 
     def __init__(self, window: int, settle: int) -> None:
         self.seconds = _Recent(window)
-        self.emitted: deque[list[int]] = deque(maxlen=window)
+        self.emitted: deque[Counter[int]] = deque()  # per step: tokens emitted -> requests
+        self.tokens: Counter[int] = Counter()  # ... summed over the window
+        self.requests = 0  # requests in the window's steps
+        self.window = window
         self.settle = settle
         self.count = 0  # steps measured
 
@@ -62,17 +85,34 @@ class _Mode:
             self.settle -= 1
             return
         self.seconds.add(seconds)
-        self.emitted.append(emitted)
+        step = Counter(emitted)
+        self.emitted.append(step)
+        self.tokens.update(step)
+        self.requests += len(emitted)
+        if len(self.emitted) > self.window:
+            old = self.emitted.popleft()
+            self.tokens.subtract(old)
+            self.requests -= sum(old.values())
         self.count += 1
 
 
 @dataclass
 class _Bucket:
     modes: dict[int, _Mode]  # by proposals per request (0: plain decoding)
+    choice: Optional[int] = None  # the k chosen, once every k was measured
     steps: int = 0  # decisions taken in this bucket
     probe_left: int = 0  # steps of ``probe_k`` still to run
     probe_k: int = 0
     probes: int = 0
+    last_probe: int = 0  # ``steps`` when the last probe began
+    spent: float = 0.0  # seconds of all its measurable steps
+    off_seconds: float = 0.0  # ... of those off the choice (measuring other ks, and switching)
+    off_tokens: int = 0  # tokens those emitted
+    # Seconds spent outside the model runner after a step, by the k it proposed: output processing and
+    # scheduling grow with the tokens a step emits and the proposals it sends, so speculation pays more
+    # of it per step than plain decoding (octavo-mini at batch 32: ~0.7 ms after a ~2.4 ms plain step,
+    # ~0.8 ms after a speculating one).
+    overhead: dict[int, _Recent] = field(default_factory=dict)
 
 
 class SpeculationGovernor:
@@ -85,9 +125,11 @@ class SpeculationGovernor:
         max_batch_size: Optional[int] = None,
         warmup_steps: int = 8,
         probe_every: int = 400,
-        probe_steps: int = 4,
+        probe_steps: int = 6,
         window: int = 16,
         settle_steps: int = 8,
+        probe_budget: float = 0.01,
+        margin: float = 0.05,
     ) -> None:
         self.max_k = num_speculative_tokens
         # Measured in this order at first; on equal costs the earlier (more tokens a step) wins.
@@ -99,8 +141,9 @@ class SpeculationGovernor:
         self.probe_steps = probe_steps
         self.window = window
         self.settle_steps = settle_steps
+        self.probe_budget = probe_budget
+        self.margin = margin
         self._buckets: dict[int, _Bucket] = {}
-        self._overhead = _Recent(window)  # seconds per step spent outside the model runner
 
     def proposals(self, batch_size: int) -> int:
         """Tokens each request should propose in a step where ``batch_size`` requests decoded (0: none)."""
@@ -110,40 +153,76 @@ class SpeculationGovernor:
             return self.max_k
         b = self._bucket(batch_size)
         b.steps += 1
-        for k in self.ks:
-            if b.modes[k].count < self.warmup_steps:
-                return k
-        best = self._cheapest(b)
+        if self._choose(b) is None:
+            return self._measure_next(b)
         if b.probe_left:
             b.probe_left -= 1
-            return b.probe_k
-        if b.steps % self.probe_every == 0:
-            others = [k for k in self.ks if k != best]
+            if not b.probe_left and b.modes[b.probe_k].emitted:
+                # The probe's steps against the chosen k's recent ones: measured side by side.
+                b.choice = self._cheapest(b, [b.choice, b.probe_k])
+            return b.probe_k if b.probe_left else b.choice
+        since = b.steps - b.last_probe
+        # The budget is read every ``window`` steps: reading it costs ~10 us, a step at batch 32 ~2.4 ms.
+        if (since >= self.probe_every and since % self.window == 0
+                and self._probing_cost(b) <= self.probe_budget * b.spent):
+            others = [k for k in self.ks if k != b.choice]
             b.probe_k = others[b.probes % len(others)]
             b.probes += 1
+            b.last_probe = b.steps
+            # Its steps are measured afresh: old ones were taken on other text, contexts and load.
+            b.modes[b.probe_k] = _Mode(self.window, settle=0)
             b.probe_left = self.probe_steps
-        return best
+            return b.probe_k
+        return b.choice
 
     def record(self, emitted: list[int], seconds: float, verified: int, proposed: int) -> None:
         """One step's result: ``emitted[i]`` tokens for decoding request i in ``seconds`` of the model
         runner, having verified the ``verified`` proposals per request chosen the step before and proposed
         ``proposed``."""
-        if sum(emitted) < 1 or verified != proposed:
+        if sum(emitted) < 1:
             return
         b = self._bucket(len(emitted))
-        b.modes[proposed].add(seconds + (self._overhead.value or 0.0), emitted)
+        overhead = b.overhead.get(proposed)
+        cost = seconds + (overhead.value if overhead is not None else 0.0)
+        b.spent += cost
+        if verified != b.choice or proposed != b.choice:
+            b.off_seconds += cost
+            b.off_tokens += sum(emitted)
+        if verified == proposed:
+            b.modes[proposed].add(cost, emitted)
 
-    def record_overhead(self, seconds: float) -> None:
-        """Time between two steps spent outside the runner (scheduling, output
-        processing): a cost per step, which speculation spreads over more tokens."""
-        self._overhead.add(seconds)
+    def record_overhead(self, seconds: float, batch_size: int, proposed: int) -> None:
+        """Time between two steps spent outside the runner (scheduling, output processing), after a step
+        where ``batch_size`` requests decoded and proposed ``proposed`` tokens each: a cost of each step of
+        that k, which speculation spreads over more tokens."""
+        if batch_size >= 1:
+            b = self._bucket(batch_size)
+            b.overhead.setdefault(proposed, _Recent(self.window)).add(seconds)
 
     def best_proposals(self, batch_size: int) -> Optional[int]:
-        """The proposals per request the measurements favour for ``batch_size`` (None: not all measured yet)."""
+        """The proposals per request chosen for ``batch_size`` (None: not all measured yet)."""
         b = self._buckets.get(batch_size.bit_length())
-        if b is None or any(not m.emitted for m in b.modes.values()):
-            return None
-        return self._cheapest(b)
+        return None if b is None else self._choose(b)
+
+    def _choose(self, b: _Bucket) -> Optional[int]:
+        """The bucket's choice, taken once every k was measured (None before)."""
+        if b.choice is None and all(m.count >= self.warmup_steps for m in b.modes.values()):
+            b.choice = self._cheapest(b, self.ks)
+            b.probe_left, b.last_probe = 0, b.steps
+        return b.choice
+
+    def _measure_next(self, b: _Bucket) -> int:
+        """Before the first choice: the ks still short of measurements, in turn, ``probe_steps`` steps each,
+        so that they all share the text, the contexts and the load of the same minutes (measured one after
+        the other, k=1 on a text the draft copied well and k=0 on one it did not, k=1 won at batch 32 where
+        it cost 5-10% more than plain decoding)."""
+        pending = [k for k in self.ks if b.modes[k].count < self.warmup_steps]
+        if not b.probe_left or b.probe_k not in pending:
+            later = [k for k in pending if k < b.probe_k]
+            b.probe_k = (later or pending)[0]
+            b.probe_left = self.probe_steps
+        b.probe_left -= 1
+        return b.probe_k
 
     def _bucket(self, batch_size: int) -> _Bucket:
         bucket = batch_size.bit_length()
@@ -151,8 +230,16 @@ class SpeculationGovernor:
             self._buckets[bucket] = _Bucket({k: _Mode(self.window, self.settle_steps) for k in self.ks})
         return self._buckets[bucket]
 
-    def _cheapest(self, b: _Bucket) -> int:
-        return min(self.ks, key=lambda k: self._per_token(b, k))
+    def _cheapest(self, b: _Bucket, ks: list[int]) -> int:
+        """Speculating must cost ``margin`` less per token than plain decoding: its steps do not show all it
+        costs (the draft's share of prompt steps, its catch-up after a switch, proposals the scheduler drops),
+        and at batch 32 the shipped draft's k=1 measured level with plain decoding where it was 5-8% dearer."""
+        return min(ks, key=lambda k: self._per_token(b, k) * (1 + self.margin if k else 1))
+
+    def _probing_cost(self, b: _Bucket) -> float:
+        """Seconds the bucket spent off its choice beyond what the choice would have cost for the same
+        tokens."""
+        return b.off_seconds - b.off_tokens * self._per_token(b, b.choice)
 
     @staticmethod
     def _per_token(b: _Bucket, k: int) -> float:
@@ -163,6 +250,10 @@ class SpeculationGovernor:
         (acceptance changes from one file to the next several times over: k=2's steps emitted 1.77 tokens
         on one held-out file, 2.2 on average)."""
         mode = b.modes[k]
-        requests = sum(len(e) for e in mode.emitted) / len(mode.emitted)
-        seen = [min(n, k + 1) for m in b.modes if m >= k for e in b.modes[m].emitted for n in e]
-        return mode.seconds.value / (requests * sum(seen) / len(seen))
+        requests = mode.requests / len(mode.emitted)
+        seen: Counter[int] = Counter()
+        for m in b.modes:
+            if m >= k:
+                seen.update(b.modes[m].tokens)
+        tokens = sum(min(n, k + 1) * c for n, c in seen.items()) / sum(seen.values())
+        return mode.seconds.value / (requests * tokens)

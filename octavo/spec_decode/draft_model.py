@@ -19,6 +19,10 @@ After each target step the draft catches up on what the target accepted
 (prompt chunks during prefill; the accepted proposals and the new token
 during decode) in one forward for all requests, whose last row per request
 gives the first proposal; then k - 1 single-token forwards give the others.
+While the governor proposes nothing the draft does not run: when proposals
+resume it catches up on every token since (on a request it never saw, from
+position 0), the leading tokens in forwards of at most the target's step
+budget first.
 The K/V the draft wrote for its guesses stay valid as far as the target
 agreed with them (``_Seq``); past that they are overwritten later.
 """
@@ -319,6 +323,7 @@ class DraftModelProposer(Proposer):
             )
         self.device = context.device
         self.block_size = context.cache_config.block_size
+        self._step_budget = context.max_num_batched_tokens
         self._seqs: dict[str, _Seq] = {}
         self._generators: dict[str, torch.Generator] = {}
 
@@ -333,6 +338,7 @@ class DraftModelProposer(Proposer):
             forward, proposing = self._catch_up(rows)
             if not forward:
                 return [Proposal() for _ in rows]
+            self._run_ahead(forward)
             if not proposing:  # prompt chunks only
                 self.model.run_rows(forward, [])
             else:
@@ -353,6 +359,29 @@ class DraftModelProposer(Proposer):
             out.append(Proposal() if p is None else p.proposal)
         return out
 
+    def _run_ahead(self, forward: list[ScheduledRow]) -> None:
+        """Bound the catch-up forward to the target's step budget (``max_num_batched_tokens``): resuming
+        after the governor proposed nothing for a while, the draft catches up on every token decoded
+        meanwhile, and on whole prompts it never saw. Rows keep their last ``budget // len(forward)``
+        tokens (at least one) for the forward that proposes; their leading tokens run first, in forwards of
+        at most ``budget`` tokens."""
+        keep = max(self._step_budget // len(forward), 1)
+        ahead: list[ScheduledRow] = []
+        size = 0
+        for row in forward:
+            start, lead = row.start_pos, row.num_tokens - keep
+            while lead > 0:
+                n = min(lead, self._step_budget - size)
+                ahead.append(ScheduledRow(row.request, start, n, row.block_tables, False))
+                start, lead, size = start + n, lead - n, size + n
+                if size == self._step_budget:
+                    self.model.run_rows(ahead, [])
+                    ahead, size = [], 0
+            row.num_tokens -= start - row.start_pos
+            row.start_pos = start
+        if ahead:
+            self.model.run_rows(ahead, [])
+
     def _catch_up(self, rows: list[ProposalInput]) -> tuple[list[ScheduledRow], list[_Proposing]]:
         """The first forward's rows (one per request with tokens to compute),
         and those of them that propose."""
@@ -367,7 +396,10 @@ class DraftModelProposer(Proposer):
             # The positions written: the known tokens, then the guesses fed back.
             cap = max(min(inp.max_proposals, capacity - end + 1), 0) if inp.new_token_ids else 0
             end = min(end, capacity)
-            seq = self._seqs.setdefault(inp.request_id, _Seq(inp.start_pos))
+            # A request first seen starts from position 0: its prompt may have been prefilled, or the blocks
+            # of a cached prefix filled, while the governor proposed nothing and the draft did not run, and
+            # what the draft's cache holds there is not its K/V of these tokens.
+            seq = self._seqs.setdefault(inp.request_id, _Seq(0))
             seq.settle(tokens, state.block_ids, self.block_size)
             seq.computed = min(seq.computed, end)
             start = seq.computed - 1 if cap and seq.computed == end else seq.computed

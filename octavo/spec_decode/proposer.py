@@ -61,6 +61,8 @@ class ProposerContext:
     max_model_len: int
     target_arch: ArchConfig
     host: DraftModelHost
+    # The most tokens of one target step: a draft's own forwards stay within it too.
+    max_num_batched_tokens: int
 
 
 @dataclass

@@ -135,7 +135,7 @@ class ModelRunner:
         # target's block ids, so the pool is sized for both, per block.
         self._draft_host = DraftHost(model_config, cache_config, self.max_model_len)
         context = ProposerContext(model_config, cache_config, self.device, self.max_model_len, self.arch,
-                                  self._draft_host)
+                                  self._draft_host, scheduler_config.max_num_batched_tokens)
         self.proposer = create_proposer(spec, context)
         self.kv_cache_windows = groups.windows  # for the scheduler's block tables
         self.num_blocks = num_cache_blocks(
@@ -184,6 +184,7 @@ class ModelRunner:
         self._last_end: Optional[float] = None  # CPU time when the previous step left the runner
         self._last_cost = 0.0  # ... and what that step cost in it
         self._speculated = 0  # the governor's choice in the previous step: proposals per request
+        self._last_batch = 0  # ... and the requests that decoded in it
 
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         out = self._execute(scheduler_output)
@@ -201,7 +202,7 @@ class ModelRunner:
         # was busy with something else (another engine, a request burst's
         # tokenizing) and would make long steps look cheap.
         if self.proposer is not None and self._last_end is not None and start - self._last_end <= 4 * self._last_cost:
-            self.governor.record_overhead(start - self._last_end)
+            self.governor.record_overhead(start - self._last_end, self._last_batch, self._speculated)
         with torch.inference_mode():
             step = self._forward(scheduler_output)
             if step is None:
@@ -254,7 +255,7 @@ class ModelRunner:
         if all(s.num_tokens == 1 + len(s.spec_token_ids) for s in inputs.order):
             emitted = [len(out.sampled_token_ids.get(s.request.request_id, ())) for s in plan.sample]
             self.governor.record(emitted, end - start, self._speculated, k)
-        self._speculated = k
+        self._speculated, self._last_batch = k, batch
 
     def execute_logits(self, scheduler_output: SchedulerOutput) -> dict[str, torch.Tensor]:
         """Run the step like ``execute`` (the K/V are written) but return the

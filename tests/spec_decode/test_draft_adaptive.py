@@ -82,8 +82,9 @@ def test_chooses_how_many_to_propose():
 
 def test_fewer_proposals_are_judged_on_the_current_text():
     """What k proposals would emit is read from the steps of any larger k too, so the choice follows a
-    change of text: from one where only a first proposal is sometimes right to one where all are."""
-    gov = SpeculationGovernor(3, warmup_steps=4, probe_every=20, probe_steps=4, settle_steps=0)
+    change of text: from one where only a first proposal is sometimes right to one where all are (probes
+    every 20 steps whatever they cost: what they find is the point here)."""
+    gov = SpeculationGovernor(3, warmup_steps=4, probe_every=20, probe_steps=4, settle_steps=0, probe_budget=1.0)
 
     def cost(k: int) -> float:
         return 2.0 + 0.5 * k
@@ -136,11 +137,9 @@ def test_one_off_expensive_steps_do_not_decide():
     """A batch size's first steps run eagerly and the next records its kernel tape (~10 plain steps), and
     several such fall in speculation's first steps: the choice follows the steady costs all the same."""
     gov = SpeculationGovernor(1, warmup_steps=8, probe_every=50, probe_steps=3)
-    costs = [30.0] * 8 + [3.0, 30.0, 3.0, 3.0, 30.0, 3.0, 3.0, 3.0]  # speculation first: 1.5 s a token when steady
-    for cost in costs:
-        assert gov.proposals(1) == 1
-        gov.record([2], cost, verified=1, proposed=1)
-    drive(gov, 1, 200, spec_cost=3.0, plain_cost=2.0, agreement=[1])
+    # Speculation's first steps; 3.0 when steady: 1.5 s a token against plain decoding's 2.
+    one_offs = iter([30.0] * 8 + [3.0, 30.0, 3.0, 3.0, 30.0, 3.0, 3.0, 3.0])
+    drive_k(gov, 1, 200, lambda k: next(one_offs, 3.0) if k else 2.0, agreement=[1])
     assert gov.best_proposals(1) == 1
 
 
@@ -156,3 +155,58 @@ def test_cost_per_token_is_the_step_cost_over_the_tokens_a_step_emits():
     for _ in range(4):
         gov.record([1], 2.2, verified=0, proposed=0)
     assert gov.best_proposals(1) == 3  # averaging 5/1 and 5/4 would say 3.1 s per token
+
+
+def test_probes_are_spaced_by_what_they_cost():
+    """Where speculation loses, a probe costs its dearer steps and, for a draft model that sat idle, a
+    catch-up on every token decoded meanwhile (its first step): probes come rarely, so that what probing
+    spends stays within the budget. Where speculation pays, probing plain decoding costs little and comes
+    about every ``probe_every`` steps (its 4 plain steps spend 2 beyond speculation's price, 1% of ~70 steps)."""
+    idle = {"steps": 0}
+
+    def losing(k: int) -> float:  # batch 32: a plain step 2.5; speculating 4.0, and its first step catches up
+        cost = 2.5 if k == 0 else 4.0 + (0.02 * idle["steps"] if idle["steps"] else 0.0)
+        idle["steps"] = idle["steps"] + 1 if k == 0 else 0
+        return cost
+
+    gov = SpeculationGovernor(1, warmup_steps=4, settle_steps=0, probe_every=50, probe_steps=4)
+    choices = drive_k(gov, 32, 6000, losing, agreement=[0, 0, 1])
+    assert gov.best_proposals(32) == 0
+    probes = sum(1 for a, b in zip(choices[100:], choices[101:]) if b and not a)
+    assert 1 <= probes <= 6000 // 400  # at most one in 400 steps where probe_every alone allows one in 54
+    paying = SpeculationGovernor(1, warmup_steps=4, settle_steps=0, probe_every=50, probe_steps=4)
+    choices = drive_k(paying, 1, 2000, lambda k: 3.0 if k else 2.0, agreement=[1])
+    assert paying.best_proposals(1) == 1
+    probes = sum(1 for a, b in zip(choices[100:], choices[101:]) if a and not b)
+    assert probes >= 1900 // 100
+
+
+def test_choice_moves_on_probes_not_on_old_measurements():
+    """The chosen k's cost moves with the contexts and the load; another k's measurement is as old as its
+    last probe. Plain decoding chosen at batch 32 grows dearer as the sequences grow, past what speculation
+    cost when it was measured: the choice stays, and the next probe, measured beside it, confirms it."""
+    growth = {"step": 0}
+
+    def cost(k: int) -> float:
+        growth["step"] += 1
+        plain = 2.5 * (1 + growth["step"] / 200)  # contexts growing: every step dearer, either way
+        return plain * (1.6 if k else 1.0)
+
+    gov = SpeculationGovernor(1, warmup_steps=4, settle_steps=0, probe_every=100, probe_steps=4, probe_budget=1.0)
+    choices = drive_k(gov, 32, 400, cost, agreement=[0, 1])  # speculating emits 1.5 tokens: 1.6 / 1.5 > 1
+    assert gov.best_proposals(32) == 0
+    # Only probes speculated once plain decoding was chosen: a run of probe_steps at most, every probe_every.
+    assert sum(choices[40:]) <= 4 * (360 // 100 + 1)
+
+
+def test_overhead_is_charged_to_the_k_that_causes_it():
+    """Output processing and scheduling after a step grow with what it emitted and proposed: a speculating
+    step that costs as much as a plain one in the runner but twice as much around it loses."""
+    gov = SpeculationGovernor(1, warmup_steps=4, settle_steps=0)
+    previous = 0
+    for _ in range(60):
+        k = gov.proposals(8)
+        gov.record([1 + min(previous, 1)] * 8, 2.0 if k else 1.5, previous, k)  # 1.25x plain for 2 tokens
+        gov.record_overhead(3.0 if k else 1.0, 8, k)  # ... but (2 + 3) / 2 = 2.5 > 1.5 + 1 per token
+        previous = k
+    assert gov.best_proposals(8) == 0

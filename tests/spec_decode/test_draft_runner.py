@@ -55,7 +55,8 @@ def build_draft(spec: SpeculativeConfig, config: ModelConfig, cache: CacheConfig
     """The proposer as the model runner builds it: the worker's host loads the
     model and allocates its cache once the pool is sized."""
     host = DraftHost(config, cache, 512)
-    context = ProposerContext(config, cache, torch.device(config.device), 512, load_arch_config(config.model), host)
+    context = ProposerContext(config, cache, torch.device(config.device), 512, load_arch_config(config.model), host,
+                              max_num_batched_tokens=2048)
     proposer = DraftModelProposer(spec, context)
     host.allocate(num_blocks, 8 * (K + 1), 512)
     return proposer
