@@ -93,6 +93,7 @@ class ServedProbePlan:
     load_s: float = 8.0
     load_prompt: tuple[int, int] = (128, 256)
     load_output: tuple[int, int] = (32, 96)
+    max_load_requests: int = 2000  # per rate: a fit gone wrong must not send millions of requests
 
     def fitted_to(self, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int) -> ServedProbePlan:
         """Cut to the engine's context, sequence limit and token budget (a batch's prompts fit one step)."""
@@ -247,7 +248,8 @@ async def _load(base_url: str, model: str, plan: ServedProbePlan, cost: CostMode
         await asyncio.gather(*[_stream(client, model, prompt(8), 2 + i) for i in range(cost.engine.max_num_seqs)])
         start = time.monotonic()
         for i, factor in enumerate(plan.load_factors):
-            rate = factor * replace(cost, served=served).saturation_rate(mean_prompt, mean_output)
+            rate = min(factor * replace(cost, served=served).saturation_rate(mean_prompt, mean_output),
+                       plan.max_load_requests / plan.load_s)
             trace = generate(TraceSpec("poisson", plan.load_s, rate, **lengths), seed + 1 + i)
             t0, tasks = time.perf_counter(), []
             for t in trace:

@@ -42,6 +42,10 @@ least squares on relative error to three kinds of probe:
   saturated at 8.4 requests/s where the real one still decoded at 2.4 ms a
   token at 12.6.
 
+Given the server's step record (``served_steps.py``), ``fit_steps`` fits the
+step terms to the server's own steps instead, under Poisson arrivals below,
+at and above saturation, and the per-request cost to the lone requests.
+
 Steps of equal work still take different times on a shared machine (other
 processes stall the engine, the client and the front). ``step_noise_sigma``
 is the spread of the lone requests' log residuals among repeats of one
@@ -138,8 +142,8 @@ class ServedCost:
     # The saturation probes: how many, and the fitted terms' signed error on their time per output token.
     saturation_probes: int = 0
     saturation_rel_error: float = 0.0
-    # Fitted to the server's own steps (``fit_steps``): how many, and the fitted terms' signed error on their
-    # total time (what sets capacity).
+    # Fitted to the server's own steps (``fit_steps``): how many, and the signed error of the fitted terms and
+    # the stretch's mean on their total time (what sets capacity).
     served_steps: int = 0
     served_steps_total_rel_error: float = 0.0
     # The log-mean of a step's stretch: None for -sigma^2 / 2 (a stretch of mean 1, the terms fitted to mean
@@ -214,12 +218,12 @@ class ServedCost:
         served = cls(*map(float, coef), load_avg=load_avg, served_steps=len(steps), step_noise_sigma=sigma,
                      step_noise_mu=0.0,
                      served_steps_total_rel_error=float(predicted.sum() * np.exp(sigma ** 2 / 2) / y.sum() - 1))
-        beyond = [p.seconds - served.step_seconds(p.engine_s, p.sampled) for p in lone if p.first_token]
-        served.per_request_s = max(0.0, float(np.median(beyond)))
-        served.num_probes = len(beyond)
-        served.mean_abs_rel_error = float(np.mean([abs(served.step_seconds(p.engine_s, p.sampled)
-                                                       + served.per_request_s - p.seconds) / p.seconds
-                                                   for p in lone if p.first_token]))
+        firsts = [p for p in lone if p.first_token]
+        prefills = np.array([served.step_seconds(p.engine_s, p.sampled) for p in firsts])
+        measured = np.array([p.seconds for p in firsts])
+        served.per_request_s = max(0.0, float(np.median(measured - prefills)))
+        served.num_probes = len(firsts)
+        served.mean_abs_rel_error = float(np.mean(np.abs(prefills + served.per_request_s - measured) / measured))
         return served
 
     def step_factor(self, rng: random.Random) -> float:
