@@ -8,9 +8,12 @@ Steps, back to back (the machine may be shared: the load average is recorded
 around each one):
 1. one `octavo serve` of the model (its engine options: --max-num-seqs,
    --kv-cache-memory, --dtype, --threads as OMP_NUM_THREADS);
-2. `octavo simulate calibrate --clock cpu --served URL` with the same options:
-   the bare engine's steps on the CPU clock, then probes of the server for
-   what serving adds (octavo/simulate/served.py), or --cost-model to reuse one;
+2. `octavo simulate calibrate --clock cpu --served URL --served-steps FILE`
+   with the same options: the bare engine's steps on the CPU clock, then
+   probes of the server and Poisson arrivals around its saturation (other
+   lengths and seeds than the validation's traces), whose steps, read from
+   the server's --step-record FILE, set what serving adds
+   (octavo/simulate/served.py); or --cost-model to reuse one;
 3. the rates: --rates, or the cost model's saturation rate (below) times
    0.5, 1 and 1.5;
 4. per rate: a seeded Poisson trace (octavo/simulate/traces.py), saved as
@@ -21,10 +24,7 @@ around each one):
    (15% below saturation, 25% at and above it).
 
 The saturation rate is where a full batch (``max_num_seqs`` sequences)
-just keeps up: each request costs what its prompt adds to a full batch's
-served step and ``output`` slots of that batch's served decode step, so a
-replica finishes at most 1 / (prompt + output * step(full batch) / full
-batch) requests a second.
+just keeps up (``CostModel.saturation_rate``).
 """
 from __future__ import annotations
 
@@ -43,7 +43,8 @@ import httpx
 from benchmarks.online import running_server
 from benchmarks.report import load_avg
 from benchmarks.workload import ordinary_token_ids
-from octavo.simulate.cost_model import CostModel, StepWork
+from octavo.entrypoints.calibrate_served import sse_events
+from octavo.simulate.cost_model import CostModel
 from octavo.simulate.replica import ReplicaShape
 from octavo.simulate.report import SLO, percentile, summarize
 from octavo.simulate.simulator import FleetConfig, Simulator
@@ -77,10 +78,7 @@ async def _one(client: httpx.AsyncClient, model: str, prompt: list[int], max_tok
     async with client.stream("POST", "/v1/completions", json=body) as r:
         if r.status_code != 200:
             raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
-        async for line in r.aiter_lines():
-            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
-                continue
-            event = json.loads(line[5:])
+        async for event in sse_events(r):
             # The first event with a choice carries the first token (its text may be empty: a partial character).
             if event.get("choices") and ttft is None:
                 ttft = time.perf_counter() - start
@@ -128,21 +126,12 @@ def simulate(cost: CostModel, trace: list[TraceRequest], seed: int) -> dict:
     return {**out, "output_tokens_per_s": s["throughput"]["output_tokens_per_s"], "preemptions": s["preemptions"]}
 
 
-def saturation_rate(cost: CostModel, prompt: int, output: int) -> float:
-    """Requests/s a replica finishes with a full batch decoding (the module docstring)."""
-    batch = cost.engine.max_num_seqs
-    context = batch * (prompt + output // 2)
-    step = cost.step_seconds(StepWork(decode_seqs=batch, decode_context_tokens=context, sampled_seqs=batch))
-    # A prompt joins a full batch's step (a mixed step): what it adds to that step.
-    joined = cost.step_seconds(StepWork(prompt, 1, prompt * (prompt + 1) / 2, batch, context, batch + 1))
-    return 1.0 / (joined - step + output * step / batch)
-
-
-def calibrate(args: argparse.Namespace, engine_flags: list[str], base_url: str) -> Path:
+def calibrate(args: argparse.Namespace, engine_flags: list[str], base_url: str, served_steps: Path) -> Path:
     path = args.out_dir / "cost.json"
     cmd = [sys.executable, "-m", "octavo.entrypoints.cli", "simulate", "calibrate", str(args.model), *engine_flags,
            "-o", str(path), "--repeats", str(args.calibration_repeats), "--max-batch", str(args.max_num_seqs),
-           "--clock", "cpu", "--served", base_url, "--steps-out", str(args.out_dir / "steps.jsonl")]
+           "--clock", "cpu", "--served", base_url, "--served-steps", str(served_steps),
+           "--steps-out", str(args.out_dir / "steps.jsonl")]
     subprocess.run(cmd, check=True, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
     return path
 
@@ -175,14 +164,17 @@ def main() -> None:
     vocab = ordinary_token_ids(args.model)
     rows = []
     base_url = f"http://127.0.0.1:{args.port}"
-    cmd = cli + ["serve", str(args.model), *engine_flags, "--port", str(args.port), "--log-level", "warning"]
+    served_steps = args.out_dir / "served-steps.jsonl"
+    served_steps.unlink(missing_ok=True)
+    cmd = cli + ["serve", str(args.model), *engine_flags, "--port", str(args.port), "--log-level", "warning",
+                 "--step-record", str(served_steps)]
     with running_server(cmd, base_url, args.out_dir / "serve.log", 600, args.threads):
-        cost_path = args.cost_model or calibrate(args, engine_flags, base_url)
+        cost_path = args.cost_model or calibrate(args, engine_flags, base_url, served_steps)
         loads["after_calibration"] = load_avg()
         cost = CostModel.load(cost_path)
         if cost.served is None:
             raise SystemExit(f"{cost_path}: no served calibration (`octavo simulate calibrate --served URL`)")
-        saturation = saturation_rate(cost, args.prompt_len, args.output_len)
+        saturation = cost.saturation_rate(args.prompt_len, args.output_len)
         rates = [float(r) for r in args.rates.split(",")] if args.rates else [f * saturation for f in (0.5, 1, 1.5)]
         print(f"predicted saturation: {saturation:.2f} req/s; rates {', '.join(f'{r:.2f}' for r in rates)}")
         model = httpx.get(f"{base_url}/v1/models").json()["data"][0]["id"]

@@ -128,6 +128,9 @@ class SchedulerConfig:
     max_num_seqs: int = option(256, "most sequences in one step")
     max_num_batched_tokens: int = option(2048, "most tokens (prompt chunks and decodes) in one step", unit="tokens")
     enable_chunked_prefill: bool = option(True, "split long prompts across steps, mixed with decodes")
+    step_record: Optional[str] = option(None, "append a JSON line per engine step (its scheduled work, when it "
+                                              "started, its seconds) to this file: what `octavo simulate calibrate "
+                                              "--served-steps` fits a served engine's steps to")
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

@@ -38,7 +38,7 @@ SLOW = (
     "worker/test_decode_graphs.py", "worker/test_memory.py", "kernels/test_aarch64_build.py", "checkpoint/test_hub.py",
     "spec_decode/test_greedy_parity.py", "kernels/test_bf16_gemm.py", "model/test_moe.py",
     "quant/test_moe_checkpoints.py", "engine/test_sliding_window_blocks.py", "checkpoint/test_hostile_files_serve.py",
-    "engine/test_kv_tiers_sliding.py",
+    "engine/test_kv_tiers_sliding.py", "engine/test_step_record.py",
 )
 TESTS = Path(__file__).resolve().parent
 

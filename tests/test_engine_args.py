@@ -39,6 +39,7 @@ _NON_DEFAULT = {
     "kv_events_endpoint": ("tcp://127.0.0.1:5557", "tcp://127.0.0.1:5557"),
     "kv_offload_host_bytes": ("4GiB", 4 * 2**30),
     "kv_offload_dir": ("kv-blocks", "kv-blocks"),
+    "step_record": ("steps.jsonl", "steps.jsonl"),
     "kv_offload_disk_bytes": ("100G", 100 * 10**9),
     "max_num_seqs": ("3", 3),
     "max_num_batched_tokens": ("99", 99),

@@ -49,9 +49,11 @@ from octavo.engine import messages as msg
 from octavo.engine.fault_injection import StepDelay
 from octavo.engine.stats import EngineStats, StatsLogger
 from octavo.engine.step_clock import StepClock
+from octavo.engine.step_record import StepRecord
 from octavo.log import configure_logging
 
 if TYPE_CHECKING:  # torch: imported in the engine process only
+    from octavo.core.outputs import SchedulerOutput
     from octavo.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger(__name__)
@@ -125,6 +127,8 @@ class _EngineLoop:
         self._inp, self._out, self._parent, self._clock = inp, out, parent, clock
         self.engine = LLMEngine(config)
         self._delay = StepDelay.from_env()
+        path = config.scheduler.step_record
+        self._record = StepRecord(path) if path else None
         self.engine.on_step_scheduled = self._scheduled
         self._last_stats: Optional[EngineStats] = None
         self._last_stats_time = 0.0
@@ -145,8 +149,10 @@ class _EngineLoop:
         )
 
     def run(self) -> None:
+        idle = True
         while not self._stop:
             if not self.engine.has_unfinished_requests():
+                idle = True
                 self._maybe_send_stats(force=True)
                 if not self._wait_for_input():
                     return
@@ -155,14 +161,20 @@ class _EngineLoop:
                 return
             if self.engine.has_unfinished_requests():
                 self._clock.start()
+                start = time.monotonic()
                 outputs = self.engine.step()
                 self._clock.stop()
+                if self._record is not None:
+                    self._record.ran(start, time.monotonic() - start, idle)
+                idle = False
                 if outputs:
                     self._send(msg.StepOutputs([msg.to_message(o) for o in outputs]))
                 self._maybe_send_stats(force=False)
 
-    def _scheduled(self, num_requests: int, num_tokens: int) -> None:
-        self._clock.scheduled(num_requests, num_tokens)
+    def _scheduled(self, sched_out: SchedulerOutput) -> None:
+        self._clock.scheduled(len(sched_out.scheduled), sched_out.total_num_tokens)
+        if self._record is not None:
+            self._record.scheduled(sched_out)
         if self._delay is not None:
             self._delay.sleep()
 

@@ -109,9 +109,9 @@ class LLMEngine:
         self._prompt_tokens = 0
         self._generation_tokens = 0
         self._steps = StepStats()
-        # Called with (requests, tokens) of each batch once scheduled, before its
-        # forward: the engine process records what a step that hangs was running.
-        self.on_step_scheduled: Optional[Callable[[int, int], None]] = None
+        # Called with each batch once scheduled, before its forward: the engine process
+        # records what a step that hangs was running (and, asked to, every step's work).
+        self.on_step_scheduled: Optional[Callable[[SchedulerOutput], None]] = None
 
     # ---- requests -------------------------------------------------------
 
@@ -334,7 +334,7 @@ class LLMEngine:
                 self._steps.observe(sched_out.total_num_tokens, len(sched_out.scheduled),
                                     sched.max_num_batched_tokens, sched.max_num_seqs)
                 if self.on_step_scheduled is not None:
-                    self.on_step_scheduled(len(sched_out.scheduled), sched_out.total_num_tokens)
+                    self.on_step_scheduled(sched_out)
             if submitted:
                 self.executor.submit(sched_out)
             self._in_flight.append((sched_out, submitted, grammar_failed))

@@ -156,9 +156,10 @@ def cpu_model() -> str:
 
 
 def calibrate(model: Optional[str], options: dict, repeats: int = 2, max_batch: int = 64,
-              steps_out: Optional[Path] = None, clock: str = "wall", served_url: Optional[str] = None) -> CostModel:
+              steps_out: Optional[Path] = None, clock: str = "wall", served_url: Optional[str] = None,
+              served_steps: Optional[Path] = None) -> CostModel:
     """Fit the cost model to the engine's steps; with ``served_url`` (an `octavo serve` of the same model and
-    options), also the served terms."""
+    options), also the served terms, fitted to its own steps when ``served_steps`` is its step record."""
     import torch
 
     from octavo.entrypoints.llm import LLM
@@ -199,7 +200,7 @@ def calibrate(model: Optional[str], options: dict, repeats: int = 2, max_batch: 
                 f.write(json.dumps({**dataclasses.asdict(work), "seconds": t, "wall_s": wall, "cpu_s": cpu}) + "\n")
     cost = CostModel.fit_steps(timed.works, seconds, machine, shape)
     if served_url is not None:
-        cost.served = calibrate_served(served_url, cost, engine.vocab_size)
+        cost.served = calibrate_served(served_url, cost, engine.vocab_size, steps_path=served_steps)
     return cost
 
 
@@ -215,6 +216,8 @@ class CalibrateConfig:
                                 "engine's own work, steadier on a loaded machine)", choices=tuple(CLOCKS))
     served: Optional[str] = option(None, "URL of a running `octavo serve` of the same model and engine options: "
                                          "also fit what serving adds (the front, contention) from probes of it")
+    served_steps: Optional[Path] = option(None, "that server's --step-record file: fit its served steps to its own "
+                                                "steps under Poisson arrivals below, at and above saturation")
 
 
 def run_calibrate(model: Optional[str], engine_options: dict[str, Any], args: CalibrateConfig) -> CostModel:
@@ -222,7 +225,10 @@ def run_calibrate(model: Optional[str], engine_options: dict[str, Any], args: Ca
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
     if args.max_batch < 1:
         raise ValueError(f"--max-batch must be >= 1, got {args.max_batch}")
-    cost = calibrate(model, engine_options, args.repeats, args.max_batch, args.steps_out, args.clock, args.served)
+    if args.served_steps is not None and args.served is None:
+        raise ValueError("--served-steps: give the server's URL too (--served)")
+    cost = calibrate(model, engine_options, args.repeats, args.max_batch, args.steps_out, args.clock, args.served,
+                     args.served_steps)
     cost.save(args.output)
     print(f"cost model: {args.output} ({fit_summary(cost.fit)})")
     for kind, quality in cost.fit.by_kind.items():

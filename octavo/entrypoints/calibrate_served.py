@@ -23,6 +23,23 @@ as token ids and ``ignore_eos`` (so its work is known exactly):
   saturated engine runs; the fit makes the served terms give that mean step
   (octavo/simulate/served.py).
 
+With the server's step record (``octavo serve --step-record PATH``, given
+here as ``steps_path``) the saturated probe gives way to what the server's
+own steps say: after the probes above (which set the per-request cost and a
+first guess at saturation), open-loop Poisson arrivals at 0.6, 1 and 1.6
+times the saturation rate, 8 s each (prompts of 128-256 tokens, 32-96
+output tokens), and the step terms are fitted to the steps the server ran
+meanwhile, each from its start to the next one's (``ServedCost.fit_steps``).
+The fit is redone after each rate and sets the next: at load 11 the probes
+put saturation at 43 req/s, twice what the steps then said, and all three
+rates ran a full batch. Closed-loop
+clients keep one batch mix (a full batch, most of it decoding, one prompt
+joining as one request ends); Poisson arrivals past saturation build a queue
+and another mix of prompt chunks and decode rows. Kept saturated by 64
+clients, a quiet server decoded at 8.32 ms a token, where Poisson arrivals
+drew 35% more output tokens/s from it, which put the simulator's capacity
+26% low.
+
 Each batch size runs once unmeasured first: the engine records a decode step
 the first time it meets a batch size, a one-off cost served traffic does not
 pay again.
@@ -36,7 +53,8 @@ import os
 import random
 import time
 from dataclasses import dataclass, replace
-from typing import Awaitable
+from pathlib import Path
+from typing import AsyncIterator, Awaitable, Optional
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -44,6 +62,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from octavo.simulate.cost_model import CostModel, StepWork
 from octavo.simulate.replica import ReplicaShape, burst_steps
 from octavo.simulate.served import SaturationProbe, ServedCost, ServedProbe
+from octavo.simulate.served_steps import read_served_steps
+from octavo.simulate.traces import LengthDist, TraceSpec, generate
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +75,10 @@ class ServedProbePlan:
     """The probe set: lone prompts of ``prompt_lens``; batches of ``batches`` decoding ``decode_tokens`` each
     after ``batch_prompt_len``-token prompts; all ``repeats`` times. Then the server kept saturated for
     ``saturation_s`` by ``saturation_clients_per_seq`` clients per sequence the engine batches, each sending
-    ``saturation_prompt_len``-token prompts with outputs uniform in ``saturation_output``, one after another."""
+    ``saturation_prompt_len``-token prompts with outputs uniform in ``saturation_output``, one after another.
+    With the server's step record: instead of that, Poisson arrivals for ``load_s`` at each of ``load_factors``
+    times the saturation rate the other probes predict, prompts and outputs uniform in ``load_prompt`` and
+    ``load_output``."""
 
     prompt_lens: tuple[int, ...] = (32, 128, 256, 384)
     batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
@@ -66,6 +89,11 @@ class ServedProbePlan:
     saturation_clients_per_seq: int = 2
     saturation_prompt_len: int = 192
     saturation_output: tuple[int, int] = (32, 96)
+    load_factors: tuple[float, ...] = (0.6, 1.0, 1.6)
+    load_s: float = 8.0
+    load_prompt: tuple[int, int] = (128, 256)
+    load_output: tuple[int, int] = (32, 96)
+    max_load_requests: int = 2000  # per rate: a fit gone wrong must not send millions of requests
 
     def fitted_to(self, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int) -> ServedProbePlan:
         """Cut to the engine's context, sequence limit and token budget (a batch's prompts fit one step)."""
@@ -75,9 +103,27 @@ class ServedProbePlan:
         longest = max(2, min(self.saturation_output[1], max_model_len // 2))
         saturation_output = (min(self.saturation_output[0], longest), longest)
         saturation_prompt = max(2, min(self.saturation_prompt_len, max_model_len - longest - 8))
+        load_output = (min(self.load_output[0], longest), min(self.load_output[1], longest))
+        load_longest = max(2, min(self.load_prompt[1], max_model_len - load_output[1] - 8))
+        load_prompt = (min(self.load_prompt[0], load_longest), load_longest)
         return replace(self, prompt_lens=tuple(sorted({min(n, room) for n in self.prompt_lens})), batches=batches,
                        batch_prompt_len=batch_prompt, saturation_prompt_len=saturation_prompt,
-                       saturation_output=saturation_output)
+                       saturation_output=saturation_output, load_prompt=load_prompt, load_output=load_output)
+
+
+async def sse_events(response: httpx.Response) -> AsyncIterator[dict]:
+    """The JSON events of a server-sent event stream, up to ``[DONE]``. Lines are split at ``\n`` only: httpx's
+    ``aiter_lines`` also splits at U+0085, U+2028 and U+2029, which JSON leaves unescaped in a token's text (a
+    tiny model's random tokens stream them), cutting an event in two."""
+    pending = ""
+    async for text in response.aiter_text():
+        *lines, pending = (pending + text).split("\n")
+        for line in lines:
+            data = line[5:].strip() if line.startswith("data:") else ""
+            if data == "[DONE]":
+                return
+            if data:
+                yield json.loads(data)
 
 
 async def _stream(client: httpx.AsyncClient, model: str, prompt: list[int], max_tokens: int) -> list[float]:
@@ -88,8 +134,8 @@ async def _stream(client: httpx.AsyncClient, model: str, prompt: list[int], max_
     async with client.stream("POST", "/v1/completions", json=body) as r:
         if r.status_code != 200:
             raise ValueError(f"served: HTTP {r.status_code} from the server: {(await r.aread())[:200]!r}")
-        async for line in r.aiter_lines():
-            if line.startswith("data:") and line[5:].strip() != "[DONE]" and json.loads(line[5:]).get("choices"):
+        async for event in sse_events(r):
+            if event.get("choices"):
                 times.append(time.perf_counter())
     return times
 
@@ -180,10 +226,51 @@ async def _saturate(base_url: str, model: str, cost: CostModel, plan: ServedProb
     return [SaturationProbe.of_steady(steps, cost.predict, tpot)]
 
 
+async def _load(base_url: str, model: str, plan: ServedProbePlan, cost: CostModel, rough: ServedCost,
+                steps_path: Path, lone: list[ServedProbe], vocab_size: int, seed: int) -> ServedCost:
+    """Poisson arrivals at each of ``plan.load_factors`` times the saturation rate, ``plan.load_s`` each, sent
+    open-loop (each request at its arrival time, whatever the server is doing), and the served terms fitted to
+    the steps the server ran since the first. Each rate is set by the fit so far (the ``rough`` terms at first),
+    so the steps fitted come from below, at and above the saturation they themselves give, whatever the first
+    guess. First a burst of ``max_num_seqs`` requests whose outputs end one a step, so the engine has recorded
+    the decode step of every batch size before the steps count."""
+    rng = random.Random(seed)
+    mean_prompt, mean_output = sum(plan.load_prompt) // 2, sum(plan.load_output) // 2
+    lengths = {"prompt": LengthDist.parse("uniform:{}:{}".format(*plan.load_prompt)),
+               "output": LengthDist.parse("uniform:{}:{}".format(*plan.load_output))}
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(5, vocab_size - 10) for _ in range(n)]
+
+    served = rough
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
+    async with httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits) as client:
+        await asyncio.gather(*[_stream(client, model, prompt(8), 2 + i) for i in range(cost.engine.max_num_seqs)])
+        start = time.monotonic()
+        for i, factor in enumerate(plan.load_factors):
+            rate = min(factor * replace(cost, served=served).saturation_rate(mean_prompt, mean_output),
+                       plan.max_load_requests / plan.load_s)
+            trace = generate(TraceSpec("poisson", plan.load_s, rate, **lengths), seed + 1 + i)
+            t0, tasks = time.perf_counter(), []
+            for t in trace:
+                delay = t0 + t.arrival_s - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.create_task(_stream(client, model, prompt(t.prompt_tokens), t.output_tokens)))
+            await asyncio.gather(*tasks)
+            served = ServedCost.fit_steps(read_served_steps(steps_path, start, time.monotonic()), cost.predict,
+                                          lone, _load_avg())
+            logger.info("served calibration: %d Poisson arrivals at %.1f req/s (%.1fx the saturation fitted "
+                        "before them)", len(trace), rate, factor)
+    return served
+
+
 def calibrate_served(base_url: str, cost: CostModel, vocab_size: int,
-                     plan: ServedProbePlan = ServedProbePlan(), seed: int = 0) -> ServedCost:
+                     plan: ServedProbePlan = ServedProbePlan(), seed: int = 0,
+                     steps_path: Optional[Path] = None) -> ServedCost:
     """Probe the server at ``base_url`` (serving the model ``cost`` was calibrated on, with its engine options)
-    and fit the served terms."""
+    and fit the served terms; with ``steps_path`` (the server's ``--step-record``), fit the step terms to its
+    own steps under Poisson arrivals around its saturation (``ServedCost.fit_steps``)."""
     base_url = base_url.rstrip("/")
     if cost.engine is not None:
         plan = plan.fitted_to(cost.engine.max_model_len, cost.engine.max_num_seqs, cost.engine.max_num_batched_tokens)
@@ -193,17 +280,31 @@ def calibrate_served(base_url: str, cost: CostModel, vocab_size: int,
             raise ValueError(f"served: HTTP {models.status_code} from {base_url}/v1/models")
         model = models.json()["data"][0]["id"]
         probes = asyncio.run(_probe(base_url, model, cost, plan, vocab_size, seed))
+        if steps_path is not None:
+            if cost.engine is None:
+                raise ValueError("served_steps: the cost model names no engine limits to set the load by")
+            return asyncio.run(_load(base_url, model, plan, cost, ServedCost.fit(probes), steps_path, probes,
+                                     vocab_size, seed))
         # Without the engine's limits the scheduler cannot say what a saturated engine runs: the fit goes without.
         saturated = asyncio.run(_saturate(base_url, model, cost, plan, vocab_size, seed)) if cost.engine else []
     except httpx.HTTPError as exc:
         raise ValueError(f"served: cannot probe {base_url}: {exc}") from None
-    return ServedCost.fit(probes, load_avg="/".join(f"{x:.2f}" for x in os.getloadavg()), saturation=saturated)
+    return ServedCost.fit(probes, load_avg=_load_avg(), saturation=saturated)
+
+
+def _load_avg() -> str:
+    return "/".join(f"{x:.2f}" for x in os.getloadavg())
 
 
 def served_summary(served: ServedCost) -> str:
+    if served.served_steps:
+        fitted_to = (f"{served.served_steps} served steps, total error "
+                     f"{100 * served.served_steps_total_rel_error:+.1f}%; {served.num_probes} lone requests, "
+                     f"|error| mean {100 * served.mean_abs_rel_error:.1f}%")
+    else:
+        fitted_to = (f"{served.num_probes} probes; |error| mean {100 * served.mean_abs_rel_error:.1f}%; "
+                     f"{served.saturation_probes} saturated, error {100 * served.saturation_rel_error:+.1f}%")
     return (f"served: engine steps x{served.engine_scale:.2f}, mixed steps x{served.mixed_scale:.2f}, "
             f"+{served.per_step_s * 1e3:.2f} ms per step, +{served.per_token_s * 1e3:.3f} ms per streamed token, "
             f"+{served.per_request_s * 1e3:.1f} ms per request, step spread {served.step_noise_sigma:.2f} "
-            f"({served.num_probes} probes; |error| mean {100 * served.mean_abs_rel_error:.1f}%; "
-            f"{served.saturation_probes} saturated, error {100 * served.saturation_rel_error:+.1f}%; "
-            f"load {served.load_avg})")
+            f"({fitted_to}; load {served.load_avg})")

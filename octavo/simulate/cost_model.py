@@ -40,7 +40,7 @@ import json
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
@@ -97,17 +97,23 @@ class StepWork:
 
 
 def step_work(scheduler_output: SchedulerOutput) -> StepWork:
+    return work_of((s.num_tokens, s.start_pos, s.sample) for s in scheduler_output.scheduled)
+
+
+def work_of(scheduled: Iterable[tuple[int, int, bool]]) -> StepWork:
+    """A step's work from its scheduled requests' (tokens computed, first position, samples): what a
+    ``SchedulerOutput`` holds, and what a served engine's step record (``--step-record``) keeps of it."""
     prefill_tokens = prefill_seqs = decode_seqs = decode_context = sampled = 0
     pairs = 0.0
-    for s in scheduler_output.scheduled:
-        sampled += bool(s.sample)
-        if s.num_tokens == 1:
+    for num_tokens, start_pos, sample in scheduled:
+        sampled += bool(sample)
+        if num_tokens == 1:
             decode_seqs += 1
-            decode_context += s.start_pos + 1
+            decode_context += start_pos + 1
         else:
             prefill_seqs += 1
-            prefill_tokens += s.num_tokens
-            pairs += s.num_tokens * (s.start_pos + (s.num_tokens + 1) / 2)
+            prefill_tokens += num_tokens
+            pairs += num_tokens * (start_pos + (num_tokens + 1) / 2)
     return StepWork(prefill_tokens, prefill_seqs, pairs, decode_seqs, decode_context, sampled)
 
 
@@ -198,6 +204,19 @@ class CostModel:
     def request_overhead_s(self) -> float:
         """Each request's time outside steps in a served engine (0 without a served calibration)."""
         return self.served.per_request_s if self.served is not None else 0.0
+
+    def saturation_rate(self, prompt: int, output: int) -> float:
+        """Requests/s of ``prompt`` tokens generating ``output`` that a replica of the calibrated engine finishes
+        with its batch full (``max_num_seqs`` decoding): each costs what its prompt adds to a full batch's step
+        (a mixed step) and ``output`` slots of that batch's decode step, so it finishes at most
+        1 / (added + output * step(full batch) / full batch) a second."""
+        if self.engine is None:
+            raise ValueError("engine: the cost model names no engine limits (calibrate it with the engine)")
+        batch = self.engine.max_num_seqs
+        context = batch * (prompt + output // 2)
+        step = self.step_seconds(StepWork(decode_seqs=batch, decode_context_tokens=context, sampled_seqs=batch))
+        joined = self.step_seconds(StepWork(prompt, 1, prompt * (prompt + 1) / 2, batch, context, batch + 1))
+        return 1.0 / (joined - step + output * step / batch)
 
     # ---- fitting --------------------------------------------------------
 

@@ -42,6 +42,10 @@ least squares on relative error to three kinds of probe:
   saturated at 8.4 requests/s where the real one still decoded at 2.4 ms a
   token at 12.6.
 
+Given the server's step record (``served_steps.py``), ``fit_steps`` fits the
+step terms to the server's own steps instead, under Poisson arrivals below,
+at and above saturation, and the per-request cost to the lone requests.
+
 Steps of equal work still take different times on a shared machine (other
 processes stall the engine, the client and the front). ``step_noise_sigma``
 is the spread of the lone requests' log residuals among repeats of one
@@ -52,7 +56,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -61,6 +65,7 @@ from octavo.simulate.fitting import nonnegative_relative_lstsq
 if TYPE_CHECKING:
     from octavo.simulate.cost_model import StepWork
     from octavo.simulate.replica import BurstStep
+    from octavo.simulate.served_steps import ServedStep
 
 SERVED_TERMS = ("engine_scale", "mixed_scale", "per_step_s", "per_token_s", "per_request_s")
 # How much a saturation probe's row weighs against one ordinary probe's: enough that the fit honours it to ~1%
@@ -137,6 +142,13 @@ class ServedCost:
     # The saturation probes: how many, and the fitted terms' signed error on their time per output token.
     saturation_probes: int = 0
     saturation_rel_error: float = 0.0
+    # Fitted to the server's own steps (``fit_steps``): how many, and the signed error of the fitted terms and
+    # the stretch's mean on their total time (what sets capacity).
+    served_steps: int = 0
+    served_steps_total_rel_error: float = 0.0
+    # The log-mean of a step's stretch: None for -sigma^2 / 2 (a stretch of mean 1, the terms fitted to mean
+    # times), 0 for a median of 1 (the terms fitted to a typical step, the stretch adding the stalls).
+    step_noise_mu: Optional[float] = None
 
     def __post_init__(self) -> None:
         for name in (*SERVED_TERMS, "step_noise_sigma"):
@@ -175,11 +187,52 @@ class ServedCost:
                    saturation_probes=len(saturation),
                    saturation_rel_error=float(np.mean(saturated)) if len(saturation) else 0.0)
 
+    @classmethod
+    def fit_steps(cls, steps: Sequence[ServedStep], predict: Callable[[StepWork], float],
+                  lone: Sequence[ServedProbe], load_avg: str = "") -> ServedCost:
+        """The step terms fitted to a served engine's own steps (``served_steps.py``), each step's time from its
+        start to the next one's against its bare prediction ``predict``; ``per_request_s`` from the lone
+        requests: their median time to first token beyond their served prefill step.
+
+        Least squares on relative error, so the terms describe a typical step, and a stretch of median 1 with
+        the spread of the steps' log residuals adds the stalls (``step_noise_mu`` = 0). Stalls come and go with
+        the other work on the machine: at load 9, two calibrations' steps had log residuals of mean 0.31 and
+        0.61 (spread 0.61-0.65) about such terms, the steps of a validation a few minutes later 0.10 and 0.23.
+        Fitted to the calibration's mean times (least squares on absolute error), the terms put the
+        validation's steps 45-68% long in total; a median of 1 and that spread, 3-13% short."""
+        if len(steps) < len(SERVED_TERMS):
+            raise ValueError(f"served_steps: need at least {len(SERVED_TERMS)} steps, got {len(steps)}")
+        if not any(p.first_token for p in lone):
+            raise ValueError("probes: need lone requests' first tokens (the per-request cost)")
+        engine = np.array([predict(s.work) for s in steps])
+        mixed = np.array([s.work.kind == "mixed" for s in steps])
+        x = np.column_stack([np.where(mixed, 0.0, engine), np.where(mixed, engine, 0.0), np.ones(len(steps)),
+                             [s.work.sampled_seqs for s in steps]])
+        y = np.array([s.seconds for s in steps])
+        # engine_scale >= 1: as in ``fit`` (wall >= CPU time for the engine's one thread).
+        coef = nonnegative_relative_lstsq(x, y, lower=np.array([1.0, 0.0, 0.0, 0.0]))
+        if not mixed.any():
+            coef[1] = coef[0]
+        predicted = x @ coef
+        sigma = float(np.std(np.log(y / predicted)))
+        served = cls(*map(float, coef), load_avg=load_avg, served_steps=len(steps), step_noise_sigma=sigma,
+                     step_noise_mu=0.0,
+                     served_steps_total_rel_error=float(predicted.sum() * np.exp(sigma ** 2 / 2) / y.sum() - 1))
+        firsts = [p for p in lone if p.first_token]
+        prefills = np.array([served.step_seconds(p.engine_s, p.sampled) for p in firsts])
+        measured = np.array([p.seconds for p in firsts])
+        served.per_request_s = max(0.0, float(np.median(measured - prefills)))
+        served.num_probes = len(firsts)
+        served.mean_abs_rel_error = float(np.mean(np.abs(prefills + served.per_request_s - measured) / measured))
+        return served
+
     def step_factor(self, rng: random.Random) -> float:
-        """A step's random stretch: lognormal with mean 1 (1 without a fitted spread, drawing nothing)."""
+        """A step's random stretch: lognormal of spread ``step_noise_sigma`` and log-mean ``step_noise_mu`` (mean 1
+        when that is None; 1 without a fitted spread, drawing nothing)."""
         if not self.step_noise_sigma:
             return 1.0
-        return rng.lognormvariate(-self.step_noise_sigma ** 2 / 2, self.step_noise_sigma)
+        mu = -self.step_noise_sigma ** 2 / 2 if self.step_noise_mu is None else self.step_noise_mu
+        return rng.lognormvariate(mu, self.step_noise_sigma)
 
 
 def _lone_spread(probes: Sequence[ServedProbe], rel: np.ndarray) -> float:

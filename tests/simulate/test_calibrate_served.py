@@ -6,7 +6,8 @@ import pytest
 
 from octavo.entrypoints.calibrate_served import ServedProbePlan, calibrate_served
 from octavo.entrypoints.cli import main
-from octavo.simulate.cost_model import CostModel
+from octavo.simulate.cost_model import CostModel, EngineShape
+from octavo.simulate.served_steps import read_served_steps
 from tests.model_factory import make_tiny_model
 from tests.server.conftest import ServerProcess
 from tests.simulate.sim_helpers import cost_model
@@ -18,13 +19,14 @@ ENGINE = ["--max-model-len", "128", "--num-blocks", "512", "--max-num-seqs", "8"
 def served(tmp_path_factory):
     folder = tmp_path_factory.mktemp("served")
     model = make_tiny_model(folder / "model")
-    server = ServerProcess(model, folder / "server.log", *ENGINE, api_key=None)
-    yield model, server
+    steps = folder / "steps.jsonl"
+    server = ServerProcess(model, folder / "server.log", *ENGINE, "--step-record", str(steps), api_key=None)
+    yield model, server, steps
     server.stop()
 
 
 def test_calibration_fits_the_served_terms_from_the_server(served, tmp_path):
-    model, server = served
+    model, server, _steps = served
     out = tmp_path / "cost.json"
     main(["simulate", "calibrate", str(model), "--dtype", "float32", *ENGINE, "-o", str(out), "--repeats", "1",
           "--max-batch", "4", "--clock", "cpu", "--served", server.url])
@@ -40,6 +42,23 @@ def test_calibration_fits_the_served_terms_from_the_server(served, tmp_path):
     metrics = httpx.get(f"{server.url}/metrics").text
     running = [line for line in metrics.splitlines() if line.startswith("octavo:num_requests_running")]
     assert running and all(float(line.split()[-1]) == 0 for line in running)
+
+
+def test_with_its_step_record_the_fit_is_to_the_servers_own_steps(served):
+    """Poisson arrivals at three rates, each set by the fit to the steps before it: the terms come from the steps
+    the server recorded meanwhile, and the per-request cost from the lone requests."""
+    model, server, steps = served
+    bare = cost_model(step=1e-3, prefill_tokens=1e-5, decode_seqs=1e-4)
+    bare.engine = EngineShape(num_kv_blocks=512, block_size=16, max_model_len=128, max_num_seqs=8,
+                              max_num_batched_tokens=2048)
+    plan = ServedProbePlan(repeats=1, load_s=2.0)
+    served_cost = calibrate_served(server.url, bare, vocab_size=100, plan=plan, steps_path=steps)
+    recorded = read_served_steps(steps)
+    assert 0 < served_cost.served_steps <= len(recorded)
+    assert served_cost.engine_scale >= 1 and served_cost.num_probes == len(plan.fitted_to(128, 8, 2048).prompt_lens)
+    # Real steps of equal work differ: a spread, about terms that describe a typical step (a stretch of median 1).
+    assert served_cost.step_noise_sigma > 0 and served_cost.step_noise_mu == 0.0
+    assert served_cost.served_steps_total_rel_error > -1 and served_cost.load_avg.count("/") == 2
 
 
 def test_a_server_that_cannot_be_probed_is_a_clear_error():
