@@ -12,7 +12,8 @@ Qwen3-30B-A3B's layer at one token that is 1.8x less CPU time in bf16 (``F.linea
 weight for oneDNN on every call) and 1.3x in int4 (benchmarks/moe.py --layer, BENCHMARKS.md). The
 experts given more rows (a batch of many requests over few experts: Mixtral's 8 take ~8 rows each at
 32 requests) go through a second grouped call where there is one (``many``: quantized experts with
-bf16 rows on AMX tiles), and bf16 experts prepacked for oneDNN take the AMX kernel up to 64 rows
+bf16 rows on AMX tiles, from the rows per expert a measured table says the first call stops winning),
+and bf16 experts prepacked for oneDNN take the AMX kernel up to 64 rows
 (quant/unquantized.py's ``PackedMoEMethod``)."""
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ from octavo.kernels import ops
 from octavo.kernels.bf16_linear import bf16_linear_kernel
 from octavo.kernels.qdot_linear import QdotLinearKernel
 from octavo.quant.base import FusedMoEMethod, PreparedWeight, set_weight_attrs
+from octavo.quant.linear_table import shared_table
 from octavo.quant.prequantized_weight import KernelWeight
 from octavo.quant.qweights import FMA_ROWS, QDOT_ROWS, QuantizedWeight
 
@@ -216,14 +218,56 @@ class QuantizedExperts:
     many: Optional[GroupedProducts] = field(init=False)
 
     def __post_init__(self) -> None:
-        # At most QDOT_ROWS rows a per-expert product takes the same kernel's path: the same sums.
-        gate_up, down = GroupedProduct.of(self.gate_up), GroupedProduct.of(self.down)
-        self.grouped = None if gate_up is None or down is None else GroupedProducts(gate_up, down, QDOT_ROWS)
-        # Past FMA_ROWS bf16 rows a per-expert product goes to AMX tiles too, at any number of rows (as a
-        # dense layer's): the same sums, one call for every such expert.
-        gate_up, down = GroupedProduct.of(self.gate_up, amx=True), GroupedProduct.of(self.down, amx=True)
-        self.many = None if gate_up is None or down is None else \
-            GroupedProducts(gate_up, down, max_rows=sys.maxsize, min_rows=FMA_ROWS + 1)
+        qdot = GroupedProduct.of(self.gate_up), GroupedProduct.of(self.down)
+        amx = GroupedProduct.of(self.gate_up, amx=True), GroupedProduct.of(self.down, amx=True)
+        self.grouped = self.many = None
+        if None not in amx:
+            # bf16 rows on AMX tiles past the rows the integer dot products take: the same sums as one call
+            # per expert there (a dense layer's rows past FMA_ROWS go to AMX tiles too).
+            rows = FMA_ROWS if None in qdot else qdot_rows_per_expert(qdot, amx)
+            self.many = GroupedProducts(*amx, max_rows=sys.maxsize, min_rows=rows + 1)
+        if None not in qdot:
+            # Up to QDOT_ROWS rows a per-expert product takes the same kernel's path: the same sums; where the
+            # AMX call exists, as many rows as measured faster than it.
+            self.grouped = GroupedProducts(*qdot, QDOT_ROWS if self.many is None else self.many.min_rows - 1)
+
+
+# Rows per expert at which a layer times the integer dot products on int8 rows against bf16 rows on AMX tiles
+# (each bucket standing for the rows up to it): the dot products read each weight once per 4 rows, the AMX
+# call dequantizes each 32-output group once for all of an expert's rows, so the first wins at few rows and
+# the second past some count that depends on the CPU and the shape (Qwen3-30B-A3B's layer in int4, one
+# thread, CPU time: 2.2x / 1.14x / 0.73x at 8 / 16 / 32 rows per expert).
+EXPERT_ROW_BUCKETS = (8, 16, 32)
+# Experts a measurement spreads its rows over: enough that the weights stream from memory, as at decode.
+MEASURED_EXPERTS = 16
+
+
+def qdot_rows_per_expert(qdot: tuple[GroupedProduct, GroupedProduct], amx: tuple[GroupedProduct, GroupedProduct]
+                         ) -> int:
+    """The most rows per expert up to which the (gate/up, down) calls ``qdot`` were measured faster than
+    ``amx`` (at least QDOT_ROWS): the measured table (quant/linear_table.py) times both on this layer's experts
+    at each of ``EXPERT_ROW_BUCKETS`` rows per expert, once per shape on this CPU."""
+    first = qdot[0].weights[0]
+    count = len(qdot[0].weights)
+    hidden, intermediate = first.in_features, qdot[1].weights[0].in_features
+    key = (f"experts:int{first.bits}g{first.group_size}{'z' if first.mins is not None else ''}:"
+           f"{count}x{first.out_features}x{hidden}:bfloat16")
+
+    def ways_at(rows: int) -> dict[str, Callable[[], object]]:
+        used = min(count, MEASURED_EXPERTS)
+        experts = (torch.arange(used) * (count // used)).repeat_interleave(rows)
+        x = torch.randn(len(experts), hidden).to(torch.bfloat16)
+        h = torch.randn(len(experts), intermediate).to(torch.bfloat16)
+        return {name: lambda p=products: (p[0](x, experts), p[1](h, experts))
+                for name, products in (("qdot", qdot), ("amx", amx))}
+
+    ways = shared_table().choose(key, EXPERT_ROW_BUCKETS, ways_at)
+    rows = QDOT_ROWS
+    for bucket in EXPERT_ROW_BUCKETS:
+        if ways[bucket] != "qdot":
+            break
+        rows = bucket
+    return rows
 
 
 class QuantizedExpertsMethod(FusedMoEMethod, ABC):

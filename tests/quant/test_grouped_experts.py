@@ -6,6 +6,8 @@ tests/kernels/test_amx_experts.py); a layer's output through them equal to its o
 product per expert, and bf16 within rounding of the plain products."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -18,9 +20,11 @@ from octavo.kernels.qdot_linear import qdot_linear_kernel
 from octavo.model.config import ExpertsConfig
 from octavo.model.layers.moe import FusedMoE
 from octavo.model.loader import default_dtype
+from octavo.quant import linear_table, moe
 from octavo.quant.moe import QuantizedExperts, QuantizedMoEMethod, run_routed
 from octavo.quant.onthefly import quantize_int4, quantize_int8
 from octavo.quant.linear_table import LinearTable
+from octavo.quant.qweights import QDOT_ROWS
 from octavo.quant.unquantized import PackedMoEMethod, TableMoEMethod, can_pack
 from tests.kernels.test_bf16_linear import assert_close_to_float32, runnable
 from tests.quant.test_qdot import RUNNABLE, _check, _rows, _weight, needs_kernel
@@ -105,20 +109,44 @@ def _routing(tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return weights / weights.sum(dim=1, keepdim=True), ids
 
 
+def _as_chosen(layer: FusedMoE) -> tuple:
+    """Per-expert products that take the kernel the layer's grouped calls choose for an expert of that many
+    rows: the integer dot products on int8 rows up to ``grouped.max_rows``, else the expert's own product
+    (AMX tiles for bf16 rows past FMA_ROWS where the CPU has them)."""
+    experts: QuantizedExperts = layer.prepared
+    most = experts.grouped.max_rows
+
+    def of(weights: list) -> object:
+        def product(e: int) -> object:
+            w = weights[e]
+            return lambda rows: (w.qdot(rows.contiguous(), w.bits, w.group_size, w.packed, w.scales, w.mins, None,
+                                        w.out_features) if rows.shape[0] <= most else w(rows))
+        return product
+
+    return of(experts.gate_up), of(experts.down)
+
+
 @needs_kernel
 @pytest.mark.parametrize("quantize", [quantize_int8, lambda w: quantize_int4(w, 32)], ids=["int8", "int4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_quantized_layer_through_grouped_products_equals_one_product_per_expert(quantize, dtype):
+@pytest.mark.parametrize("qdot_rows", [QDOT_ROWS, 16])
+def test_quantized_layer_through_grouped_products_equals_one_product_per_expert(quantize, dtype, qdot_rows,
+                                                                                monkeypatch):
     """Decode (every expert given few rows) and a larger batch (some experts given more rows than the
-    grouped kernel takes: those run on their own) give the bits of one call per expert."""
+    grouped kernel takes: those run on the AMX call or on their own) give the bits of one call per expert
+    on the kernel chosen for its rows, whichever number of rows the measured table let the integer dot
+    products take."""
+    monkeypatch.setattr(moe, "qdot_rows_per_expert", lambda qdot, amx: qdot_rows)
     layer = _layer(quantize, dtype)
     experts: QuantizedExperts = layer.prepared
     assert experts.grouped is not None
+    if experts.many is not None:
+        assert experts.grouped.max_rows == qdot_rows and experts.many.min_rows == qdot_rows + 1
     for tokens in (1, 3, 16):
         x = torch.randn(tokens, 96, generator=torch.Generator().manual_seed(tokens)).to(dtype)
         weights, ids = _routing(tokens, tokens)
-        each = run_routed(layer, x, weights, ids, *layer.method.products(layer))
-        assert torch.equal(layer(x, weights, ids), each), f"{tokens} tokens"
+        assert torch.equal(layer(x, weights, ids), run_routed(layer, x, weights, ids, *_as_chosen(layer))), \
+            f"{tokens} tokens"
 
 
 @pytest.mark.skipif(bf16_linear_kernel() is None, reason="no C compiler: the kernel cannot be built")
@@ -218,11 +246,42 @@ def _check_bf16_experts(kind: str, tmp_path) -> None:
 
 @needs_kernel
 @pytest.mark.parametrize("quantize", [quantize_int8, lambda w: quantize_int4(w, 32)], ids=["int8", "int4"])
-def test_quantized_experts_at_many_rows_give_one_product_per_experts_bits(quantize):
-    """Experts given more rows than the few-row kernel takes go through one AMX call for all of them where
-    the CPU has AMX (else one product each): the bits of one product per expert either way."""
+@pytest.mark.parametrize("qdot_rows", [QDOT_ROWS, 16])
+def test_quantized_experts_at_many_rows_give_one_product_per_experts_bits(quantize, qdot_rows, monkeypatch):
+    """Experts given 0 to 33 rows: those past the rows the integer dot products take go through one AMX call
+    for all of them where the CPU has AMX (else one product each): the bits of one product per expert on
+    the kernel chosen for its rows either way."""
+    monkeypatch.setattr(moe, "qdot_rows_per_expert", lambda qdot, amx: qdot_rows)
     layer, _, _ = _counted_layer(QuantizedMoEMethod(quantize, lambda n, where: None, "experts"))
     kernel = quant_linear_kernel()
     assert (layer.prepared.many is not None) == (kernel is not None and kernel.has_amx)
     x, weights, ids = _counted_routes()
-    assert torch.equal(layer(x, weights, ids), run_routed(layer, x, weights, ids, *layer.method.products(layer)))
+    assert torch.equal(layer(x, weights, ids), run_routed(layer, x, weights, ids, *_as_chosen(layer)))
+
+
+@needs_kernel
+def test_rows_the_integer_dot_products_take_are_measured_once_per_shape_and_kept(monkeypatch, tmp_path):
+    """Where both experts kernels run, the table times them at each bucket of rows per expert on the layer's
+    own experts, the grouped calls split where the integer dot products stop winning, and a second layer of
+    the same shape reads the table instead of measuring."""
+    kernel = quant_linear_kernel()
+    if not kernel.has_amx:
+        pytest.skip("needs a CPU with AMX tiles: elsewhere experts past QDOT_ROWS rows run one product each")
+    monkeypatch.setenv("OCTAVO_CACHE_DIR", str(tmp_path))  # a table of its own (the shared one is per folder)
+    layer = _layer(lambda w: quantize_int4(w, 32), torch.bfloat16)
+    (table,) = tmp_path.glob("kernels/linear-table-*.json")
+    saved = json.loads(table.read_text())
+    key = "experts:int4g32z:6x128x96:bfloat16"
+    ways = [saved[f"{key}@{bucket}"] for bucket in moe.EXPERT_ROW_BUCKETS]
+    assert set(ways) <= {"qdot", "amx"}
+    assert all(saved[f"{key}@{bucket}:{way}_ms"] > 0 for bucket in moe.EXPERT_ROW_BUCKETS for way in ("qdot", "amx"))
+    qdot_buckets = [b for b, way in zip(moe.EXPERT_ROW_BUCKETS, ways)][:ways.index("amx") if "amx" in ways else None]
+    assert layer.prepared.grouped.max_rows == max([QDOT_ROWS, *qdot_buckets])
+    assert layer.prepared.many.min_rows == layer.prepared.grouped.max_rows + 1
+
+    def no_measuring(*_):
+        raise AssertionError("measured again")
+
+    monkeypatch.setattr(linear_table, "_best_seconds_in_turns", no_measuring)
+    again = _layer(lambda w: quantize_int4(w, 32), torch.bfloat16)
+    assert again.prepared.grouped.max_rows == layer.prepared.grouped.max_rows
