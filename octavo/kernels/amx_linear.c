@@ -158,15 +158,15 @@ int octavo_amx_linear_experts(const uint16_t *a, const uint16_t *const *blocks, 
     const int64_t groups = (N + 31) / 32;
 #pragma omp parallel
     {
-        configure_tiles(16);
+        int configured = 0;
         float acc[4][256] __attribute__((aligned(64)));
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < runs * groups; item++) {
             const expert_run *r = run + item / groups;
             const int64_t g = item % groups;
-            multiply_run(a, r, blocks[experts[r->start]] + g * 32 * K, K, N, g, out, acc);
+            multiply_run(a, r, blocks[experts[r->start]] + g * 32 * K, K, N, g, out, acc, &configured);
         }
-        _tile_release();
+        if (configured) _tile_release();
     }
     free(tails);
     free(run);

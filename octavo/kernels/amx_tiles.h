@@ -139,12 +139,14 @@ static inline void multiply_block(const uint16_t *a, const uint16_t *tail, int64
     write_block(acc, t, pair, bias, M, N, g, out);
 }
 
-/* A mixture of experts' rows, sorted by expert (the caller's order): one run per expert, its rows in
- * tiles of 16. A run's last, partial tile is copied zero-padded (`tail`), so every tile load stays
- * inside the run's own rows and one tile configuration (16 rows) serves every run. */
+/* A mixture of experts' rows, sorted by expert (the caller's order): one run per expert. A run of up to
+ * 16 rows is multiplied in place, the tiles configured to its rows (decode: Qwen3-30B-A3B's 128 experts
+ * top-8 give ~2 rows per expert at 32 tokens), so nothing is copied or zero-padded for it. A longer run is
+ * cut into tiles of 16, its last, partial tile copied zero-padded (`tail`), so every tile load stays
+ * inside the run's own rows. */
 typedef struct {
     int64_t start, rows; /* rows start .. start + rows - 1 of the call */
-    const uint16_t *tail; /* the zero-padded last tile; NULL when rows is a multiple of 16 */
+    const uint16_t *tail; /* the zero-padded last tile of a run past 16 rows; NULL otherwise */
 } expert_run;
 
 /* The runs of x [M, K] given each row's expert; *tails holds the padded tiles (the caller frees it and
@@ -158,7 +160,7 @@ static expert_run *expert_runs(const uint16_t *x, const int64_t *experts, int64_
         if (m == 0 || experts[m] != experts[m - 1]) runs[n++].start = m;
     for (int64_t j = 0; j < n; j++) {
         runs[j].rows = (j + 1 < n ? runs[j + 1].start : M) - runs[j].start;
-        partial += runs[j].rows % 16 != 0;
+        partial += runs[j].rows > 16 && runs[j].rows % 16 != 0;
     }
     *tails = aligned_alloc(64, (size_t)((partial > 0 ? partial : 1) * 16 * K * 2));
     if (*tails == NULL) {
@@ -169,7 +171,7 @@ static expert_run *expert_runs(const uint16_t *x, const int64_t *experts, int64_
     for (int64_t j = 0; j < n; j++) {
         const int64_t left = runs[j].rows % 16;
         runs[j].tail = NULL;
-        if (left == 0) continue;
+        if (runs[j].rows <= 16 || left == 0) continue;
         memset(tail, 0, (size_t)(16 * K * 2));
         memcpy(tail, x + (runs[j].start + runs[j].rows - left) * K, (size_t)(left * K * 2));
         runs[j].tail = tail;
@@ -180,9 +182,19 @@ static expert_run *expert_runs(const uint16_t *x, const int64_t *experts, int64_
 }
 
 /* A run's rows times weight group g (outputs 32g .. 32g + 31, blocked from `wg`) into the run's rows
- * of out [M, N]; the tiles configured for 16 rows. */
+ * of out [M, N]. *configured: the rows the thread's tiles are configured to (0: not yet), changed only
+ * where the run needs others: a thread's (run, group) pairs come a run at a time. */
 static void multiply_run(const uint16_t *x, const expert_run *run, const uint16_t *wg, int64_t K, int64_t N,
-                         int64_t g, uint16_t *out, float acc[4][256]) {
+                         int64_t g, uint16_t *out, float acc[4][256], int *configured) {
+    const int rows = run->rows < 16 ? (int)run->rows : 16;
+    if (*configured != rows) {
+        configure_tiles(rows);
+        *configured = rows;
+    }
+    if (run->rows < 16) { /* one tile of the run's own rows, read in place */
+        multiply_block(x + run->start * K, NULL, 1, 0, 0, wg, NULL, run->rows, K, N, g, out + run->start * N, acc);
+        return;
+    }
     const int64_t full = run->rows / 16, tiles = full + (run->tail != NULL);
     for (int64_t t = 0; t < tiles; t += 2)
         multiply_block(x + run->start * K, run->tail, full, t, t + 1 < tiles, wg, NULL, run->rows, K, N, g,

@@ -370,7 +370,7 @@ int octavo_qlinear_amx_experts(const uint16_t *x, int64_t M, int64_t K, int64_t 
 #pragma omp parallel
     {
         uint16_t *buf = aligned_alloc(64, (size_t)(64 * K));
-        if (buf != NULL) configure_tiles(16);
+        int configured = 0;
         float acc[4][256] __attribute__((aligned(64)));
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < runs * groups; item++) {
@@ -382,12 +382,10 @@ int octavo_qlinear_amx_experts(const uint16_t *x, int64_t M, int64_t K, int64_t 
             const expert_run *r = run + item / groups;
             const int64_t g = item % groups, e = experts[r->start];
             dequant_group(packed[e], bits, K, group, scales[e], mins ? mins[e] : NULL, g, buf);
-            multiply_run(x, r, buf, K, N, g, out, acc);
+            multiply_run(x, r, buf, K, N, g, out, acc, &configured);
         }
-        if (buf != NULL) {
-            _tile_release();
-            free(buf);
-        }
+        if (configured) _tile_release();
+        free(buf);
     }
     free(tails);
     free(run);

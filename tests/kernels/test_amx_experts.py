@@ -1,6 +1,7 @@
 """The AMX experts kernels: a mixture of experts' products for every expert in one call, rows sorted by
-expert, each expert given 0, 1, 5, 8 or 33 rows (none; one; past the few-row kernels' 4; Mixtral's ~8
-at 32 requests; two whole tiles and a padded one), against one product per expert on the same bytes and
+expert, each expert given 0, 1, 5, 8, 16, 17 or 33 rows (none; one; past the few-row kernels' 4; Mixtral's
+~8 at 32 requests, all read in place with the tiles configured to the run's rows; one whole tile; a whole
+tile and a padded one; two whole tiles and a padded one), against one product per expert on the same bytes and
 against float references. bf16 experts prepacked for oneDNN (amx_linear.c) and int8/int4 ones
 dequantized a group at a time (quant_linear.c). Both are built for the amx target only: under the
 other targets experts take the per-expert and few-row paths (tests/quant/test_grouped_experts.py)."""
@@ -21,7 +22,7 @@ pytestmark = pytest.mark.skipif(
     reason="needs a CPU (and OS) with AMX bf16 tiles",
 )
 
-COUNTS = [0, 1, 5, 8, 33]
+COUNTS = [0, 1, 5, 8, 16, 17, 33]
 
 
 def _randn(*shape: int, seed: int) -> torch.Tensor:
@@ -58,7 +59,7 @@ def test_bf16_experts_kernel_gives_each_row_its_own_experts_product(out_features
             _assert_rounded_from(out[rows], F.linear(x[rows].float(), weight.float()))
     assert amx.experts(x[:0], blocks, experts[:0], out_features).shape == (0, out_features)
     torch.library.opcheck(torch.ops.octavo.amx_linear_experts, (x, blocks, experts, out_features))
-    with pytest.raises(ValueError, match=r"^experts must be int64 \[47\]"):
+    with pytest.raises(ValueError, match=r"^experts must be int64 \[80\]"):
         amx.experts(x, blocks, experts[:3], out_features)
     with pytest.raises(ValueError, match="K a multiple of 32"):
         amx.experts(_randn(len(experts), 40, seed=1), blocks, experts, out_features)
@@ -84,5 +85,5 @@ def test_quantized_experts_kernel_gives_each_row_its_own_experts_product(quantiz
     torch.library.opcheck(torch.ops.octavo.quant_linear_experts,
                           (x, experts, product.weights[0].bits, product.weights[0].group_size, product.packed,
                            product.scales, product.mins, product.weights[0].out_features))
-    with pytest.raises(ValueError, match=r"^experts must be int64 \[47\]"):
+    with pytest.raises(ValueError, match=r"^experts must be int64 \[80\]"):
         product(x, experts[:3])
