@@ -4,11 +4,12 @@ W_UK (the query into latent space) and W_UV (the latent output back to each head
 
 ``torch.bmm`` over the heads, those halves being strided views of the loaded weight, spent ~1.5 ms per
 layer at one to 32 decode rows on DeepSeek-V3's heads divided by 4 (32 heads, 128 x 512 each; 2
-threads), whatever the rows: ~0.2 ms of it reads the 8 MiB. On bf16 CPU weights this method therefore
-keeps a copy of both halves, one contiguous matrix per head, for the few-row experts kernel
-(bf16_linear.c's ``experts`` entry, each head an "expert"), which multiplies every head in one call:
-0.17 ms at one row, 0.55 ms at 8, 1.08 ms at 16, 2.1 ms at 32 (one weight load per 4 rows of a head),
-so it serves up to 16 rows. The copy costs the weight's bytes again (DeepSeek-V3: 32 MiB a layer,
+threads; both products, the fastest of 100-200 calls on a machine at load 5-9), whatever the rows.
+On bf16 CPU weights this method therefore keeps a copy of both halves, one contiguous matrix per head,
+for the few-row experts kernel (bf16_linear.c's ``experts`` entry, each head an "expert"), which
+multiplies every head in one call: 0.17 ms at one row, 0.55 ms at 8, 1.08 ms at 16, 2.1 ms at 32 (one
+weight load per 4 rows of a head), so it serves up to 16 rows. ``benchmarks/latent_decode.py`` times
+the whole decode attention of a layer both ways. The copy costs the weight's bytes again (DeepSeek-V3: 32 MiB a layer,
 0.15% of its weights)."""
 from __future__ import annotations
 
