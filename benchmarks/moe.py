@@ -40,10 +40,10 @@ forward, in turns.
 
 llama.cpp needs ``benchmarks/setup_peers.sh`` (its source for the GGUF converter, and llama-cpp-python)
 and runs the Qwen3, Mixtral and DeepSeek-V3 shapes (it loads a DeepSeek-V2-Lite only at 27 layers);
-its Q4_0 file (llama.cpp's quantizer, the output layer in bf16 as Octavo's int4 keeps its own rather than
-llama.cpp's default Q6_K: the output layer is most of a trimmed shape's bytes, so the pair reads the same
-bytes) runs without repacking (``use_extra_bufts`` off: the repacked layouts crash this build); its bytes
-per token are counted as 4.5 bits per quantized weight.
+its Q4_0 files (llama.cpp's quantizer: the output layer in its default Q6_K, and in bf16 as Octavo's int4
+keeps its own, the output layer being most of a trimmed shape's bytes) run without repacking
+(``use_extra_bufts`` off: the repacked layouts crash this build); their bytes per token are counted as 4.5
+bits per Q4_0 weight and 6.5625 per Q6_K one.
 """
 from __future__ import annotations
 
@@ -122,10 +122,13 @@ SHAPES = {
 }
 _WIDTHS = ("hidden_size", "moe_intermediate_size", "intermediate_size", "num_attention_heads")
 Q4_0_BITS = 4.5  # 32 four-bit weights and one fp16 scale per block
-# (ours, peer) pairs whose ratios are reported, and the targets they are held to, like with like: Octavo's int4 (its
-# output layer in bf16 by default) against Q4_0 with the output layer in bf16 too.
+Q6_K_BITS = 6.5625  # 256 six-bit weights, 16 eight-bit scales and one fp16 scale per block
+# (ours, peer) pairs whose ratios are reported, and the targets they are held to. Octavo's int4 keeps its output layer
+# in bf16: against llama.cpp's Q4_0 (its output layer Q6_K: fewer bytes) and against Q4_0 with a bf16 output layer
+# (the same bytes, but llama.cpp runs that layer on its plain bf16 path: repacking is off for Q4_0 files).
 # int4+head (--int4-head): every matrix int4, the output layer too, against llama.cpp's file of every matrix Q4_0.
-PAIRS = (("octavo bf16", "llama.cpp bf16"), ("octavo int4", "llama.cpp Q4_0 bf16-head"),
+PAIRS = (("octavo bf16", "llama.cpp bf16"), ("octavo int4", "llama.cpp Q4_0"),
+         ("octavo int4", "llama.cpp Q4_0 bf16-head"),
          ("octavo int4+head", "llama.cpp Q4_0 pure"), ("octavo bf16", "transformers bf16"),
          ("octavo bf16", "octavo bf16 eager"))
 TARGETS = {("batch-1", "llama.cpp"): 1.2, ("offline", "llama.cpp"): 3.0, ("offline", "transformers"): 10.0}
@@ -234,9 +237,12 @@ def bench_shape(spec: BenchModel, args: argparse.Namespace, root: Path, read_gbs
         print(f"{spec.name}: no llama.cpp rows: {no_llamacpp}")
     if args.llamacpp_src is not None and not no_llamacpp:
         gguf = convert_to_gguf(folder, args.llamacpp_src)
-        # Q4_0 with the output layer in bf16, as Octavo's int4 keeps its lm_head (llama.cpp's default: Q6_K).
+        # Q4_0 as llama.cpp makes it (the output layer in Q6_K), and with the output layer in bf16 as Octavo's int4
+        # keeps its lm_head.
         q4_0_bytes = (bf16_bytes - head_bytes) * Q4_0_BITS / 16
         files = [("llama.cpp bf16", gguf, True, bf16_bytes),
+                 ("llama.cpp Q4_0", quantized_gguf(gguf, "Q4_0", folder, args.threads), False,
+                  q4_0_bytes + head_bytes * Q6_K_BITS / 16),
                  ("llama.cpp Q4_0 bf16-head", quantized_gguf(gguf, "Q4_0", folder, args.threads, output_type="BF16"),
                   False, q4_0_bytes + head_bytes)]
         if args.int4_head:
