@@ -125,7 +125,7 @@ Q4_0_BITS = 4.5  # 32 four-bit weights and one fp16 scale per block
 Q6_K_BITS = 6.5625  # 256 six-bit weights, 16 eight-bit scales and one fp16 scale per block
 # (ours, peer) pairs whose ratios are reported, and the targets they are held to. Octavo's int4 keeps its output layer
 # in bf16: against llama.cpp's Q4_0 (its output layer Q6_K: fewer bytes) and against Q4_0 with a bf16 output layer
-# (the same bytes, but llama.cpp runs that layer on its plain bf16 path: repacking is off for Q4_0 files).
+# (the same bytes; unrepacked as every Q4_0 file here, read about as fast per byte as the repacked bf16 file: A21).
 # int4+head (--int4-head): every matrix int4, the output layer too, against llama.cpp's file of every matrix Q4_0.
 PAIRS = (("octavo bf16", "llama.cpp bf16"), ("octavo int4", "llama.cpp Q4_0"),
          ("octavo int4", "llama.cpp Q4_0 bf16-head"),
