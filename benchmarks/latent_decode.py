@@ -2,7 +2,9 @@
 a 512 + 64 latent, keys of 128 + 64, values of 128), random weights: the engine's way, the query
 absorbed into the latent space and the backend's decode reading the cached latents in place,
 against decompressing every row's cached context through kv_b_proj each step (what a decode step
-would cost without absorption). Timed in turns; the outputs are checked equal first.
+would cost without absorption), and the absorbed decode's per-head products by torch.bmm on views of
+kv_b_proj's weight instead of the experts kernel on its per-head copies (bf16: latent_up_projection.py).
+Timed in turns; the outputs are checked equal first.
 
     python -m benchmarks.latent_decode --contexts 256,2048 --rows 4 --dtype bfloat16
 """
@@ -50,18 +52,27 @@ def main() -> None:
         def absorbed() -> torch.Tensor:
             return layer.absorbed_decode(q_nope, q_rope, cache, decode_meta)
 
+        def absorbed_bmm() -> torch.Tensor:
+            heads, layer.kv_b_proj.prepared = layer.kv_b_proj.prepared, None
+            try:
+                return absorbed()
+            finally:
+                layer.kv_b_proj.prepared = heads
+
         def decompressed() -> torch.Tensor:
             return torch.cat([layer.decompressed_prefill(q_nope[c.q_start:c.q_end], q_rope[c.q_start:c.q_end],
                                                          None, cache, c) for c in chunks])
 
         with torch.inference_mode():
             diff = (absorbed().float() - decompressed().float()).abs().max().item()
-            median = in_turns({"absorbed": absorbed, "decompressed": decompressed}, args.repeats)
+            median = in_turns({"absorbed": absorbed, "absorbed_bmm": absorbed_bmm, "decompressed": decompressed},
+                              args.repeats)
         results.append({"context": context, "absorbed_ms": median["absorbed"] * 1e3,
+                         "absorbed_bmm_ms": median["absorbed_bmm"] * 1e3,
                          "decompressed_ms": median["decompressed"] * 1e3,
                          "speedup": median["decompressed"] / median["absorbed"], "max_abs_diff": diff})
     load = f"load {load_start} -> {load_avg()}"
-    print_table(results, ["context", "absorbed_ms", "decompressed_ms", "speedup", "max_abs_diff"],
+    print_table(results, ["context", "absorbed_ms", "absorbed_bmm_ms", "decompressed_ms", "speedup", "max_abs_diff"],
                 title=f"latent decode attention, one layer, {n} rows, {args.dtype}, {backend.name} backend "
                       f"({args.threads} threads, median of {args.repeats}, in turns; {load})")
     write_json(args.json, {"benchmark": "latent_decode", "args": vars(args), "results": results})
@@ -82,6 +93,7 @@ def latent_layer(dtype: torch.dtype, backend_name: str = "auto", seed: int = 0) 
     torch.manual_seed(seed)
     for param in layer.parameters():
         param.data.normal_(0, 0.02)
+    layer.kv_b_proj.finish_loading()  # as the loader does: the per-head copies decode reads (bf16)
     return layer, backend
 
 

@@ -40,9 +40,10 @@ forward, in turns.
 
 llama.cpp needs ``benchmarks/setup_peers.sh`` (its source for the GGUF converter, and llama-cpp-python)
 and runs the Qwen3, Mixtral and DeepSeek-V3 shapes (it loads a DeepSeek-V2-Lite only at 27 layers);
-its Q4_0 file (llama.cpp's quantizer, default: the output layer in Q6_K, as Octavo's int4 keeps its
-own in bf16) runs without repacking (``use_extra_bufts`` off: the repacked layouts crash this build);
-its bytes per token are counted as 4.5 bits per weight.
+its Q4_0 files (llama.cpp's quantizer: the output layer in its default Q6_K, and in bf16 as Octavo's int4
+keeps its own, the output layer being most of a trimmed shape's bytes) run without repacking
+(``use_extra_bufts`` off: the repacked layouts crash this build); their bytes per token are counted as 4.5
+bits per Q4_0 weight and 6.5625 per Q6_K one.
 """
 from __future__ import annotations
 
@@ -64,6 +65,7 @@ from benchmarks.turns import batch1_decode, fmt_spread, in_rounds, ratios, sprea
 from benchmarks.workload import Workload
 from octavo import LLM, SamplingParams
 from octavo.model.config import ExpertsConfig
+from octavo.model.layers.latent_up_projection import HeadProducts
 from octavo.model.layers.moe import FusedMoE
 from octavo.model.loader import default_dtype
 from octavo.quant.base import LinearWeightHolder, QuantizationScheme
@@ -120,9 +122,13 @@ SHAPES = {
 }
 _WIDTHS = ("hidden_size", "moe_intermediate_size", "intermediate_size", "num_attention_heads")
 Q4_0_BITS = 4.5  # 32 four-bit weights and one fp16 scale per block
-# (ours, peer) pairs whose ratios are reported, and the targets they are held to.
+Q6_K_BITS = 6.5625  # 256 six-bit weights, 16 eight-bit scales and one fp16 scale per block
+# (ours, peer) pairs whose ratios are reported, and the targets they are held to. Octavo's int4 keeps its output layer
+# in bf16: against llama.cpp's Q4_0 (its output layer Q6_K: fewer bytes) and against Q4_0 with a bf16 output layer
+# (the same bytes; unrepacked as every Q4_0 file here, read about as fast per byte as the repacked bf16 file: A21).
 # int4+head (--int4-head): every matrix int4, the output layer too, against llama.cpp's file of every matrix Q4_0.
 PAIRS = (("octavo bf16", "llama.cpp bf16"), ("octavo int4", "llama.cpp Q4_0"),
+         ("octavo int4", "llama.cpp Q4_0 bf16-head"),
          ("octavo int4+head", "llama.cpp Q4_0 pure"), ("octavo bf16", "transformers bf16"),
          ("octavo bf16", "octavo bf16 eager"))
 TARGETS = {("batch-1", "llama.cpp"): 1.2, ("offline", "llama.cpp"): 3.0, ("offline", "transformers"): 10.0}
@@ -156,6 +162,9 @@ def active_bytes(llm: LLM) -> float:
     for module in runner.model.modules():
         if isinstance(module, FusedMoE):
             total += module.weight_method.weight_bytes(module) * top_k / module.num_experts
+        elif isinstance(module, LinearWeightHolder) and isinstance(module.prepared, HeadProducts):
+            # Latent attention's kv_b_proj: decode reads its per-head copies, prefill the weight as loaded.
+            total += module.prepared.keys.nbytes + module.prepared.values.nbytes
         elif isinstance(module, LinearWeightHolder):
             total += module.weight_method.weight_bytes(module)
     return total
@@ -211,6 +220,8 @@ def bench_shape(spec: BenchModel, args: argparse.Namespace, root: Path, read_gbs
     if args.eager:
         llms["octavo bf16 eager"] = LLM(str(folder), enforce_eager=True, **engine)
     bf16_bytes = active_bytes(llms["octavo bf16"])
+    head = llms["octavo bf16"].engine.executor.worker.runner.model.lm_head
+    head_bytes = head.weight_method.weight_bytes(head)
     per_token = {name: active_bytes(llm) for name, llm in llms.items()} | {"transformers bf16": bf16_bytes}
     decode: dict[str, Callable[[list[int], int], object]] = {}
     batch: dict[str, Callable[[], object]] = {}
@@ -226,12 +237,18 @@ def bench_shape(spec: BenchModel, args: argparse.Namespace, root: Path, read_gbs
         print(f"{spec.name}: no llama.cpp rows: {no_llamacpp}")
     if args.llamacpp_src is not None and not no_llamacpp:
         gguf = convert_to_gguf(folder, args.llamacpp_src)
-        files = [("llama.cpp bf16", gguf, True, 2.0),
-                 ("llama.cpp Q4_0", quantized_gguf(gguf, "Q4_0", folder, args.threads), False, Q4_0_BITS / 8)]
+        # Q4_0 as llama.cpp makes it (the output layer in Q6_K), and with the output layer in bf16 as Octavo's int4
+        # keeps its lm_head.
+        q4_0_bytes = (bf16_bytes - head_bytes) * Q4_0_BITS / 16
+        files = [("llama.cpp bf16", gguf, True, bf16_bytes),
+                 ("llama.cpp Q4_0", quantized_gguf(gguf, "Q4_0", folder, args.threads), False,
+                  q4_0_bytes + head_bytes * Q6_K_BITS / 16),
+                 ("llama.cpp Q4_0 bf16-head", quantized_gguf(gguf, "Q4_0", folder, args.threads, output_type="BF16"),
+                  False, q4_0_bytes + head_bytes)]
         if args.int4_head:
             files.append(("llama.cpp Q4_0 pure", quantized_gguf(gguf, "Q4_0", folder, args.threads, pure=True), False,
-                          Q4_0_BITS / 8))
-        for name, path, extra_bufts, per_weight in files:
+                          bf16_bytes * Q4_0_BITS / 16))
+        for name, path, extra_bufts, read_bytes in files:
             peer = LlamaCppPeer(folder, n_ctx, args.threads, gguf=path, extra_bufts=extra_bufts)
             decode[name] = lambda p, n, peer=peer: peer.generate_each([p], n)
             if not args.skip_offline:
@@ -239,7 +256,7 @@ def bench_shape(spec: BenchModel, args: argparse.Namespace, root: Path, read_gbs
                                           n_seq=args.num_prompts)
                 contexts.append(context)
                 batch[name] = lambda c=context: c.generate(offline.prompts, args.output_len)
-            per_token[name] = bf16_bytes * per_weight / 2.0
+            per_token[name] = read_bytes
     b1 = batch1_decode(decode, decode_prompt, args.decode_tokens, args.repeats)
     offline_times = {} if args.skip_offline else in_rounds(batch, args.repeats)
     for context in contexts:

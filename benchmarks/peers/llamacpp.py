@@ -25,17 +25,26 @@ def gguf_path(model: Path) -> Path:
     return path
 
 
-def quantized_gguf(source: Path, ftype: str, out_dir: Path, threads: int, pure: bool = False) -> Path:
+# ggml types (ggml.h) llama-cpp-python names no constant for.
+_GGML_TYPES = {"BF16": 30}
+
+
+def quantized_gguf(source: Path, ftype: str, out_dir: Path, threads: int, pure: bool = False,
+                   output_type: Optional[str] = None) -> Path:
     """``source`` (a bf16 GGUF) quantized to ``ftype`` (Q8_0, Q4_0 ...: the
     names llama-quantize takes) by llama.cpp's quantizer
     (llama_model_quantize, what llama-quantize runs) into ``out_dir``; kept
     when it exists. By default llama.cpp keeps the output layer (the tied
     token embedding where there is no separate one) in Q6_K for Q4_0 files;
     ``pure`` (llama-quantize --pure) gives every matrix ``ftype``, like with
-    like against an engine that quantizes its lm_head the same way."""
+    like against an engine that quantizes its lm_head the same way;
+    ``output_type`` (a ggml type: BF16, Q8_0 ...; llama-quantize
+    --output-tensor-type) gives the output layer that type, like with like
+    against an engine that keeps its lm_head so."""
     import llama_cpp
 
-    target = out_dir / f"{source.stem.removesuffix('-bf16')}-{ftype}{'-pure' if pure else ''}.gguf"
+    suffix = ("-pure" if pure else "") + (f"-output-{output_type}" if output_type else "")
+    target = out_dir / f"{source.stem.removesuffix('-bf16')}-{ftype}{suffix}.gguf"
     if target.is_file():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -43,6 +52,9 @@ def quantized_gguf(source: Path, ftype: str, out_dir: Path, threads: int, pure: 
     params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
     params.nthread = threads
     params.pure = pure
+    if output_type is not None:
+        name = f"GGML_TYPE_{output_type}"
+        params.output_tensor_type = getattr(llama_cpp, name) if hasattr(llama_cpp, name) else _GGML_TYPES[output_type]
     tmp = target.with_suffix(".part")
     if llama_cpp.llama_model_quantize(str(source).encode(), str(tmp).encode(), params) != 0:
         raise RuntimeError(f"llama.cpp could not quantize {source} to {ftype}")

@@ -18,6 +18,7 @@ from octavo.attention.kv_quant import write_vectors
 from octavo.attention.registry import select_attention_backend
 from octavo.model.backends import ModelBackends
 from octavo.model.layers.latent_attention import LatentAttention
+from octavo.model.layers.latent_up_projection import HEAD_KERNEL_ROWS, HeadProducts
 from octavo.model.loader import load_model
 from tests.worker.runner_utils import make_runner
 
@@ -151,6 +152,30 @@ def test_bf16_absorbed_decode_rounds_as_closely_as_decompressed_attention(name, 
     absorbed, decompressed = (error(out) for out in outputs[torch.bfloat16])
     assert absorbed <= BF16_ERROR_RATIO * decompressed, (absorbed, decompressed)
     assert error(outputs[torch.float32][0]) < 1e-5  # the two paths are the same product in float32
+
+
+@pytest.mark.parametrize("rows", [1, 3, HEAD_KERNEL_ROWS])
+def test_bf16_absorbed_decode_per_head_kernel_equals_torch_bmm(rows, variant):
+    """bf16 weights on a CPU: up to HEAD_KERNEL_ROWS decode rows multiply by kv_b_proj's halves through the
+    experts kernel on its per-head copies; the same attention as torch.bmm on the loaded weight's views gives, up
+    to bf16 rounding of the two products' outputs."""
+    attention = select_attention_backend("native", torch.device("cpu"), torch.bfloat16, torch.bfloat16, {None})
+    model, _ = load_model(variant("deepseek_v3"), dtype="bfloat16", backends=ModelBackends(attention=attention))
+    layer: LatentAttention = model.model.layers[1].self_attn
+    heads = layer.kv_b_proj.prepared
+    assert isinstance(heads, HeadProducts)
+    gen = torch.Generator().manual_seed(0)
+    contexts = [5 + r % 10 for r in range(rows)]  # each within its two blocks of 8
+    tables = [[r * 2, r * 2 + 1] for r in range(rows)]
+    latents = torch.randn(8 * 2 * rows, 1, layer.kv_lora_rank + layer.rope_dim, generator=gen).bfloat16()
+    cache, decodes, _ = _cached_step(layer, attention, torch.bfloat16, latents, 8, contexts, tables)
+    q_nope = torch.randn(rows, layer.num_heads, layer.nope_dim, generator=gen).bfloat16()
+    q_rope = torch.randn(rows, layer.num_heads, layer.rope_dim, generator=gen).bfloat16()
+    with torch.inference_mode():
+        kernel = layer.absorbed_decode(q_nope, q_rope, cache, decodes)
+        layer.kv_b_proj.prepared = None  # torch.bmm on the loaded weight
+        plain = layer.absorbed_decode(q_nope, q_rope, cache, decodes)
+    torch.testing.assert_close(kernel.float(), plain.float(), rtol=2e-2, atol=2e-2 * plain.abs().max().item())
 
 
 @pytest.mark.parametrize("field, value, message", [

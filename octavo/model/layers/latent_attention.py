@@ -22,6 +22,7 @@ a fresh chunk attends over its own entries as computed, as K/V attention does.""
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Optional
 
 import torch
 from torch import nn
@@ -32,10 +33,10 @@ from octavo.attention.kv_spec import LatentKVCacheSpec
 from octavo.attention.prefill import attend, attend_tiles
 from octavo.model.backends import ModelBackends
 from octavo.model.config import ArchConfig
+from octavo.model.layers.latent_up_projection import HEAD_KERNEL_ROWS, HeadProducts, LatentUpProjectionMethod
 from octavo.model.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from octavo.model.layers.norm import RMSNorm
 from octavo.model.layers.rotary import RotaryEmbedding, yarn_mscale
-from octavo.quant.unquantized import UnquantizedLinearMethod
 
 # The q_a and kv_a norms keep RMSNorm's default epsilon whatever rms_norm_eps says (as trained).
 LATENT_NORM_EPS = 1e-6
@@ -80,7 +81,8 @@ class LatentAttention(nn.Module):
         # Kept a plain float product whatever the quantization: decode multiplies by its two halves
         # (W_UK, W_UV) directly, so their weights must stay readable as they are stored.
         self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank, arch.num_heads * (self.nope_dim + self.v_dim),
-                                              False, UnquantizedLinearMethod(), f"{prefix}.kv_b_proj")
+                                              False, LatentUpProjectionMethod(self.nope_dim, self.v_dim),
+                                              f"{prefix}.kv_b_proj")
         self.num_heads = self.kv_b_proj.output_sizes[0] // (self.nope_dim + self.v_dim)  # this rank's
         self.o_proj = RowParallelLinear(arch.num_heads * self.v_dim, arch.hidden_size, bias,
                                         backends.linear_method(f"{prefix}.o_proj"), f"{prefix}.o_proj")
@@ -113,25 +115,30 @@ class LatentAttention(nn.Module):
             out[rows] = self.decompressed_prefill(q_nope[rows], q_rope[rows], entry[rows], kv_cache, chunk)
         return self.o_proj(out.view(n, self.num_heads * self.v_dim))
 
-    def _up_projections(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(W_UK [heads, nope, kv_lora_rank], W_UV [heads, v, kv_lora_rank]): kv_b_proj's weight by head."""
+    def _per_head(self, x: torch.Tensor, keys: bool) -> torch.Tensor:
+        """x [rows, heads, in] times each head's half of kv_b_proj: W_UK with ``keys`` (q_nope [.., nope] into
+        latent space [.., kv_lora_rank]), else W_UV (a latent output [.., kv_lora_rank] to values [.., v]); by the
+        experts kernel on its per-head copies up to HEAD_KERNEL_ROWS rows, else by torch.bmm on views of the
+        loaded weight (latent_up_projection.py has the timings)."""
+        heads: Optional[HeadProducts] = self.kv_b_proj.prepared
+        if heads is not None and x.shape[0] <= HEAD_KERNEL_ROWS:
+            return heads.multiply(x, heads.keys if keys else heads.values)
         w = self.kv_b_proj.weight.view(self.num_heads, self.nope_dim + self.v_dim, self.kv_lora_rank)
-        return w[:, : self.nope_dim], w[:, self.nope_dim :]
+        w_uk, w_uv = w[:, : self.nope_dim], w[:, self.nope_dim :]
+        return torch.bmm(x.transpose(0, 1), w_uk if keys else w_uv.transpose(1, 2)).transpose(0, 1)
 
     def absorbed_decode(self, q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: LayerKVCache,
                         meta: AttentionMetadata) -> torch.Tensor:
         """The decode rows' attention [rows, heads, v] without decompressing their contexts: queries
         [rows, heads, kv_lora_rank + rope] against the cached latents as one K/V head, through
         the backend's decode (the native kernel reads the blocks in place)."""
-        w_uk, w_uv = self._up_projections()
-        q_latent = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [rows, heads, kv_lora_rank]
-        query = torch.cat((q_latent, q_rope), dim=-1)
+        query = torch.cat((self._per_head(q_nope, keys=True), q_rope), dim=-1)
         # K and V are both the latent (the value's last rope dims come out and are dropped): views, no copy.
         scales = None if kv_cache.scales is None else kv_cache.scales.expand(2, -1, -1, -1)
         shared = LayerKVCache(kv_cache.data.expand(2, -1, -1, -1, -1), scales)
         decodes = replace(meta, prefills=[]) if meta.prefills else meta
         o = self.backend.forward(query, query[:, :1], query[:, :1], shared, decodes, None, self.scale)
-        return torch.bmm(o[..., : self.kv_lora_rank].transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+        return self._per_head(o[..., : self.kv_lora_rank], keys=False)
 
     def decompressed_prefill(self, q_nope: torch.Tensor, q_rope: torch.Tensor, entry: torch.Tensor,
                              kv_cache: LayerKVCache, chunk: PrefillChunk) -> torch.Tensor:
