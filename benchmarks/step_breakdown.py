@@ -12,7 +12,8 @@ The parts do not overlap: a call made inside another timed call counts for the
 outer one only (the lm_head's product is "lm_head"; "sampler" includes its greedy
 argmax), and "the rest" is the step minus all parts listed (Python between the
 kernels: module calls, embedding, views, output bookkeeping). Each timed call adds
-~1 us of wrapper. Steps run eagerly: a recorded step (a kernel tape, up to 64 rows)
+~1 us of wrapper. ``--cpu-time`` (with ``--threads 1``) times by the thread's CPU
+time, which other jobs on a loaded machine inflate far less than wall time. Steps run eagerly: a recorded step (a kernel tape, up to 64 rows)
 replays its kernels without the Python calls the wrappers time.
 """
 from __future__ import annotations
@@ -31,8 +32,8 @@ from benchmarks.report import load_avg, print_table, write_json
 
 
 def _timed(owner: Any, name: str, part: str, totals: dict[str, float], calls: dict[str, int],
-           active: list[str]) -> Callable[[], None]:
-    """Wrap owner.name so its wall time adds to totals[part] unless another
+           active: list[str], clock: Callable[[], float]) -> Callable[[], None]:
+    """Wrap owner.name so its time by ``clock`` adds to totals[part] unless another
     timed call encloses it (``active`` holds the open ones); returns the undo."""
     original = owner.__dict__[name]
 
@@ -40,11 +41,11 @@ def _timed(owner: Any, name: str, part: str, totals: dict[str, float], calls: di
         if active:
             return original(*args, **kwargs)
         active.append(part)
-        start = time.perf_counter()
+        start = clock()
         try:
             return original(*args, **kwargs)
         finally:
-            totals[part] += time.perf_counter() - start
+            totals[part] += clock() - start
             calls[part] += 1
             active.pop()
 
@@ -69,10 +70,15 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--prefill", action="store_true", help="time prompt steps instead of decode steps")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="time by the thread's CPU time (needs --threads 1): a machine shared with other jobs")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if args.prefill and args.batch * args.prompt_len > args.max_num_batched_tokens:
         parser.error("--prefill: --batch x --prompt-len must fit one step's --max-num-batched-tokens")
+    if args.cpu_time and args.threads != 1:
+        parser.error("--cpu-time times one thread: use --threads 1")
+    clock = time.thread_time if args.cpu_time else time.perf_counter
     torch.set_num_threads(args.threads)
 
     from benchmarks.peers.octavo_peer import OctavoPeer
@@ -115,16 +121,16 @@ def main() -> None:
     ]
     ids = [] if args.prefill else peer.start_decoding(prompts, args.steps)
     active: list[str] = []
-    undo = [_timed(owner, name, part, totals, calls, active) for owner, name, part in parts]
+    undo = [_timed(owner, name, part, totals, calls, active, clock) for owner, name, part in parts]
     load_start = load_avg()
     try:
-        start = time.perf_counter()
+        start = clock()
         for i in range(args.steps):
             if args.prefill:
                 peer.llm.generate(batches[i], one_token, use_tqdm=False)  # one step: the prompts fit its budget
             else:
                 peer.llm.engine.step()
-        elapsed = time.perf_counter() - start
+        elapsed = clock() - start
     finally:
         for u in undo:
             u()
@@ -142,7 +148,7 @@ def main() -> None:
                  "calls_per_step": ""})
     print_table(rows, ["part", "ms_per_step", "share", "calls_per_step"],
                 title=f"{kind}: {step_ms:.1f} ms, {tokens / step_ms * 1e3:.0f} tok/s ({args.threads} threads, "
-                      f"{args.steps} steps, eager, wrappers on)")
+                      f"{args.steps} steps, eager, wrappers on{', CPU time' if args.cpu_time else ''})")
     print(f"load {load_start} -> {load_avg()}")
     write_json(args.json, {"benchmark": "step_breakdown", "args": vars(args),
                            "step_ms": step_ms, "parts": rows})
