@@ -14,8 +14,10 @@ The parts do not overlap: a call made inside another timed call counts for the
 outer one only (the lm_head's product is "lm_head"; "sampler" includes its greedy
 argmax), and "the rest" is the step minus all parts listed (Python between the
 kernels: module calls, embedding, views, output bookkeeping). Each timed call adds
-~1 us of wrapper. Steps run eagerly: a recorded step (a kernel tape, up to 64 rows)
-replays its kernels without the Python calls the wrappers time.
+~1 us of wrapper. ``--cpu-time`` (with ``--threads 1``) times by the thread's CPU
+time, which other jobs on a loaded machine inflate far less than wall time. Steps
+run eagerly: a recorded step (a kernel tape, up to 64 rows) replays its kernels
+without the Python calls the wrappers time.
 """
 from __future__ import annotations
 
@@ -72,11 +74,14 @@ def main() -> None:
     parser.add_argument("--prefill", action="store_true", help="time prompt steps instead of decode steps")
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--cpu-time", action="store_true",
-                        help="time by the process's CPU time instead of wall (a loaded machine; with --threads 1)")
+                        help="time by the thread's CPU time (needs --threads 1): a machine shared with other jobs")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     if args.prefill and args.batch * args.prompt_len > args.max_num_batched_tokens:
         parser.error("--prefill: --batch x --prompt-len must fit one step's --max-num-batched-tokens")
+    if args.cpu_time and args.threads != 1:
+        parser.error("--cpu-time times one thread: use --threads 1")
+    clock = time.thread_time if args.cpu_time else time.perf_counter
     torch.set_num_threads(args.threads)
 
     from benchmarks.peers.octavo_peer import OctavoPeer
@@ -119,7 +124,6 @@ def main() -> None:
     ]
     ids = [] if args.prefill else peer.start_decoding(prompts, args.steps)
     active: list[str] = []
-    clock = time.process_time if args.cpu_time else time.perf_counter
     undo = [_timed(owner, name, part, totals, calls, active, clock) for owner, name, part in parts]
     load_start = load_avg()
     try:
@@ -147,7 +151,7 @@ def main() -> None:
                  "calls_per_step": ""})
     print_table(rows, ["part", "ms_per_step", "share", "calls_per_step"],
                 title=f"{kind}: {step_ms:.1f} ms, {tokens / step_ms * 1e3:.0f} tok/s ({args.threads} threads, "
-                      f"{args.steps} steps, eager, wrappers on, {'CPU' if args.cpu_time else 'wall'} time)")
+                      f"{args.steps} steps, eager, wrappers on{', CPU time' if args.cpu_time else ''})")
     print(f"load {load_start} -> {load_avg()}")
     write_json(args.json, {"benchmark": "step_breakdown", "args": vars(args),
                            "step_ms": step_ms, "parts": rows})

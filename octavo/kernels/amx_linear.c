@@ -1,4 +1,4 @@
-/* bf16 linear layers for decode batches (up to 64 rows), on Intel AMX tiles.
+/* bf16 linear layers for decode batches, on Intel AMX tiles.
  *
  * Decode at small batch is one read of every weight per step; oneDNN's bf16
  * kernel for one or a few rows reads its prepacked weights at ~3/4 of the
@@ -14,8 +14,9 @@
  * Rows come in tiles of 16; a weight block is loaded once per 32 rows. One
  * tile (up to 16 rows) multiplies the rows in place (the last ones
  * zero-padded once per call); more are first copied into tile order
- * (amx_linear_tiled). Past 64 rows oneDNN's blocking wins (at 128 rows by
- * the LM head's wide product): the Python side sends those to oneDNN
+ * (amx_linear_tiled), and a large output (an LM head's logits) is written
+ * past the caches. Past 64 rows oneDNN's blocking wins but for those large
+ * outputs: the Python side sends each product where it is faster
  * (octavo/quant/unquantized.py).
  *
  * Built with -march=native: on a CPU without AMX the functions exist but
@@ -35,11 +36,20 @@
  * 17-64 rows 1.18-1.24x faster than multiplying them in place; 1-16 rows
  * within 2% either way (benchmarks/linear_kernels.py --amx-baseline). */
 #define TILED_ROWS_MIN 17
+/* From this many bytes of output (an LM head's logits at a large decode batch) a
+ * call writes its rows past the caches (write_rows). Smaller outputs stay in
+ * cache for the next op: streaming the layers' outputs too made their products
+ * ~10% faster but the ops reading them (SiLU x up, RMSNorm, rotary) as much
+ * slower, a batch-256 llama-100m step no faster in all. */
+#define STREAM_OUT_BYTES (4 << 20)
 #if TILED_ROWS_MIN > 17
 #error "the in-place path below multiplies one tile of at most 16 rows"
 #endif
 
 int octavo_amx_available(void) { return amx_request(); }
+
+/* Whether a product of M rows and N outputs writes its output past the caches (write_rows). */
+int octavo_amx_streams(int64_t M, int64_t N) { return M >= TILED_ROWS_MIN && M * N * 2 >= STREAM_OUT_BYTES; }
 
 /* Two tiles or more. Each weight group then serves several row tiles, so the products
  * are bound by the tiles' arithmetic, not by the weights' read, and two
@@ -82,6 +92,31 @@ ALWAYS_INLINE void multiply_tiles(const uint16_t *t0, const uint16_t *t1, const 
     store_accumulators(acc, pair);
 }
 
+/* The sums of row tile t (and t + 1 when `pair`) times weight group g, plus
+ * the bias, rounded into out [M, N]: each row's 32 outputs one 64-byte store.
+ * With `stream`, whole aligned rows go to memory without first reading their
+ * lines into the caches (and evicting the tiles' operands from L2 for them):
+ * llama-100m's LM head in a batch-256 decode step, 1 thread, CPU time,
+ * 8.6-10.4 ms against oneDNN's 10.9-12.0 (benchmarks/step_breakdown.py). */
+ALWAYS_INLINE void write_rows(float acc[4][256], int64_t t, int pair, const uint16_t *bias, int64_t M, int64_t N,
+                              int64_t g, int stream, uint16_t *out) {
+    const int64_t n0 = 32 * g, row = t * 16, cols = N - n0 < 32 ? N - n0 : 32;
+    const int64_t rows = M - row < (pair + 1) * 16 ? M - row : (pair + 1) * 16;
+    const __mmask32 mask = (__mmask32)(((uint64_t)1 << cols) - 1);
+    const __m512 bias0 = load_bias(bias, n0, cols < 16 ? (int)cols : 16);
+    const __m512 bias1 = cols > 16 ? load_bias(bias, n0 + 16, (int)cols - 16) : _mm512_setzero_ps();
+    for (int64_t r = 0; r < rows; r++) {
+        const float *sums = acc[2 * (r / 16)] + (r % 16) * 16;
+        const __m512i v = (__m512i)_mm512_cvtne2ps_pbh(_mm512_add_ps(_mm512_load_ps(sums + 256), bias1),
+                                                        _mm512_add_ps(_mm512_load_ps(sums), bias0));
+        uint16_t *dst = out + (row + r) * N + n0;
+        if (stream && cols == 32 && ((uintptr_t)dst & 63) == 0)
+            _mm512_stream_si512((void *)dst, v);
+        else
+            _mm512_mask_storeu_epi16(dst, mask, v);
+    }
+}
+
 static int amx_linear_tiled(const uint16_t *a, const uint16_t *w, const uint16_t *bias, int64_t M, int64_t K,
                             int64_t N, uint16_t *out) {
     const int64_t groups = (N + 31) / 32, row_tiles = (M + 15) / 16;
@@ -90,6 +125,7 @@ static int amx_linear_tiled(const uint16_t *a, const uint16_t *w, const uint16_t
     if (chunk > row_tiles) chunk = row_tiles;
     uint16_t *tiles = aligned_alloc(64, (size_t)(chunk * 16 * K * 2));
     if (tiles == NULL) return -1;
+    const int stream = octavo_amx_streams(M, N);
 #pragma omp parallel
     {
         configure_tiles(16);
@@ -107,16 +143,13 @@ static int amx_linear_tiled(const uint16_t *a, const uint16_t *w, const uint16_t
                 const char *end = g + 1 < groups ? next + K * 64 : next;
                 for (int64_t t = 0; t < count; t += 2) {
                     const uint16_t *t0 = tiles + t * 16 * K;
-                    if (t + 1 < count) {
-                        multiply_tiles(t0, t0 + 16 * K, 1, wg, K, &next, end, lines, acc);
-                        write_block(acc, p0 + t, 1, bias, M, N, g, out);
-                    } else {
-                        multiply_tiles(t0, NULL, 0, wg, K, &next, end, lines, acc);
-                        write_block(acc, p0 + t, 0, bias, M, N, g, out);
-                    }
+                    const int pair = t + 1 < count;
+                    multiply_tiles(t0, pair ? t0 + 16 * K : NULL, pair, wg, K, &next, end, lines, acc);
+                    write_rows(acc, p0 + t, pair, bias, M, N, g, stream, out);
                 }
             }
         }
+        _mm_sfence(); /* the streamed rows visible before the call returns */
         _tile_release();
     }
     free(tiles);
@@ -176,6 +209,11 @@ int octavo_amx_linear_experts(const uint16_t *a, const uint16_t *const *blocks, 
 #else
 
 int octavo_amx_available(void) { return 0; }
+
+int octavo_amx_streams(int64_t M, int64_t N) {
+    (void)M, (void)N;
+    return 0;
+}
 
 int octavo_amx_linear(const uint16_t *a, const uint16_t *w, const uint16_t *bias, int64_t M, int64_t K, int64_t N,
                       uint16_t *out) {

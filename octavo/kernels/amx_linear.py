@@ -44,6 +44,8 @@ class AmxLinearKernel:
         lib.octavo_amx_linear.restype = ctypes.c_int
         lib.octavo_amx_linear_experts.argtypes = [_P, _P, _P, _I, _I, _I, _P]
         lib.octavo_amx_linear_experts.restype = ctypes.c_int
+        lib.octavo_amx_streams.argtypes = [_I, _I]
+        lib.octavo_amx_streams.restype = ctypes.c_int
         self.lib = lib
 
     @staticmethod
@@ -93,6 +95,11 @@ class AmxWeight:
                  owner: Optional[torch.Tensor] = None) -> None:
         self._lib, self.blocks, self._owner = lib, blocks, owner
         self.out_features, self.in_features = out_features, in_features
+
+    def streams_output(self, rows: int) -> bool:
+        """Whether the kernel writes the output of ``rows`` rows past the caches (amx_linear.c's
+        STREAM_OUT_BYTES and up: an LM head's logits at a decode batch of tens of rows or more)."""
+        return bool(self._lib.octavo_amx_streams(rows, self.out_features))
 
     def __call__(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         return amx_multiply(self._lib, x, self.blocks, bias, self.out_features)

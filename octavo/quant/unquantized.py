@@ -6,7 +6,8 @@ every call. Packing each weight once after loading skips that: 1.3-2.2x
 faster products at every batch size on this project's CPUs, the same results
 up to the summation order. For up to ``SMALL_ROWS`` rows (decode at small
 batch: a pure weight read) the AMX kernel reads the packed weight ~1.1-1.25x
-faster than oneDNN does (BENCHMARKS.md has the figures).
+faster than oneDNN does, and an LM head's product up to ``STREAMED_ROWS``
+rows it writes past the caches faster (BENCHMARKS.md has the figures).
 
 On CPUs without AMX (the kernels' target, octavo/kernels/cpu_features.py)
 bf16 weights stay plain: few-row products go through bf16_linear.c
@@ -36,6 +37,12 @@ _PACK_HINT = 128
 # (benchmarks/linear_kernels.py, llama-100m's 49 products, 1 thread, CPU
 # time: 1.19-1.34x at 1-16 rows, 1.37x at 17-32, 1.03x at 64; 0.90x at 128).
 SMALL_ROWS = 64
+# Rows up to which a product whose output the AMX kernel writes past the
+# caches (an LM head's logits) still goes to it: llama-100m's LM head in a
+# batch-256 decode step, 1 thread, CPU time, 8.6-10.4 ms against oneDNN's
+# 10.9-12.0 (benchmarks/step_breakdown.py). The layers' products stay with
+# oneDNN past SMALL_ROWS: 0.95-1.07x of it at 128-256 rows.
+STREAMED_ROWS = 256
 
 
 @dataclass
@@ -53,9 +60,11 @@ class PackedWeight:
         return cls(onednn, None if amx is None else amx.share_onednn(onednn, weight))
 
     def __call__(self, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        if self.amx is not None and x.numel() <= SMALL_ROWS * x.shape[-1]:
-            amx = self.amx
-            return ops.call(ops.amx_linear, torch.ops.octavo.amx_linear, x, amx.blocks, bias, amx.out_features)
+        amx = self.amx
+        if amx is not None:
+            rows = x.numel() // x.shape[-1]
+            if rows <= SMALL_ROWS or (rows <= STREAMED_ROWS and amx.streams_output(rows)):
+                return ops.call(ops.amx_linear, torch.ops.octavo.amx_linear, x, amx.blocks, bias, amx.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.onednn, bias, "none", [], "")
 
 
@@ -134,7 +143,10 @@ class UnquantizedLinearMethod(LinearMethod):
         packed = layer.prepared
         if packed is None:
             return "torch"
-        return "onednn" if packed.amx is None else f"amx (<= {SMALL_ROWS} rows) + onednn"
+        if packed.amx is None:
+            return "onednn"
+        streamed = f", <= {STREAMED_ROWS} streamed" if packed.amx.streams_output(STREAMED_ROWS) else ""
+        return f"amx (<= {SMALL_ROWS} rows{streamed}) + onednn"
 
 
 class TableLinearMethod(UnquantizedLinearMethod):

@@ -41,6 +41,15 @@ def _assert_rounded_from(out: torch.Tensor, ref: torch.Tensor) -> None:
     assert (err <= ref.abs() * 2**-8 + 1e-3).all(), f"max error {err.max().item()}"
 
 
+def _assert_matches_float32(amx: AmxLinearKernel, rows: int, out_features: int, in_features: int,
+                            bias: bool) -> None:
+    weight = _randn(out_features, in_features, seed=rows)
+    b = _randn(out_features, seed=1) if bias else None
+    x = _randn(rows, in_features, seed=2)
+    ref = F.linear(x.float(), weight.float(), None if b is None else b.float())
+    _assert_rounded_from(_kernel_weight(amx, weight)(x, b), ref)
+
+
 # Row counts around the 16-row tiles (one tile in place, from two copied into
 # tile order), the 32-row pairs and an odd last tile, and past one pass of
 # copied tiles (~1 MiB: 672 rows at K = 768, 256 at K = 2048); outputs not a
@@ -49,11 +58,17 @@ def _assert_rounded_from(out: torch.Tensor, ref: torch.Tensor) -> None:
 @pytest.mark.parametrize("out_features,in_features", [(200, 96), (48, 32), (1280, 768), (96, 2048)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_matches_float32_reference(amx, rows, out_features, in_features, bias):
-    weight = _randn(out_features, in_features, seed=rows)
-    b = _randn(out_features, seed=1) if bias else None
-    x = _randn(rows, in_features, seed=2)
-    ref = F.linear(x.float(), weight.float(), None if b is None else b.float())
-    _assert_rounded_from(_kernel_weight(amx, weight)(x, b), ref)
+    _assert_matches_float32(amx, rows, out_features, in_features, bias)
+
+
+# Outputs of 4 MiB and more (an LM head's logits) are written past the caches
+# from 17 rows (33 and 256 here): whole 32-output rows at 64-byte aligned
+# addresses; the rest (at N = 65552 every other row, and the padded last group)
+# stored as the others are.
+@pytest.mark.parametrize("rows", [1, 4, 17, 33, 256])
+@pytest.mark.parametrize("bias", [False, True])
+def test_large_outputs_match_float32_reference(amx, rows, bias):
+    _assert_matches_float32(amx, rows, 65552, 64, bias)
 
 
 def test_oneDNN_bytes_are_the_blocked_layout(amx):

@@ -13,7 +13,7 @@ from octavo.model.layers.linear import MergedColumnParallelLinear, RowParallelLi
 from octavo.model.layers.vocab_parallel import ParallelLMHead, VocabParallelEmbedding
 from octavo.model.loader import default_dtype
 from octavo.quant.base import LinearMethod
-from octavo.quant.unquantized import SMALL_ROWS, UnquantizedLinearMethod, can_pack
+from octavo.quant.unquantized import SMALL_ROWS, STREAMED_ROWS, UnquantizedLinearMethod, can_pack
 
 CPU = torch.device("cpu")
 needs_packing = pytest.mark.skipif(not can_pack(CPU, torch.bfloat16), reason="this torch build/CPU has no oneDNN bf16")
@@ -113,6 +113,29 @@ def test_few_rows_go_to_the_amx_kernel(rows):
     packed = layer.prepared
     onednn = torch.ops.mkldnn._linear_pointwise(x, packed.onednn, layer.bias, "none", [], "")
     assert torch.equal(out, packed.amx(x, layer.bias) if rows <= SMALL_ROWS else onednn)
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [SMALL_ROWS + 1, 128, STREAMED_ROWS, STREAMED_ROWS + 1])
+def test_an_lm_head_sized_output_goes_to_the_amx_kernel_up_to_the_streamed_rows(rows):
+    """Past SMALL_ROWS a product stays on the kernel only where it writes its output past the caches
+    (4 MiB and more: 32768 outputs from 65 rows); a narrow layer's goes to oneDNN."""
+    method = UnquantizedLinearMethod.for_backend("native", CPU, torch.bfloat16)
+    with default_dtype(torch.bfloat16):
+        wide, narrow = (RowParallelLinear(32, n, bias=False, linear_method=method) for n in (32768, 200))
+    for layer in (wide, narrow):
+        params = _filled(layer, seed=rows)
+        layer.finish_loading()
+        x = torch.randn(rows, 32).bfloat16()
+        out = layer(x)
+        _bf16_close(out, F.linear(x, params["weight"]))
+        packed = layer.prepared
+        onednn = torch.ops.mkldnn._linear_pointwise(x, packed.onednn, None, "none", [], "")
+        on_kernel = layer is wide and rows <= STREAMED_ROWS
+        assert packed.amx.streams_output(rows) == (layer is wide)
+        assert torch.equal(out, packed.amx(x) if on_kernel else onednn)
+    assert method.kernel_name(wide) == f"amx (<= {SMALL_ROWS} rows, <= {STREAMED_ROWS} streamed) + onednn"
+    assert method.kernel_name(narrow) == f"amx (<= {SMALL_ROWS} rows) + onednn"
 
 
 @needs_amx
