@@ -38,7 +38,15 @@ of each k included) is within ``probe_budget`` of all it spent. A probe that
 costs little (batch 1, where speculation pays) comes about every
 ``probe_every`` steps; one that costs much comes rarely. A step whose k differs from the step
 before it (it verifies proposals of one k and proposes another) is not
-measured: it is part of each; it counts as spent off the choice. Torch-free;
+measured: it is part of each; it counts as spent off the choice.
+
+A bucket measures and probes only within a run of its own steps (``steady_steps`` in a row): a batch that
+ramps up through its prompts' prefill steps and down as requests finish passes through each smaller bucket
+for a step or two, where a measurement can neither finish (a step verifying another bucket's proposals is
+not measured) nor be worth it: a k > 0 there makes an idle draft catch up on whole sequences (octavo-mini's
+draft at batch 32: ~0.1 s a run of 128 steps, ~0.8 ms a step, where the batch's own bucket had chosen plain
+decoding). Such a step takes its bucket's choice, or while it has none the nearest bucket's (a larger one
+on a tie: more requests propose fewer tokens), or 0 while none has chosen. Torch-free;
 the caller passes the times (the model runner: CPU time of its process,
 steadier than wall time on a shared machine).
 """
@@ -130,6 +138,7 @@ class SpeculationGovernor:
         settle_steps: int = 8,
         probe_budget: float = 0.01,
         margin: float = 0.05,
+        steady_steps: int = 8,
     ) -> None:
         self.max_k = num_speculative_tokens
         # Measured in this order at first; on equal costs the earlier (more tokens a step) wins.
@@ -143,17 +152,27 @@ class SpeculationGovernor:
         self.settle_steps = settle_steps
         self.probe_budget = probe_budget
         self.margin = margin
+        self.steady_steps = steady_steps
         self._buckets: dict[int, _Bucket] = {}
+        self._last_bucket = 0  # the bucket of the previous step (0: none, or a batch past max_batch_size)
+        self._run = 0  # ... and the steps in a row it has had
 
     def proposals(self, batch_size: int) -> int:
         """Tokens each request should propose in a step where ``batch_size`` requests decoded (0: none)."""
         if batch_size < 1 or (self.max_batch_size is not None and batch_size > self.max_batch_size):
+            self._last_bucket = 0
             return 0
         if not self.adaptive:
             return self.max_k
+        bucket = batch_size.bit_length()
+        self._run = self._run + 1 if bucket == self._last_bucket else 1
+        self._last_bucket = bucket
         b = self._bucket(batch_size)
         b.steps += 1
-        if self._choose(b) is None:
+        choice = self._choose(b)
+        if self._run <= self.steady_steps:
+            return self._borrowed(bucket) if choice is None else choice
+        if choice is None:
             return self._measure_next(b)
         if b.probe_left:
             b.probe_left -= 1
@@ -210,6 +229,13 @@ class SpeculationGovernor:
             b.choice = self._cheapest(b, self.ks)
             b.probe_left, b.last_probe = 0, b.steps
         return b.choice
+
+    def _borrowed(self, bucket: int) -> int:
+        """The choice of the nearest bucket that has one (the larger on a tie), 0 when none has."""
+        chosen = [n for n, b in self._buckets.items() if b.choice is not None]
+        if not chosen:
+            return 0
+        return self._buckets[min(chosen, key=lambda n: (abs(n - bucket), -n))].choice
 
     def _measure_next(self, b: _Bucket) -> int:
         """Before the first choice: the ks still short of measurements, in turn, ``probe_steps`` steps each,

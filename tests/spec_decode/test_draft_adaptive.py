@@ -210,3 +210,24 @@ def test_overhead_is_charged_to_the_k_that_causes_it():
         gov.record_overhead(3.0 if k else 1.0, 8, k)  # ... but (2 + 3) / 2 = 2.5 > 1.5 + 1 per token
         previous = k
     assert gov.best_proposals(8) == 0
+
+
+def test_batches_passing_through_a_bucket_take_the_nearest_choice():
+    """A batch of 32 ramps up through smaller buckets as its prompts are prefilled and down as requests
+    finish, a step or two in each: those steps neither measure nor probe (a proposal there makes an idle
+    draft catch up on whole sequences); they take the nearest bucket's choice. A bucket measures itself
+    once its steps come in a run."""
+    gov = SpeculationGovernor(3, warmup_steps=4, probe_every=50, probe_steps=3)
+    assert [gov.proposals(n) for n in (10, 20, 32)] == [0, 0, 0]  # nothing chosen anywhere yet: plain decoding
+    drive_k(gov, 32, 400, lambda k: 2.5 * (1 + k), agreement=[0, 1])  # speculation loses at 32
+    assert gov.best_proposals(32) == 0
+    for _ in range(20):  # runs of 128 steps: ramp up, 32 together, ramp down
+        ramp = [gov.proposals(n) for n in (8, 16, 24)]
+        steady = drive_k(gov, 32, 128, lambda k: 2.5 * (1 + k), agreement=[0, 1])
+        ramp += [gov.proposals(n) for n in (24, 16, 12, 8, 4, 2)]
+        assert ramp == [0] * 9 and steady[:100] == [0] * 100
+    for n in (2, 8, 16):
+        assert gov.best_proposals(n) is None
+    paying = drive_k(gov, 1, 300, lambda k: 2.0 + 0.5 * k, agreement=[3])  # a run at batch 1: measured there
+    assert gov.best_proposals(1) == 3 and paying[-100:].count(3) >= 90
+    assert [gov.proposals(n) for n in (2, 20)] == [3, 0]  # nearest: bucket 1 for 2, bucket 6 (32-63) for 20
