@@ -16,10 +16,14 @@ kernel tape at ~10 plain steps' cost, and speculation's first steps at batch
 1 hold several such, so octavo-mini + its draft measured speculation dearer
 and stopped it for good, where it pays 1.05-1.2x); and the first
 ``settle_steps`` steps of each k are not measured at all. A bucket first measures
-each k in turn, ``probe_steps`` steps at a time (the most proposals first and
-plain decoding last, round after round, until each has ``warmup_steps``), then
-takes the cheapest (speculating must be ``margin`` cheaper than plain decoding)
-and keeps it until a probe beats it: now and then it runs another k
+plain decoding and one proposal in turn, ``probe_steps`` steps at a time (the
+proposal first, round after round, until each has ``warmup_steps``), and a
+larger k only while the largest measured so far is the cheapest: each further
+proposal is accepted less often than the one before it, so where one does not
+pay more do not either, and measuring them would cost the dearest steps of all
+(octavo-mini's draft at batch 32: a k=3 step costs ~3.7 plain ones). Then it takes
+the cheapest (speculating must be ``margin`` cheaper than plain decoding) and
+keeps it until a probe beats it: now and then it runs another k
 (each in turn) for ``probe_steps`` steps, measured afresh, and switches when
 that k costs less than the chosen one's own recent steps. The two are measured
 side by side, so neither a change of load nor of context length (the chosen
@@ -38,7 +42,15 @@ of each k included) is within ``probe_budget`` of all it spent. A probe that
 costs little (batch 1, where speculation pays) comes about every
 ``probe_every`` steps; one that costs much comes rarely. A step whose k differs from the step
 before it (it verifies proposals of one k and proposes another) is not
-measured: it is part of each; it counts as spent off the choice. Torch-free;
+measured: it is part of each; it counts as spent off the choice.
+
+A bucket measures and probes only within a run of its own steps (``steady_steps`` in a row): a batch that
+ramps up through its prompts' prefill steps and down as requests finish passes through each smaller bucket
+for a step or two, where a measurement can neither finish (a step verifying another bucket's proposals is
+not measured) nor be worth it: a k > 0 there makes an idle draft catch up on whole sequences (octavo-mini's
+draft at batch 32: ~0.1 s a run of 128 steps, ~0.8 ms a step, where the batch's own bucket had chosen plain
+decoding). Such a step takes its bucket's choice, or while it has none the nearest bucket's (a larger one
+on a tie: more requests propose fewer tokens), or 0 while none has chosen. Torch-free;
 the caller passes the times (the model runner: CPU time of its process,
 steadier than wall time on a shared machine).
 """
@@ -103,6 +115,7 @@ class _Bucket:
     steps: int = 0  # decisions taken in this bucket
     probe_left: int = 0  # steps of ``probe_k`` still to run
     probe_k: int = 0
+    reach: int = 1  # the most proposals measured before the first choice: one more while it is the cheapest
     probes: int = 0
     last_probe: int = 0  # ``steps`` when the last probe began
     spent: float = 0.0  # seconds of all its measurable steps
@@ -130,6 +143,7 @@ class SpeculationGovernor:
         settle_steps: int = 8,
         probe_budget: float = 0.01,
         margin: float = 0.05,
+        steady_steps: int = 8,
     ) -> None:
         self.max_k = num_speculative_tokens
         # Measured in this order at first; on equal costs the earlier (more tokens a step) wins.
@@ -143,17 +157,27 @@ class SpeculationGovernor:
         self.settle_steps = settle_steps
         self.probe_budget = probe_budget
         self.margin = margin
+        self.steady_steps = steady_steps
         self._buckets: dict[int, _Bucket] = {}
+        self._last_bucket = 0  # the bucket of the previous step (0: none, or a batch past max_batch_size)
+        self._run = 0  # ... and the steps in a row it has had
 
     def proposals(self, batch_size: int) -> int:
         """Tokens each request should propose in a step where ``batch_size`` requests decoded (0: none)."""
         if batch_size < 1 or (self.max_batch_size is not None and batch_size > self.max_batch_size):
+            self._last_bucket = 0
             return 0
         if not self.adaptive:
             return self.max_k
+        bucket = batch_size.bit_length()
+        self._run = self._run + 1 if bucket == self._last_bucket else 1
+        self._last_bucket = bucket
         b = self._bucket(batch_size)
         b.steps += 1
-        if self._choose(b) is None:
+        choice = self._choose(b)
+        if self._run <= self.steady_steps:
+            return self._borrowed(bucket) if choice is None else choice
+        if choice is None:
             return self._measure_next(b)
         if b.probe_left:
             b.probe_left -= 1
@@ -205,18 +229,33 @@ class SpeculationGovernor:
         return None if b is None else self._choose(b)
 
     def _choose(self, b: _Bucket) -> Optional[int]:
-        """The bucket's choice, taken once every k was measured (None before)."""
-        if b.choice is None and all(m.count >= self.warmup_steps for m in b.modes.values()):
-            b.choice = self._cheapest(b, self.ks)
-            b.probe_left, b.last_probe = 0, b.steps
+        """The bucket's choice, taken once every k within reach was measured and the largest of them did not
+        win (None before)."""
+        if b.choice is not None:
+            return b.choice
+        measured = [k for k in self.ks if k <= b.reach]
+        if all(b.modes[k].count >= self.warmup_steps for k in measured):
+            best = self._cheapest(b, measured)
+            if best == b.reach < self.max_k:
+                b.reach += 1
+            else:
+                b.choice = best
+                b.probe_left, b.last_probe = 0, b.steps
         return b.choice
 
+    def _borrowed(self, bucket: int) -> int:
+        """The choice of the nearest bucket that has one (the larger on a tie), 0 when none has."""
+        chosen = [n for n, b in self._buckets.items() if b.choice is not None]
+        if not chosen:
+            return 0
+        return self._buckets[min(chosen, key=lambda n: (abs(n - bucket), -n))].choice
+
     def _measure_next(self, b: _Bucket) -> int:
-        """Before the first choice: the ks still short of measurements, in turn, ``probe_steps`` steps each,
-        so that they all share the text, the contexts and the load of the same minutes (measured one after
-        the other, k=1 on a text the draft copied well and k=0 on one it did not, k=1 won at batch 32 where
-        it cost 5-10% more than plain decoding)."""
-        pending = [k for k in self.ks if b.modes[k].count < self.warmup_steps]
+        """Before the first choice: the ks within reach still short of measurements, in turn, ``probe_steps``
+        steps each, so that they all share the text, the contexts and the load of the same minutes (measured
+        one after the other, k=1 on a text the draft copied well and k=0 on one it did not, k=1 won at batch
+        32 where it cost 5-10% more than plain decoding)."""
+        pending = [k for k in self.ks if k <= b.reach and b.modes[k].count < self.warmup_steps]
         if not b.probe_left or b.probe_k not in pending:
             later = [k for k in pending if k < b.probe_k]
             b.probe_k = (later or pending)[0]

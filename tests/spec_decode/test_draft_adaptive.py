@@ -146,15 +146,12 @@ def test_one_off_expensive_steps_do_not_decide():
 def test_cost_per_token_is_the_step_cost_over_the_tokens_a_step_emits():
     """Tokens per step vary with acceptance (1 to k + 1): what counts is their mean, not each step's own
     cost per token (a step that emits 1 token would count 4x one that emits 4)."""
-    gov = SpeculationGovernor(3, warmup_steps=4, settle_steps=0)
-    for emitted in (1, 4, 1, 4):  # 2.5 tokens per 5 s step on average: 2 s per token
-        gov.record([emitted], 5.0, verified=3, proposed=3)
-    for k in (2, 1):  # dear: out of the way
-        for _ in range(4):
-            gov.record([1], 50.0, verified=k, proposed=k)
+    gov = SpeculationGovernor(1, warmup_steps=4, settle_steps=0)
+    for emitted in (1, 2, 1, 2):  # 1.5 tokens per 3 s step on average: 2 s per token
+        gov.record([emitted], 3.0, verified=1, proposed=1)
     for _ in range(4):
         gov.record([1], 2.2, verified=0, proposed=0)
-    assert gov.best_proposals(1) == 3  # averaging 5/1 and 5/4 would say 3.1 s per token
+    assert gov.best_proposals(1) == 1  # averaging 3/1 and 3/2 would say 2.25 s per token
 
 
 def test_probes_are_spaced_by_what_they_cost():
@@ -210,3 +207,36 @@ def test_overhead_is_charged_to_the_k_that_causes_it():
         gov.record_overhead(3.0 if k else 1.0, 8, k)  # ... but (2 + 3) / 2 = 2.5 > 1.5 + 1 per token
         previous = k
     assert gov.best_proposals(8) == 0
+
+
+def test_batches_passing_through_a_bucket_take_the_nearest_choice():
+    """A batch of 32 ramps up through smaller buckets as its prompts are prefilled and down as requests
+    finish, a step or two in each: those steps neither measure nor probe (a proposal there makes an idle
+    draft catch up on whole sequences); they take the nearest bucket's choice. A bucket measures itself
+    once its steps come in a run."""
+    gov = SpeculationGovernor(3, warmup_steps=4, probe_every=50, probe_steps=3)
+    assert [gov.proposals(n) for n in (10, 20, 32)] == [0, 0, 0]  # nothing chosen anywhere yet: plain decoding
+    drive_k(gov, 32, 400, lambda k: 2.5 * (1 + k), agreement=[0, 1])  # speculation loses at 32
+    assert gov.best_proposals(32) == 0
+    for _ in range(20):  # runs of 128 steps: ramp up, 32 together (its probes now and then), ramp down
+        ramp = [gov.proposals(n) for n in (8, 16, 24)]
+        drive_k(gov, 32, 128, lambda k: 2.5 * (1 + k), agreement=[0, 1])
+        ramp += [gov.proposals(n) for n in (24, 16, 12, 8, 4, 2)]
+        assert ramp == [0] * 9
+    for n in (2, 8, 16):
+        assert gov.best_proposals(n) is None
+    paying = drive_k(gov, 1, 300, lambda k: 2.0 + 0.5 * k, agreement=[3])  # a run at batch 1: measured there
+    assert gov.best_proposals(1) == 3 and paying[-100:].count(3) >= 90
+    assert [gov.proposals(n) for n in (2, 20)] == [3, 0]  # nearest: bucket 1 for 2, bucket 6 (32-63) for 20
+
+
+def test_more_proposals_are_measured_only_while_the_most_so_far_pays():
+    """Each further proposal is accepted less often than the one before it: where one proposal loses to plain
+    decoding, more lose too, and measuring them first would run the dearest steps of all. Where each further
+    one pays, the measurement reaches the most."""
+    losing = SpeculationGovernor(4, warmup_steps=4, probe_every=1000)
+    choices = drive_k(losing, 32, 300, lambda k: 2.5 * (1 + 0.6 * k), agreement=[0, 0, 1])
+    assert losing.best_proposals(32) == 0 and set(choices) == {0, 1}
+    paying = SpeculationGovernor(4, warmup_steps=4, probe_every=1000)
+    choices = drive_k(paying, 1, 300, lambda k: 2.0 + 0.3 * k, agreement=[4])
+    assert paying.best_proposals(1) == 4 and choices[-50:] == [4] * 50
