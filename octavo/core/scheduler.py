@@ -259,15 +259,24 @@ class Scheduler:
         return True
 
     def _schedule_waiting(self, step: _Step) -> None:
-        for request in self.waiting:
+        # Walks from the head and stops at the first request that cannot be
+        # admitted, so a step looks at the requests it admits or passes over
+        # and one more, however long the queue (no copy of it either).
+        # Admitting removes the request at ``i``; a request it preempts sorts
+        # behind it, so the positions before ``i`` never change.
+        i = 0
+        while i < len(self.waiting):
+            request = self.waiting[i]
             if step.left == 0 or len(self.running) >= self.config.max_num_seqs:
                 return
             if self._is_held(request):
+                i += 1
                 continue
             if request.request_id in step.preempted:
                 return  # it just left; the runner must see it gone for a step
             computed, num_hit = self.kv_cache_manager.get_computed_blocks(request)
             if self.kv_cache_manager.is_loading(request):
+                i += 1
                 continue  # its prefix hit is being read from disk meanwhile: the requests behind it go ahead
             n = request.num_tokens - num_hit
             if n > step.left:
