@@ -218,17 +218,22 @@ def bench_shape(spec: BenchModel, args: argparse.Namespace, root: Path, read_gbs
     peers: dict[str, PeerProcess] = {}
     try:
         per_token = start_peers(spec, args, folder, offline, no_llamacpp, peers)
+        memory = {name: peer.memory() for name, peer in peers.items()}
         decode = {name: lambda p, n, peer=peer: peer.timed("decode", p, n) for name, peer in peers.items()}
         b1 = batch1_decode(decode, decode_prompt, args.decode_tokens, args.repeats, self_timed=True)
         offline_times = {} if args.skip_offline else self_timed_rounds(
             {name: lambda peer=peer: peer.timed("offline") for name, peer in peers.items()}, args.repeats)
         kv = peers["octavo bf16"].call("latent_kv", spec.config)
-        peaks = {name: peers.pop(name).close() for name in list(peers)}
+        for name in list(peers):
+            peers.pop(name).close()
     finally:
         for peer in peers.values():
             peer.kill()
-    print(f"{spec.name}: peak resident memory of the {len(peaks)} peer processes, summed: "
-          f"{sum(peaks.values()) / 1024:.1f} GiB (largest {max(peaks.values()) / 1024:.1f} GiB)")
+    # Loading is one peer at a time: the most held at once is the others loaded and one peer at its loading peak.
+    loaded = sum(m["rss_mib"] for m in memory.values())
+    peak = max(loaded - m["rss_mib"] + m["peak_rss_mib"] for m in memory.values())
+    print(f"{spec.name}: {len(memory)} peer processes, resident once loaded {loaded / 1024:.1f} GiB summed, "
+          f"at most {peak / 1024:.1f} GiB while loading (llama.cpp's counts its mapped file)")
     rates = {name: {"batch-1": b1[name]["decode_tok_s"],
                     "offline": [offline.num_output_tokens / wall for wall, _ in offline_times.get(name, [])]}
              for name in decode}

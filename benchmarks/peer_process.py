@@ -18,7 +18,7 @@ import traceback
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
-_CLOSE = "close"
+_CLOSE, _MEMORY = "close", "memory"
 
 
 class PeerError(RuntimeError):
@@ -50,8 +50,11 @@ def _serve(conn: Connection, factory: Callable[..., Any], args: tuple[Any, ...],
             close = getattr(peer, "close", None)
             if close is not None:
                 close()
-            conn.send(("ok", rss_mib("VmHWM")))
+            conn.send(("ok", None))
             return
+        if method == _MEMORY:
+            conn.send(("ok", (0.0, 0.0, {"rss_mib": rss_mib("VmRSS"), "peak_rss_mib": rss_mib("VmHWM")})))
+            continue
         try:
             wall, cpu = time.perf_counter(), time.process_time()
             result = getattr(peer, method)(*call_args)
@@ -96,13 +99,16 @@ class PeerProcess:
         self._conn.send((method, args))
         return self._answer()[2]
 
-    def close(self) -> float:
-        """Close the peer (its ``close`` method, if it has one) and end its process: its peak resident MiB."""
+    def memory(self) -> dict[str, float]:
+        """The process's resident MiB now (``rss_mib``) and at its peak so far (``peak_rss_mib``)."""
+        return self.call(_MEMORY)
+
+    def close(self) -> None:
+        """Close the peer (its ``close`` method, if it has one) and end its process."""
         self._conn.send((_CLOSE, ()))
-        peak = self._answer()
+        self._answer()
         self._process.join()
         self._conn.close()
-        return peak
 
     def kill(self) -> None:
         """End the process without asking (after an error elsewhere)."""

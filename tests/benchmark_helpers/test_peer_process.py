@@ -36,6 +36,10 @@ class Counter:
 
         return torch.get_num_threads(), os.environ["OMP_WAIT_POLICY"], os.getpid()
 
+    def allocate(self, mib: int) -> None:
+        self.held = bytearray(mib * 2**20)  # zero pages: resident once written
+        self.held[::4096] = b"\1" * len(self.held[::4096])
+
     def fail(self) -> None:
         raise KeyError("no such token")
 
@@ -57,7 +61,10 @@ def test_peer_answers_times_itself_reports_errors_and_closes():
         with pytest.raises(PeerError, match="(?s)counter:.*KeyError: 'no such token'"):
             peer.call("fail")
         assert peer.call("add", 1) == 11  # an error in one call leaves the peer serving
-        assert peer.close() > 0  # its peak resident MiB, read before it ended
+        memory = peer.memory()  # the child's own, read there
+        peer.call("allocate", 64)
+        assert peer.memory()["peak_rss_mib"] >= memory["rss_mib"] + 60
+        peer.close()
         assert not peer._process.is_alive() and peer._process.exitcode == 0
     finally:
         peer.kill()
