@@ -72,9 +72,16 @@ class PeerProcess:
         self.name = name
         context = multiprocessing.get_context("spawn")
         self._conn, child = context.Pipe()
-        os.environ.setdefault("OMP_WAIT_POLICY", "passive")  # read by the child's OpenMP runtimes as they load
         self._process = context.Process(target=_serve, args=(child, factory, args, threads), name=name, daemon=True)
-        self._process.start()
+        # The child's OpenMP runtimes read the policy as they load, before _serve runs: it is set in the environment
+        # the child starts with, and only there (this process and others it starts keep theirs).
+        policy = os.environ.get("OMP_WAIT_POLICY")
+        os.environ["OMP_WAIT_POLICY"] = policy or "passive"
+        try:
+            self._process.start()
+        finally:
+            if policy is None:
+                del os.environ["OMP_WAIT_POLICY"]
         child.close()
         self._answer()  # the peer is loaded, or its error raised here
 
