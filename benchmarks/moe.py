@@ -232,8 +232,10 @@ def bench_shape(spec: BenchModel, args: argparse.Namespace, root: Path, read_gbs
     # Loading is one peer at a time: the most held at once is the others loaded and one peer at its loading peak.
     loaded = sum(m["rss_mib"] for m in memory.values())
     peak = max(loaded - m["rss_mib"] + m["peak_rss_mib"] for m in memory.values())
+    llamacpp = any(name.startswith("llama.cpp") for name in memory)
+    mapped = " (llama.cpp's processes count their mapped files)" if llamacpp else ""
     print(f"{spec.name}: {len(memory)} peer processes, resident once loaded {loaded / 1024:.1f} GiB summed, "
-          f"at most {peak / 1024:.1f} GiB while loading (llama.cpp's counts its mapped file)")
+          f"at most {peak / 1024:.1f} GiB while loading{mapped}")
     rates = {name: {"batch-1": b1[name]["decode_tok_s"],
                     "offline": [offline.num_output_tokens / wall for wall, _ in offline_times.get(name, [])]}
              for name in decode}
