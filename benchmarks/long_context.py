@@ -12,7 +12,8 @@ The checkpoint (``qwen2.5-0.5b-yarn128k``, or ``-<N>l`` with ``--layers``) is wr
 tools/make_bench_models.py's code on first use, with its bf16 GGUF when ``--llama-cpp-src`` names llama.cpp's
 source (convert_hf_to_gguf.py; benchmarks/setup_peers.sh fetches it).
 
-Each engine runs each length in a process of its own, which holds its context until the length is done; its
+Each engine runs each length in a process of its own (benchmarks/peer_process.py: its OpenMP threads wait
+passively, and it times its own calls), which holds its context until the length is done; its
 resident memory is read once loaded, and its peak (VmHWM) is reset then, so the peak reported is the request's alone
 (loading's is reported apart). At each length the engines prefill one greedy request of ``--length`` random
 ordinary tokens one after another (prefill time = time to the first token), then decode it in turns (turns.py):
@@ -55,14 +56,14 @@ import random
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 from benchmarks.options import int_list
+from benchmarks.peer_process import PeerError, PeerProcess, rss_mib
 from benchmarks.report import load_avg, print_table, write_json
-from benchmarks.turns import fmt_spread, in_rounds, spread
+from benchmarks.turns import fmt_spread, self_timed_rounds, spread
 from octavo.config import QUANTIZATIONS
 
 MODELS = Path(__file__).resolve().parent / "models"
@@ -99,18 +100,11 @@ def kv_bytes_per_token(folder: Path) -> int:
     return cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"] * head_dim * 2
 
 
-def _rss_mib(field: str) -> float:
-    """This process's resident memory now (``VmRSS``) or at its peak (``VmHWM``, the high-water mark of this
-    process image alone: ru_maxrss would also count the parent's peak, which Linux carries across exec)."""
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) / 1024
-
-
 def _loaded() -> dict[str, float]:
     """Resident memory once the engine is loaded, and the peak of loading; then the peak is reset, so the
     one read at the end is the request's own (loading reads and converts the weights: its transient peak
     would otherwise hide what the context costs)."""
-    memory = {"rss_loaded_mib": _rss_mib("VmRSS"), "peak_rss_loading_mib": _rss_mib("VmHWM")}
+    memory = {"rss_loaded_mib": rss_mib("VmRSS"), "peak_rss_loading_mib": rss_mib("VmHWM")}
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")  # resets VmHWM to the current RSS (Linux)
     return memory
@@ -122,7 +116,20 @@ def _prompt(folder: Path, length: int) -> list[int]:
     return random.Random(0).choices(ordinary_token_ids(folder), k=length)
 
 
-class OctavoContext:
+class HeldRequest:
+    """An engine holding one long request in its own process (``PeerProcess``); ``report`` once it is decoded."""
+
+    memory: dict[str, float]  # ``_loaded``'s, read once the engine was loaded
+
+    def kv_bytes_per_token(self) -> int:
+        raise NotImplementedError
+
+    def report(self) -> dict[str, Any]:
+        """KV bytes per token, the memory once loaded and the request's peak resident memory."""
+        return {"kv_bytes_per_token": self.kv_bytes_per_token(), **self.memory, "peak_rss_mib": rss_mib("VmHWM")}
+
+
+class OctavoContext(HeldRequest):
     """Octavo holding one long greedy request of ``budget`` new tokens: prefilled once, then decoded on demand."""
 
     def __init__(self, folder: Path, length: int, budget: int, chunk: int) -> None:
@@ -168,7 +175,7 @@ class OctavoContext:
 LLAMACPP_BATCH_WITHOUT_FLASH = 512  # without flash attention a batch's scores over the context are materialized
 
 
-class LlamaCppContext:
+class LlamaCppContext(HeldRequest):
     """llama.cpp holding one long greedy request (a context of its length and ``budget`` new tokens)."""
 
     def __init__(self, folder: Path, length: int, budget: int, chunk: int, threads: int, flash_attn: bool) -> None:
@@ -285,53 +292,12 @@ def _budget(args: argparse.Namespace) -> int:
     return 1 + (args.rounds + 1) * args.new_tokens
 
 
-def _serve(context: Union[OctavoContext, LlamaCppContext]) -> None:
-    """The child's side of the turns: a command a line on stdin (``prefill``, ``decode N``, ``close``), a
-    result line on stdout for each."""
-    for line in sys.stdin:
-        command, *arg = line.split()
-        if command == "prefill":
-            result = {"prefill_s": context.prefill()}
-        elif command == "decode":
-            result = {"decode_s": context.decode(int(arg[0]))}
-        else:
-            result = {"kv_bytes_per_token": context.kv_bytes_per_token(), **context.memory,
-                      "peak_rss_mib": _rss_mib("VmHWM")}
-        print(RESULT + json.dumps(result), flush=True)
-        if command == "close":
-            return
-
-
-class _Child:
-    """One engine at one length in a fresh process, holding its context between the parent's commands."""
-
-    def __init__(self, args: argparse.Namespace, engine: str, length: int) -> None:
-        command = [sys.executable, "-m", "benchmarks.long_context", "--run", engine, "--length", str(length),
-                   "--model", str(args.model), "--new-tokens", str(args.new_tokens), "--rounds", str(args.rounds),
-                   "--chunk", str(args.chunk), "--threads", str(args.threads)]
-        self._stderr = tempfile.TemporaryFile("w+")  # read only if the child fails: a pipe could fill and block it
-        self._proc = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr,
-                                      text=True)
-
-    def ask(self, command: str) -> dict[str, Any]:
-        """The child's result line for ``command``; RuntimeError with the end of its stderr if it died."""
-        try:
-            self._proc.stdin.write(command + "\n")
-            self._proc.stdin.flush()
-        except BrokenPipeError:
-            pass
-        for line in self._proc.stdout:
-            if line.startswith(RESULT):
-                return json.loads(line.removeprefix(RESULT))
-        self._proc.wait()
-        self._stderr.seek(0)
-        raise RuntimeError(f"exit {self._proc.returncode}: {self._stderr.read().strip()[-400:]}")
-
-    def close(self) -> dict[str, Any]:
-        """Its memory and KV bytes per token; the child ends."""
-        result = self.ask("close")
-        self._proc.wait()
-        return result
+def _start(args: argparse.Namespace, engine: str, length: int) -> PeerProcess:
+    """One engine at one length in a process of its own (benchmarks/peer_process.py), its context loaded."""
+    if engine == "octavo":
+        return PeerProcess(engine, OctavoContext, args.model, length, _budget(args), args.chunk, threads=args.threads)
+    return PeerProcess(engine, LlamaCppContext, args.model, length, _budget(args), args.chunk, args.threads,
+                       engine == "llamacpp-fa", threads=args.threads)
 
 
 def _at_length(args: argparse.Namespace, engines: list[str], length: int) -> list[dict[str, Any]]:
@@ -340,20 +306,25 @@ def _at_length(args: argparse.Namespace, engines: list[str], length: int) -> lis
     rows, children = {}, {}
     for engine in engines:
         row = rows[engine] = {"engine": engine, "tokens": length, "load": load_avg()}
-        child = _Child(args, engine, length)
+        child = None
         try:
-            row.update(child.ask("prefill"))
+            child = _start(args, engine, length)
+            row["prefill_s"] = child.call("prefill")
             children[engine] = child
-        except RuntimeError as exc:
-            row["error"] = str(exc)
+        except PeerError as exc:
+            row["error"] = str(exc)[-400:]
+            if child is not None:
+                child.kill()
         print(json.dumps(row), flush=True)
-    decode = f"decode {args.new_tokens}"
-    times = in_rounds({e: lambda c=c: c.ask(decode) for e, c in children.items()}, args.rounds)
+    # Each decode timed in its process, the pipe's messages left out.
+    times = self_timed_rounds({e: lambda c=c: c.timed("decode", args.new_tokens) for e, c in children.items()},
+                              args.rounds)
     for engine, child in children.items():
         rates = [args.new_tokens / wall for wall, _ in times[engine]]
-        rows[engine].update(child.close(), decode_tok_s=statistics.median(rates), decode_rounds=rates,
+        rows[engine].update(child.call("report"), decode_tok_s=statistics.median(rates), decode_rounds=rates,
                             decode_range=f"{min(rates):.3g}-{max(rates):.3g}",
                             load=f"{rows[engine]['load']} -> {load_avg()}")
+        child.close()
         print(json.dumps(rows[engine]), flush=True)
     return list(rows.values())
 
@@ -384,30 +355,21 @@ def main() -> None:
     parser.add_argument("--quantize-head", action="store_true",
                         help="with --quantization, the LM head in that format too (else bf16, the engine's default)")
     parser.add_argument("--json", type=Path)
-    # One engine at one length, in the child process the parent starts.
-    parser.add_argument("--run", choices=ENGINES, help=argparse.SUPPRESS)
+    # Octavo's sparse measure at one length, in the child process the parent starts.
     parser.add_argument("--run-sparse", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--length", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--model", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.quantize_head and args.quantization is None:
         parser.error("--quantize-head needs --quantization")
-    if args.run_sparse or args.run:
+    if args.run_sparse:
         import torch
 
         # The in-process engine runs on this process's torch threads (threads_per_worker sets a worker
         # process's): without this a sparse run took every core whatever --threads said.
         torch.set_num_threads(args.threads)
-    if args.run_sparse:
         rows = run_octavo_sparse(args.model, args.length, sparse_run(args))
         print(RESULT + json.dumps(rows), flush=True)
-        return
-    if args.run:
-        if args.run == "octavo":
-            _serve(OctavoContext(args.model, args.length, _budget(args), args.chunk))
-        else:
-            _serve(LlamaCppContext(args.model, args.length, _budget(args), args.chunk, args.threads,
-                                   flash_attn=args.run == "llamacpp-fa"))
         return
 
     engines = [e for e in args.engines.split(",") if e]

@@ -15,9 +15,11 @@ heads; 1 layer of 32, widths and heads halved) and DeepSeek-V2-Lite's (hidden 20
 within the best 4 groups by sigmoid scores with a correction bias, one shared expert, latent attention
 with a query LoRA; widths and its 128 heads divided by 4, its first dense layer and one expert layer).
 ``--layers`` and ``--shrink N`` (widths and
-head counts divided by N) override them. Every peer of a shape is loaded at once and timed in
-interleaved rounds (benchmarks/turns.py: ``--repeats`` rounds, every peer once per round; ratios per
-round, median (min-max)), so a machine drifting in speed hits them alike:
+head counts divided by N) override them. Every peer of a shape (each Octavo configuration, transformers,
+each llama.cpp file) is loaded at once, each in a process of its own with ``--threads`` threads
+(benchmarks/peer_process.py: peers sharing one process cost each other up to 2x at batch 1), and timed in
+interleaved rounds, one peer running at a time (benchmarks/turns.py: a warm-up, then ``--repeats`` rounds, every
+peer once per round; ratios per round, median (min-max)), so a machine drifting in speed hits them alike:
 
 - batch-1 decode tokens/s, the prefill subtracted ((N - 1) / (t(N tokens) - t(1 token)), both in the
   same round), and its fraction of the read-rate limit: read bandwidth (a sum over a 1 GiB buffer)
@@ -58,17 +60,16 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from benchmarks.peers.hf import HFPeer
+from benchmarks.moe_peers import LlamaCppMoE, OctavoMoE, TransformersMoE
+from benchmarks.peer_process import PeerProcess
 from benchmarks.report import load_avg, print_table, write_json
 from benchmarks.roofline import bandwidth_gbs
-from benchmarks.turns import batch1_decode, fmt_spread, in_rounds, ratios, spread
+from benchmarks.turns import batch1_decode, fmt_spread, in_rounds, ratios, self_timed_rounds, spread
 from benchmarks.workload import Workload
-from octavo import LLM, SamplingParams
 from octavo.model.config import ExpertsConfig
-from octavo.model.layers.latent_up_projection import HeadProducts
 from octavo.model.layers.moe import FusedMoE
 from octavo.model.loader import default_dtype
-from octavo.quant.base import LinearWeightHolder, QuantizationScheme
+from octavo.quant.base import QuantizationScheme
 from octavo.quant.moe import run_routed
 from octavo.quant.onthefly import OnTheFlyScheme
 from octavo.quant.unquantized import UniformScheme
@@ -154,44 +155,6 @@ def trimmed(shape: Shape, layers: Optional[int], shrink: Optional[int]) -> Bench
     return replace(spec, name=name, config=config)
 
 
-def active_bytes(llm: LLM) -> float:
-    """Weight bytes one batch-1 token reads: every linear layer whole, each expert layer's top-k share."""
-    runner = llm.engine.executor.worker.runner
-    top_k = runner.arch.experts.top_k
-    total = 0.0
-    for module in runner.model.modules():
-        if isinstance(module, FusedMoE):
-            total += module.weight_method.weight_bytes(module) * top_k / module.num_experts
-        elif isinstance(module, LinearWeightHolder) and isinstance(module.prepared, HeadProducts):
-            # Latent attention's kv_b_proj: decode reads its per-head copies, prefill the weight as loaded.
-            total += module.prepared.keys.nbytes + module.prepared.values.nbytes
-        elif isinstance(module, LinearWeightHolder):
-            total += module.weight_method.weight_bytes(module)
-    return total
-
-
-def latent_kv(llm: LLM, config: dict[str, Any]) -> Optional[dict[str, Any]]:
-    """KV bytes per token Octavo keeps (its cache specs) against full K and V of every head, or None for a
-    model without latent attention."""
-    if "kv_lora_rank" not in config:
-        return None
-    specs = llm.engine.executor.worker.runner.kv_cache_specs
-    ours = sum(spec.bytes_per_token for spec in specs)
-    element = torch.empty((), dtype=specs[0].dtype).element_size()
-    head = config["qk_nope_head_dim"] + config["qk_rope_head_dim"] + config["v_head_dim"]
-    full = config["num_hidden_layers"] * config["num_attention_heads"] * head * element
-    return {"latent_bytes_per_token": ours, "full_kv_bytes_per_token": full, "smaller_by": 1 - ours / full}
-
-
-def octavo_generate(llm: LLM) -> Callable[[Workload], Any]:
-    def generate(workload: Workload) -> None:
-        params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in workload.output_lens]
-        outs = llm.generate(workload.prompts, params, use_tqdm=False)
-        if [len(o.outputs[0].token_ids) for o in outs] != list(workload.output_lens):
-            raise RuntimeError("octavo generated other lengths than asked")
-    return generate
-
-
 def check(shape: str, measure: str, value: float, shown: str, target: Optional[float]) -> dict[str, Any]:
     """One figure against its target (None: reported without one)."""
     met = "" if target is None else "yes" if value >= target else "MISSED"
@@ -199,40 +162,28 @@ def check(shape: str, measure: str, value: float, shown: str, target: Optional[f
             "met": met}
 
 
-def bench_shape(spec: BenchModel, args: argparse.Namespace, root: Path, read_gbs: float,
-                no_llamacpp: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]:
-    """Every peer of one shape loaded side by side, timed in turns: (rows per peer, ratio rows, raw rates)."""
-    from benchmarks.peers.llamacpp import LlamaCppPeer, quantized_gguf
-    from benchmarks.peers.llamacpp_batch import LlamaCppContext
+def start_peers(spec: BenchModel, args: argparse.Namespace, folder: Path, offline: Workload, no_llamacpp: str,
+                peers: dict[str, PeerProcess]) -> dict[str, float]:
+    """Every peer of one shape, each loaded in a process of its own, into ``peers`` (filled as they start, so
+    that the caller ends them whatever fails): the bytes a batch-1 token reads, per peer."""
+    from benchmarks.peers.llamacpp import quantized_gguf
 
-    folder = make_model(spec, root)
-    rng = random.Random(0)
-    decode_prompt = [rng.randrange(VOCAB - 8) for _ in range(32)]
-    offline = Workload("offline", [[rng.randrange(VOCAB - 8) for _ in range(64)] for _ in range(args.num_prompts)],
-                       [args.output_len] * args.num_prompts, "offline")
     n_ctx = 512
     engine = dict(dtype="bfloat16", max_model_len=n_ctx, kv_cache_memory_bytes=256 * 2**20,
                   max_num_seqs=max(args.num_prompts, 1))
     int4 = dict(quantization="int4", quantization_group_size=args.group_size)
-    llms = {"octavo bf16": LLM(str(folder), **engine), "octavo int4": LLM(str(folder), **int4, **engine)}
+    octavo = {"octavo bf16": engine, "octavo int4": {**int4, **engine}}
     if args.int4_head:
-        llms["octavo int4+head"] = LLM(str(folder), **int4, unquantized_modules="", **engine)
+        octavo["octavo int4+head"] = {**int4, "unquantized_modules": "", **engine}
     if args.eager:
-        llms["octavo bf16 eager"] = LLM(str(folder), enforce_eager=True, **engine)
-    bf16_bytes = active_bytes(llms["octavo bf16"])
-    head = llms["octavo bf16"].engine.executor.worker.runner.model.lm_head
-    head_bytes = head.weight_method.weight_bytes(head)
-    per_token = {name: active_bytes(llm) for name, llm in llms.items()} | {"transformers bf16": bf16_bytes}
-    decode: dict[str, Callable[[list[int], int], object]] = {}
-    batch: dict[str, Callable[[], object]] = {}
-    for name, llm in llms.items():
-        generate = octavo_generate(llm)
-        decode[name] = lambda p, n, g=generate: g(Workload("decode", [p], [n], "batch-1 decode"))
-        batch[name] = lambda g=generate: g(offline)
-    hf = HFPeer(folder, "bfloat16")
-    decode["transformers bf16"] = lambda p, n: hf._run_batch([p], n)
-    batch["transformers bf16"] = lambda: hf._run_batch(offline.prompts, args.output_len)
-    contexts = []
+        octavo["octavo bf16 eager"] = {"enforce_eager": True, **engine}
+    for name, options in octavo.items():
+        peers[name] = PeerProcess(name, OctavoMoE, folder, options, offline, threads=args.threads)
+    per_token = {name: peers[name].call("active_bytes") for name in octavo}
+    bf16_bytes, head_bytes = per_token["octavo bf16"], peers["octavo bf16"].call("head_bytes")
+    peers["transformers bf16"] = PeerProcess("transformers bf16", TransformersMoE, folder, offline,
+                                             threads=args.threads)
+    per_token["transformers bf16"] = bf16_bytes
     if no_llamacpp and args.llamacpp_src is not None:
         print(f"{spec.name}: no llama.cpp rows: {no_llamacpp}")
     if args.llamacpp_src is not None and not no_llamacpp:
@@ -249,21 +200,42 @@ def bench_shape(spec: BenchModel, args: argparse.Namespace, root: Path, read_gbs
             files.append(("llama.cpp Q4_0 pure", quantized_gguf(gguf, "Q4_0", folder, args.threads, pure=True), False,
                           bf16_bytes * Q4_0_BITS / 16))
         for name, path, extra_bufts, read_bytes in files:
-            peer = LlamaCppPeer(folder, n_ctx, args.threads, gguf=path, extra_bufts=extra_bufts)
-            decode[name] = lambda p, n, peer=peer: peer.generate_each([p], n)
-            if not args.skip_offline:
-                context = LlamaCppContext(peer.llm, n_ctx=args.num_prompts * n_ctx, n_batch=2048,
-                                          n_seq=args.num_prompts)
-                contexts.append(context)
-                batch[name] = lambda c=context: c.generate(offline.prompts, args.output_len)
+            peers[name] = PeerProcess(name, LlamaCppMoE, folder, path, n_ctx, args.threads, extra_bufts,
+                                      None if args.skip_offline else offline, threads=args.threads)
             per_token[name] = read_bytes
-    b1 = batch1_decode(decode, decode_prompt, args.decode_tokens, args.repeats)
-    offline_times = {} if args.skip_offline else in_rounds(batch, args.repeats)
-    for context in contexts:
-        context.close()
-    kv = latent_kv(llms["octavo bf16"], spec.config)
-    for llm in llms.values():
-        llm.shutdown()
+    return per_token
+
+
+def bench_shape(spec: BenchModel, args: argparse.Namespace, root: Path, read_gbs: float,
+                no_llamacpp: str) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any]]:
+    """Every peer of one shape loaded at once, each in a process of its own, timed in turns (one peer running at
+    a time): (rows per peer, ratio rows, raw rates)."""
+    folder = make_model(spec, root)
+    rng = random.Random(0)
+    decode_prompt = [rng.randrange(VOCAB - 8) for _ in range(32)]
+    offline = Workload("offline", [[rng.randrange(VOCAB - 8) for _ in range(64)] for _ in range(args.num_prompts)],
+                       [args.output_len] * args.num_prompts, "offline")
+    peers: dict[str, PeerProcess] = {}
+    try:
+        per_token = start_peers(spec, args, folder, offline, no_llamacpp, peers)
+        memory = {name: peer.memory() for name, peer in peers.items()}
+        decode = {name: lambda p, n, peer=peer: peer.timed("decode", p, n) for name, peer in peers.items()}
+        b1 = batch1_decode(decode, decode_prompt, args.decode_tokens, args.repeats, self_timed=True)
+        offline_times = {} if args.skip_offline else self_timed_rounds(
+            {name: lambda peer=peer: peer.timed("offline") for name, peer in peers.items()}, args.repeats)
+        kv = peers["octavo bf16"].call("latent_kv", spec.config)
+        for name in list(peers):
+            peers.pop(name).close()
+    finally:
+        for peer in peers.values():
+            peer.kill()
+    # Loading is one peer at a time: the most held at once is the others loaded and one peer at its loading peak.
+    loaded = sum(m["rss_mib"] for m in memory.values())
+    peak = max(loaded - m["rss_mib"] + m["peak_rss_mib"] for m in memory.values())
+    llamacpp = any(name.startswith("llama.cpp") for name in memory)
+    mapped = " (llama.cpp's processes count their mapped files)" if llamacpp else ""
+    print(f"{spec.name}: {len(memory)} peer processes, resident once loaded {loaded / 1024:.1f} GiB summed, "
+          f"at most {peak / 1024:.1f} GiB while loading{mapped}")
     rates = {name: {"batch-1": b1[name]["decode_tok_s"],
                     "offline": [offline.num_output_tokens / wall for wall, _ in offline_times.get(name, [])]}
              for name in decode}

@@ -27,18 +27,33 @@ def median_time(fn: Callable[[], object], repeats: int, warm: bool = True, faste
     return min(times) if fastest else statistics.median(times)
 
 
+def timed(run: Callable[[], object]) -> Callable[[], tuple[float, float]]:
+    """``run`` returning its own (wall s, process CPU s)."""
+    def measure() -> tuple[float, float]:
+        wall, cpu = time.perf_counter(), time.process_time()
+        run()
+        return time.perf_counter() - wall, time.process_time() - cpu
+    return measure
+
+
 def in_rounds(runs: dict[str, Callable[[], object]], rounds: int,
               warmups: Optional[dict[str, Callable[[], object]]] = None) -> dict[str, list[tuple[float, float]]]:
     """Each run warmed once (or its ``warmups`` entry run), then ``rounds`` rounds of every run in turn:
     (wall s, process CPU s) per run per round."""
+    return self_timed_rounds({name: timed(run) for name, run in runs.items()}, rounds, warmups)
+
+
+def self_timed_rounds(runs: dict[str, Callable[[], tuple[float, float]]], rounds: int,
+                      warmups: Optional[dict[str, Callable[[], object]]] = None,
+                      ) -> dict[str, list[tuple[float, float]]]:
+    """``in_rounds`` for runs that time themselves and return (wall s, CPU s): a peer in another process
+    measures its own call, so that the message to it and back is not counted."""
     for name, run in runs.items():
         (warmups or {}).get(name, run)()
     times: dict[str, list[tuple[float, float]]] = {name: [] for name in runs}
     for _ in range(rounds):
         for name, run in runs.items():
-            wall, cpu = time.perf_counter(), time.process_time()
-            run()
-            times[name].append((time.perf_counter() - wall, time.process_time() - cpu))
+            times[name].append(run())
     return times
 
 
@@ -66,15 +81,16 @@ def ratios(rates: dict[str, Any], key: str, ours: Sequence[str], peers: Sequence
     return rows
 
 
-def batch1_decode(engines: dict[str, Callable[[list[int], int], object]], prompt: list[int], new_tokens: int,
-                  rounds: int) -> dict[str, Any]:
+def batch1_decode(engines: dict[str, Callable[[list[int], int], Any]], prompt: list[int], new_tokens: int,
+                  rounds: int, self_timed: bool = False) -> dict[str, Any]:
     """Batch-1 decode of every engine in turns: per round, decode tok/s = (N - 1) / (t(N) - t(1)) with both
-    timed in that round (prefill subtracted), the end-to-end rate N / t(N), and CPU seconds per token."""
+    timed in that round (prefill subtracted), the end-to-end rate N / t(N), and CPU seconds per token.
+    ``self_timed``: each engine returns its own (wall s, CPU s) (``self_timed_rounds``)."""
     runs = {}
     for name, gen in engines.items():
         runs[f"{name}|{new_tokens}"] = lambda gen=gen: gen(prompt, new_tokens)
         runs[f"{name}|1"] = lambda gen=gen: gen(prompt, 1)
-    times = in_rounds(runs, rounds)
+    times = self_timed_rounds(runs, rounds) if self_timed else in_rounds(runs, rounds)
     rates = {}
     for name in engines:
         full, one = times[f"{name}|{new_tokens}"], times[f"{name}|1"]
