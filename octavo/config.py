@@ -9,6 +9,7 @@ A field's ``metadata`` holds its help text, and optionally ``choices``,
 vLLM's names where the meaning is the same, that keep working)."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -139,6 +140,9 @@ class SchedulerConfig:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
             )
+        if self.step_record is not None and not os.path.isdir(os.path.dirname(os.path.abspath(self.step_record))):
+            # Checked here, not when the engine process opens it: a bad path is the caller's one-line error.
+            raise ValueError(f"step_record: the folder of {self.step_record!r} does not exist")
 
 
 @dataclass

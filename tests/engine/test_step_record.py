@@ -4,6 +4,8 @@ from __future__ import annotations
 import asyncio
 import json
 
+import pytest
+
 from octavo.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from octavo.engine.async_client import AsyncEngineClient
 from octavo.sampling_params import SamplingParams
@@ -36,3 +38,8 @@ def test_every_step_is_recorded_with_its_work(folder, tmp_path):
     assert starts == sorted(starts) and all(s["seconds"] > 0 for s in steps)
     # Back to back: each step starts after the last one ended.
     assert all(b["start"] >= a["start"] + a["seconds"] for a, b in zip(steps, steps[1:]))
+
+
+def test_a_step_record_in_a_missing_folder_is_refused_naming_the_option(tmp_path):
+    with pytest.raises(ValueError, match="step_record"):
+        SchedulerConfig(step_record=str(tmp_path / "absent" / "steps.jsonl"))
