@@ -15,7 +15,7 @@ from octavo.simulate.autoscaling import PolicyScaler
 from octavo.simulate.cost_model import CostModel
 from octavo.simulate.replica import ReplicaShape
 from octavo.simulate.report import SLO, headline, summarize
-from octavo.simulate.simulator import ROUTING_POLICIES, FleetConfig, Simulator
+from octavo.simulate.simulator import ROUTING_POLICIES, STALL_MODELS, FleetConfig, Simulator
 from octavo.simulate.traces import TRACE_KINDS, LengthDist, TraceRequest, TraceSpec, generate, load_jsonl
 
 
@@ -55,6 +55,9 @@ class SimulateRunConfig:
                                         "top of the cost model's served calibration", _FLEET, unit="seconds")
     step_overhead: float = _opt(0.0, "seconds a served step costs beyond the cost model's step (streaming, the "
                                      "HTTP front), on top of its served calibration", _FLEET, unit="seconds")
+    stalls: str = _opt("independent", "how served steps slow down: independent (each step its own stretch) or "
+                                      "recorded (the served calibration's steps replayed as they came, slow ones in "
+                                      "runs)", _FLEET, choices=STALL_MODELS)
     autoscale: str = _opt("none", "predictive: max(reactive, Holt-Winters forecast / --capacity-per-replica)",
                           _SCALING, choices=("none", "reactive", "predictive"))
     min_replicas: int = _opt(1, "fewest replicas", _SCALING)
@@ -166,7 +169,7 @@ def run(args: SimulateRunConfig) -> dict:
     shape = replica_shape(cost_model, args)
     fleet = FleetConfig(routing=args.routing, initial_replicas=args.replicas, cold_start_s=args.cold_start,
                         interval_s=args.interval, request_overhead_s=args.request_overhead,
-                        step_overhead_s=args.step_overhead)
+                        step_overhead_s=args.step_overhead, stalls=args.stalls)
     slo = SLO(args.slo_ttft, args.slo_tpot)
     trace = build_trace(args)
     scaler = None

@@ -88,7 +88,7 @@ class ReplicaShape:
 
 class SimReplica:
     def __init__(self, name: str, shape: ReplicaShape, cost_model: CostModel, created_s: float, ready_s: float,
-                 rng: random.Random, step_overhead_s: float = 0.0) -> None:
+                 rng: random.Random, step_overhead_s: float = 0.0, recorded_stalls: bool = False) -> None:
         self.name = name
         self.scheduler = Scheduler(shape.scheduler, shape.cache, shape.num_blocks, shape.max_model_len)
         # What the gateway's routing policies read: the replica's /metrics, scraped.
@@ -102,6 +102,10 @@ class SimReplica:
         self._cost = cost_model
         self._step_overhead_s = step_overhead_s
         self._rng = rng
+        # ``recorded_stalls``: the served calibration's steps replayed (speed_tape.py), from a point of the tape
+        # drawn per replica, so the replicas of one fleet meet their stalls at different times.
+        self._tape = cost_model.served.speed_tape if recorded_stalls and cost_model.served is not None else None
+        self._tape_offset_s = rng.uniform(0.0, self._tape.length_s) if self._tape is not None else 0.0
         self._records: dict[str, RequestRecord] = {}
         self._step: Optional[SchedulerOutput] = None
         self.step_work: Optional[StepWork] = None  # what the step in flight computes
@@ -137,7 +141,9 @@ class SimReplica:
             return None
         work = step_work(out)
         duration = self._cost.step_seconds(work) + self._step_overhead_s
-        if self._cost.served is not None:  # steps of equal work differ on a shared machine (served.py)
+        if self._tape is not None:  # steps of equal work differ on a shared machine (served.py)
+            duration = self._tape.duration(now + self._tape_offset_s, duration)
+        elif self._cost.served is not None:
             duration *= self._cost.served.step_factor(self._rng)
         self._step, self.step_work, self.step_end_s = out, work, now + duration
         self.busy_s += duration

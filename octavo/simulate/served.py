@@ -50,7 +50,11 @@ Steps of equal work still take different times on a shared machine (other
 processes stall the engine, the client and the front). ``step_noise_sigma``
 is the spread of the lone requests' log residuals among repeats of one
 prompt length, each one served prefill: the simulator multiplies every step
-by a lognormal factor of mean 1 with it.
+by a lognormal factor of mean 1 with it. Fitted to the server's own steps,
+the steps themselves are kept as a ``SpeedTape`` (speed_tape.py): the
+simulator replays how fast the engine got through its work moment by
+moment, slow stretches in the runs they came in, in place of a stretch drawn
+afresh for every step.
 """
 from __future__ import annotations
 
@@ -61,6 +65,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence
 import numpy as np
 
 from octavo.simulate.fitting import nonnegative_relative_lstsq
+from octavo.simulate.speed_tape import SpeedTape
 
 if TYPE_CHECKING:
     from octavo.simulate.cost_model import StepWork
@@ -149,8 +154,12 @@ class ServedCost:
     # The log-mean of a step's stretch: None for -sigma^2 / 2 (a stretch of mean 1, the terms fitted to mean
     # times), 0 for a median of 1 (the terms fitted to a typical step, the stretch adding the stalls).
     step_noise_mu: Optional[float] = None
+    # Fitted to the server's own steps: those steps, replayed in place of independent stretches (speed_tape.py).
+    speed_tape: Optional[SpeedTape] = None
 
     def __post_init__(self) -> None:
+        if isinstance(self.speed_tape, dict):  # as read from cost.json
+            self.speed_tape = SpeedTape(**self.speed_tape)
         for name in (*SERVED_TERMS, "step_noise_sigma"):
             value = getattr(self, name)
             if not (value >= 0 and np.isfinite(value)):
@@ -216,7 +225,7 @@ class ServedCost:
         predicted = x @ coef
         sigma = float(np.std(np.log(y / predicted)))
         served = cls(*map(float, coef), load_avg=load_avg, served_steps=len(steps), step_noise_sigma=sigma,
-                     step_noise_mu=0.0,
+                     step_noise_mu=0.0, speed_tape=SpeedTape.of_steps(y, predicted),
                      served_steps_total_rel_error=float(predicted.sum() * np.exp(sigma ** 2 / 2) / y.sum() - 1))
         firsts = [p for p in lone if p.first_token]
         prefills = np.array([served.step_seconds(p.engine_s, p.sampled) for p in firsts])

@@ -27,6 +27,7 @@ from octavo.simulate.traces import TraceRequest
 # Policies that need no more than a trace holds (prefix/session/kv-aware
 # routing would need prompt text, sessions or KV events, which a trace lacks).
 ROUTING_POLICIES: dict[str, Callable[[], Policy]] = {"round-robin": RoundRobin, "least-load": LeastLoad}
+STALL_MODELS = ("independent", "recorded")
 
 
 @dataclass
@@ -42,10 +43,15 @@ class FleetConfig:
     # What a served step costs beyond the calibrated step (the cost model's served terms, when it has them): added
     # to every step.
     step_overhead_s: float = 0.0
+    # How a served step's stretch is drawn (served.py): "independent", each step its own; "recorded", the served
+    # calibration's steps replayed as they came, slow ones in runs (speed_tape.py).
+    stalls: str = "independent"
 
     def __post_init__(self) -> None:
         if self.routing not in ROUTING_POLICIES:
             raise ValueError(f"routing must be one of {sorted(ROUTING_POLICIES)}, got {self.routing!r}")
+        if self.stalls not in STALL_MODELS:
+            raise ValueError(f"stalls must be one of {list(STALL_MODELS)}, got {self.stalls!r}")
         if self.initial_replicas < 0:
             raise ValueError(f"initial_replicas must be >= 0, got {self.initial_replicas}")
         for name in ("cold_start_s", "request_overhead_s", "step_overhead_s"):
@@ -92,6 +98,9 @@ class Simulator:
                  scaler: Optional[Scaler] = None, seed: int = 0) -> None:
         if fleet.initial_replicas == 0 and scaler is None:
             raise ValueError("initial_replicas must be >= 1 without an autoscaler to start replicas")
+        if fleet.stalls == "recorded" and (cost_model.served is None or cost_model.served.speed_tape is None):
+            raise ValueError("stalls: recorded needs a cost model fitted to a server's own steps "
+                             "(`octavo simulate calibrate --served-steps`)")
         self.cost_model, self.shape, self.fleet, self.scaler = cost_model, shape, fleet, scaler
         self._rng = random.Random(seed)
         self._policy = ROUTING_POLICIES[fleet.routing]()
@@ -193,7 +202,7 @@ class Simulator:
     def _add_replica(self, now: float, cold: bool = True) -> None:
         ready_s = now + (self.fleet.cold_start_s if cold else 0.0)
         replica = SimReplica(f"replica-{len(self._replicas)}", self.shape, self.cost_model, now, ready_s, self._rng,
-                             self.fleet.step_overhead_s)
+                             self.fleet.step_overhead_s, self.fleet.stalls == "recorded")
         self._replicas.append(replica)
         if replica.state is ReplicaState.STARTING:
             self._post(ready_s, "ready", replica)
