@@ -21,7 +21,14 @@ around each one):
    /v1/completions, the prompt as token ids, ``ignore_eos``), and simulated;
 5. a table of predicted vs measured TTFT, TPOT and e2e p50/p99 and output
    throughput, with the load average, and the figures outside their band
-   (15% below saturation, 25% at and above it).
+   (15% below saturation, 25% at and above it): one table for each way of
+   drawing the served steps' stalls (``--stalls`` of `octavo simulate run`:
+   independent per step, or the calibration's steps replayed in the runs
+   they came in), both against the same measurement.
+
+Each rate's requests, measured and simulated side by side, go to
+``requests-RATE-STALLS.jsonl`` (their send times on the clock of the
+server's step record, ``served-steps.jsonl``), to read the tails from.
 
 The saturation rate is where a full batch (``max_num_seqs`` sequences)
 just keeps up (``CostModel.saturation_rate``).
@@ -45,9 +52,9 @@ from benchmarks.report import load_avg
 from benchmarks.workload import ordinary_token_ids
 from octavo.entrypoints.calibrate_served import sse_events
 from octavo.simulate.cost_model import CostModel
-from octavo.simulate.replica import ReplicaShape
+from octavo.simulate.replica import ReplicaShape, RequestRecord
 from octavo.simulate.report import SLO, percentile, summarize
-from octavo.simulate.simulator import FleetConfig, Simulator
+from octavo.simulate.simulator import STALL_MODELS, FleetConfig, Simulator
 from octavo.simulate.traces import LengthDist, TraceRequest, TraceSpec, generate, save_jsonl
 
 RESULTS = Path(__file__).resolve().parent / "results" / "simulator"
@@ -66,14 +73,14 @@ class Measured:
     ttft: float
     e2e: float
     tokens: int
-    sent: float
+    sent: float  # time.monotonic(), the clock of the server's --step-record
     done: float
 
 
 async def _one(client: httpx.AsyncClient, model: str, prompt: list[int], max_tokens: int) -> Measured:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0.0,
             "stream": True, "stream_options": {"include_usage": True}}
-    start = time.perf_counter()
+    start = time.monotonic()
     ttft, tokens = None, 0
     async with client.stream("POST", "/v1/completions", json=body) as r:
         if r.status_code != 200:
@@ -81,10 +88,10 @@ async def _one(client: httpx.AsyncClient, model: str, prompt: list[int], max_tok
         async for event in sse_events(r):
             # The first event with a choice carries the first token (its text may be empty: a partial character).
             if event.get("choices") and ttft is None:
-                ttft = time.perf_counter() - start
+                ttft = time.monotonic() - start
             if event.get("usage"):
                 tokens = event["usage"]["completion_tokens"]
-    end = time.perf_counter()
+    end = time.monotonic()
     return Measured(ttft if ttft is not None else end - start, end - start, tokens, start, end)
 
 
@@ -96,10 +103,10 @@ async def replay(base_url: str, model: str, trace: list[TraceRequest], vocab: li
     # A fresh connection per request (as the served calibration): a kept-alive one can meet the server closing it.
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
     async with httpx.AsyncClient(base_url=base_url, timeout=900, limits=limits) as client:
-        t0 = time.perf_counter()
+        t0 = time.monotonic()
         tasks = []
         for t, prompt in zip(trace, prompts):
-            delay = t0 + t.arrival_s - time.perf_counter()
+            delay = t0 + t.arrival_s - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
             tasks.append(asyncio.create_task(_one(client, model, prompt, t.output_tokens)))
@@ -119,11 +126,25 @@ def measured_summary(results: list[Measured]) -> dict:
 # ---- the simulated replica ---------------------------------------------
 
 
-def simulate(cost: CostModel, trace: list[TraceRequest], seed: int) -> dict:
-    result = Simulator(cost, ReplicaShape.of_engine(cost.engine), FleetConfig(), seed=seed).run(trace)
+def simulate(cost: CostModel, trace: list[TraceRequest], seed: int,
+             stalls: str = "independent") -> tuple[dict, list[RequestRecord]]:
+    """The simulated figures of FIGURES, and the simulated requests."""
+    result = Simulator(cost, ReplicaShape.of_engine(cost.engine), FleetConfig(stalls=stalls), seed=seed).run(trace)
     s = summarize(result, SLO())
     out = {f"{name}_p{q}": s[f"{name}_s"][f"p{q}"] for name in ("ttft", "tpot", "e2e") for q in (50, 99)}
-    return {**out, "output_tokens_per_s": s["throughput"]["output_tokens_per_s"], "preemptions": s["preemptions"]}
+    return ({**out, "output_tokens_per_s": s["throughput"]["output_tokens_per_s"], "preemptions": s["preemptions"]},
+            result.records)
+
+
+def save_requests(path: Path, trace: list[TraceRequest], measured: list[Measured],
+                  simulated: list[RequestRecord]) -> None:
+    """Each request of one rate, measured and simulated side by side (JSON Lines), to read the tails from: when
+    each was sent (``sent``, on the step record's clock), its TTFT and e2e at the client and in the simulator."""
+    by_arrival = sorted(simulated, key=lambda r: r.arrival_s)
+    with path.open("w") as f:
+        for t, m, s in zip(trace, measured, by_arrival):
+            f.write(json.dumps({"arrival_s": t.arrival_s, "sent": m.sent, "ttft": m.ttft, "e2e": m.e2e,
+                                "tokens": m.tokens, "sim_ttft": s.ttft, "sim_e2e": s.e2e}) + "\n")
 
 
 def calibrate(args: argparse.Namespace, engine_flags: list[str], base_url: str, served_steps: Path) -> Path:
@@ -175,6 +196,8 @@ def main() -> None:
         if cost.served is None:
             raise SystemExit(f"{cost_path}: no served calibration (`octavo simulate calibrate --served URL`)")
         saturation = cost.saturation_rate(args.prompt_len, args.output_len)
+        # A cost model fitted without the server's steps has no recorded stalls to replay.
+        stall_models = [m for m in STALL_MODELS if m == "independent" or cost.served.speed_tape is not None]
         rates = [float(r) for r in args.rates.split(",")] if args.rates else [f * saturation for f in (0.5, 1, 1.5)]
         print(f"predicted saturation: {saturation:.2f} req/s; rates {', '.join(f'{r:.2f}' for r in rates)}")
         model = httpx.get(f"{base_url}/v1/models").json()["data"][0]["id"]
@@ -184,37 +207,44 @@ def main() -> None:
             trace = generate(TraceSpec("poisson", args.duration, rate, **lengths), args.seed)
             save_jsonl(trace, args.out_dir / f"poisson-{rate:.2f}.jsonl")
             before = load_avg()
-            measured = measured_summary(asyncio.run(replay(base_url, model, trace, vocab, args.seed)))
-            predicted = simulate(cost, trace, args.seed)
-            error = {k: predicted[k] / measured[k] - 1 for k in FIGURES}
+            requests = asyncio.run(replay(base_url, model, trace, vocab, args.seed))
+            measured = measured_summary(requests)
             band = band_of(rate / saturation)
             row = {"rate": rate, "of_saturation": rate / saturation, "requests": len(trace),
-                   "load": f"{before} -> {load_avg()}", "measured": measured, "predicted": predicted,
-                   "error": error, "band": band, "outside": [k for k in FIGURES if abs(error[k]) > band]}
+                   "load": f"{before} -> {load_avg()}", "measured": measured, "band": band}
+            # Both ways of drawing the served steps' stalls (FleetConfig.stalls), against the same measurement.
+            for stalls in stall_models:
+                predicted, simulated = simulate(cost, trace, args.seed, stalls)
+                error = {k: predicted[k] / measured[k] - 1 for k in FIGURES}
+                row[stalls] = {"predicted": predicted, "error": error,
+                               "outside": [k for k in FIGURES if abs(error[k]) > band]}
+                save_requests(args.out_dir / f"requests-{rate:.2f}-{stalls}.jsonl", trace, requests, simulated)
             rows.append(row)
             print(json.dumps(row))
     loads["end"] = load_avg()
     report = {"model": str(args.model), "cost_model": cost.to_json(), "saturation_rate": saturation,
               "loads": loads, "rows": rows, "args": {k: str(v) for k, v in vars(args).items()}}
     (args.out_dir / "validation.json").write_text(json.dumps(report, indent=2) + "\n")
-    print_table(rows)
+    for stalls in stall_models:
+        print_table(rows, stalls)
 
 
-def print_table(rows: list[dict]) -> None:
-    """Measured / simulated (error): latencies in ms, throughput in output tokens/s."""
+def print_table(rows: list[dict], stalls: str) -> None:
+    """Measured / simulated (error), the stalls drawn ``stalls``: latencies in ms, throughput in output tokens/s."""
+    print(f"\nstalls {stalls}:")
     head = " | ".join(f"{k.replace('_', ' ')} meas / sim" for k in FIGURES)
     print(f"| rate (x saturation) | requests | {head} | load 1/5/15 |")
     print("|---" * (len(FIGURES) + 3) + "|")
     for r in rows:
-        m, s, e = r["measured"], r["predicted"], r["error"]
+        m, s, e = r["measured"], r[stalls]["predicted"], r[stalls]["error"]
         scale = {k: 1.0 if k == "output_tokens_per_s" else 1e3 for k in FIGURES}
         cells = " | ".join(f"{m[k] * scale[k]:.0f} / {s[k] * scale[k]:.0f} ({e[k]:+.0%})" for k in FIGURES)
         print(f"| {r['rate']:.2f} ({r['of_saturation']:.1f}x) | {r['requests']} | {cells} | {r['load']} |")
     for r in rows:
-        outside = ", ".join(f"{k} {r['error'][k]:+.0%}" for k in r["outside"]) or "none"
+        outside = ", ".join(f"{k} {r[stalls]['error'][k]:+.0%}" for k in r[stalls]["outside"]) or "none"
         print(f"{r['of_saturation']:.1f}x: outside +-{r['band']:.0%}: {outside}")
-    within = sum(len(FIGURES) - len(r["outside"]) for r in rows)
-    print(f"{within} of {len(FIGURES) * len(rows)} figures within their band")
+    within = sum(len(FIGURES) - len(r[stalls]["outside"]) for r in rows)
+    print(f"{within} of {len(FIGURES) * len(rows)} figures within their band (stalls {stalls})")
 
 
 def band_of(of_saturation: float) -> float:
