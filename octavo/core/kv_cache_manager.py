@@ -319,7 +319,7 @@ class KVCacheManager:
         changing nothing else, when the pool is short."""
         rid = request.request_id
         bs = self.block_size
-        if not computed_blocks and not self._windowed and self._fits_held(request, num_new_tokens + num_lookahead_tokens):
+        if not (computed_blocks or self._windowed) and self._fits_held(request, num_new_tokens + num_lookahead_tokens):
             return True
         hits = list(computed_blocks) or [[] for _ in self.windows]
         num_hit = len(hits[0])
