@@ -17,6 +17,9 @@ without the memory traffic.
 
     python -m benchmarks.attention_kernel --sweep --baseline /tmp/old/paged_decode.c
 
+``--cpu-time`` (with ``--threads 1``) times by CPU time instead of wall time: on a
+machine other jobs share, wall time swings with their load, CPU time far less.
+
 ``--sweep`` times the native kernel alone over a grid of shapes instead (batch
 1/32/128/256, contexts 48/512/2048, 12/4 and 32/8 heads of 64 and 128, bf16,
 blocks at shuffled places, caches on huge pages as the engine's unless
@@ -37,14 +40,14 @@ import random
 from pathlib import Path
 import statistics
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from torch.nn import functional as F
 
 from benchmarks.options import DEFAULT_MODEL
 from benchmarks.report import load_avg, print_table, write_json
-from benchmarks.turns import in_turns, median_time
+from benchmarks.turns import in_rounds, median_time
 
 if TYPE_CHECKING:
     from octavo.kernels.paged_decode import PagedDecodeKernel
@@ -64,7 +67,11 @@ def main() -> None:
     parser.add_argument("--max-gb", type=float, default=1.1, help="sweep: skip shapes whose K/V for one layer is larger")
     parser.add_argument("--small-pages", action="store_true",
                         help="sweep: caches on 4 KiB pages (the engine asks for 2 MiB ones, see kernels/huge_pages.py)")
+    parser.add_argument("--cpu-time", action="store_true",
+                        help="time by CPU time (needs --threads 1): a machine shared with other jobs")
     args = parser.parse_args()
+    if args.cpu_time and args.threads != 1:
+        parser.error("--cpu-time times one thread: use --threads 1")
     torch.set_num_threads(args.threads)
     if args.sweep:
         sweep(args)
@@ -100,27 +107,33 @@ def main() -> None:
                                            enable_gqa=True)
 
     kv_bytes = layers * batch * ctx * kv_heads * head_dim * 2 * 2
-    sum_s = median_time(torch.ones(kv_bytes // 4).sum, args.repeats)
+    clock = _clock(args)
+    sum_s = median_time(torch.ones(kv_bytes // 4).sum, args.repeats, clock=clock)
     load_start = load_avg()
     runs = {"native": lambda: native(tables), "torch": gathered, "native, data in cache": lambda: native(in_cache)}
     if args.baseline is None:
-        times = {name: median_time(run, args.repeats) for name, run in runs.items()}
+        times = {name: median_time(run, args.repeats, clock=clock) for name, run in runs.items()}
     else:  # the two builds in turns, so that the machine's drift hits both
         baseline = build_baseline(args.baseline)
         del runs["torch"]
         runs["baseline"] = lambda: native(tables, baseline)
         runs["baseline, data in cache"] = lambda: native(in_cache, baseline)
-        times = in_turns(runs, args.repeats)
+        times = {name: statistics.median(cpu if args.cpu_time else wall for wall, cpu in rounds)
+                 for name, rounds in in_rounds(runs, args.repeats).items()}
     rows = [{"backend": name, "ms": t * 1e3, "kv_gbs": kv_bytes / t / 1e9, "of_sum_rate": sum_s / t}
             for name, t in times.items()]
     print_table(rows, ["backend", "ms", "kv_gbs", "of_sum_rate"],
                 title=f"decode attention, {args.model.name} ({layers} layers, {heads}/{kv_heads} heads of "
                       f"{head_dim}), batch {batch}, context {ctx}: {kv_bytes / 1e6:.0f} MB of K/V per step; "
                       f"full-buffer sum of as many bytes {kv_bytes / sum_s / 1e9:.1f} GB/s "
-                      f"({args.threads} threads, median of {args.repeats})")
+                      f"({args.threads} threads, median of {args.repeats}{', CPU time' if args.cpu_time else ''})")
     print(f"load {load_start} -> {load_avg()}")
     write_json(args.json, {"benchmark": "attention_kernel", "args": vars(args),
                            "kv_bytes": kv_bytes, "results": rows})
+
+
+def _clock(args: argparse.Namespace) -> Callable[[], float]:
+    return time.thread_time if args.cpu_time else time.perf_counter
 
 
 def build_baseline(source: Path) -> PagedDecodeKernel:
@@ -147,7 +160,7 @@ def sweep(args: argparse.Namespace) -> None:
     kernels = {"new": paged_decode_kernel(required=True)}
     if args.baseline is not None:
         kernels = {"old": build_baseline(args.baseline), **kernels}
-    bs, rows = args.block_size, []
+    bs, rows, clock = args.block_size, [], _clock(args)
     load_start = load_avg()
     grid = itertools.product([(12, 4), (32, 8)], [64, 128], [48, 512, 2048], [1, 32, 128, 256])
     for (heads, kv_heads), head_dim, ctx, batch in grid:
@@ -173,11 +186,11 @@ def sweep(args: argparse.Namespace) -> None:
         times: dict[str, list[float]] = {name: [] for name in kernels}
         for repeat in range(args.repeats + 1):  # the kernels in turn, so the machine's load falls on both
             for name, kernel in kernels.items():
-                start = time.perf_counter()
+                start = clock()
                 for cache in caches:
                     kernel(q, cache[0], cache[1], tables, lens, None, head_dim**-0.5)
                 if repeat:  # the first round warms up
-                    times[name].append((time.perf_counter() - start) / layers)
+                    times[name].append((clock() - start) / layers)
         for name, ts in times.items():
             t = statistics.median(ts)
             row[f"{name}_us"] = t * 1e6
@@ -190,7 +203,7 @@ def sweep(args: argparse.Namespace) -> None:
     print_table(rows, columns + (["speedup"] if args.baseline is not None else []),
                 title=f"native decode attention per layer, bf16, blocks of {bs} on "
                       f"{'4 KiB' if args.small_pages else '2 MiB'} pages ({args.threads} threads, "
-                      f"median of {args.repeats})")
+                      f"median of {args.repeats}{', CPU time' if args.cpu_time else ''})")
     print(f"load {load_start} -> {load_avg()}")
     write_json(args.json, {"benchmark": "attention_kernel_sweep", "args": vars(args), "results": rows})
 

@@ -319,6 +319,8 @@ class KVCacheManager:
         changing nothing else, when the pool is short."""
         rid = request.request_id
         bs = self.block_size
+        if not (computed_blocks or self._windowed) and self._fits_held(request, num_new_tokens + num_lookahead_tokens):
+            return True
         hits = list(computed_blocks) or [[] for _ in self.windows]
         num_hit = len(hits[0])
         if num_hit and rid in self._tables:
@@ -355,6 +357,25 @@ class KVCacheManager:
             table.extend(self.pool.allocate(num_new[g]))
             tables[g] = table
         self._tables[rid] = tables
+        return True
+
+    def _fits_held(self, request: Request, num_tokens: int) -> bool:
+        """Whether the request's next ``num_tokens`` slots lie in blocks it already holds alone, so that
+        allocate_slots has nothing to allocate, copy or count: a decode step between block boundaries, 15
+        of 16 steps at block size 16. Checked first because the general path costs ~5 us a request in
+        Python, over a millisecond a step at batch 256."""
+        tables = self._tables.get(request.request_id)
+        if tables is None:
+            return False
+        start = request.num_computed_tokens
+        first, num_needed = start // self.block_size, _cdiv(start + num_tokens, self.block_size)
+        ref_cnt = self.pool.ref_cnt
+        for table in tables:  # loops, not all() over generators: this runs for every request every step
+            if len(table) < num_needed:
+                return False
+            for i in range(first, num_needed):
+                if ref_cnt(table[i]) != 1:
+                    return False
         return True
 
     def fork(self, parent: Request, child: Request) -> None:

@@ -122,6 +122,26 @@ def test_fork_shares_and_copy_on_write_swaps_the_written_block():
     assert kv.num_free_blocks == 8
 
 
+def test_decode_takes_a_block_only_where_its_slots_or_lookahead_cross_into_one():
+    kv = KVCacheManager(8, 4)
+    a = make_request("a", 6)
+    _compute(kv, a, 6)  # blocks 0-1, two slots of the second free
+    table = kv.get_block_ids(a)
+    for token in (1, 2):  # positions 6 and 7: inside the blocks held
+        a.append_output_token(token)
+        _compute(kv, a, 1)
+        assert kv.get_block_ids(a) == table and kv.num_free_blocks == 6
+    a.append_output_token(3)  # position 8 starts a third block
+    _compute(kv, a, 1)
+    assert kv.get_block_ids(a)[:2] == table and len(kv.get_block_ids(a)) == 3 and kv.num_free_blocks == 5
+    # Position 9 fits, but 3 scratch slots after it reach a fourth block.
+    a.append_output_token(4)
+    assert kv.allocate_slots(a, 1, num_lookahead_tokens=3)
+    assert len(kv.get_block_ids(a)) == 4 and kv.num_free_blocks == 4
+    kv.free(a)
+    assert kv.num_free_blocks == 8
+
+
 def test_freeing_a_request_drops_its_pending_copies():
     kv = KVCacheManager(4, 4)
     parent = make_request("p", 6)
