@@ -204,10 +204,12 @@ def main() -> None:
         pages = scorer.dense_pages
         floor = comparison(context, "dense, last prompt token prefilled", scorer.prefilled, dense)
         rows.append({**floor, "pages_read": f"{pages}/{pages}"})
-        for top in [None] + top_pages:
+        print(rows[-1], flush=True)
+        # A budget of every page but the recent ones or more reads the context whole: dense exactly.
+        for top in [None] + [k for k in top_pages if k + args.recent_pages < pages]:
             scored = dense if top is None else scorer.score(top)
             row = comparison(context, mode_name(None if top is None else (top, args.recent_pages)), scored, dense)
-            row["pages_read"] = f"{pages if top is None else min(pages, top + args.recent_pages)}/{pages}"
+            row["pages_read"] = f"{pages if top is None else top + args.recent_pages}/{pages}"
             rows.append(row)
             print(row, flush=True)
         scorer.llm.shutdown()
