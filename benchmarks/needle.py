@@ -198,7 +198,8 @@ def main() -> None:
     tokenizer = Tokenizer(model)
     top_pages = [int(k) for k in args.top_pages.split(",") if k]
     load_start, start = load_avg(), time.perf_counter()
-    rows = []
+    rows: list[dict[str, Any]] = []
+    cases_out: list[dict[str, Any]] = []  # every case's answer, per mode: which ones a mode misses
     for context in (int(c) for c in args.contexts.split(",")):
         cases = [pass_key(tokenizer, context, float(depth), seed)
                  for depth in args.depths.split(",") for seed in range(args.keys)]
@@ -214,6 +215,8 @@ def main() -> None:
             row = comparison(context, mode_name(None if top is None else (top, args.recent_pages)), scored, dense)
             row["pages_read"] = f"{pages if top is None else top + args.recent_pages}/{pages}"
             rows.append(row)
+            cases_out += [{"context": context, "mode": row["mode"], "depth": one.case.depth, "key": one.case.key,
+                           "logprobs": one.logprobs, "ranks": one.ranks} for one in scored]
             print(row, flush=True)
         scorer.llm.shutdown()
     print_table(rows, ["context", "mode", "pages_read", "exact", "exact_differs", "answer_logprob", "max_change",
@@ -225,7 +228,7 @@ def main() -> None:
         print(f"{context} tokens: the smallest K within {TOLERANCE:.0%} of dense's answer logprob on every case: "
               f"{chosen}")
     print(f"load {load_start} -> {load_avg()}, {time.perf_counter() - start:.0f} s")
-    write_json(args.json, {"benchmark": "needle", "args": vars(args), "results": rows})
+    write_json(args.json, {"benchmark": "needle", "args": vars(args), "results": rows, "cases": cases_out})
 
 
 if __name__ == "__main__":
