@@ -59,9 +59,14 @@ they emitted, and where speculation loses that is more than its steps: a
 draft model that did not run while the choice was 0 first catches up on every
 token decoded since (at batch 32 ~30-60 ms, a dozen plain steps or more). So
 probes are spaced by what they cost: a due one waits until everything the
-bucket spent off its choice (the first measurements of each k included) is
-within ``probe_budget`` of all it spent. A probe that costs little (batch 1,
-where speculation pays) comes when due; one that costs much comes rarely. A
+bucket spent off its choice (the first measurements of each k included, less
+each k's first ``settle_steps`` steps: their eager runs and tape recordings are
+one-off costs, ~1 s of CPU time at batch 1 for the shipped draft's four ks, that
+kept every probe out for tens of thousands of steps) is within ``probe_budget``
+of all it spent. A probe that costs little (batch 1, where speculation pays)
+comes when due; one that costs much comes rarely; and one whose k the evidence
+prices a margin below the choice is expected to gain, and comes when due
+whatever the budget. A
 step whose k differs from the step before it (it verifies proposals of one k and
 proposes another) is not measured: it is part of each; it counts as spent off
 the choice.
@@ -277,9 +282,14 @@ class SpeculationGovernor:
         # when the steps off the choice cost less than it would have for their tokens: it is likely wrong.
         due = (since >= self.probe_every or b.off_excess < 0
                or abs(b.acceptance.tokens(b.choice) / b.tokens - 1) > 4 * self.margin)
-        if due and self._probing_cost(b) <= self.probe_budget * b.spent:
-            b.probe_k = self._cheapest(b, [k for k in self.ks if k != b.choice])
-            b.last_probe = b.steps
+        if not due:
+            return b.choice
+        rival = self._cheapest(b, [k for k in self.ks if k != b.choice])
+        # A rival the evidence prices a margin below the choice is expected to gain: probed whatever the
+        # budget (which a first measurement's plain steps at batch 1 filled for a thousand steps and more).
+        if (self._price(b, rival) * (1 + self.margin) < self._price(b, b.choice)
+                or self._probing_cost(b) <= self.probe_budget * b.spent):
+            b.probe_k, b.last_probe = rival, b.steps
             # Its steps are measured afresh: old ones were taken on other text, contexts and load.
             b.modes[b.probe_k] = _Mode(b.window, settle=0)
             # At least half a first measurement's request-steps: at batch 1 the median of 5 steps swung
@@ -297,13 +307,18 @@ class SpeculationGovernor:
             return
         b = self._bucket(len(emitted))
         b.spent += seconds
-        if verified != b.choice or proposed != b.choice:
+        mode = b.modes[proposed]
+        # A k's first steps (to the end of its ``settle_steps``, the switches into it included) hold its
+        # one-off costs, eager runs and kernel tapes recorded (~1 s of CPU time at batch 1 for the shipped
+        # draft's four ks): not what probing costs from then on, and counted as such they kept every probe
+        # out of the budget for tens of thousands of steps.
+        if (verified != b.choice or proposed != b.choice) and not mode.settle:
             b.off_seconds += seconds
             b.off_tokens += total
             b.recent_seconds += seconds
             b.recent_tokens += total
         if verified == proposed:
-            b.modes[proposed].add(seconds, len(emitted))
+            mode.add(seconds, len(emitted))
             if proposed:
                 b.acceptance.add(proposed, emitted)
 

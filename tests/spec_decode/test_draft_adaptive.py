@@ -295,3 +295,34 @@ def test_a_change_of_text_brings_a_probe_before_its_time():
     assert gov.best_proposals(1) == 3
     after = drive_k(gov, 1, 300, cost, agreement=[0])
     assert gov.best_proposals(1) == 0 and after[-100:].count(0) == 100
+
+
+def test_first_steps_one_off_costs_do_not_fill_the_probe_budget():
+    """A k's first steps run eagerly and record kernel tapes (~1 s of CPU time at batch 1 for the shipped
+    draft's four ks): counted as what probing costs, they kept every probe out of the budget for tens of
+    thousands of steps. Where speculation pays, probes of plain decoding still come about every
+    ``probe_every`` steps."""
+    seen = {0: 0, 1: 0}
+
+    def cost(k: int) -> float:
+        seen[k] += 1
+        return 50.0 if seen[k] <= 8 else (3.0 if k else 2.0)  # one proposal right in every step: 1.5 s a token
+
+    gov = SpeculationGovernor(1, warmup_steps=4, probe_every=50, probe_steps=4, min_requests=4)
+    choices = drive_k(gov, 1, 2000, cost, agreement=[1])
+    assert gov.best_proposals(1) == 1
+    assert sum(1 for a, b in zip(choices[200:], choices[201:]) if a and not b) >= 1800 // 100
+
+
+def test_a_rival_priced_below_the_choice_is_probed_whatever_the_budget():
+    """Chosen where only a first proposal is sometimes right, one proposal observes nothing beyond the first
+    position; when the text turns to one the draft copies, the prediction prices three proposals far below
+    one, and they are probed and chosen though the budget allows no probe at all."""
+    def cost(k: int) -> float:
+        return 2.0 + 0.5 * k
+
+    gov = SpeculationGovernor(3, probe_budget=0.0, min_requests=8)
+    drive_k(gov, 1, 400, cost, agreement=[1, 0, 0])  # one pays a little (2.5 / 1.33 < 2), more do not
+    assert gov.best_proposals(1) == 1
+    drive_k(gov, 1, 300, cost, agreement=[3])
+    assert gov.best_proposals(1) == 3
