@@ -140,12 +140,15 @@ class BatchState:
 
     def __init__(self) -> None:
         self.requests: dict[str, CachedRequestState] = {}
+        # Of those, the random ones with a seed of their own: while there are none, a step need not look
+        # for them row by row (a speculating runner proposes for them whatever its governor chose).
+        self.seeded_random = 0
 
     def apply(self, step: SchedulerOutput) -> list[ScheduledRow]:
         """Drop the requests that left, add the new ones, extend the others;
         the step's rows in scheduling order."""
         for rid in step.finished_request_ids:
-            self.requests.pop(rid, None)
+            self._drop(rid)
         rows = []
         for s in step.scheduled:
             if s.new is not None:
@@ -153,7 +156,9 @@ class BatchState:
                 state = CachedRequestState(
                     n.request_id, n.prompt_token_ids, list(n.output_token_ids), n.sampling_params, n.eos_token_id
                 )
+                self._drop(s.request_id)
                 self.requests[s.request_id] = state
+                self.seeded_random += seeded_random(n.sampling_params)
             else:
                 state = self.requests[s.request_id]
             if s.new_token_ids:
@@ -170,3 +175,14 @@ class BatchState:
                 self.requests[rid].grammar_terminated = rid in step.grammar.terminated
                 self.requests[rid].grammar_terminated_at = step.grammar.terminated_at.get(rid)
         return rows
+
+    def _drop(self, request_id: str) -> None:
+        state = self.requests.pop(request_id, None)
+        if state is not None:
+            self.seeded_random -= seeded_random(state.sampling_params)
+
+
+def seeded_random(params: SamplingParams) -> bool:
+    """A request that draws at random from a seed of its own: its output must not depend on how the engine
+    shapes its steps."""
+    return params.seed is not None and not params.greedy
