@@ -35,14 +35,14 @@
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
-/* A tile prefetches the next tile's weights (its rows are the next BO * K * 2
- * bytes) into L2 at the pace it reads its own: a tile's rows are short
- * interleaved streams (1.5 KiB each at K = 768), too short for the hardware
- * prefetchers to lock on (measured 4.9 GB/s of 18 without this, one thread),
- * while the next tile is one sequential run. Every row group does it, not
- * only the first (the later ones hit the cache): measured, prefetching in
- * the first group only halves the rate at 8 rows, spreading it over all
- * groups does not. */
+/* A tile of several rows prefetches the next tile's weights (its rows are the
+ * next BO * K * 2 bytes) into L2 at the pace it reads its own: a tile's rows
+ * are short interleaved streams (1.5 KiB each at K = 768), too short for the
+ * hardware prefetchers to lock on (measured 4.9 GB/s of 18 without this, one
+ * thread), while the next tile is one sequential run. Every row group does
+ * it, not only the first (the later ones hit the cache): measured, prefetching
+ * in the first group only halves the rate at 8 rows, spreading it over all
+ * groups does not. A tile of one row needs none of it (see tile()). */
 ALWAYS_INLINE void prefetch_lines(const char *p, int64_t bytes) {
     for (int64_t at = 0; at < bytes; at += 64) __builtin_prefetch(p + at, 0, 2);
 }
@@ -146,6 +146,13 @@ static int64_t prepared_width(int64_t K) {
 }
 
 #ifndef PORTABLE
+/* The mask of a step's k's below K (AVX2 steps never pass K: its tail is summed in scalar). */
+#ifdef SCALAR_TAIL
+#define STEP_MASK(K, k) 0
+#else
+#define STEP_MASK(K, k) ((K) - (k) >= 32 ? (__mmask32)~0u : (__mmask32)((1ull << ((K) - (k))) - 1))
+#endif
+
 /* Outputs n0..n0+BO-1 of rows m0..m0+BR-1 (float32 sums, no bias) into
  * sums[r * BO + o]. Outputs past N read the weight's last row (never stored). */
 ALWAYS_INLINE void tile(const int BO, const int BR, const row_t *xs, int64_t width, const uint16_t *w, int64_t m0,
@@ -162,17 +169,25 @@ ALWAYS_INLINE void tile(const int BO, const int BR, const row_t *xs, int64_t wid
 #else
     const int64_t body = K;
 #endif
-    for (int64_t k = 0; k < body; k += KSTEP) {
-#ifdef SCALAR_TAIL
-        const int m = 0;
-#else
-        const __mmask32 m = K - k >= 32 ? (__mmask32)~0u : (__mmask32)((1ull << (K - k)) - 1);
-#endif
-        prefetch_lines(next + k * 2 * BO, KSTEP * 2 * BO);
-        xvec x[LANES];
-        for (int r = 0; r < BR; r++) x[r] = load_x(xr[r], k);
+    if (BR == 1) {
+        /* One row (batch-1 decode): the tile's weight rows one after another, so the weights are read as
+         * one sequential run the hardware prefetcher follows, no software prefetch. The same sums in the
+         * same order as the interleaved loop below, 1.2-1.3x faster: Qwen3-30B-A3B's 8 experts of a token
+         * (gate/up and down) at 15.7-19.4 GB/s interleaved, 20.8-25.9 in turn, a 32000 x 2048 output
+         * layer 16.8 against 20.6 (avx512_bf16, one thread, CPU time, a loaded machine). At 2 and 4 rows
+         * the interleaved loop, whose weight loads serve every row, was as fast or faster. */
         for (int o = 0; o < BO; o++)
-            for (int r = 0; r < BR; r++) acc[r * BO + o] = step(acc[r * BO + o], rows[o], k, m, x[r]);
+            for (int64_t k = 0; k < body; k += KSTEP)
+                acc[o] = step(acc[o], rows[o], k, STEP_MASK(K, k), load_x(xr[0], k));
+    } else {
+        for (int64_t k = 0; k < body; k += KSTEP) {
+            prefetch_lines(next + k * 2 * BO, KSTEP * 2 * BO);
+            xvec x[LANES];
+            for (int r = 0; r < BR; r++) x[r] = load_x(xr[r], k);
+            for (int o = 0; o < BO; o++)
+                for (int r = 0; r < BR; r++)
+                    acc[r * BO + o] = step(acc[r * BO + o], rows[o], k, STEP_MASK(K, k), x[r]);
+        }
     }
     float lanes[LANES] __attribute__((aligned(64)));
     const vec total = REDUCE(acc);
