@@ -174,8 +174,8 @@ ALWAYS_INLINE void tile(const int BO, const int BR, const row_t *xs, int64_t wid
          * one sequential run the hardware prefetcher follows, no software prefetch. The same sums in the
          * same order as the interleaved loop below, 1.2-1.3x faster: Qwen3-30B-A3B's 8 experts of a token
          * (gate/up and down) at 15.7-19.4 GB/s interleaved, 20.8-25.9 in turn, a 32000 x 2048 output
-         * layer 16.8 against 20.6 (avx512_bf16, one thread, CPU time, a loaded machine). At 2 and 4 rows
-         * the interleaved loop, whose weight loads serve every row, was as fast or faster. */
+         * layer 16.8 against 20.6 (avx512_bf16 on a Zen 4 EPYC, one thread, CPU time, loaded). At 2 and 4
+         * rows the interleaved loop, whose weight loads serve every row, was as fast or faster. */
         for (int o = 0; o < BO; o++)
             for (int64_t k = 0; k < body; k += KSTEP)
                 acc[o] = step(acc[o], rows[o], k, STEP_MASK(K, k), load_x(xr[0], k));
@@ -297,7 +297,8 @@ int octavo_bf16_linear_experts(const uint16_t *x, const uint16_t *w, const int64
     for (int64_t m = 0; m < M; m++) prepare_row(x + m * K, K, width, xs + m * width);
     /* One run per expert; run j is rows starts[j] .. starts[j + 1] - 1. A run cut every 4 rows read an
      * expert's weights from memory once per 4 rows: Qwen3-30B-A3B's 8 experts at 8 / 16 / 32 rows each
-     * took 6.3 / 9.8 / 18.2 ms cut, 5.1 / 8.2 / 16.3 whole (avx512_bf16, one thread, CPU time, loaded). */
+     * took 6.3 / 9.8 / 18.2 ms cut, 5.1 / 8.2 / 16.3 whole (avx512_bf16 on a Zen 4 EPYC, one thread, CPU
+     * time, loaded). */
     int64_t runs = 0;
     for (int64_t m = 0; m < M; m++)
         if (m == 0 || experts[m] != experts[m - 1]) starts[runs++] = m;

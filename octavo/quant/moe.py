@@ -161,11 +161,11 @@ def _weighted_sum(out: torch.Tensor, topk_weights: torch.Tensor, order: torch.Te
 
 
 # Rows of one expert up to which bf16 experts take the few-row kernel's one call for all of them: it reads
-# each chosen expert's weights once for all its rows, and on Qwen3-30B-A3B's experts (8 of them, avx512_bf16,
-# one thread, CPU time, loaded) took 0.86 / 0.89 / 0.92x the time of the best per-expert way at 4 / 8 / 16 rows
-# each (bf16_linear.c, one call per expert), 1.06x at 32 (bf16_gemm.c's dot products, one call per expert). Up
-# to this many tokens a decode step so runs every expert in one call per product, nothing read back, and
-# records as a kernel tape: an offline batch of 32 requests included (~2 rows per expert).
+# each chosen expert's weights once for all its rows, and on Qwen3-30B-A3B's experts (8 of them, avx512_bf16 on
+# a Zen 4 EPYC, one thread, CPU time, loaded) took 0.86 / 0.89 / 0.92x the time of the best per-expert way at
+# 4 / 8 / 16 rows each (bf16_linear.c, one call per expert), 1.06x at 32 (bf16_gemm.c's dot products, one call
+# per expert). Up to this many tokens a decode step so runs every expert in one call per product, nothing read
+# back, and records as a kernel tape: an offline batch of 32 requests included (~2 rows per expert).
 BF16_EXPERT_ROWS = 32
 
 
