@@ -90,8 +90,9 @@ def main() -> None:
     from octavo.core.scheduler import Scheduler
     from octavo.kernels.fused_ops import FusedOps
     from octavo.kernels.paged_decode import PagedDecodeKernel
+    from octavo.model.layers import moe
     from octavo.model.layers.vocab_parallel import ParallelLMHead
-    from octavo.quant.base import LinearMethod
+    from octavo.quant.base import FusedMoEMethod, LinearMethod
     from octavo.worker import model_runner
 
     peer = OctavoPeer(args.model, "bfloat16", max_num_seqs=max(args.batch, 256), enable_prefix_caching=False,
@@ -114,8 +115,12 @@ def main() -> None:
     calls: dict[str, int] = defaultdict(int)
     linear_methods = [(cls, "apply", "matmuls in the layers") for cls in _subclasses(LinearMethod)
                       if "apply" in cls.__dict__]
+    # A mixture's experts: sorting the (token, expert) pairs, both products and the weighted sum, everything a
+    # method's apply runs; its routing (softmax, top-k) apart. The router's product is one of the layers'.
+    experts_methods = [(cls, "apply", "MoE experts") for cls in _subclasses(FusedMoEMethod) if "apply" in cls.__dict__]
     parts = [
-        (ParallelLMHead, "forward", "lm_head"), *linear_methods,
+        (ParallelLMHead, "forward", "lm_head"), *linear_methods, *experts_methods,
+        (moe, "select_experts", "MoE routing"),
         (PagedDecodeKernel, "__call__", "decode attention"), (paged, "attend_prefills", "prefill attention"),
         (FusedOps, "rms_norm", "RMSNorm (+ residual)"),
         (FusedOps, "silu_mul", "SiLU x up"), (FusedOps, "rotary_write_kv", "rotary + K/V write"),

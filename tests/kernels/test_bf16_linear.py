@@ -52,6 +52,27 @@ def test_rows_kernel_per_target(target_name, rows, k, n, with_bias):
     assert_close_to_float32(kernel(x, w, bias), x, w, bias)
 
 
+@pytest.mark.parametrize("target_name", [t.name for t in TARGETS if t.arch in ("x86_64", "any")])
+def test_one_row_gives_the_bits_it_gets_among_other_rows(target_name):
+    """A single row walks each weight row in turn (batch-1 decode), several rows walk all of a tile's weight rows
+    together: the same sums in the same order, so a row's outputs are bitwise the same either way, alone or in an
+    expert's run of rows (the experts kernel at 1, 2 and 7 rows per expert, a run past 4 rows whole)."""
+    kernel = bf16_linear_kernel(runnable(target_name), required=True)
+    gen = torch.Generator().manual_seed(7)
+    for k, n in ((2048, 40), (768, 96), (100, 33), (31, 17)):  # whole steps of k's, a masked tail, AVX2's scalar one
+        x = torch.randn(9, k, generator=gen).to(torch.bfloat16)
+        w = torch.randn(n, k, generator=gen).to(torch.bfloat16)
+        alone = torch.cat([kernel(x[i:i + 1], w) for i in range(9)])
+        for rows in (2, 3, 4, 7):
+            assert torch.equal(kernel(x[:rows], w), alone[:rows])
+        stacked = torch.stack([w, w.flip(0)])
+        runs = kernel.experts(x, stacked, torch.tensor([0] * 7 + [1] * 2))
+        singles = kernel.experts(x[:2], stacked, torch.tensor([0, 1]))
+        assert torch.equal(runs[:7], alone[:7])
+        assert torch.equal(runs[7:], kernel(x[7:], w.flip(0)))
+        assert torch.equal(singles[0], alone[0]) and torch.equal(singles[1], kernel(x[1:2], w.flip(0))[0])
+
+
 def test_rows_kernel_keeps_leading_dims_and_refuses_bad_input():
     kernel = bf16_linear_kernel(required=True)
     w = torch.randn(24, 40).to(torch.bfloat16)
