@@ -237,8 +237,9 @@ class ModelConfig:
     )
     # The output layer turns hidden states into logits directly, so its error is not averaged away by later
     # layers: llama.cpp's Q4_0 files keep it in Q6_K. In bf16 it is 2.4x the bytes of Q6_K, the largest single
-    # read of a small model's decode step. With tied embeddings an int8 head is a copy beside the float table the
-    # embedding keeps (more memory, fewer bytes read per token).
+    # read of a small model's decode step. Per-channel int8 measured no perplexity cost over bf16 where int4 groups
+    # cost SmolLM2-135M 8.7% (BENCHMARKS.md D2). With tied embeddings an int8 head is a copy beside the float table
+    # the embedding keeps (more memory, fewer bytes read per token).
     lm_head_quantization: str = option(
         "auto", "the LM head's weight under --quantization: int8 (per output channel, symmetric), int4 (groups "
         "of --quantization-group-size, as the other layers), none (kept in dtype); auto: int8 under int4, none "
