@@ -1,7 +1,7 @@
 """What the LM head's format costs under int4: perplexity of real text with the head in bf16, int8 and int4.
 
     python -m benchmarks.lm_head_perplexity --models smollm2-135m --max-windows 3 --chunk 128   # 42 min at load 6-17
-    python -m benchmarks.lm_head_perplexity --models octavo-mini --group-size 128                # ~60 min at load 12
+    python -m benchmarks.lm_head_perplexity --models octavo-mini --group-size 128                # 2.4 min at load 5-6
 
 Models: the default model, SmolLM2-135M-Instruct, as transformers dequantizes its Q4_1 GGUF (a plain float32
 folder, benchmarks/models/smollm2-135m-dequantized, made once: benchmarks/default_model.py), and the shipped
