@@ -29,7 +29,7 @@ def bench_model(model: Path, quants: list[str], args: argparse.Namespace) -> lis
         for activations in ACTIVATIONS:
             peer = OctavoPeer(model, "bfloat16", max_num_seqs=1, kv_cache_memory_bytes=2**28,
                               enable_prefix_caching=False, quantization=quant, quantization_group_size=args.group_size,
-                              unquantized_modules="", quantized_activations=activations)
+                              lm_head_quantization=quant, quantized_activations=activations)
             for steps in (1, args.new_tokens + 1):  # the one-token run is the prefill, taken off
                 runs[f"{quant} {activations} {steps}"] = \
                     lambda peer=peer, steps=steps: peer.generate(Workload("decode", [prompt], [steps], "decode"))

@@ -216,12 +216,13 @@ class SparseRun:
     recent_pages: int
     decode_batches: list[int]
     quantization: Optional[str]
-    quantize_head: bool  # the LM head in the weights' format too (else kept bf16, the engine's default)
+    quantize_head: bool  # the LM head in the weights' format too (int8 for w8a8), else kept bf16
 
     def engine_options(self) -> dict[str, Any]:
         if self.quantization is None:
             return {}
-        return {"quantization": self.quantization, **({"unquantized_modules": ""} if self.quantize_head else {})}
+        head = ("int8" if self.quantization == "w8a8" else self.quantization) if self.quantize_head else "none"
+        return {"quantization": self.quantization, "lm_head_quantization": head}
 
     def weights(self) -> str:
         """How the weights are held, for the report's title."""

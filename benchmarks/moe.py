@@ -33,7 +33,7 @@ peer once per round; ratios per round, median (min-max)), so a machine drifting 
   with full K and V per head (``num_heads`` x (key + value head dims), every head its own KV head).
 
 ``--skip-offline`` times batch-1 decode alone; ``--int4-head`` adds like with like for the output layer:
-Octavo's int4 with the output layer quantized too (``unquantized_modules`` empty) against llama.cpp's
+Octavo's int4 with the output layer in int4 too (``lm_head_quantization`` int4) against llama.cpp's
 file of every matrix in Q4_0 (``--pure``); ``--eager`` adds Octavo bf16 without kernel tapes.
 
 ``--layer`` times one expert layer of each shape instead (``--layer-tokens`` tokens, random routes,
@@ -124,12 +124,13 @@ SHAPES = {
 _WIDTHS = ("hidden_size", "moe_intermediate_size", "intermediate_size", "num_attention_heads")
 Q4_0_BITS = 4.5  # 32 four-bit weights and one fp16 scale per block
 Q6_K_BITS = 6.5625  # 256 six-bit weights, 16 eight-bit scales and one fp16 scale per block
-# (ours, peer) pairs whose ratios are reported, and the targets they are held to. Octavo's int4 keeps its output layer
-# in bf16: against llama.cpp's Q4_0 (its output layer Q6_K: fewer bytes) and against Q4_0 with a bf16 output layer
-# (the same bytes; unrepacked as every Q4_0 file here, read about as fast per byte as the repacked bf16 file: A21).
+# (ours, peer) pairs whose ratios are reported, and the targets they are held to. Octavo's int4 by default makes its
+# output layer int8: against llama.cpp's Q4_0 (its output layer Q6_K, its default: 0.82x int8's bytes); int4 with a
+# bf16 output layer against Q4_0 with a bf16 output layer (the same bytes; unrepacked as every Q4_0 file here, read
+# about as fast per byte as the repacked bf16 file: A21); and the int8 output layer against the bf16 one.
 # int4+head (--int4-head): every matrix int4, the output layer too, against llama.cpp's file of every matrix Q4_0.
 PAIRS = (("octavo bf16", "llama.cpp bf16"), ("octavo int4", "llama.cpp Q4_0"),
-         ("octavo int4", "llama.cpp Q4_0 bf16-head"),
+         ("octavo int4 bf16-head", "llama.cpp Q4_0 bf16-head"), ("octavo int4", "octavo int4 bf16-head"),
          ("octavo int4+head", "llama.cpp Q4_0 pure"), ("octavo bf16", "transformers bf16"),
          ("octavo bf16", "octavo bf16 eager"))
 TARGETS = {("batch-1", "llama.cpp"): 1.2, ("offline", "llama.cpp"): 3.0, ("offline", "transformers"): 10.0}
@@ -172,9 +173,10 @@ def start_peers(spec: BenchModel, args: argparse.Namespace, folder: Path, offlin
     engine = dict(dtype="bfloat16", max_model_len=n_ctx, kv_cache_memory_bytes=256 * 2**20,
                   max_num_seqs=max(args.num_prompts, 1))
     int4 = dict(quantization="int4", quantization_group_size=args.group_size)
-    octavo = {"octavo bf16": engine, "octavo int4": {**int4, **engine}}
+    octavo = {"octavo bf16": engine, "octavo int4": {**int4, **engine},
+              "octavo int4 bf16-head": {**int4, "lm_head_quantization": "none", **engine}}
     if args.int4_head:
-        octavo["octavo int4+head"] = {**int4, "unquantized_modules": "", **engine}
+        octavo["octavo int4+head"] = {**int4, "lm_head_quantization": "int4", **engine}
     if args.eager:
         octavo["octavo bf16 eager"] = {"enforce_eager": True, **engine}
     for name, options in octavo.items():
@@ -188,8 +190,8 @@ def start_peers(spec: BenchModel, args: argparse.Namespace, folder: Path, offlin
         print(f"{spec.name}: no llama.cpp rows: {no_llamacpp}")
     if args.llamacpp_src is not None and not no_llamacpp:
         gguf = convert_to_gguf(folder, args.llamacpp_src)
-        # Q4_0 as llama.cpp makes it (the output layer in Q6_K), and with the output layer in bf16 as Octavo's int4
-        # keeps its lm_head.
+        # Q4_0 as llama.cpp makes it (the output layer in Q6_K), and with the output layer in bf16 as Octavo's
+        # int4 bf16-head keeps its lm_head.
         q4_0_bytes = (bf16_bytes - head_bytes) * Q4_0_BITS / 16
         files = [("llama.cpp bf16", gguf, True, bf16_bytes),
                  ("llama.cpp Q4_0", quantized_gguf(gguf, "Q4_0", folder, args.threads), False,

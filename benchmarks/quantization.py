@@ -68,11 +68,13 @@ from benchmarks.turns import batch1_decode, fmt_spread, in_rounds, ratios, sprea
 from benchmarks.workload import SHAREGPT_INPUT, SHAREGPT_OUTPUT, Workload, ordinary_token_ids, sharegpt_like
 
 MIB = 2**20
-# (label, --quantization, lm_head quantized too): Octavo keeps the lm_head in
-# bf16 by default; llama.cpp's Q8_0/Q4_0 quantize the tied embedding that
-# serves as its output layer, so the "+head" rows read what it reads.
-FORMATS = (("bf16", None, False), ("int8", "int8", False), ("int4", "int4", False), ("w8a8", "w8a8", False),
-           ("int8+head", "int8", True), ("int4+head", "int4", True))
+# (label, --quantization, --lm-head-quantization): Octavo's int4 makes the
+# lm_head int8 by default, its int8 and w8a8 keep it bf16; llama.cpp's
+# Q8_0/Q4_0 pure quantize the tied embedding that serves as its output layer,
+# so the "+head" rows read what it reads.
+FORMATS = (("bf16", None, "none"), ("int8", "int8", "none"), ("int4", "int4", "int8"),
+           ("int4 bf16-head", "int4", "none"), ("w8a8", "w8a8", "none"),
+           ("int8+head", "int8", "int8"), ("int4+head", "int4", "int4"))
 # The same weights with --quantized-activations float (W8A16/W4A16 at every row count): what the default int8
 # activations at decode gain over.
 FLOAT_ROWS = ("int8+head", "int4+head")
@@ -104,11 +106,11 @@ class Shape:
         return [("qkv", qkv, self.hidden), ("o", self.hidden, self.heads * self.head_dim),
                 ("gate_up", 2 * self.intermediate, self.hidden), ("down", self.hidden, self.intermediate)]
 
-    def bytes_per_token(self, quant: Optional[str], head: bool, group: int, context: int) -> float:
+    def bytes_per_token(self, quant: Optional[str], head: str, group: int, context: int) -> float:
         """Octavo's read per batch-1 step: the matrices as stored (int8: a
         float32 scale per row; w8a8: and an int32 sum of q per row; int4: a
-        float32 scale and min per group), the lm_head (bf16 unless ``head``),
-        the bf16 K/V."""
+        float32 scale and min per group), the lm_head in ``head`` (int8,
+        int4, none: bf16), the bf16 K/V."""
         def matrix(n: int, k: int, fmt: Optional[str]) -> float:
             if fmt == "int8":
                 return n * k + 4 * n
@@ -120,17 +122,17 @@ class Shape:
 
         layer = sum(matrix(n, k, quant) for _, n, k in self.layer_products())
         kv = 2 * self.kv_heads * self.head_dim * context * 2
-        return self.layers * (layer + kv) + matrix(self.vocab, self.hidden, quant if head else None)
+        return self.layers * (layer + kv) + matrix(self.vocab, self.hidden, None if head == "none" else head)
 
 
-def _octavo(model: Path, quant: Optional[str], head: bool, args: argparse.Namespace,
+def _octavo(model: Path, quant: Optional[str], head: str, args: argparse.Namespace,
             activations: str = "int8") -> Any:
     from benchmarks.peers.octavo_peer import OctavoPeer
 
     options: dict[str, Any] = {}
     if quant is not None:
         options = {"quantization": quant, "quantization_group_size": args.group_size,
-                   "unquantized_modules": "" if head else "lm_head", "quantized_activations": activations}
+                   "lm_head_quantization": head, "quantized_activations": activations}
     return OctavoPeer(model, "bfloat16", max_num_seqs=args.max_num_seqs, kv_cache_memory_bytes=2**30,
                       enable_prefix_caching=False, **options)
 
@@ -146,12 +148,14 @@ def _llamacpp(model: Path, ftype: str, pure: bool, args: argparse.Namespace) -> 
     return LlamaCppPeer(model, n_ctx=n_ctx, threads=args.threads, gguf=gguf, extra_bufts=args.llamacpp_repack), gguf
 
 
-# Like with like: (Octavo weights, llama.cpp file). llama.cpp's Q8_0 quantizes the output layer (the tied
-# embedding) to Q8_0, so it pairs with Octavo's int8 with the lm_head quantized; its default Q4_0 keeps the
-# output layer in Q6_K (pairs with Octavo's int4 and a bf16 lm_head, both keeping a finer head), and the
-# "pure" Q4_0 file quantizes every matrix to Q4_0 (pairs with int4+head).
+# (Octavo weights, llama.cpp file). llama.cpp's Q8_0 quantizes the output layer (the tied embedding) to Q8_0, so
+# it pairs with Octavo's int8 with the lm_head quantized; its default Q4_0 keeps the output layer in Q6_K (pairs
+# with Octavo's int4, default against default: an int8 head, 8 bits a weight to Q6_K's 6.6, and with int4
+# bf16-head, both keeping a finer head), and the "pure" Q4_0 file quantizes every matrix to Q4_0 (pairs with
+# int4+head).
 PAIRS = (("octavo int8", "llama.cpp Q8_0"), ("octavo int8+head", "llama.cpp Q8_0"),
-         ("octavo int4", "llama.cpp Q4_0"), ("octavo int4+head", "llama.cpp Q4_0 pure"),
+         ("octavo int4", "llama.cpp Q4_0"), ("octavo int4 bf16-head", "llama.cpp Q4_0"),
+         ("octavo int4+head", "llama.cpp Q4_0 pure"),
          ("octavo int8+head float rows", "llama.cpp Q8_0"), ("octavo int4+head float rows", "llama.cpp Q4_0 pure"))
 LLAMACPP_FILES = (("Q8_0", False), ("Q4_0", False), ("Q4_0", True))
 

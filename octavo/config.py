@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from fnmatch import fnmatch
 from typing import Any, Optional
 
 from octavo.pooling import POOLING_TYPES
@@ -27,6 +28,9 @@ LINEAR_BACKENDS = ("auto", "native", "onednn", "torch")
 QUANTIZATIONS = ("int8", "int4", "w8a8")
 QUANTIZATION_GROUP_SIZES = (32, 64, 128)
 QUANTIZED_ACTIVATIONS = ("int8", "float")
+LM_HEAD_QUANTIZATIONS = ("auto", "none", "int8", "int4")
+# The output layer's path in every causal LM (octavo/model/models/causal_lm.py).
+LM_HEAD = "lm_head"
 
 
 def option(default: Any, help: str, **extra: Any) -> Any:
@@ -226,14 +230,21 @@ class ModelConfig:
         "(the numerics change as llama.cpp's defaults do); float keeps them in dtype (the exact float32 sums)",
         choices=QUANTIZED_ACTIVATIONS,
     )
-    # The output layer turns hidden states into logits directly, so its error
-    # is not averaged away by later layers (llama.cpp keeps it at higher
-    # precision too); with tied embeddings (most small models) quantizing it
-    # would also add an integer copy beside the float table the embedding
-    # keeps: memory up, not down.
     unquantized_modules: str = option(
-        "lm_head", "comma-separated fnmatch patterns of linear layers' checkpoint paths kept unquantized "
-        "under --quantization (e.g. 'lm_head,model.layers.0.*'; empty: none); the embedding never is"
+        "", "comma-separated fnmatch patterns of linear layers' checkpoint paths kept unquantized "
+        "under --quantization (e.g. 'model.layers.0.*'; empty: none); the embedding never is; a pattern matching "
+        "lm_head keeps it unquantized as --lm-head-quantization none does"
+    )
+    # The output layer turns hidden states into logits directly, so its error is not averaged away by later
+    # layers: llama.cpp's Q4_0 files keep it in Q6_K. In bf16 it is 2.4x the bytes of Q6_K, the largest single
+    # read of a small model's decode step. Per-channel int8 measured no perplexity cost over bf16 where int4 groups
+    # cost SmolLM2-135M 8.7% (BENCHMARKS.md D2). With tied embeddings an int8 head is a copy beside the float table
+    # the embedding keeps (more memory, fewer bytes read per token).
+    lm_head_quantization: str = option(
+        "auto", "the LM head's weight under --quantization: int8 (per output channel, symmetric), int4 (groups "
+        "of --quantization-group-size, as the other layers), none (kept in dtype); auto: int8 under int4, none "
+        "under int8 and w8a8",
+        choices=LM_HEAD_QUANTIZATIONS,
     )
     # Embedding models (octavo/model/pooler_config.py, octavo/pooling.py): one server serves one task.
     task: str = option(
@@ -285,10 +296,39 @@ class ModelConfig:
         if self.quantization_group_size not in QUANTIZATION_GROUP_SIZES:
             raise ValueError(f"quantization_group_size must be one of {QUANTIZATION_GROUP_SIZES}; "
                              f"got {self.quantization_group_size!r}")
+        self._check_lm_head_quantization()
+
+    def _check_lm_head_quantization(self) -> None:
+        head = self.lm_head_quantization
+        if head not in LM_HEAD_QUANTIZATIONS:
+            raise ValueError(f"lm_head_quantization must be one of {', '.join(LM_HEAD_QUANTIZATIONS)}; got {head!r}")
+        if head in ("auto", "none"):
+            return
+        if self.quantization is None:
+            # A GGUF or pre-quantized checkpoint brings its head's format with it; a float one is quantized
+            # only under --quantization.
+            raise ValueError(f"lm_head_quantization {head!r} quantizes the LM head of a float checkpoint while "
+                             "it loads, with --quantization: set quantization too, or leave it auto")
+        kept = [p for p in self.unquantized_patterns if fnmatch(LM_HEAD, p)]
+        if kept:
+            raise ValueError(f"lm_head_quantization {head!r} contradicts unquantized_modules pattern {kept[0]!r}, "
+                             f"which keeps {LM_HEAD} unquantized")
 
     @property
     def unquantized_patterns(self) -> tuple[str, ...]:
         return tuple(p.strip() for p in self.unquantized_modules.split(",") if p.strip())
+
+    @property
+    def lm_head_format(self) -> Optional[str]:
+        """What ``quantization`` makes of the LM head's weight: int8, int4, or None (kept in dtype)."""
+        head = self.lm_head_quantization
+        if self.quantization is None or head == "none":
+            return None
+        if head != "auto":
+            return head
+        if any(fnmatch(LM_HEAD, p) for p in self.unquantized_patterns):
+            return None
+        return "int8" if self.quantization == "int4" else None
 
 
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")

@@ -28,6 +28,7 @@ _NON_DEFAULT = {
     "quantization_group_size": ("64", 64),
     "quantized_activations": ("float", "float"),
     "unquantized_modules": ("lm_head,model.layers.0.*", "lm_head,model.layers.0.*"),
+    "lm_head_quantization": ("none", "none"),
     "task": ("embed", "embed"),
     "pooling_type": ("weightedmean", "weightedmean"),
     "block_size": ("32", 32),

@@ -15,8 +15,10 @@ Each layer loads its weight as the unquantized method would, then
 ``process_weights_after_loading`` quantizes it in row chunks and drops the
 float copy: the model never holds more than its float weights plus one
 layer's integers. Layers whose module path matches one of ``keep`` (fnmatch
-patterns) stay unquantized: the lm_head by default (config.py says why).
-The embedding table is never quantized (a gather, not a product).
+patterns) stay unquantized. The lm_head has a format of its own (int8 under
+int4 by default, config.py says why). The embedding table is never quantized
+(a gather, not a product), not even when the lm_head is tied to it: the head
+then quantizes its own copy.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
+from octavo.config import LM_HEAD
 from octavo.distributed.communication import tensor_model_parallel_all_gather
 from octavo.quant.base import FusedMoEMethod, LinearMethod, PreparedWeight, QuantizationScheme
 from octavo.quant.qweights import Int4Weight, Int8Weight, QuantizedWeight
@@ -127,19 +130,25 @@ class OnTheFlyLinearMethod(QuantizedLinearMethod):
 
 class OnTheFlyScheme(QuantizationScheme):
     """``quantization`` (int8/int4/w8a8) for every linear layer but those
-    matching ``keep``, which get ``unquantized``."""
+    matching ``keep``, which get ``unquantized``, and the lm_head, which gets
+    ``head`` (int8 or int4; None: ``unquantized``)."""
 
     def __init__(self, quantization: str, group_size: int, keep: tuple[str, ...],
-                 unquantized: Optional[LinearMethod] = None) -> None:
+                 unquantized: Optional[LinearMethod] = None, head: Optional[str] = None) -> None:
         if quantization not in BITS:
             raise ValueError(f"quantization must be one of {', '.join(BITS)}; got {quantization!r}")
         if group_size not in GROUP_SIZES:
             raise ValueError(f"quantization_group_size must be one of {GROUP_SIZES}; got {group_size!r}")
-        self.name, self.keep = quantization, keep
+        if head not in (None, "int8", "int4"):
+            raise ValueError(f"lm_head_quantization must be int8, int4 or none; got {head!r}")
+        self.name, self.keep, self.head_name = quantization, keep, head
         self.quantized = OnTheFlyLinearMethod(BITS[quantization], group_size, activations=quantization == "w8a8")
         self.unquantized = unquantized or UnquantizedLinearMethod()
+        self.head = self.unquantized if head is None else OnTheFlyLinearMethod(BITS[head], group_size)
 
     def linear_method(self, prefix: str) -> LinearMethod:
+        if prefix == LM_HEAD:
+            return self.head
         if any(fnmatch(prefix, pattern) for pattern in self.keep):
             return self.unquantized
         return self.quantized
@@ -156,4 +165,4 @@ class OnTheFlyScheme(QuantizationScheme):
         if self.quantized.activations:
             group = ", activations rounded to int8 per token"
         kept = ", ".join(self.keep) or "none"
-        return f"{self.name} on the fly{group}; kept unquantized: {kept}"
+        return f"{self.name} on the fly{group}; {LM_HEAD}: {self.head_name or 'unquantized'}; kept unquantized: {kept}"

@@ -17,4 +17,4 @@ def quantization_scheme(config: ModelConfig, device: torch.device, dtype: torch.
     if config.quantization is None:
         return UniformScheme(unquantized)
     return OnTheFlyScheme(config.quantization, config.quantization_group_size, config.unquantized_patterns,
-                          unquantized)
+                          unquantized, config.lm_head_format)

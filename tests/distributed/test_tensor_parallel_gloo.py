@@ -36,7 +36,7 @@ def _logits(folder: Path, prompts: list[list[int]], quantization: Optional[str] 
     backends = ModelBackends(attention=backend)
     if quantization is not None:
         # Groups of 32: the row-parallel layers' shards have 32 and 64 in-features.
-        backends = ModelBackends(attention=backend, quantization=OnTheFlyScheme(quantization, 32, ("lm_head",)))
+        backends = ModelBackends(attention=backend, quantization=OnTheFlyScheme(quantization, 32, (), head="int8"))
     model, arch = load_model(folder, "float32", backends=backends)
     attn = model.model.layers[0].self_attn
     caches = [LayerKVCache(torch.zeros(2, 16, 16, attn.num_kv_heads, arch.head_dim)) for _ in range(arch.num_layers)]

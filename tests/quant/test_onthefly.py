@@ -14,6 +14,7 @@ worst case (measured: int8 1.6-2.5%, int4 20-26%); the trained model's
 perplexity is the quality check (test_quantized_perplexity.py)."""
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 from pathlib import Path
@@ -69,8 +70,7 @@ def test_layers_matching_a_kept_pattern_stay_unquantized():
     assert not isinstance(scheme.linear_method("lm_head"), QuantizedLinearMethod)
     assert not isinstance(scheme.linear_method("model.layers.0.mlp.down_proj"), QuantizedLinearMethod)
     assert isinstance(scheme.linear_method("model.layers.1.mlp.down_proj"), QuantizedLinearMethod)
-    assert ModelConfig(model="m").unquantized_patterns == ("lm_head",)
-    assert ModelConfig(model="m", unquantized_modules="").unquantized_patterns == ()
+    assert ModelConfig(model="m").unquantized_patterns == ()
 
 
 @pytest.mark.parametrize("options, field", [({"quantization": "int3"}, "quantization"),
@@ -106,7 +106,9 @@ def _prompt_logits(folder: Path, dtype: str = "float32", **options: object) -> t
     return torch.cat([first, last])
 
 
-def _dequantized_checkpoint(src: Path, dst: Path, quantize) -> Path:
+def _dequantized_checkpoint(src: Path, dst: Path, quantize, head=None) -> Path:
+    """``src`` with its projections' weights replaced by ``quantize``'s values; with ``head``, the
+    lm_head's by ``head``'s, a tied one untied (the embedding keeps its float table)."""
     if dst.exists():
         return dst
     shutil.copytree(src, dst)
@@ -114,6 +116,11 @@ def _dequantized_checkpoint(src: Path, dst: Path, quantize) -> Path:
     for name, t in tensors.items():
         if name.endswith(".weight") and name.rsplit(".", 2)[-2] in _PROJ:
             tensors[name] = quantize(t).dequantize().to(t.dtype)
+    if head is not None:
+        config = json.loads((dst / "config.json").read_text())
+        lm_head = tensors.get("lm_head.weight", tensors["model.embed_tokens.weight"])
+        tensors["lm_head.weight"] = head(lm_head).dequantize().to(lm_head.dtype)
+        (dst / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": False}))
     save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
     return dst
 
@@ -122,7 +129,9 @@ def _dequantized_checkpoint(src: Path, dst: Path, quantize) -> Path:
 @pytest.mark.parametrize("name", ARCHS + MOE)
 def test_quantized_model_equals_the_model_of_its_dequantized_weights(name, quantization, variant, tmp_path):
     quantize = quantize_int8 if quantization == "int8" else lambda t: quantize_int4(t, GROUP)
-    reference = _dequantized_checkpoint(variant(name), tmp_path / "dequantized", quantize)
+    # int4's lm_head is int8 by default; int8's stays float.
+    head = quantize_int8 if quantization == "int4" else None
+    reference = _dequantized_checkpoint(variant(name), tmp_path / "dequantized", quantize, head)
     ours = _prompt_logits(variant(name), quantization=quantization, quantization_group_size=GROUP,
                           quantized_activations="float")
     diff = (ours - _prompt_logits(reference)).abs().max().item()
@@ -142,7 +151,7 @@ def test_start_up_reports_the_bytes_before_and_after(variant, caplog):
     with caplog.at_level(logging.INFO, logger="octavo.model.loader"):
         runner = make_runner(variant("llama"), dtype="bfloat16", quantization="int8")
     line = next(r.getMessage() for r in caplog.records if "as loaded" in r.getMessage())
-    assert "int8 on the fly" in line and "kept unquantized: lm_head" in line
+    assert "int8 on the fly" in line and "lm_head: unquantized; kept unquantized: none" in line
     linears = [m for m in runner.model.modules() if hasattr(m, "linear_method")]
     quantized = [m for m in linears if isinstance(m.linear_method, QuantizedLinearMethod)]
     assert len(quantized) == len(linears) - 1 and runner.model.lm_head not in quantized
@@ -150,3 +159,44 @@ def test_start_up_reports_the_bytes_before_and_after(variant, caplog):
     before = sum(m.weight.numel() * 2 for m in quantized)
     after = sum(m.prepared.nbytes for m in quantized)
     assert 0.5 < after / before < 0.55
+
+
+@pytest.mark.parametrize("options, head", [({"quantization": "int4"}, "int8"), ({"quantization": "int8"}, None),
+                                           ({"quantization": "w8a8"}, None), ({}, None),
+                                           ({"quantization": "int4", "lm_head_quantization": "none"}, None),
+                                           ({"quantization": "int4", "unquantized_modules": "lm_*"}, None),
+                                           ({"quantization": "int8", "lm_head_quantization": "int4"}, "int4")])
+def test_the_lm_heads_format_follows_the_body_unless_named(options, head):
+    assert ModelConfig(model="m", **options).lm_head_format == head
+
+
+@pytest.mark.parametrize("options, message", [
+    ({"quantization": "int4", "lm_head_quantization": "q6_k"}, "lm_head_quantization must be one of"),
+    # A GGUF or pre-quantized checkpoint is loaded without --quantization: its head comes as stored.
+    ({"lm_head_quantization": "int8"}, "lm_head_quantization 'int8' quantizes the LM head of a float checkpoint"),
+    ({"quantization": "int4", "lm_head_quantization": "int8", "unquantized_modules": "model.layers.0.*,lm_head"},
+     "lm_head_quantization 'int8' contradicts unquantized_modules pattern 'lm_head'"),
+])
+def test_a_head_format_that_cannot_apply_names_the_field(options, message):
+    with pytest.raises(ValueError, match=f"^{message}"):
+        ModelConfig(model="m", **options)
+
+
+def test_a_tied_int8_head_holds_int8_bytes_beside_the_float_embedding(variant):
+    """The default under int4 (the logits: test_quantized_model_equals_the_model_of_its_dequantized_weights)."""
+    runner = make_runner(variant("llama_tied"), dtype="float32", quantization="int4", quantization_group_size=GROUP)
+    head, embedding = runner.model.lm_head, runner.model.model.embed_tokens
+    vocab, hidden = embedding.weight.shape
+    assert head.linear_method.kernel_name(head).startswith("int8")
+    assert head.linear_method.weight_bytes(head) == vocab * hidden + 4 * vocab  # an int8 and a float32 scale a row
+    stored = load_file(variant("llama_tied") / "model.safetensors")["model.embed_tokens.weight"]
+    assert torch.equal(embedding.weight, stored.float())
+
+
+def test_an_int4_head_is_quantized_in_the_bodys_groups(variant, tmp_path):
+    quantize = lambda t: quantize_int4(t, GROUP)  # noqa: E731
+    reference = _dequantized_checkpoint(variant("llama_tied"), tmp_path / "dequantized", quantize, head=quantize)
+    ours = _prompt_logits(variant("llama_tied"), quantization="int4", quantization_group_size=GROUP,
+                          lm_head_quantization="int4", quantized_activations="float")
+    diff = (ours - _prompt_logits(reference)).abs().max().item()
+    assert diff < 1e-4, f"max abs diff {diff}"
