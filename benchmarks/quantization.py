@@ -68,16 +68,16 @@ from benchmarks.turns import batch1_decode, fmt_spread, in_rounds, ratios, sprea
 from benchmarks.workload import SHAREGPT_INPUT, SHAREGPT_OUTPUT, Workload, ordinary_token_ids, sharegpt_like
 
 MIB = 2**20
-# (label, --quantization, --lm-head-quantization): Octavo's int4 makes the
-# lm_head int8 by default, its int8 and w8a8 keep it bf16; llama.cpp's
-# Q8_0/Q4_0 pure quantize the tied embedding that serves as its output layer,
-# so the "+head" rows read what it reads.
-FORMATS = (("bf16", None, "none"), ("int8", "int8", "none"), ("int4", "int4", "int8"),
-           ("int4 bf16-head", "int4", "none"), ("w8a8", "w8a8", "none"),
-           ("int8+head", "int8", "int8"), ("int4+head", "int4", "int4"))
+# (label, --quantization, --lm-head-quantization): Octavo's int8 and int4 make
+# the lm_head int8 by default, its w8a8 keeps it bf16; llama.cpp's Q8_0/Q4_0
+# pure quantize the tied embedding that serves as its output layer, so the
+# "+head" row reads what Q4_0 pure reads.
+FORMATS = (("bf16", None, "none"), ("int8", "int8", "int8"), ("int4", "int4", "int8"),
+           ("int8 bf16-head", "int8", "none"), ("int4 bf16-head", "int4", "none"), ("w8a8", "w8a8", "none"),
+           ("int4+head", "int4", "int4"))
 # The same weights with --quantized-activations float (W8A16/W4A16 at every row count): what the default int8
 # activations at decode gain over.
-FLOAT_ROWS = ("int8+head", "int4+head")
+FLOAT_ROWS = ("int8", "int4+head")
 ROWS = (1, 4, 16, 64, 256)
 
 
@@ -149,14 +149,14 @@ def _llamacpp(model: Path, ftype: str, pure: bool, args: argparse.Namespace) -> 
 
 
 # (Octavo weights, llama.cpp file). llama.cpp's Q8_0 quantizes the output layer (the tied embedding) to Q8_0, so
-# it pairs with Octavo's int8 with the lm_head quantized; its default Q4_0 keeps the output layer in Q6_K (pairs
+# it pairs with Octavo's int8, whose head is int8 by default (and with int8 bf16-head, the finer head); its default Q4_0 keeps the output layer in Q6_K (pairs
 # with Octavo's int4, default against default: an int8 head, 8 bits a weight to Q6_K's 6.6, and with int4
 # bf16-head, both keeping a finer head), and the "pure" Q4_0 file quantizes every matrix to Q4_0 (pairs with
 # int4+head).
-PAIRS = (("octavo int8", "llama.cpp Q8_0"), ("octavo int8+head", "llama.cpp Q8_0"),
+PAIRS = (("octavo int8", "llama.cpp Q8_0"), ("octavo int8 bf16-head", "llama.cpp Q8_0"),
          ("octavo int4", "llama.cpp Q4_0"), ("octavo int4 bf16-head", "llama.cpp Q4_0"),
          ("octavo int4+head", "llama.cpp Q4_0 pure"),
-         ("octavo int8+head float rows", "llama.cpp Q8_0"), ("octavo int4+head float rows", "llama.cpp Q4_0 pure"))
+         ("octavo int8 float rows", "llama.cpp Q8_0"), ("octavo int4+head float rows", "llama.cpp Q4_0 pure"))
 LLAMACPP_FILES = (("Q8_0", False), ("Q4_0", False), ("Q4_0", True))
 
 

@@ -236,14 +236,14 @@ class ModelConfig:
         "lm_head keeps it unquantized as --lm-head-quantization none does"
     )
     # The output layer turns hidden states into logits directly, so its error is not averaged away by later
-    # layers: llama.cpp's Q4_0 files keep it in Q6_K. In bf16 it is 2.4x the bytes of Q6_K, the largest single
+    # layers: llama.cpp's Q4_0 files keep it in Q6_K (its Q8_0 files in Q8_0, as int8 does here). In bf16 it is 2.4x the bytes of Q6_K, the largest single
     # read of a small model's decode step. Per-channel int8 measured no perplexity cost over bf16 where int4 groups
     # cost SmolLM2-135M 8.7% (BENCHMARKS.md D2). With tied embeddings an int8 head is a copy beside the float table
     # the embedding keeps (more memory, fewer bytes read per token).
     lm_head_quantization: str = option(
         "auto", "the LM head's weight under --quantization: int8 (per output channel, symmetric), int4 (groups "
-        "of --quantization-group-size, as the other layers), none (kept in dtype); auto: int8 under int4, none "
-        "under int8 and w8a8",
+        "of --quantization-group-size, as the other layers), none (kept in dtype); auto: int8 under int4 and "
+        "int8, none under w8a8",
         choices=LM_HEAD_QUANTIZATIONS,
     )
     # Embedding models (octavo/model/pooler_config.py, octavo/pooling.py): one server serves one task.
@@ -328,7 +328,7 @@ class ModelConfig:
             return head
         if any(fnmatch(LM_HEAD, p) for p in self.unquantized_patterns):
             return None
-        return "int8" if self.quantization == "int4" else None
+        return "int8" if self.quantization in ("int4", "int8") else None
 
 
 EXECUTOR_BACKENDS = ("uni", "mp", "ray")

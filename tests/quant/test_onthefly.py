@@ -129,8 +129,8 @@ def _dequantized_checkpoint(src: Path, dst: Path, quantize, head=None) -> Path:
 @pytest.mark.parametrize("name", ARCHS + MOE)
 def test_quantized_model_equals_the_model_of_its_dequantized_weights(name, quantization, variant, tmp_path):
     quantize = quantize_int8 if quantization == "int8" else lambda t: quantize_int4(t, GROUP)
-    # int4's lm_head is int8 by default; int8's stays float.
-    head = quantize_int8 if quantization == "int4" else None
+    # The lm_head is int8 by default under both.
+    head = quantize_int8
     reference = _dequantized_checkpoint(variant(name), tmp_path / "dequantized", quantize, head)
     ours = _prompt_logits(variant(name), quantization=quantization, quantization_group_size=GROUP,
                           quantized_activations="float")
@@ -149,7 +149,7 @@ def test_quantized_logits_stay_close_to_the_unquantized_models(name, quantizatio
 
 def test_start_up_reports_the_bytes_before_and_after(variant, caplog):
     with caplog.at_level(logging.INFO, logger="octavo.model.loader"):
-        runner = make_runner(variant("llama"), dtype="bfloat16", quantization="int8")
+        runner = make_runner(variant("llama"), dtype="bfloat16", quantization="int8", lm_head_quantization="none")
     line = next(r.getMessage() for r in caplog.records if "as loaded" in r.getMessage())
     assert "int8 on the fly" in line and "lm_head: unquantized; kept unquantized: none" in line
     linears = [m for m in runner.model.modules() if hasattr(m, "linear_method")]
@@ -161,7 +161,7 @@ def test_start_up_reports_the_bytes_before_and_after(variant, caplog):
     assert 0.5 < after / before < 0.55
 
 
-@pytest.mark.parametrize("options, head", [({"quantization": "int4"}, "int8"), ({"quantization": "int8"}, None),
+@pytest.mark.parametrize("options, head", [({"quantization": "int4"}, "int8"), ({"quantization": "int8"}, "int8"),
                                            ({"quantization": "w8a8"}, None), ({}, None),
                                            ({"quantization": "int4", "lm_head_quantization": "none"}, None),
                                            ({"quantization": "int4", "unquantized_modules": "lm_*"}, None),
