@@ -148,11 +148,11 @@ def _llamacpp(model: Path, ftype: str, pure: bool, args: argparse.Namespace) -> 
     return LlamaCppPeer(model, n_ctx=n_ctx, threads=args.threads, gguf=gguf, extra_bufts=args.llamacpp_repack), gguf
 
 
-# (Octavo weights, llama.cpp file). llama.cpp's Q8_0 quantizes the output layer (the tied embedding) to Q8_0, so
-# it pairs with Octavo's int8, whose head is int8 by default (and with int8 bf16-head, the finer head); its default Q4_0 keeps the output layer in Q6_K (pairs
-# with Octavo's int4, default against default: an int8 head, 8 bits a weight to Q6_K's 6.6, and with int4
-# bf16-head, both keeping a finer head), and the "pure" Q4_0 file quantizes every matrix to Q4_0 (pairs with
-# int4+head).
+# (Octavo weights, llama.cpp file). llama.cpp's Q8_0 quantizes the output layer (the tied embedding) to Q8_0, so it
+# pairs with Octavo's int8, whose head is int8 by default (and with int8 bf16-head, the finer head); its default Q4_0
+# keeps the output layer in Q6_K (pairs with Octavo's int4, default against default: an int8 head, 8 bits a weight to
+# Q6_K's 6.6, and with int4 bf16-head, both keeping a finer head), and the "pure" Q4_0 file quantizes every matrix to
+# Q4_0 (pairs with int4+head).
 PAIRS = (("octavo int8", "llama.cpp Q8_0"), ("octavo int8 bf16-head", "llama.cpp Q8_0"),
          ("octavo int4", "llama.cpp Q4_0"), ("octavo int4 bf16-head", "llama.cpp Q4_0"),
          ("octavo int4+head", "llama.cpp Q4_0 pure"),

@@ -144,7 +144,8 @@ class SchedulerConfig:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
             )
-        if self.step_record is not None and not os.path.isdir(os.path.dirname(os.path.abspath(self.step_record))):
+        record_dir = None if self.step_record is None else os.path.dirname(os.path.abspath(self.step_record))
+        if record_dir is not None and not os.path.isdir(record_dir):
             # Checked here, not when the engine process opens it: a bad path is the caller's one-line error.
             raise ValueError(f"step_record: the folder of {self.step_record!r} does not exist")
 
@@ -236,10 +237,11 @@ class ModelConfig:
         "lm_head keeps it unquantized as --lm-head-quantization none does"
     )
     # The output layer turns hidden states into logits directly, so its error is not averaged away by later
-    # layers: llama.cpp's Q4_0 files keep it in Q6_K (its Q8_0 files in Q8_0, as int8 does here). In bf16 it is 2.4x the bytes of Q6_K, the largest single
-    # read of a small model's decode step. Per-channel int8 measured no perplexity cost over bf16 where int4 groups
-    # cost SmolLM2-135M 8.7% (BENCHMARKS.md D2). With tied embeddings an int8 head is a copy beside the float table
-    # the embedding keeps (more memory, fewer bytes read per token).
+    # layers: llama.cpp's Q4_0 files keep it in Q6_K (its Q8_0 files in Q8_0, as int8 does here). In bf16 it is
+    # 2.4x the bytes of Q6_K, the largest single read of a small model's decode step. Per-channel int8 measured
+    # no perplexity cost over bf16 where int4 groups cost SmolLM2-135M 8.7% (BENCHMARKS.md D2). With tied
+    # embeddings an int8 head is a copy beside the float table the embedding keeps (more memory, fewer bytes read
+    # per token).
     lm_head_quantization: str = option(
         "auto", "the LM head's weight under --quantization: int8 (per output channel, symmetric), int4 (groups "
         "of --quantization-group-size, as the other layers), none (kept in dtype); auto: int8 under int4 and "

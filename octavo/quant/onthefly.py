@@ -16,7 +16,7 @@ Each layer loads its weight as the unquantized method would, then
 float copy: the model never holds more than its float weights plus one
 layer's integers. Layers whose module path matches one of ``keep`` (fnmatch
 patterns) stay unquantized. The lm_head has a format of its own (int8 under
-int4 by default, config.py says why). The embedding table is never quantized
+int4 and int8 by default, config.py says why). The embedding table is never quantized
 (a gather, not a product), not even when the lm_head is tied to it: the head
 then quantizes its own copy.
 """
