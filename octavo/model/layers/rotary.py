@@ -115,17 +115,35 @@ def _yarn(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, float]:
     return inv_freq, float(attention_factor)
 
 
+# The most bytes the cos and sin tables of every position may take together (a 32k context of 128 rotated
+# dims in bf16); a longer context computes each step's cos/sin instead.
+TABLE_MAX_BYTES = 16 * 2**20
+
+
 class RotaryEmbedding:
-    """cos/sin for the step's positions are computed once per forward and
+    """cos/sin for the step's positions are looked up (or computed) once per forward and
     shared by every layer (``cos_sin``), then applied per layer (``apply``)."""
 
     def __init__(self, rope: RopeConfig, head_dim: int, max_len: int) -> None:
         self.rotary_dim = rotary_dim(rope, head_dim)
+        self.max_len = max_len
         self.inv_freq, self.attention_factor = inverse_frequencies(rope, self.rotary_dim, max_len)
         self._device_inv_freq: Optional[torch.Tensor] = None
+        self._tables: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # cos, sin of positions 0 .. max_len - 1
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """[T] positions -> cos, sin of shape [T, 1, rotary_dim] (broadcast over heads)."""
+        """[T] positions (below ``max_len``) -> cos, sin of shape [T, 1, rotary_dim] (broadcast over heads).
+        Looked up in tables of every position where they fit ``TABLE_MAX_BYTES``: computing them is nine small
+        ops a forward, which a kernel tape replays one by one (a sixth of a speculative draft's decode forward
+        on Zen 4); the tables hold the same values, each element being computed alike."""
+        tables = self._tables
+        if tables is None or tables[0].device != positions.device or tables[0].dtype != dtype:
+            if 2 * self.max_len * self.rotary_dim * dtype.itemsize > TABLE_MAX_BYTES:
+                return self._compute(positions, dtype)
+            tables = self._tables = self._compute(torch.arange(self.max_len, device=positions.device), dtype)
+        return tables[0].index_select(0, positions), tables[1].index_select(0, positions)
+
+    def _compute(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         inv_freq = self._device_inv_freq
         if inv_freq is None or inv_freq.device != positions.device:
             inv_freq = self._device_inv_freq = self.inv_freq.to(positions.device)
