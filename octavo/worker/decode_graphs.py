@@ -198,17 +198,21 @@ class DecodeGraphs:
         step = self._size_of(n)
         step.input_ids[:n].copy_(input_ids)
         step.positions[:n].copy_(positions)
-        # Rows n.. still hold the previous replay's values: reset them to padding.
-        step.input_ids[n:].zero_()
-        step.positions[n:].zero_()
         for static, meta in zip(step.metas, metas):
             width = meta.decode_block_table.shape[1]
             static.slot_mapping[:n].copy_(meta.slot_mapping)
             static.decode_block_table[:n, :width].copy_(meta.decode_block_table)
             static.decode_context_lens[:n].copy_(meta.decode_context_lens)
-            static.slot_mapping[n:].fill_(self._null_slot)
-            static.decode_block_table[n:, 0].fill_(self._null_block)
-            static.decode_context_lens[n:].fill_(1)
+        if n < step.size:
+            # Rows n.. still hold the previous replay's values: reset them to padding. Skipped when there are
+            # none: each op costs a few microseconds even on no rows, and a speculative step at batch 1 runs
+            # the draft's single-row steps k - 1 times.
+            step.input_ids[n:].zero_()
+            step.positions[n:].zero_()
+            for static in step.metas:
+                static.slot_mapping[n:].fill_(self._null_slot)
+                static.decode_block_table[n:, 0].fill_(self._null_block)
+                static.decode_context_lens[n:].fill_(1)
         padded = self._row_mask is not None and n < step.size
         if padded:
             self._row_mask[n:step.size].zero_()
