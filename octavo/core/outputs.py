@@ -175,3 +175,6 @@ class ModelInfo:
     max_model_len: int
     # Per KV cache group, its sliding window (None: keeps every position), for the scheduler's KVCacheManager.
     kv_cache_windows: tuple[Optional[int], ...] = (None,)
+    # The batch sizes decode steps are recorded at (worker/decode_graphs.py): a decode step of n rows runs at the
+    # smallest one >= n, padded. Empty where decode steps run at their own size.
+    decode_batch_sizes: tuple[int, ...] = ()

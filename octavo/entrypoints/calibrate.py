@@ -192,6 +192,7 @@ def calibrate(model: Optional[str], options: dict, repeats: int = 2, max_batch: 
         max_num_seqs=config.scheduler.max_num_seqs,
         max_num_batched_tokens=config.scheduler.max_num_batched_tokens,
         enable_chunked_prefill=config.scheduler.enable_chunked_prefill,
+        decode_batch_sizes=engine.executor.model_info.decode_batch_sizes,
     )
     seconds = timed.seconds(clock)
     if steps_out is not None:

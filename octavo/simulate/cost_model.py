@@ -24,6 +24,15 @@ terms and why each is there:
   octavo-mini one decode joining a 128-token chunk added 3.3 ms where one more
   decode in a decode batch adds 0.04 ms; without the term mixed steps were
   fitted 28% short (median), with it within 1%.
+- ``decode_padding_rows``: a decode step replayed from a recording runs at
+  the smallest recorded batch size that holds it (1, 2, 4, then steps of 8),
+  the rows past its own padded (through the weights, attending to one
+  block): on octavo-mini on an AMD EPYC (Zen 4) 9-15 decodes cost about
+  what 16 do (4.7-5.3 ms, CPU time), 3 more than 4. A served engine's
+  batches take every size; fitted as if a step's cost grew with its own
+  rows alone, the served steps' one scale (served.py) came out 1.19 to
+  cover the padded sizes and put full batches of 32, which have no padding,
+  8-14% long: capacity low.
 
 The fit is least squares on relative error (each step weighs the same
 whatever its length, so millisecond decode steps are fitted as well as long
@@ -56,8 +65,10 @@ FEATURES = (
     "decode_seqs",
     "decode_context_ktokens",
     "mixed_step",
+    "decode_padding_rows",
 )
-FORMAT_VERSION = 3  # 2: the mixed_step term and the served terms; 3: served mixed steps scale on their own
+# 2: the mixed_step term and the served terms; 3: served mixed steps scale on their own; 4: decode padding rows
+FORMAT_VERSION = 4
 
 
 @dataclass(frozen=True)
@@ -83,8 +94,16 @@ class StepWork:
     def is_empty(self) -> bool:
         return not (self.prefill_tokens or self.decode_seqs)
 
-    def features(self) -> list[float]:
-        """The model's inputs, in the order of FEATURES."""
+    def padding_rows(self, batch_sizes: Sequence[int]) -> int:
+        """The rows a decode step runs beyond its own at the recorded ``batch_sizes`` (EngineShape): 0 for a step
+        with a prompt chunk (it runs eagerly), none recorded, or more decodes than the largest holds."""
+        if self.kind != "decode" or not self.decode_seqs:
+            return 0
+        fits = [size for size in batch_sizes if size >= self.decode_seqs]
+        return min(fits) - self.decode_seqs if fits else 0
+
+    def features(self, batch_sizes: Sequence[int] = ()) -> list[float]:
+        """The model's inputs, in the order of FEATURES, decode steps padded to ``batch_sizes``."""
         return [
             1.0,
             float(self.prefill_tokens),
@@ -93,6 +112,7 @@ class StepWork:
             float(self.decode_seqs),
             self.decode_context_tokens / 1e3,
             float(self.kind == "mixed"),
+            float(self.padding_rows(batch_sizes)),
         ]
 
 
@@ -139,6 +159,11 @@ class EngineShape:
     max_num_seqs: int
     max_num_batched_tokens: int
     enable_chunked_prefill: bool = True
+    # The batch sizes decode steps are recorded at (``ModelInfo.decode_batch_sizes``): none, every step unpadded.
+    decode_batch_sizes: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        self.decode_batch_sizes = tuple(self.decode_batch_sizes)  # a list as read from cost.json
 
 
 @dataclass
@@ -191,7 +216,8 @@ class CostModel:
         """The step's duration in seconds (0 for an empty step)."""
         if work.is_empty:
             return 0.0
-        return sum(self.coefficients[f] * x for f, x in zip(FEATURES, work.features()))
+        sizes = self.engine.decode_batch_sizes if self.engine is not None else ()
+        return sum(self.coefficients[f] * x for f, x in zip(FEATURES, work.features(sizes)))
 
     def step_seconds(self, work: StepWork) -> float:
         """The step's duration in a served engine: the bare prediction with the served terms, when calibrated."""
@@ -232,7 +258,8 @@ class CostModel:
             raise ValueError("seconds: one measured time per step is needed")
         if len(works) < len(FEATURES):
             raise ValueError(f"steps: need at least {len(FEATURES)} measured steps to fit, got {len(works)}")
-        x = np.array([w.features() for w in works], dtype=np.float64)
+        sizes = engine.decode_batch_sizes if engine is not None else ()
+        x = np.array([w.features(sizes) for w in works], dtype=np.float64)
         y = np.array(seconds, dtype=np.float64)
         if np.any(y <= 0):
             raise ValueError("seconds: step times must be > 0")

@@ -151,6 +151,11 @@ class DecodeGraphs:
         return max(self._steps)
 
     @property
+    def sizes(self) -> tuple[int, ...]:
+        """Every batch size a decode step may be padded to (recorded, or still to be on its second step)."""
+        return tuple(sorted(self._steps))
+
+    @property
     def recorded_sizes(self) -> list[int]:
         return sorted(size for size, step in self._steps.items() if step.replay is not None)
 

@@ -181,6 +181,7 @@ class ModelRunner:
                                                max_rows, self._longest_sequence(), self.backends.attention,
                                                self.device, self._layer_groups,
                                                None if self.route_counts is None else self.route_counts.rows)
+        self.decode_batch_sizes = self._graphs.sizes if self._graphs is not None else ()
         self._last_end: Optional[float] = None  # CPU time when the previous step left the runner
         self._last_cost = 0.0  # ... and what that step cost in it
         self._speculated = 0  # the governor's choice in the previous step: proposals per request

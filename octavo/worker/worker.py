@@ -28,7 +28,8 @@ class Worker:
         self.runner = ModelRunner(config.model, config.cache, config.scheduler, share, speculative)
 
     def model_info(self) -> ModelInfo:
-        return ModelInfo(self.runner.vocab_size, self.runner.max_model_len, self.runner.kv_cache_windows)
+        return ModelInfo(self.runner.vocab_size, self.runner.max_model_len, self.runner.kv_cache_windows,
+                         self.runner.decode_batch_sizes)
 
     def num_kv_blocks(self) -> int:
         return self.runner.num_blocks

@@ -33,15 +33,19 @@ def _random_work(rng: random.Random) -> StepWork:
                     decodes, decodes * rng.randint(1, 2048))
 
 
+# Decode steps recorded at 1, 2, 4, then every 8 to 64 (worker/decode_graphs.py's sizes for a batch of 64).
+RECORDED = EngineShape(5461, 16, 4096, 64, 2048, decode_batch_sizes=(1, 2, 4, *range(8, 65, 8)))
+
+
 def test_fit_recovers_known_coefficients():
     true = {"step": 4e-3, "prefill_tokens": 1.5e-4, "prefill_seqs": 2e-3, "prefill_attention_mpairs": 3e-2,
-            "decode_seqs": 6e-4, "decode_context_ktokens": 2e-4, "mixed_step": 3e-3}
-    truth = CostModel(true)
+            "decode_seqs": 6e-4, "decode_context_ktokens": 2e-4, "mixed_step": 3e-3, "decode_padding_rows": 4e-4}
+    truth = CostModel(true, engine=RECORDED)
     rng = random.Random(0)
     works = [_random_work(rng) for _ in range(400)]
     # 2% multiplicative noise, as timing jitter on a quiet machine.
     seconds = [truth.predict(w) * rng.uniform(0.98, 1.02) for w in works]
-    fitted = CostModel.fit_steps(works, seconds)
+    fitted = CostModel.fit_steps(works, seconds, engine=RECORDED)
     for name in FEATURES:
         assert fitted.coefficients[name] == pytest.approx(true[name], rel=0.1), name
     assert fitted.fit.num_steps == 400 and fitted.fit.mean_abs_rel_error < 0.02
@@ -66,9 +70,22 @@ def test_prediction_is_linear_and_empty_steps_are_free():
     assert model.predict(StepWork()) == 0.0
 
 
+def test_decode_steps_cost_the_recorded_batch_size_that_holds_them():
+    """A decode step of n rows runs at the smallest recorded size >= n, its other rows padding; a step with a prompt
+    chunk runs eagerly at its own size, as does one larger than every recording or an engine with none."""
+    sizes = (1, 2, 4, 8, 16)
+    assert [StepWork(decode_seqs=n).padding_rows(sizes) for n in (1, 3, 4, 5, 9, 16, 17)] == [0, 1, 0, 3, 7, 0, 0]
+    assert StepWork(64, 1, decode_seqs=5).padding_rows(sizes) == 0
+    assert StepWork(decode_seqs=5).padding_rows(()) == 0
+    coefficients = {f: 0.0 for f in FEATURES} | {"step": 1e-3, "decode_seqs": 1e-4, "decode_padding_rows": 5e-5}
+    padded = CostModel(coefficients, engine=EngineShape(100, 16, 1024, 16, 512, decode_batch_sizes=sizes))
+    # 9 rows run as 16: 7 of them padding.
+    assert padded.predict(StepWork(decode_seqs=9)) == pytest.approx(1e-3 + 9e-4 + 7 * 5e-5)
+    assert CostModel(coefficients).predict(StepWork(decode_seqs=9)) == pytest.approx(1e-3 + 9e-4)
+
+
 def test_file_round_trip_keeps_machine_and_engine(tmp_path):
-    model = CostModel({f: 1e-3 for f in FEATURES}, MachineInfo("Some CPU", 2, "llama-100m", "bfloat16"),
-                      EngineShape(5461, 16, 4096, 64, 2048))
+    model = CostModel({f: 1e-3 for f in FEATURES}, MachineInfo("Some CPU", 2, "llama-100m", "bfloat16"), RECORDED)
     model.save(tmp_path / "cost.json")
     assert CostModel.load(tmp_path / "cost.json") == model
 
@@ -89,7 +106,8 @@ def test_bad_input_names_the_field(tmp_path):
 
 def test_fit_quality_is_reported_per_step_kind_and_kept_in_the_file(tmp_path):
     truth = CostModel({"step": 2e-3, "prefill_tokens": 1e-4, "prefill_seqs": 0.0, "prefill_attention_mpairs": 0.0,
-                       "decode_seqs": 5e-4, "decode_context_ktokens": 0.0, "mixed_step": 0.0})
+                       "decode_seqs": 5e-4, "decode_context_ktokens": 0.0, "mixed_step": 0.0,
+                       "decode_padding_rows": 0.0})
     works = [StepWork(decode_seqs=b) for b in range(1, 21)] + [StepWork(64 * n, 1) for n in range(1, 11)]
     works += [StepWork(64, 1, decode_seqs=b) for b in range(1, 6)]
     # Decode steps measured 30% slower than the truth, the others exact: no linear model fits both, and each

@@ -118,3 +118,27 @@ def test_the_replica_saturates_at_the_predicted_rate():
         finished = sorted(r.finish_s for r in result.records)
         assert (len(finished) - 1) / (finished[-1] - finished[0]) == pytest.approx(expected, rel=0.05), factor
     assert math.isfinite(summarize(result, SLO())["ttft_s"]["p99"])
+
+
+def test_padded_decode_steps_leave_the_full_batch_its_own_cost():
+    """A served engine whose decode steps run at recorded batch sizes (1, 2, 4, then every 8 to 32): a batch of 9
+    costs nearly what one of 16 does. With the padding in the bare model, the served terms fitted to such steps
+    predict the full batch of 32 (which has none) as it is; without it, the one engine scale grows to cover the
+    padded sizes and puts the full batch long, so the simulated replica saturates early."""
+    sizes = (1, 2, 4, 8, 16, 24, 32)
+    engine = EngineShape(num_kv_blocks=1000, block_size=16, max_model_len=4096, max_num_seqs=32,
+                         max_num_batched_tokens=512, decode_batch_sizes=sizes)
+    padded = CostModel({**BARE.coefficients, "decode_padding_rows": 2.5e-4}, engine=engine)
+    truth = ServedCost(engine_scale=1.0, mixed_scale=1.3, per_step_s=0.001)
+    rng = random.Random(2)
+    steps = [ServedStep(s.work, truth.step_seconds(padded.predict(s.work), s.work.sampled_seqs,
+                                                   s.work.kind == "mixed") * rng.lognormvariate(0.0, 0.05))
+             for s in _steps(truth, 0.0, rng)]
+    unpadded = CostModel(padded.coefficients)  # the same coefficients, no recorded sizes: every step unpadded
+    full = StepWork(decode_seqs=32, decode_context_tokens=6400, sampled_seqs=32)
+    real = truth.step_seconds(padded.predict(full), 32)
+    with_padding = ServedCost.fit_steps(steps, padded.predict, _lone(truth))
+    assert with_padding.engine_scale == pytest.approx(1.0, abs=0.03)
+    assert with_padding.step_seconds(padded.predict(full), 32) == pytest.approx(real, rel=0.03)
+    without = ServedCost.fit_steps(steps, unpadded.predict, _lone(truth))
+    assert without.step_seconds(unpadded.predict(full), 32) > 1.05 * real
