@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from octavo import LLM, SamplingParams
+from octavo.worker.decode_graphs import capture_sizes
+from octavo.worker.kernel_tape import TAPE_MAX_BATCH
 from tests.engine.conftest import assert_no_leak, random_prompts
 
 
@@ -24,6 +26,9 @@ def test_engine_with_tapes_generates_what_the_eager_engine_does(model_dir, arch,
         llm = LLM(folder, dtype=dtype, num_blocks=64, enforce_eager=eager)
         runner = llm.engine.executor.worker.runner
         assert (runner._graphs is None) == eager
+        # What the engine tells of them (a simulator's cost model prices a decode step at its padded size).
+        sizes = capture_sizes(min(llm.engine.config.scheduler.max_num_seqs, TAPE_MAX_BATCH))
+        assert llm.engine.executor.model_info.decode_batch_sizes == (() if eager else tuple(sizes))
         outs = llm.generate(prompts, params, use_tqdm=False)
         results[eager] = [(o.outputs[0].token_ids, [lp.logprob for lp in o.outputs[0].logprobs]) for o in outs]
         if not eager:  # sizes 8, 4, 2 and 1 each ran more than one step: recorded, then replayed
