@@ -4,8 +4,9 @@ and fit the simulator's cost model to them (octavo/simulate/cost_model.py).
 The engine runs in this process (``LLM``); a designed set of probes puts
 known work in its steps: prompts alone at several lengths (prefill), batches
 of prompts (several chunks per step), batches decoding at several context
-lengths, and a staggered probe where a new prompt joins a decoding batch
-every step (mixed steps, as under online load). The probe set runs once
+lengths and at sizes between the recorded ones (padded, cost_model.py), and
+a staggered probe where a new prompt joins a decoding batch every step
+(mixed steps, as under online load). The probe set runs once
 untimed first (kernels build, and a step of a new shape pays one-off costs a
 served engine has long paid); then each ``LLMEngine.step()`` is timed whole
 (scheduling, forward, sampling, the scheduler's update and detokenizing:
@@ -71,6 +72,11 @@ def default_probes(max_model_len: int, max_batch: int = 64) -> list[Probe]:
     probes = [Probe(1, fit(n), 1) for n in (16, 64, 256, 512, 1024, 1536)]
     probes += [Probe(b, fit(128), 1) for b in batches(2, 4, 8)] + [Probe(min(4, max_batch), fit(480), 1)]
     probes += [Probe(b, fit(n), 24) for n in (32, 512) for b in batches(1, 2, 4, 8, 16, 32, 64)]
+    # Batches between the recorded decode sizes (1, 2, 4, every 8), decoding without finishing: padded steps. The
+    # staggered probes' drains pad too, but a request finishes every step of them, which cost 0.6-1.5 ms more on
+    # octavo-mini (Zen 4, CPU time): fitted to those alone, the padding term took it in (0.26-0.33 ms a row,
+    # 0.19 with these).
+    probes += [Probe(b, fit(128), 24) for b in batches(3, 6, 12, 20, 28, 44, 60)]
     probes += [Probe(b, fit(1536), 16) for b in batches(1, 4, 16)]
     probes += [Probe(min(24, max_batch), fit(128), 32, stagger=True),
                Probe(min(12, max_batch), fit(400), 24, stagger=True)]
