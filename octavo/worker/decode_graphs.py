@@ -78,8 +78,8 @@ class CudaGraphRecorder:
 
 
 def capture_sizes(max_batch: int) -> list[int]:
-    """Batch sizes to capture: every size to 8, then steps of 8 to max_batch (at most 7 padded rows of waste,
-    which at these sizes costs less than another graph's memory)."""
+    """Batch sizes to capture: 1, 2, 4, then steps of 8 to max_batch (at most 7 padded rows of waste, which at
+    these sizes costs less than another graph's memory)."""
     sizes = [size for size in (1, 2, 4) if size < max_batch]
     sizes += list(range(8, max_batch, 8))
     return sizes + [max_batch]
