@@ -1,5 +1,6 @@
-"""Large CPU buffers read at scattered places (the paged KV cache) backed by
-2 MiB pages where Linux allows it.
+"""Large CPU buffers backed by 2 MiB pages where Linux allows it: the paged KV
+cache, read at scattered places, and the weights, streamed whole by every
+decode step.
 
 A decode step reads each sequence's K/V blocks (a few KiB each) at random
 places in a pool of hundreds of MiB per layer: with 4 KiB pages nearly every
@@ -48,16 +49,18 @@ def _madvise() -> Optional[ctypes._CFuncPtr]:
     return fn
 
 
-def advise_huge_pages(t: torch.Tensor) -> bool:
+def advise_huge_pages(t: torch.Tensor, owns_last_page: bool = False) -> bool:
     """Ask for 2 MiB pages under the whole 2 MiB-aligned part of ``t``'s
-    memory; True when the kernel accepted. Only pages not yet touched are
-    affected, so call it before writing ``t``."""
+    memory (with ``owns_last_page``, up to the end of the huge page holding its
+    last byte: memory the caller mapped for it); True when the kernel accepted.
+    Only pages not yet touched are affected, so call it before writing ``t``."""
     madvise = _madvise()
     if madvise is None or t.device.type != "cpu":
         return False
     start = t.data_ptr()
     end = start + t.numel() * t.element_size()
-    first, last = -(-start // HUGE_PAGE) * HUGE_PAGE, end // HUGE_PAGE * HUGE_PAGE
+    first = -(-start // HUGE_PAGE) * HUGE_PAGE
+    last = -(-end // HUGE_PAGE) * HUGE_PAGE if owns_last_page else end // HUGE_PAGE * HUGE_PAGE
     if last <= first:
         return False
     if madvise(first, last - first, _MADV_HUGEPAGE) != 0:
@@ -68,7 +71,7 @@ def advise_huge_pages(t: torch.Tensor) -> bool:
 
 @cache
 def _refused(errno: int) -> None:
-    logger.info("huge pages refused for the KV cache (errno %d); using 4 KiB pages", errno)
+    logger.info("huge pages refused (errno %d); using 4 KiB pages", errno)
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -80,7 +83,16 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> t
     nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
     if nbytes == 0:
         return torch.zeros(shape, dtype=dtype)
+    # A buffer of half a huge page or more starts on a huge page's boundary, so that only its tail (not also
+    # its head) falls outside 2 MiB pages: the mapping is a huge page longer, its unused head never touched.
+    # One under a huge page gets a whole one (at most as much memory again), its tail too: a model's small
+    # weights (768 x 768 bf16, 1.2 MB) are streamed like the large ones.
+    aligned = nbytes >= HUGE_PAGE // 2
+    small = aligned and nbytes < HUGE_PAGE
     # The tensor holds the mapping (torch.frombuffer keeps its buffer alive); unmapped when freed.
-    t = torch.frombuffer(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE), dtype=dtype).view(shape)
-    advise_huge_pages(t)
+    mapped = torch.frombuffer(mmap.mmap(-1, (2 * HUGE_PAGE if small else nbytes + HUGE_PAGE) if aligned else nbytes,
+                                        flags=mmap.MAP_PRIVATE), dtype=torch.uint8)
+    start = -mapped.data_ptr() % HUGE_PAGE if aligned else 0
+    t = mapped[start:start + nbytes].view(dtype).view(shape)
+    advise_huge_pages(t, owns_last_page=small)
     return t

@@ -13,6 +13,7 @@ import torch
 
 from octavo.checkpoint.gguf_file import is_gguf
 from octavo.checkpoint.paths import model_path
+from octavo.kernels import huge_pages
 from octavo.model.backends import ModelBackends
 from octavo.model.checkpoint_tensors import TensorSource, folder_source
 from octavo.model.config import ArchConfig, load_arch_config
@@ -157,6 +158,8 @@ def load_model(
             f"checkpoint in {folder} does not match {arch.architecture}: "
             f"missing tensors {missing[:10]}, unexpected tensors {unexpected[:10]}"
         )
+    if torch.device(device).type == "cpu":
+        _place_on_huge_pages(net, {param for param, _ in wanted.values()})
     with torch.no_grad(), quantized_activations(backends.quantized_activations):
         _load_tensors(net, source, {stored_as[n]: target for n, target in wanted.items()}, device)
         kernels = _process_weights_after_loading(net, backends.quantization.describe())
@@ -166,6 +169,20 @@ def load_model(
     logger.info("linear layers: %s", _kernel_summary(kernels))
     logger.debug("linear layers by kernel: %s", kernels)
     return net, arch
+
+
+def _place_on_huge_pages(net: CausalLM, filled: set[str]) -> None:
+    """Give each parameter the checkpoint fills (``filled``: their names) of a huge page or more fresh memory
+    that asks for 2 MiB pages, before it is written. A decode step at small batch streams every weight once, and
+    with 4 KiB pages the stream takes a TLB miss every 4 KiB (a two-level page walk in a virtual machine): the
+    bf16 kernel read llama-100m's weights in 0.62x the CPU time on 2 MiB pages (Zen 4 EPYC VM, one thread).
+    From half a huge page up (huge_pages.zeros gives such a one a whole page); parameters the checkpoint does
+    not fill keep what their layers put in them."""
+    params = dict(net.named_parameters())
+    for name in filled:
+        param = params[name]
+        if param.numel() * param.element_size() >= huge_pages.HUGE_PAGE // 2:
+            param.data = huge_pages.zeros(tuple(param.shape), param.dtype, param.device)
 
 
 def _check_fits_tensors(arch: ArchConfig, source: TensorSource) -> None:

@@ -1,4 +1,4 @@
-"""The KV cache's buffers on 2 MiB pages where Linux gives them."""
+"""The KV cache's buffers and a loaded model's weights on 2 MiB pages where Linux gives them."""
 from __future__ import annotations
 
 import ctypes
@@ -8,9 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from octavo.attention.kv_quant import allocate_layer_cache
 from octavo.kernels import huge_pages
+from octavo.model.loader import load_model
+from tests.model_factory import make_tiny_model
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 
@@ -53,6 +56,27 @@ def test_the_kv_cache_is_eligible_for_huge_pages():
         finally:
             del view
             plain.close()
+
+
+def test_a_buffer_under_a_huge_page_gets_a_whole_one():
+    t = huge_pages.zeros((3 << 18,), torch.bfloat16, torch.device("cpu"))  # 1.5 MiB
+    assert t.data_ptr() % huge_pages.HUGE_PAGE == 0 and torch.count_nonzero(t) == 0
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux") or not THP.exists() or "[never]" in THP.read_text(),
+                    reason="needs Linux with transparent huge pages")
+def test_the_weights_a_checkpoint_fills_are_on_huge_pages_and_hold_its_values(tmp_path):
+    folder = make_tiny_model(tmp_path, "llama", dtype="bfloat16", hidden_size=512, intermediate_size=1024,
+                             num_attention_heads=8, num_key_value_heads=4, head_dim=64, vocab_size=1536,
+                             num_hidden_layers=1, tie_word_embeddings=True)
+    model, _ = load_model(folder)
+    embedding = model.model.embed_tokens.weight  # 1.5 MiB, the tied LM head's too
+    assert model.lm_head.weight is embedding
+    assert torch.equal(embedding, load_file(folder / "model.safetensors")["model.embed_tokens.weight"])
+    large = [p for p in model.parameters() if p.numel() * p.element_size() >= huge_pages.HUGE_PAGE // 2]
+    assert len(large) == 4  # the embedding, qkv_proj, gate_up_proj, down_proj
+    for param in large:
+        assert param.data_ptr() % huge_pages.HUGE_PAGE == 0 and _thp_eligible(param.data_ptr())
 
 
 def test_a_large_buffer_is_mapped_not_written_and_returned_when_freed():
