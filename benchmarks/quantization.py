@@ -6,10 +6,12 @@ of the same checkpoints, in one run.
 
 Per model and weight format:
 - batch-1 decode tokens/s (prefill subtracted: roofline.decode_rate) and its
-  fraction of the bandwidth limit: read bandwidth (a sum over a buffer the
-  size of the bytes read per token) / the bytes a step actually reads (every
+  fraction of the bandwidth limit: the bytes a step actually reads (every
   matrix once in its stored form, scales and zero points included; the tied
-  embedding read whole as the lm_head; plus the K/V);
+  embedding read whole as the lm_head; plus the K/V) per second, over one
+  read rate for every format of the run (``read_GBs``: sums over a buffer
+  the size of the most bytes any format reads a token, three before and
+  three after the batch-1 rounds; the median, and its spread);
 - offline throughput: a ShareGPT-like workload through ``LLM.generate``
   (Octavo: continuous batching) and llama.cpp batched (one sequence per
   request in one context, benchmarks/peers/llamacpp_batch.py);
@@ -195,10 +197,16 @@ def bench_model(model: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
             batches.append(batch)
             offline[name] = lambda batch=batch: batch.generate(workload.prompts, workload.output_lens)
             per_token[name] = gguf.stat().st_size + kv_bytes
-    bw = {name: bandwidth_gbs(int(max(b, 64 * MIB)), 5)["sum_read_gbs"] for name, b in per_token.items()}
+    # One read rate for every format, over as many bytes as the largest reads a token, taken before and after
+    # the batch-1 rounds: a rate per format, each from its own five sums, came out 25.6 GB/s for one and 45.2
+    # for the next in one run on a 2-core VM, which made their fractions incomparable.
+    read_bytes = int(max(*per_token.values(), 64 * MIB))
+    read_rates = _read_rates(read_bytes)
     load = load_avg()
     prompt = random.Random(1).choices(ids, k=args.prompt_len)
     b1 = batch1_decode(decode, prompt, args.new_tokens, args.repeats)
+    read_rates += _read_rates(read_bytes)
+    read_gbs = statistics.median(read_rates)
     offline_times = in_rounds(offline, args.offline_repeats)
     for batch in batches:
         batch.close()
@@ -210,8 +218,8 @@ def bench_model(model: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
         b1_median = statistics.median(rates[name]["b1"])
         row: dict[str, Any] = {
             "model": model.name, "weights": name, "b1_tok_s": fmt_spread(spread(rates[name]["b1"]), 1),
-            "MB_per_token": per_token[name] / 1e6, "bw_GBs": bw[name],
-            "bw_fraction": b1_median * per_token[name] / (bw[name] * 1e9),
+            "MB_per_token": per_token[name] / 1e6, "read_GBs": fmt_spread(spread(read_rates), 1),
+            "read_MB": read_bytes / 1e6, "bw_fraction": b1_median * per_token[name] / (read_gbs * 1e9),
             "offline_out_tok_s": fmt_spread(spread(rates[name]["offline"]), 1),
         }
         if name != "octavo bf16":
@@ -225,6 +233,11 @@ def bench_model(model: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
         row["load"] = f"{load} -> {load_avg()}"
         rows.append(row)
     return rows
+
+
+def _read_rates(nbytes: int, times: int = 3) -> list[float]:
+    """GB/s of ``times`` full-buffer sums of ``nbytes`` (each the median of 5)."""
+    return [bandwidth_gbs(nbytes, 5)["sum_read_gbs"] for _ in range(times)]
 
 
 def _best_time(fn: Callable[[], object], budget_s: float = 0.3) -> float:
@@ -387,7 +400,7 @@ def main() -> None:
     if not (args.kernels_only or args.read_rate):
         table = [r for m in models for r in bench_model(m, args)]
         cols = ["model", "weights", "b1_tok_s", "b1_vs_octavo_bf16", "llamacpp_file", "b1_vs_llamacpp",
-                "bw_fraction", "MB_per_token", "offline_out_tok_s", "offline_vs_llamacpp", "load"]
+                "bw_fraction", "MB_per_token", "read_GBs", "offline_out_tok_s", "offline_vs_llamacpp", "load"]
         print_table(table, cols, title=f"batch-1 decode and offline throughput, median (min-max) of rounds in "
                                        f"turns ({args.repeats} batch-1, {args.offline_repeats} offline)")
         result["decode"] = table
