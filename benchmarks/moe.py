@@ -60,7 +60,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from benchmarks.moe_peers import LlamaCppMoE, OctavoMoE, TransformersMoE
+from benchmarks.process_peers import LlamaCppEngine, OctavoEngine, TransformersEngine
 from benchmarks.peer_process import PeerProcess
 from benchmarks.report import load_avg, print_table, write_json
 from benchmarks.roofline import bandwidth_gbs
@@ -180,10 +180,10 @@ def start_peers(spec: BenchModel, args: argparse.Namespace, folder: Path, offlin
     if args.eager:
         octavo["octavo bf16 eager"] = {"enforce_eager": True, **engine}
     for name, options in octavo.items():
-        peers[name] = PeerProcess(name, OctavoMoE, folder, options, offline, threads=args.threads)
+        peers[name] = PeerProcess(name, OctavoEngine, folder, options, offline, threads=args.threads)
     per_token = {name: peers[name].call("active_bytes") for name in octavo}
     bf16_bytes, head_bytes = per_token["octavo bf16"], peers["octavo bf16"].call("head_bytes")
-    peers["transformers bf16"] = PeerProcess("transformers bf16", TransformersMoE, folder, offline,
+    peers["transformers bf16"] = PeerProcess("transformers bf16", TransformersEngine, folder, offline,
                                              threads=args.threads)
     per_token["transformers bf16"] = bf16_bytes
     if no_llamacpp and args.llamacpp_src is not None:
@@ -202,7 +202,7 @@ def start_peers(spec: BenchModel, args: argparse.Namespace, folder: Path, offlin
             files.append(("llama.cpp Q4_0 pure", quantized_gguf(gguf, "Q4_0", folder, args.threads, pure=True), False,
                           bf16_bytes * Q4_0_BITS / 16))
         for name, path, extra_bufts, read_bytes in files:
-            peers[name] = PeerProcess(name, LlamaCppMoE, folder, path, n_ctx, args.threads, extra_bufts,
+            peers[name] = PeerProcess(name, LlamaCppEngine, folder, path, n_ctx, args.threads, extra_bufts,
                                       None if args.skip_offline else offline, threads=args.threads)
             per_token[name] = read_bytes
     return per_token

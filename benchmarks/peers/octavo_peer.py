@@ -14,6 +14,14 @@ if TYPE_CHECKING:
     from octavo.engine.stats import EngineStats
 
 
+def engine_options(args: argparse.Namespace, **overrides: Any) -> dict[str, Any]:
+    """LLM's keyword arguments (the dtype aside) from the options benchmarks.throughput.add_common_args defines."""
+    return {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+            "kv_cache_memory_bytes": args.kv_cache_memory_bytes, "attention_backend": args.attention_backend,
+            "linear_backend": args.linear_backend, "fused_ops": not args.no_fused_ops, "device": args.device,
+            "enforce_eager": args.enforce_eager, "quantization": args.quantization, **overrides}
+
+
 class OctavoPeer:
     name = "octavo"
 
@@ -27,13 +35,7 @@ class OctavoPeer:
     @classmethod
     def from_args(cls, args: argparse.Namespace, **overrides: Any) -> OctavoPeer:
         """Built from the options benchmarks.throughput.add_common_args defines."""
-        engine_args = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
-                       "kv_cache_memory_bytes": args.kv_cache_memory_bytes,
-                       "attention_backend": args.attention_backend,
-                       "linear_backend": args.linear_backend, "fused_ops": not args.no_fused_ops,
-                       "device": args.device, "enforce_eager": args.enforce_eager,
-                       "quantization": args.quantization, **overrides}
-        return cls(args.model, args.dtype, **engine_args)
+        return cls(args.model, args.dtype, **engine_options(args, **overrides))
 
     def stats(self) -> EngineStats:
         return self.llm.engine.get_stats()

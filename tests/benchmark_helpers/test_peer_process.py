@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Optional
 
 import pytest
 
@@ -31,10 +32,10 @@ class Counter:
         while time.process_time() < end:
             pass
 
-    def settings(self) -> tuple[int, str, int]:
+    def settings(self) -> tuple[int, Optional[str], int]:
         import torch
 
-        return torch.get_num_threads(), os.environ["OMP_WAIT_POLICY"], os.getpid()
+        return torch.get_num_threads(), os.environ.get("OMP_WAIT_POLICY"), os.getpid()
 
     def allocate(self, mib: int) -> None:
         self.held = bytearray(mib * 2**20)  # zero pages: resident once written
@@ -48,14 +49,13 @@ class Counter:
 
 
 def test_peer_answers_times_itself_reports_errors_and_closes():
-    before = os.environ.get("OMP_WAIT_POLICY")
     peer = PeerProcess("counter", Counter, 5, threads=1)
     try:
-        assert os.environ.get("OMP_WAIT_POLICY") == before  # the child's environment alone
         assert peer.call("add", 2) == 7
         assert peer.call("add", 3) == 10  # the peer is built once and keeps its state
         threads, policy, pid = peer.call("settings")
-        assert (threads, policy) == (1, os.environ.get("OMP_WAIT_POLICY", "passive")) and pid != os.getpid()
+        # Its torch threads as asked; the OpenMP wait policy as the environment has it (none forced).
+        assert (threads, policy) == (1, os.environ.get("OMP_WAIT_POLICY")) and pid != os.getpid()
         wall, cpu = peer.timed("sleep", 0.2)
         assert wall >= 0.2 and cpu < 0.1  # wall and CPU time of the call, measured in the child
         wall, cpu = peer.timed("spin", 0.2)

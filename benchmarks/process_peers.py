@@ -1,7 +1,7 @@
-"""benchmarks/moe.py's peers as each lives in a process of its own (benchmarks/peer_process.py): built there
-from what pickles (a checkpoint folder, options, the offline workload), each with ``decode(prompt, n)`` (one
-greedy request of ``n`` tokens) and ``offline()`` (the offline workload at once), and the Octavo engine's
-byte counts asked from the process that holds its weights."""
+"""Peers as each lives in a process of its own (benchmarks/peer_process.py; moe.py's, roofline.py's batch-1
+decode): built there from what pickles (a checkpoint folder, options, the offline workload), each with
+``decode(prompt, n)`` (one greedy request of ``n`` tokens) and ``offline()`` (the offline workload at once), and
+the Octavo engine's byte counts asked from the process that holds its weights."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -17,10 +17,10 @@ from octavo.model.layers.moe import FusedMoE
 from octavo.quant.base import LinearWeightHolder
 
 
-class OctavoMoE:
-    """An Octavo engine (``options``: LLM's keyword arguments)."""
+class OctavoEngine:
+    """An Octavo engine (``options``: LLM's keyword arguments; ``offline`` None: batch-1 decode only)."""
 
-    def __init__(self, folder: Path, options: dict[str, Any], offline: Workload) -> None:
+    def __init__(self, folder: Path, options: dict[str, Any], offline: Optional[Workload]) -> None:
         self.llm = LLM(str(folder), **options)
         self.workload = offline
 
@@ -34,6 +34,8 @@ class OctavoMoE:
         self._generate(Workload("decode", [prompt], [tokens], "batch-1 decode"))
 
     def offline(self) -> None:
+        if self.workload is None:
+            raise RuntimeError("this Octavo peer was built without an offline workload")
         self._generate(self.workload)
 
     def active_bytes(self) -> float:
@@ -71,7 +73,7 @@ class OctavoMoE:
         self.llm.shutdown()
 
 
-class TransformersMoE:
+class TransformersEngine:
     """transformers in bf16: one request, or the offline workload as one static batch."""
 
     def __init__(self, folder: Path, offline: Workload) -> None:
@@ -85,7 +87,7 @@ class TransformersMoE:
         self.hf._run_batch(self.workload.prompts, max(self.workload.output_lens))
 
 
-class LlamaCppMoE:
+class LlamaCppEngine:
     """llama.cpp on one GGUF file: one sequence for batch-1 decode, and unless ``offline`` is None a batched
     context of one sequence per request (benchmarks/peers/llamacpp_batch.py)."""
 
