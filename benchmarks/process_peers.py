@@ -1,5 +1,5 @@
 """Peers as each lives in a process of its own (benchmarks/peer_process.py; moe.py's, roofline.py's batch-1
-decode): built there from what pickles (a checkpoint folder, options, the offline workload), each with
+decode, quantization.py's): built there from what pickles (a checkpoint folder, options, the offline workload), each with
 ``decode(prompt, n)`` (one greedy request of ``n`` tokens) and ``offline()`` (the offline workload at once), and
 the Octavo engine's byte counts asked from the process that holds its weights."""
 from __future__ import annotations
@@ -107,7 +107,7 @@ class LlamaCppEngine:
     def offline(self) -> None:
         if self.context is None:
             raise RuntimeError("this llama.cpp peer was built without its offline context")
-        self.context.generate(self.workload.prompts, max(self.workload.output_lens))
+        self.context.generate(self.workload.prompts, self.workload.output_lens)
 
     def close(self) -> None:
         if self.context is not None:

@@ -15,8 +15,9 @@ Per model and weight format:
 - offline throughput: a ShareGPT-like workload through ``LLM.generate``
   (Octavo: continuous batching) and llama.cpp batched (one sequence per
   request in one context, benchmarks/peers/llamacpp_batch.py);
-- every format and file loaded side by side and timed in turns
-  (benchmarks/turns.py): ratios within each round, median (min-max);
+- every format and file loaded at once, each in a process of its own
+  (benchmarks/peer_process.py), and timed in turns (benchmarks/turns.py):
+  ratios within each round, median (min-max);
   llama.cpp files: Q8_0, Q4_0 (llama.cpp keeps the output layer in Q6_K)
   and Q4_0 pure (every matrix Q4_0), each paired with the Octavo format
   that treats its lm_head the same way (PAIRS);
@@ -64,9 +65,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from benchmarks.peer_process import PeerProcess
 from benchmarks.report import load_avg, machine_info, print_table, write_json
 from benchmarks.roofline import bandwidth_gbs
-from benchmarks.turns import batch1_decode, fmt_spread, in_rounds, ratios, spread
+from benchmarks.turns import batch1_decode, fmt_spread, ratios, self_timed_rounds, spread
 from benchmarks.workload import SHAREGPT_INPUT, SHAREGPT_OUTPUT, Workload, ordinary_token_ids, sharegpt_like
 
 MIB = 2**20
@@ -127,27 +129,34 @@ class Shape:
         return self.layers * (layer + kv) + matrix(self.vocab, self.hidden, None if head == "none" else head)
 
 
-def _octavo(model: Path, quant: Optional[str], head: str, args: argparse.Namespace,
-            activations: str = "int8") -> Any:
-    from benchmarks.peers.octavo_peer import OctavoPeer
+def _octavo(name: str, model: Path, quant: Optional[str], head: str, args: argparse.Namespace, offline: Workload,
+            activations: str = "int8") -> PeerProcess:
+    """One Octavo configuration in a process of its own (benchmarks/peer_process.py)."""
+    from benchmarks.process_peers import OctavoEngine
 
-    options: dict[str, Any] = {}
+    options: dict[str, Any] = {"dtype": "bfloat16", "max_num_seqs": args.max_num_seqs, "kv_cache_memory_bytes": 2**30,
+                               "enable_prefix_caching": False}
     if quant is not None:
-        options = {"quantization": quant, "quantization_group_size": args.group_size,
-                   "lm_head_quantization": head, "quantized_activations": activations}
-    return OctavoPeer(model, "bfloat16", max_num_seqs=args.max_num_seqs, kv_cache_memory_bytes=2**30,
-                      enable_prefix_caching=False, **options)
+        options |= {"quantization": quant, "quantization_group_size": args.group_size,
+                    "lm_head_quantization": head, "quantized_activations": activations}
+    return PeerProcess(name, OctavoEngine, model, options, offline, threads=args.threads)
 
 
-def _llamacpp(model: Path, ftype: str, pure: bool, args: argparse.Namespace) -> tuple[Any, Path]:
-    from benchmarks.peers.llamacpp import LlamaCppPeer, gguf_path, quantized_gguf
+def _llamacpp(name: str, model: Path, ftype: str, pure: bool, args: argparse.Namespace, offline: Workload
+              ) -> tuple[PeerProcess, Path]:
+    """llama.cpp on ``model`` quantized to ``ftype`` in a process of its own: one sequence for batch 1, and the
+    offline workload as one batch of a sequence per request."""
+    from benchmarks.peers.llamacpp import gguf_path, quantized_gguf
+    from benchmarks.process_peers import LlamaCppEngine
 
     source = (args.gguf_dir / model.name / "model-bf16.gguf") if args.gguf_dir else gguf_path(model)
     gguf = quantized_gguf(source, ftype, source.parent, args.threads, pure=pure)
-    n_ctx = max(args.prompt_len + args.new_tokens, args.max_input_len + args.max_output_len) + 16
+    n_ctx = 256 * math.ceil((max(args.prompt_len + args.new_tokens, offline.max_seq_len) + 16) / 256)
     # The repacked layouts (use_extra_bufts) crash in decode with this build on
     # this machine (segfault in llama_decode, Q8_0 and Q4_0 alike): plain buffers.
-    return LlamaCppPeer(model, n_ctx=n_ctx, threads=args.threads, gguf=gguf, extra_bufts=args.llamacpp_repack), gguf
+    peer = PeerProcess(name, LlamaCppEngine, model, gguf, n_ctx, args.threads, args.llamacpp_repack,
+                       offline, threads=args.threads)
+    return peer, gguf
 
 
 # (Octavo weights, llama.cpp file). llama.cpp's Q8_0 quantizes the output layer (the tied embedding) to Q8_0, so it
@@ -163,10 +172,10 @@ LLAMACPP_FILES = (("Q8_0", False), ("Q4_0", False), ("Q4_0", True))
 
 
 def bench_model(model: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Every format of ``model`` loaded side by side, then timed in turns (benchmarks/turns.py): batch-1
-    decode in ``--repeats`` rounds, offline in ``--offline-repeats`` rounds; ratios within each round."""
-    from benchmarks.peers.llamacpp_batch import LlamaCppContext
-
+    """Every format of ``model`` loaded at once, each in a process of its own (benchmarks/peer_process.py:
+    loaded side by side in one process, llama.cpp's runtime cost Octavo a third of its bf16 batch-1 rate on a
+    2-core Zen 4 VM), then timed in turns (benchmarks/turns.py): batch-1 decode in ``--repeats`` rounds,
+    offline in ``--offline-repeats`` rounds; ratios within each round."""
     shape = Shape.of(model)
     ids = ordinary_token_ids(model)
     workload = sharegpt_like(args.num_prompts, ids, seed=0,
@@ -174,47 +183,45 @@ def bench_model(model: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
                              outputs=dataclasses.replace(SHAREGPT_OUTPUT, high=args.max_output_len))
     context = args.prompt_len + args.new_tokens // 2
     kv_bytes = shape.layers * 2 * shape.kv_heads * shape.head_dim * context * 2
-    decode: dict[str, Callable[[list[int], int], object]] = {}
-    offline: dict[str, Callable[[], object]] = {}
+    peers: dict[str, PeerProcess] = {}
     per_token: dict[str, float] = {}
-    batches = []
     formats = [(label, quant, head, "int8") for label, quant, head in FORMATS]
     formats += [(f"{label} float rows", quant, head, "float") for label, quant, head in FORMATS if label in FLOAT_ROWS]
-    for label, quant, head, activations in formats:
-        peer = _octavo(model, quant, head, args, activations)
-        name = f"octavo {label}"
-        decode[name] = lambda p, n, peer=peer: peer.generate(Workload("decode", [p], [n], "decode probe"))
-        offline[name] = lambda peer=peer: peer.generate(workload)
-        per_token[name] = shape.bytes_per_token(quant, head, args.group_size, context)
-    if not args.no_llamacpp:
-        for ftype, pure in LLAMACPP_FILES:
-            peer, gguf = _llamacpp(model, ftype, pure, args)
-            name = f"llama.cpp {ftype}{' pure' if pure else ''}"
-            decode[name] = lambda p, n, peer=peer: peer.generate_each([p], n)
-            # Offline, llama.cpp batches too: one sequence per request in one context.
-            n_ctx = len(workload.prompts) * 256 * math.ceil(workload.max_seq_len / 256)
-            batch = LlamaCppContext(peer.llm, n_ctx=n_ctx, n_batch=2048, n_seq=len(workload.prompts))
-            batches.append(batch)
-            offline[name] = lambda batch=batch: batch.generate(workload.prompts, workload.output_lens)
-            per_token[name] = gguf.stat().st_size + kv_bytes
-    # One read rate for every format, over as many bytes as the largest reads a token, taken before and after
-    # the batch-1 rounds: a rate per format, each from its own five sums, came out 25.6 GB/s for one and 45.2
-    # for the next in one run on a 2-core VM, which made their fractions incomparable.
-    read_bytes = int(max(*per_token.values(), 64 * MIB))
-    read_rates = _read_rates(read_bytes)
-    load = load_avg()
-    prompt = random.Random(1).choices(ids, k=args.prompt_len)
-    b1 = batch1_decode(decode, prompt, args.new_tokens, args.repeats)
-    read_rates += _read_rates(read_bytes)
-    read_gbs = statistics.median(read_rates)
-    offline_times = in_rounds(offline, args.offline_repeats)
-    for batch in batches:
-        batch.close()
+    try:
+        for label, quant, head, activations in formats:
+            name = f"octavo {label}"
+            peers[name] = _octavo(name, model, quant, head, args, workload, activations)
+            per_token[name] = shape.bytes_per_token(quant, head, args.group_size, context)
+        if not args.no_llamacpp:
+            for ftype, pure in LLAMACPP_FILES:
+                name = f"llama.cpp {ftype}{' pure' if pure else ''}"
+                # Offline, llama.cpp batches too: one sequence per request in one context.
+                peers[name], gguf = _llamacpp(name, model, ftype, pure, args, workload)
+                per_token[name] = gguf.stat().st_size + kv_bytes
+        # One read rate for every format, over as many bytes as the largest reads a token, taken before and
+        # after the batch-1 rounds: a rate per format, each from its own five sums, came out 25.6 GB/s for one
+        # and 45.2 for the next in one run on a 2-core VM, which made their fractions incomparable.
+        read_bytes = int(max(*per_token.values(), 64 * MIB))
+        read_rates = _read_rates(read_bytes)
+        load = load_avg()
+        prompt = random.Random(1).choices(ids, k=args.prompt_len)
+        decode = {name: lambda p, n, peer=peer: peer.timed("decode", p, n) for name, peer in peers.items()}
+        b1 = batch1_decode(decode, prompt, args.new_tokens, args.repeats, self_timed=True)
+        read_rates += _read_rates(read_bytes)
+        read_gbs = statistics.median(read_rates)
+        offline_times = self_timed_rounds({name: lambda peer=peer: peer.timed("offline")
+                                           for name, peer in peers.items()}, args.offline_repeats)
+        names = list(peers)
+        for name in names:
+            peers.pop(name).close()
+    finally:
+        for peer in peers.values():  # those left by an error
+            peer.kill()
     rates = {name: {"b1": b1[name]["decode_tok_s"],
                     "offline": [workload.num_output_tokens / wall for wall, _ in offline_times[name]]}
-             for name in decode}
+             for name in names}
     rows = []
-    for name in decode:
+    for name in names:
         b1_median = statistics.median(rates[name]["b1"])
         row: dict[str, Any] = {
             "model": model.name, "weights": name, "b1_tok_s": fmt_spread(spread(rates[name]["b1"]), 1),

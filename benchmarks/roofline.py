@@ -184,9 +184,11 @@ def main() -> None:
                                              args.threads, True, None, threads=args.threads)
         engines = {name: lambda p, n, peer=peer: peer.timed("decode", p, n) for name, peer in peers.items()}
         b1_rates = batch1_decode(engines, prompt, args.new_tokens, args.repeats, self_timed=True)
+        for name in list(peers):
+            peers.pop(name).close()
     finally:
-        for peer in peers.values():
-            peer.close()
+        for peer in peers.values():  # those left by an error
+            peer.kill()
     peer = OctavoPeer.from_args(args, enable_prefix_caching=False)
     b1 = {name: spread(r["decode_tok_s"]) for name, r in b1_rates.items()}
     context = args.prompt_len + args.new_tokens // 2
